@@ -1,0 +1,254 @@
+"""The ``kvpolicy`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, KVPolicyError
+
+DEFAULT_PREFIXES = (4096, 16384, 32768, 65536)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _emit(payload: dict[str, Any], as_json: bool, render: Callable[[dict[str, Any]], str]) -> None:
+    if as_json:
+        print(json.dumps(payload, indent=2))
+    else:
+        print(render(payload))
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return f"{n}"  # pragma: no cover
+
+
+# --------------------------------------------------------------------------- size
+
+
+def _cmd_size(args: argparse.Namespace) -> int:
+    from .data import bundled_configs, resolve_config
+    from .geometry import KVGeometry, useful_tokens
+    from .profile import read_profile
+
+    path = resolve_config(args.config)
+    if not path.exists():
+        raise ConfigError("--config", f"no such file {args.config!r}; bundled configs: {sorted(bundled_configs())}")
+    geom = KVGeometry.from_hf_config(path, kv_dtype=args.kv_dtype)
+    bpt = geom.bytes_per_token
+    B = args.block_size
+    payload: dict[str, Any] = {
+        "config": str(args.config),
+        "geometry": {
+            "kind": geom.kind,
+            "num_layers": geom.num_layers,
+            "num_kv_heads": geom.num_kv_heads,
+            "head_dim": geom.head_dim,
+            "mla_latent_dim": geom.mla_latent_dim,
+            "bytes_per_element": geom.bytes_per_element,
+        },
+        "bytes_per_token": bpt,
+        "block_size_tokens": B,
+        "prefixes": [],
+    }
+    prefill = None
+    if args.profile:
+        prof = read_profile(args.profile)
+        prefill = prof.prefill_model()
+        slope = prof.bytes_per_token if len(prof) >= 2 else None
+        payload["profile"] = {
+            "path": str(args.profile),
+            "rows": len(prof),
+            "byte_slopes_per_token": [float(s) for s in prof.byte_slopes()],
+            "measured_bytes_per_token": slope,
+            "formula_over_measured": (bpt / slope) if slope else None,
+            "prefill_model": prefill.to_dict(),
+        }
+    for T in args.prefix_tokens:
+        u = useful_tokens(T, B)
+        row: dict[str, Any] = {"prefix_tokens": T, "useful_tokens": u, "kv_bytes": bpt * T, "load_bytes": bpt * u}
+        if prefill is not None:
+            row["t_prefill_ms"] = float(prefill(T)) * 1e3
+        payload["prefixes"].append(row)
+    _emit(payload, args.json, _render_size)
+    return 0
+
+
+def _render_size(p: dict[str, Any]) -> str:
+    g = p["geometry"]
+    if g["kind"] == "mla":
+        formula = f"L={g['num_layers']} x latent={g['mla_latent_dim']} x q={g['bytes_per_element']}  (MLA)"
+    else:
+        formula = f"2 x L={g['num_layers']} x Hkv={g['num_kv_heads']} x D={g['head_dim']} x q={g['bytes_per_element']}"
+    lines = [
+        f"model config     {p['config']}",
+        f"bytes per token  {p['bytes_per_token']:,}  = {formula}",
+        f"block size       {p['block_size_tokens']} tokens ({_human_bytes(p['bytes_per_token'] * p['block_size_tokens'])} per block)",
+        "",
+    ]
+    has_t = any("t_prefill_ms" in r for r in p["prefixes"])
+    head = f"{'prefix_tokens':>14} {'useful_tokens':>14} {'kv_bytes':>16} {'load_bytes':>16}" + (f" {'t_prefill_ms':>13}" if has_t else "")
+    lines.append(head)
+    for r in p["prefixes"]:
+        line = f"{r['prefix_tokens']:>14,} {r['useful_tokens']:>14,} {_human_bytes(r['kv_bytes']):>16} {_human_bytes(r['load_bytes']):>16}"
+        if has_t:
+            line += f" {r['t_prefill_ms']:>13.1f}"
+        lines.append(line)
+    if "profile" in p:
+        pr = p["profile"]
+        m = pr["prefill_model"]
+        lines += ["", f"profile          {pr['path']} ({pr['rows']} rows)"]
+        if pr["measured_bytes_per_token"] is not None:
+            lines.append(
+                f"measured slope   {pr['measured_bytes_per_token']:,.1f} bytes/token "
+                f"(formula / measured = {pr['formula_over_measured']:.3f})"
+            )
+        lines.append(
+            f"prefill model    T_prefill(T) = {m['a_s'] * 1e3:.3f} ms + {m['b_s_per_token'] * 1e6:.4f} us*T + "
+            f"{m['c_s_per_token2'] * 1e12:.4f} ps*T^2   (rms rel err {m['rms_rel_error']:.1%}, max {m['max_rel_error']:.1%})"
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def _read_tokens(path: str) -> list[int]:
+    from .errors import InputFormatError
+
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise InputFormatError(path, None, "no such file") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputFormatError(path, exc.lineno, f"not valid JSON ({exc.msg})") from None
+    if not isinstance(data, list):
+        raise InputFormatError(path, 1, f"expected a JSON list of token ids, got {type(data).__name__}")
+    for i, t in enumerate(data):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**32:
+            raise InputFormatError(path, None, f"item {i} is {t!r}; token ids are integers in [0, 2**32)")
+    return data
+
+
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from .keys import BlockHasher, Namespace, vllm_block_hashes
+
+    tokens = _read_tokens(args.tokens)
+    if args.scheme.startswith("vllm-"):
+        if args.namespace or args.secret_hex:
+            raise ConfigError("--scheme", "vLLM schemes take no --namespace or --secret-hex (vLLM keys have no namespace)")
+        algo = "sha256" if args.scheme == "vllm-sha256" else "sha256_cbor"
+        hashes = [h.hex() for h in vllm_block_hashes(tokens, args.block_size, algo, args.cache_salt, args.lora_name, args.lora_path)]
+    else:
+        if args.cache_salt or args.lora_name or args.lora_path:
+            raise ConfigError("--cache-salt", "--cache-salt/--lora-* apply to vllm-* schemes; kvpolicy keys put tenant and adapter in --namespace")
+        if args.namespace:
+            try:
+                ns_data = json.loads(Path(args.namespace).read_text())
+            except FileNotFoundError:
+                raise ConfigError("--namespace", f"no such file {args.namespace!r}") from None
+            except json.JSONDecodeError as exc:
+                raise ConfigError("--namespace", f"{args.namespace}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+            if not isinstance(ns_data, dict):
+                raise ConfigError("--namespace", f"{args.namespace}: must be a JSON object")
+            ns_data.setdefault("block_size_tokens", args.block_size)
+            ns = Namespace.from_dict(ns_data)
+            if ns.block_size_tokens != args.block_size:
+                raise ConfigError("--block-size", f"{args.block_size} disagrees with the namespace's block_size_tokens {ns.block_size_tokens}")
+        else:
+            ns = Namespace(model_id="unspecified", model_revision="unspecified", tokenizer_version="unspecified", kv_dtype="bf16", block_size_tokens=args.block_size)
+        secret = None
+        secret_hex = args.secret_hex or os.environ.get("KVPOLICY_SECRET_HEX")
+        if secret_hex:
+            try:
+                secret = bytes.fromhex(secret_hex)
+            except ValueError:
+                raise ConfigError("--secret-hex", "is not hexadecimal") from None
+        if args.scheme == "keyed" and secret is None:
+            raise ConfigError("--secret-hex", "the keyed scheme needs a deployment secret (16..64 bytes as hex, or KVPOLICY_SECRET_HEX)")
+        hashes = BlockHasher(ns, args.scheme, secret=secret).hash_blocks(tokens).hex()
+    payload = {"scheme": args.scheme, "block_size": args.block_size, "num_tokens": len(tokens), "block_hashes": hashes}
+    if args.json:
+        print(json.dumps({"block_hashes": hashes}))
+    else:
+        tail = len(tokens) % args.block_size
+        print(f"{len(hashes)} full blocks of {args.block_size} tokens ({payload['scheme']}); {tail} tail tokens get no key")
+        for i, h in enumerate(hashes):
+            print(f"{i:6d}  {h}")
+    return 0
+
+
+# --------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .data import bundled_configs
+
+    p = argparse.ArgumentParser(prog="kvpolicy", description="Prefix KV-cache policy for LLM serving.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    s = sub.add_parser("size", help="KV bytes per token and per prefix from a model config (and a measured profile)")
+    s.add_argument("--config", required=True, help=f"HF config.json path, or a bundled name: {', '.join(sorted(bundled_configs()))}")
+    s.add_argument("--kv-dtype", default=None, help="KV element format override (fp8, bf16, fp16, fp32); default: the config's torch_dtype")
+    s.add_argument("--block-size", type=_positive_int, default=16, help="block size in tokens (default 16)")
+    s.add_argument("--prefix-tokens", type=_int_list, default=list(DEFAULT_PREFIXES), help="comma-separated prefix lengths (default 4096,16384,32768,65536)")
+    s.add_argument("--profile", default=None, help="measured profile CSV: prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms")
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.set_defaults(func=_cmd_size)
+
+    k = sub.add_parser("keys", help="block keys of a token sequence (kvpolicy or vLLM-compatible)")
+    k.add_argument("tokens", help="JSON file holding a list of token ids")
+    k.add_argument("--scheme", choices=["keyed", "fast", "vllm-sha256", "vllm-sha256-cbor"], default="keyed")
+    k.add_argument("--block-size", type=_positive_int, required=True)
+    k.add_argument("--namespace", default=None, help="namespace JSON (kvpolicy schemes); default: an unspecified-model namespace")
+    k.add_argument("--secret-hex", default=None, help="deployment secret for the keyed scheme (or env KVPOLICY_SECRET_HEX)")
+    k.add_argument("--cache-salt", default=None)
+    k.add_argument("--lora-name", default=None)
+    k.add_argument("--lora-path", default=None)
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(func=_cmd_keys)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args))
+    except KVPolicyError as exc:
+        print(f"kvpolicy {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # pragma: no cover - e.g. `kvpolicy keys ... | head`
+        return 0

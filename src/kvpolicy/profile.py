@@ -1,0 +1,193 @@
+"""The measured profile: the brief's first measurement, as a table.
+
+CSV columns (more may follow, e.g. remote-load timings)::
+
+    prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms
+
+``Δkv_bytes / Δtokens`` between neighbouring rows is the real byte slope. Cold
+prefill time is fitted with a non-negative quadratic
+``T_prefill(T) = a + b·T + c·T²`` (attention makes prefill superlinear), by least
+squares on *relative* error so short and long prefixes weigh alike; the fit
+error is reported, and the model is usable between and beyond measured points.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from .errors import ConfigError, ProfileFormatError
+
+REQUIRED_COLUMNS = ("prefix_tokens", "kv_bytes", "cold_prefill_ms", "local_hit_ttft_ms")
+
+
+@attrs.frozen
+class PrefillModel:
+    """``T_prefill(T) = a_s + b_s_per_token·T + c_s_per_token2·T²`` (seconds)."""
+
+    a_s: float
+    b_s_per_token: float
+    c_s_per_token2: float
+    rms_rel_error: float
+    max_rel_error: float
+
+    def __call__(self, tokens: float | np.ndarray) -> float | np.ndarray:
+        t = np.asarray(tokens, dtype=np.float64)
+        out = self.a_s + self.b_s_per_token * t + self.c_s_per_token2 * t * t
+        return float(out) if out.ndim == 0 else out
+
+    def to_dict(self) -> dict[str, float]:
+        return attrs.asdict(self)
+
+
+def fit_prefill(prefix_tokens: Sequence[float], seconds: Sequence[float]) -> PrefillModel:
+    """Non-negative least squares on relative error over subsets of {1, T, T²}."""
+    t = np.asarray(prefix_tokens, dtype=np.float64)
+    y = np.asarray(seconds, dtype=np.float64)
+    if t.size != y.size or t.size < 1:
+        raise ConfigError("prefix_tokens", "need at least one (prefix_tokens, seconds) pair of equal lengths")
+    if np.any(y <= 0):
+        raise ConfigError("cold_prefill_ms", "prefill times must be positive to fit")
+    scale = max(float(t.max()), 1.0)
+    basis = np.stack([np.ones_like(t), t / scale, (t / scale) ** 2], axis=1)
+    w = 1.0 / y
+    best: tuple[float, np.ndarray] | None = None
+    for k in (1, 2, 3):
+        for cols in itertools.combinations(range(3), k):
+            if len(cols) > t.size:
+                continue
+            A = basis[:, cols] * w[:, None]
+            coef, *_ = np.linalg.lstsq(A, np.ones_like(y), rcond=None)
+            if np.any(coef < 0):
+                continue
+            full = np.zeros(3)
+            full[list(cols)] = coef
+            sse = float(np.sum((basis @ full * w - 1.0) ** 2))
+            if best is None or sse < best[0] - 1e-15:
+                best = (sse, full)
+    assert best is not None  # the constant-only fit is always feasible
+    coef = best[1]
+    rel = basis @ coef / y - 1.0
+    return PrefillModel(
+        a_s=float(coef[0]),
+        b_s_per_token=float(coef[1] / scale),
+        c_s_per_token2=float(coef[2] / scale**2),
+        rms_rel_error=float(np.sqrt(np.mean(rel**2))),
+        max_rel_error=float(np.max(np.abs(rel))),
+    )
+
+
+@attrs.frozen(eq=False)
+class MeasuredProfile:
+    """Rows of the measured profile, as numpy columns (sorted by prefix length)."""
+
+    prefix_tokens: np.ndarray
+    kv_bytes: np.ndarray
+    cold_prefill_ms: np.ndarray
+    local_hit_ttft_ms: np.ndarray
+    extra: dict[str, np.ndarray] = attrs.field(factory=dict)
+    source: str = "<memory>"
+
+    def __len__(self) -> int:
+        return int(self.prefix_tokens.size)
+
+    def byte_slopes(self) -> np.ndarray:
+        """``Δkv_bytes / Δtokens`` between neighbouring rows (bytes per token)."""
+        return np.diff(self.kv_bytes) / np.diff(self.prefix_tokens)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Least-squares slope of kv_bytes over prefix_tokens (bytes per token)."""
+        if len(self) < 2:
+            raise ConfigError("profile", f"{self.source}: a byte slope needs at least two rows")
+        slope, _ = np.polyfit(self.prefix_tokens.astype(np.float64), self.kv_bytes.astype(np.float64), 1)
+        return float(slope)
+
+    def prefill_model(self) -> PrefillModel:
+        return fit_prefill(self.prefix_tokens, self.cold_prefill_ms / 1e3)
+
+    def to_csv(self) -> str:
+        buf = io.StringIO()
+        cols = list(REQUIRED_COLUMNS) + sorted(self.extra)
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(cols)
+        for i in range(len(self)):
+            row = [int(self.prefix_tokens[i]), int(self.kv_bytes[i])]
+            row += [_fmt(self.cold_prefill_ms[i]), _fmt(self.local_hit_ttft_ms[i])]
+            row += [_fmt(self.extra[c][i]) for c in sorted(self.extra)]
+            w.writerow(row)
+        return buf.getvalue()
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_csv())
+
+
+def _fmt(x: float) -> str:
+    return repr(float(x))
+
+
+def read_profile(path: str | Path) -> MeasuredProfile:
+    """Read and validate a profile CSV; every problem names the file and line."""
+    p = str(path)
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ProfileFormatError(p, None, "no such file") from None
+    return parse_profile(text, source=p)
+
+
+def parse_profile(text: str, source: str = "<string>") -> MeasuredProfile:
+    rows = list(csv.reader(io.StringIO(text)))
+    numbered = [(i + 1, r) for i, r in enumerate(rows) if r and any(c.strip() for c in r) and not r[0].lstrip().startswith("#")]
+    if not numbered:
+        raise ProfileFormatError(source, None, "empty profile: expected a header " + ",".join(REQUIRED_COLUMNS))
+    header_line, header = numbered[0]
+    header = [h.strip() for h in header]
+    missing = [c for c in REQUIRED_COLUMNS if c not in header]
+    if missing:
+        raise ProfileFormatError(source, header_line, f"missing column(s) {missing}; header must include {','.join(REQUIRED_COLUMNS)}")
+    dup = [c for c in header if header.count(c) > 1]
+    if dup:
+        raise ProfileFormatError(source, header_line, f"duplicate column {dup[0]!r}")
+    data = numbered[1:]
+    if not data:
+        raise ProfileFormatError(source, header_line, "the profile has a header but no rows")
+    cols: dict[str, list[float]] = {h: [] for h in header}
+    prev_tokens = -1
+    for line, r in data:
+        if len(r) != len(header):
+            raise ProfileFormatError(source, line, f"expected {len(header)} fields, got {len(r)}")
+        for h, cell in zip(header, r):
+            cell = cell.strip()
+            try:
+                v = float(cell)
+            except ValueError:
+                raise ProfileFormatError(source, line, f"column {h!r}: {cell!r} is not a number") from None
+            if math.isnan(v) or math.isinf(v):
+                raise ProfileFormatError(source, line, f"column {h!r}: {cell!r} is not a finite number")
+            if v < 0:
+                raise ProfileFormatError(source, line, f"column {h!r}: {cell!r} is negative")
+            cols[h].append(v)
+        t = cols["prefix_tokens"][-1]
+        if not t.is_integer() or t <= 0:
+            raise ProfileFormatError(source, line, f"column 'prefix_tokens': {t!r} must be a positive integer")
+        if t <= prev_tokens:
+            raise ProfileFormatError(source, line, f"column 'prefix_tokens': {int(t)} does not increase (previous row {int(prev_tokens)})")
+        if cols["cold_prefill_ms"][-1] <= 0:
+            raise ProfileFormatError(source, line, "column 'cold_prefill_ms': must be positive")
+        prev_tokens = t
+    return MeasuredProfile(
+        prefix_tokens=np.asarray(cols["prefix_tokens"], dtype=np.int64),
+        kv_bytes=np.asarray(cols["kv_bytes"], dtype=np.float64),
+        cold_prefill_ms=np.asarray(cols["cold_prefill_ms"], dtype=np.float64),
+        local_hit_ttft_ms=np.asarray(cols["local_hit_ttft_ms"], dtype=np.float64),
+        extra={h: np.asarray(v, dtype=np.float64) for h, v in cols.items() if h not in REQUIRED_COLUMNS},
+        source=source,
+    )
