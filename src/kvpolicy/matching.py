@@ -18,7 +18,7 @@ from .errors import ConfigError
 from .keys.hasher import KEY_BYTES, BlockKeys
 from .protocols import BlockIndex
 
-StopReason = Literal["all_matchable_found", "miss", "no_full_block"]
+StopReason = Literal["all_matchable_found", "miss", "no_matchable_block"]
 
 
 class InMemoryBlockIndex:
@@ -133,7 +133,7 @@ def match(
     matchable = max(num_tokens - 1, 0) // bs
     limit = min(len(keys), matchable)
     if limit == 0:
-        return PrefixMatch(num_tokens, bs, matchable, 0, tuple(0 for _ in remote_tiers), tuple(tier_names), "no_full_block")
+        return PrefixMatch(num_tokens, bs, matchable, 0, tuple(0 for _ in remote_tiers), tuple(tier_names), "no_matchable_block")
     candidate = keys[:limit]
     run = _ask(local, candidate, "local") if local is not None else 0
     local_blocks = run

@@ -15,13 +15,19 @@ import hashlib
 import pickle
 from typing import Any, Literal
 
+import numpy as np
+
 from ..errors import ConfigError
-from . import cbor
+from . import _sha256, cbor
 from .hasher import as_token_array
 
 VllmAlgo = Literal["sha256", "sha256_cbor"]
 VLLM_ALGOS = ("sha256", "sha256_cbor")
 NONE_HASH_SEED = "vllm-none-hash"
+
+
+_PICKLE_FRAME_MAX = 60_000  # a pickle larger than one 64 KiB frame is laid out differently
+_TUPLE_CLOSE = {1: b"\x85", 2: b"\x86", 3: b"\x87"}
 
 
 def _sha256_pickle(obj: Any) -> bytes:
@@ -73,24 +79,45 @@ def vllm_block_hashes(
     toks = as_token_array(tokens)
     n_blocks = toks.size // block_size
     h = parent if parent is not None else vllm_none_hash(algo)
-    out: list[bytes] = []
+    if n_blocks == 0:
+        return []
+    scheme = 0 if algo == "sha256" else 1
+    buf, offsets = _sha256.encode_uints(toks[: n_blocks * block_size], scheme)
     if algo == "sha256":
-        tl = toks[: n_blocks * block_size].tolist()
-        for b in range(n_blocks):
-            ek = _extra_keys(first_block_index + b, cache_salt, lora_name, lora_path)
-            h = hashlib.sha256(
-                pickle.dumps((h, tuple(tl[b * block_size : (b + 1) * block_size]), ek), protocol=pickle.HIGHEST_PROTOCOL)
-            ).digest()
-            out.append(h)
-        return out
-    # sha256_cbor: encode every token once, then splice each block's slice.
-    buf, offsets = cbor.encode_uint_array(toks[: n_blocks * block_size])
-    arr_head = cbor.dumps(tuple(range(block_size)))[: len(cbor._head(4, block_size))]
-    no_extra = cbor.dumps(None)
-    for b in range(n_blocks):
+        a, framed = b"\x80\x05\x95", True
+        c = b"\x94" + (b"(" if block_size > 3 else b"")
+        d = (_TUPLE_CLOSE[block_size] if block_size <= 3 else b"t") + b"\x94N\x87\x94."
+        slow = _sha256_pickle
+    else:
+        a, framed, c, d = b"\x83", False, cbor._head(4, block_size), b"\xf6"
+        slow = _sha256_cbor
+    # A pickle larger than one 64 KiB frame is laid out differently: such block
+    # sizes (over ~8.5K tokens) take the slow path, as do blocks with extra keys.
+    kernel_ok = algo == "sha256_cbor" or block_size * 7 + 128 <= _PICKLE_FRAME_MAX
+    out: list[bytes] = []
+    b = 0
+    while b < n_blocks:
         ek = _extra_keys(first_block_index + b, cache_salt, lora_name, lora_path)
-        body = buf[offsets[b * block_size] : offsets[(b + 1) * block_size]]
-        msg = b"\x83" + cbor._head(2, len(h)) + h + arr_head + body + (no_extra if ek is None else cbor.dumps(ek))
-        h = hashlib.sha256(msg).digest()
-        out.append(h)
+        if ek is not None or not kernel_ok or len(h) >= 256:
+            block = tuple(toks[b * block_size : (b + 1) * block_size].tolist())
+            h = slow((h, block, ek))
+            out.append(h)
+            b += 1
+            continue
+        # Extras sit on absolute block 0 (salt) or on every block (LoRA), so a
+        # block without them starts a run that lasts to the end: one kernel call.
+        end = n_blocks
+        bp = (b"C" + bytes((len(h),))) if algo == "sha256" else cbor._head(2, len(h))
+        res = np.empty((end - b, 32), dtype=np.uint8)
+        _sha256.sha256_spliced_chain(
+            _u8(h), _u8(a), framed, _u8(bp), _u8(c), _u8(d), buf, offsets[b * block_size :], block_size, end - b, res
+        )
+        raw = res.tobytes()
+        out.extend(raw[i : i + 32] for i in range(0, len(raw), 32))
+        h = out[-1]
+        b = end
     return out
+
+
+def _u8(x: bytes) -> np.ndarray:
+    return np.frombuffer(x, dtype=np.uint8)

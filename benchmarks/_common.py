@@ -1,0 +1,38 @@
+"""Shared helpers for the benchmark scripts: timing and result output."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def best_of(fn: Callable[[], Any], repeats: int = 7, warmup: int = 2) -> float:
+    """Median seconds of ``repeats`` runs after ``warmup`` runs (Numba compiles on the first)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def write_json(name: str, payload: dict[str, Any], out: str | None) -> Path:
+    path = Path(out) if out else Path("bench-results") / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))
+    return path
+
+
+def print_table(headers: list[str], rows: list[list[Any]]) -> None:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for j, r in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+        if j == 0:
+            print("  ".join("-" * w for w in widths))

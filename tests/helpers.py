@@ -1,0 +1,11 @@
+"""Small shared test helpers."""
+
+from kvpolicy.keys import Namespace
+
+SECRET = bytes(range(32))
+
+
+def ns(**kw) -> Namespace:
+    base = dict(model_id="llama-3-8b", model_revision="r1", tokenizer_version="t1", kv_dtype="bf16", block_size_tokens=4)
+    base.update(kw)
+    return Namespace(**base)

@@ -1,0 +1,101 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvpolicy.cli import main
+
+PROFILE = """prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms
+4096,536870912,310.5,22.0
+16384,2147483648,1410.0,31.0
+32768,4294967296,3190.0,45.5
+65536,8589934592,7600.0,80.0
+"""
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_size_llama3_8b(capsys):
+    rc, out, _ = run(capsys, "size", "--config", "llama-3-8b", "--json")
+    assert rc == 0
+    data = json.loads(out)
+    assert data["bytes_per_token"] == 131072
+    assert [p["prefix_tokens"] for p in data["prefixes"]] == [4096, 16384, 32768, 65536]
+    assert data["prefixes"][0] == {"prefix_tokens": 4096, "useful_tokens": 4096, "kv_bytes": 4096 * 131072, "load_bytes": 4096 * 131072}
+
+
+def test_size_text_and_profile(capsys, tmp_path):
+    p = tmp_path / "p.csv"
+    p.write_text(PROFILE)
+    rc, out, _ = run(capsys, "size", "--config", "llama-3-8b", "--block-size", "512", "--prefix-tokens", "1000,5000", "--profile", str(p))
+    assert rc == 0
+    assert "131,072" in out and "prefill model" in out and "formula / measured = 1.000" in out
+    rc, out, _ = run(capsys, "size", "--config", "llama-3-8b", "--block-size", "512", "--prefix-tokens", "1000", "--profile", str(p), "--json")
+    data = json.loads(out)
+    assert data["prefixes"][0]["useful_tokens"] == 512
+    assert data["profile"]["measured_bytes_per_token"] == pytest.approx(131072)
+    assert data["prefixes"][0]["t_prefill_ms"] > 0
+
+
+def test_size_errors_are_one_line(capsys, tmp_path):
+    rc, _, err = run(capsys, "size", "--config", str(tmp_path / "nope.json"))
+    assert rc == 2 and "no such file" in err and "Traceback" not in err
+    rc, _, err = run(capsys, "size", "--config", "mistral-7b-v0.1")
+    assert rc == 2 and "sliding_window" in err
+    bad = tmp_path / "bad.csv"
+    bad.write_text("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms\n10,1,1,1\n5,1,1,1\n")
+    rc, _, err = run(capsys, "size", "--config", "llama-3-8b", "--profile", str(bad))
+    assert rc == 2 and "bad.csv:3" in err
+
+
+def test_keys_vllm_matches_library(capsys, tmp_path):
+    from kvpolicy.keys import vllm_block_hashes
+
+    toks = list(range(100, 150))
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps(toks))
+    for scheme, algo in (("vllm-sha256", "sha256"), ("vllm-sha256-cbor", "sha256_cbor")):
+        rc, out, _ = run(capsys, "keys", str(f), "--scheme", scheme, "--block-size", "16", "--cache-salt", "s", "--json")
+        assert rc == 0
+        assert json.loads(out) == {"block_hashes": [h.hex() for h in vllm_block_hashes(toks, 16, algo, cache_salt="s")]}
+
+
+def test_keys_kvpolicy_schemes(capsys, tmp_path, monkeypatch):
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps(list(range(40))))
+    rc, out, _ = run(capsys, "keys", str(f), "--scheme", "fast", "--block-size", "16", "--json")
+    assert rc == 0 and len(json.loads(out)["block_hashes"]) == 2
+    rc, _, err = run(capsys, "keys", str(f), "--scheme", "keyed", "--block-size", "16")
+    assert rc == 2 and "--secret-hex" in err
+    monkeypatch.setenv("KVPOLICY_SECRET_HEX", "00" * 32)
+    rc, out, _ = run(capsys, "keys", str(f), "--scheme", "keyed", "--block-size", "16")
+    assert rc == 0 and "2 full blocks" in out and "8 tail tokens" in out
+    ns = tmp_path / "ns.json"
+    ns.write_text(json.dumps({"model_id": "m", "model_revision": "r", "tokenizer_version": "t", "kv_dtype": "bf16", "tenant": "a"}))
+    rc, out_a, _ = run(capsys, "keys", str(f), "--scheme", "keyed", "--block-size", "16", "--namespace", str(ns), "--json")
+    ns.write_text(json.dumps({"model_id": "m", "model_revision": "r", "tokenizer_version": "t", "kv_dtype": "bf16", "tenant": "b"}))
+    rc, out_b, _ = run(capsys, "keys", str(f), "--scheme", "keyed", "--block-size", "16", "--namespace", str(ns), "--json")
+    assert not set(json.loads(out_a)["block_hashes"]) & set(json.loads(out_b)["block_hashes"])
+
+
+@pytest.mark.parametrize(
+    "content, what",
+    [("[1, 2,\n oops]", "t.json:2"), ('{"a": 1}', "JSON list"), ("[1, -2]", "item 1 is -2"), ('[1, "x"]', "item 1")],
+)
+def test_keys_bad_token_files(capsys, tmp_path, content, what):
+    f = tmp_path / "t.json"
+    f.write_text(content)
+    rc, _, err = run(capsys, "keys", str(f), "--scheme", "fast", "--block-size", "4")
+    assert rc == 2 and what in err
+
+
+def test_python_dash_m_and_help():
+    r = subprocess.run([sys.executable, "-m", "kvpolicy", "size", "--config", "llama-3-8b", "--json"], capture_output=True, text=True, check=True)
+    assert json.loads(r.stdout)["bytes_per_token"] == 131072
+    r = subprocess.run([sys.executable, "-m", "kvpolicy"], capture_output=True, text=True)
+    assert r.returncode == 2 and "size" in r.stdout

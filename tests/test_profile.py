@@ -1,0 +1,91 @@
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from kvpolicy.errors import ProfileFormatError
+from kvpolicy.profile import fit_prefill, parse_profile, read_profile
+
+GOOD = """prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms,remote_load_p95_ms
+4096,536870912,310.5,22.0,90.1
+16384,2147483648,1410.0,31.0,350.2
+32768,4294967296,3190.0,45.5,700.9
+65536,8589934592,7600.0,80.0,1400.0
+"""
+
+
+def test_read_write_round_trip(tmp_path):
+    p = tmp_path / "profile.csv"
+    p.write_text(GOOD)
+    prof = read_profile(p)
+    assert len(prof) == 4
+    assert prof.bytes_per_token == pytest.approx(131072)
+    assert np.allclose(prof.byte_slopes(), 131072)
+    assert "remote_load_p95_ms" in prof.extra
+    q = tmp_path / "again.csv"
+    prof.write(q)
+    again = read_profile(q)
+    for col in ("prefix_tokens", "kv_bytes", "cold_prefill_ms", "local_hit_ttft_ms"):
+        assert np.array_equal(getattr(again, col), getattr(prof, col))
+    assert np.array_equal(again.extra["remote_load_p95_ms"], prof.extra["remote_load_p95_ms"])
+
+
+@given(
+    st.floats(0.0, 0.05),
+    st.floats(1e-6, 1e-4),
+    st.floats(0.0, 1e-9),
+)
+def test_fit_recovers_a_nonnegative_quadratic(a, b, c):
+    t = np.array([1024, 4096, 16384, 32768, 65536], dtype=np.float64)
+    y = a + b * t + c * t * t
+    m = fit_prefill(t, y)
+    assert m.max_rel_error < 1e-6
+    assert np.allclose(m(t), y, rtol=1e-6)
+    assert min(m.a_s, m.b_s_per_token, m.c_s_per_token2) >= 0
+
+
+def test_fit_is_superlinear_and_extrapolates():
+    t = np.array([4096, 16384, 32768, 65536], dtype=np.float64)
+    y = 0.01 + 5e-5 * t + 2e-10 * t * t
+    m = fit_prefill(t, y * (1 + np.array([0.01, -0.01, 0.01, -0.01])))
+    assert m.c_s_per_token2 > 0
+    assert m(131072) == pytest.approx(0.01 + 5e-5 * 131072 + 2e-10 * 131072**2, rel=0.05)
+    assert 0 < m.rms_rel_error < 0.02
+
+
+def test_fit_never_goes_negative_on_concave_data():
+    t = np.array([1000, 2000, 4000, 8000], dtype=np.float64)
+    y = np.sqrt(t) / 1000
+    m = fit_prefill(t, y)
+    assert min(m.a_s, m.b_s_per_token, m.c_s_per_token2) >= 0
+    assert np.all(m(np.linspace(0, 20000, 50)) >= 0)
+
+
+@pytest.mark.parametrize(
+    "text, line, what",
+    [
+        ("prefix_tokens,kv_bytes,cold_prefill_ms\n1,2,3\n", 1, "missing column"),
+        ("", None, "empty"),
+        ("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms\n", 1, "no rows"),
+        ("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms\n10,1,1,1\n10,2,2,2\n", 3, "does not increase"),
+        ("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms\n10,1,1,1\n5,2,2,2\n", 3, "does not increase"),
+        ("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms\n10,1,-1,1\n", 2, "negative"),
+        ("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms\n10,nan,1,1\n", 2, "finite"),
+        ("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms\n10,x,1,1\n", 2, "not a number"),
+        ("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms\n10,1,1\n", 2, "expected 4 fields"),
+        ("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms\n10.5,1,1,1\n", 2, "positive integer"),
+        ("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms\n10,1,0,1\n", 2, "must be positive"),
+        ("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms,kv_bytes\n", 1, "duplicate"),
+    ],
+)
+def test_malformed_profiles_name_the_line(text, line, what):
+    with pytest.raises(ProfileFormatError, match=what) as exc:
+        parse_profile(text, source="p.csv")
+    assert exc.value.line == line
+    assert exc.value.path == "p.csv"
+    if line is not None:
+        assert f"p.csv:{line}" in str(exc.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ProfileFormatError, match="no such file"):
+        read_profile(tmp_path / "nope.csv")
