@@ -99,3 +99,42 @@ def test_python_dash_m_and_help():
     assert json.loads(r.stdout)["bytes_per_token"] == 131072
     r = subprocess.run([sys.executable, "-m", "kvpolicy"], capture_output=True, text=True)
     assert r.returncode == 2 and "size" in r.stdout
+
+
+def test_analyze_command_on_a_file(capsys, tmp_path):
+    from kvpolicy.traces import generate, preset
+
+    tr = generate(preset("mixed", n_requests=300, block_size_tokens=512))
+    p = tmp_path / "mc.jsonl"
+    tr.to_mooncake_jsonl(p)
+    out_json = tmp_path / "r.json"
+    rc, out, _ = run(capsys, "analyze", str(p), "--capacities-blocks", "64,256", "--bytes-per-token", "131072", "--json", str(out_json), "--no-progress")
+    assert rc == 0 and "verdict" in out and "LRU under the prefix rule" in out
+    data = json.loads(out_json.read_text())
+    for key in ("requests", "block_refs", "ceiling_token_hit_ratio", "mrc", "reuse_distance_bytes", "verdict"):
+        assert key in data
+    assert data["requests"] == 300
+    assert [row["capacity_blocks"] for row in data["mrc"]] == [64, 256]
+    assert set(data["mrc"][0]) >= {"capacity_blocks", "token_hit_ratio"}
+    assert set(data["reuse_distance_bytes"]) == {"p50", "p90", "p99"}
+
+
+def test_analyze_builtin_preset_and_plots(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    rc, out, _ = run(capsys, "analyze", "--preset", "chat", "--plot", str(tmp_path / "figs"), "--no-progress")
+    assert rc == 0
+    for name in ("mrc.png", "reuse_distance_cdf.png", "bytes_over_time.png"):
+        assert (tmp_path / "figs" / name).stat().st_size > 1000
+
+
+def test_analyze_errors(capsys, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n{"timestamp": 1}\n')
+    rc, _, err = run(capsys, "analyze", str(bad), "--no-progress")
+    assert rc == 2 and "bad.jsonl:2" in err and "missing field" in err
+    rc, out, err = run(capsys, "analyze", str(bad), "--skip-bad-lines", "--no-progress")
+    assert rc == 0 and "skipped 1 bad line" in err
+    rc, _, err = run(capsys, "analyze", "--format", "mooncake", "--no-progress")
+    assert rc == 2 and "need a TRACE" in err
+    rc, _, err = run(capsys, "analyze", "--config", "llama-3-8b", "--bytes-per-token", "5", "--no-progress")
+    assert rc == 2 and "not both" in err

@@ -207,6 +207,92 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- analyze
+
+
+def _bytes_per_token(args: argparse.Namespace) -> tuple[int, str]:
+    """Resolve the model's KV bytes per token from --config / --bytes-per-token."""
+    from .data import bundled_configs, resolve_config
+    from .geometry import KVGeometry
+
+    if getattr(args, "bytes_per_token", None) and getattr(args, "config", None):
+        raise ConfigError("--bytes-per-token", "give --config or --bytes-per-token, not both")
+    if getattr(args, "bytes_per_token", None):
+        return args.bytes_per_token, f"{args.bytes_per_token:,} bytes/token (given)"
+    name = getattr(args, "config", None) or "llama-3-8b"
+    path = resolve_config(name)
+    if not path.exists():
+        raise ConfigError("--config", f"no such file {name!r}; bundled configs: {sorted(bundled_configs())}")
+    bpt = KVGeometry.from_hf_config(path, kv_dtype=getattr(args, "kv_dtype", None)).bytes_per_token
+    note = "" if getattr(args, "config", None) else " (default model; pass --config or --bytes-per-token)"
+    return bpt, f"{name}: {bpt:,} bytes/token{note}"
+
+
+def _load_trace(args: argparse.Namespace) -> Any:
+    from .traces import generate, preset, read_trace
+
+    if args.trace:
+        return read_trace(args.trace, args.format, args.block_size, sort=args.sort, skip_bad_lines=args.skip_bad_lines)
+    if args.format or args.sort or args.skip_bad_lines:
+        raise ConfigError("--format", "--format/--sort/--skip-bad-lines need a TRACE file")
+    overrides = {"seed": args.seed}
+    if args.block_size:
+        overrides["block_size_tokens"] = args.block_size
+    return generate(preset(args.preset, **overrides))
+
+
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    from .analysis import EffectiveCapacity, analyze, render
+    from .progress import Progress
+
+    prog = Progress("analyze", enabled=None if not args.no_progress else False)
+    bpt, model_note = _bytes_per_token(args)
+    prog("reading trace")
+    trace = _load_trace(args)
+    if trace.skipped_lines:
+        lines = ", ".join(str(x) for x in trace.skipped_lines[:10]) + (" ..." if len(trace.skipped_lines) > 10 else "")
+        print(f"kvpolicy analyze: skipped {len(trace.skipped_lines)} bad line(s) of {trace.source}: {lines}", file=sys.stderr)
+    local = EffectiveCapacity.from_fractions(int(args.local_kv_gib * 2**30), active_decode=args.decode_share, reserved=args.reserved_share, fragmentation=args.fragmentation_share)
+    report = analyze(
+        trace, bytes_per_token=bpt, capacities_blocks=args.capacities_blocks, replicas=args.replicas, routing=args.routing,
+        affinity_blocks=args.affinity_blocks, local_capacity=local, seed=args.seed, progress=prog,
+    )
+    report["model"] = model_note
+    report["skipped_lines"] = list(trace.skipped_lines)
+    if args.plot:
+        from .analysis import request_stack_distances
+        from .plots import analyze_figures
+
+        prog("plots")
+        report["plots"] = [str(p) for p in analyze_figures(report, trace, request_stack_distances(trace.block_offsets, trace.block_ids), args.plot)]
+    prog.done()
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    print(f"model            {model_note}")
+    print(render(report))
+    if args.json:
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        print("plots            " + ", ".join(report["plots"]))
+    return 0
+
+
+def _add_trace_args(p: argparse.ArgumentParser) -> None:
+    from .traces import FORMATS, PRESETS
+
+    p.add_argument("trace", nargs="?", default=None, help="trace file (JSONL); default: a built-in synthetic preset")
+    p.add_argument("--format", choices=FORMATS, default=None, help="trace format (default: detected)")
+    p.add_argument("--block-size", type=_positive_int, default=None, help="block size in tokens (default: 512 mooncake, 16 bailian/tokens, 64 synthetic)")
+    p.add_argument("--sort", action="store_true", help="sort requests by time instead of rejecting a trace whose time goes backwards")
+    p.add_argument("--skip-bad-lines", action="store_true", help="skip malformed lines (counted and reported) instead of failing")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="mixed", help="synthetic preset when no TRACE is given (default mixed)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--config", default=None, help="model config.json or bundled name (default llama-3-8b)")
+    p.add_argument("--kv-dtype", default=None, help="KV element format override (e.g. fp8)")
+    p.add_argument("--bytes-per-token", type=_positive_int, default=None, help="KV bytes per token instead of --config")
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -236,6 +322,21 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--lora-path", default=None)
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=_cmd_keys)
+
+    a = sub.add_parser("analyze", help="what a trace says before anyone buys a cache: reuse, MRC, replicas, byte flows, verdict")
+    _add_trace_args(a)
+    a.add_argument("--capacities-blocks", type=_int_list, default=None, help="MRC capacities in blocks (default: powers of two up to the distinct blocks)")
+    a.add_argument("--replicas", type=_positive_int, default=8)
+    a.add_argument("--routing", choices=["random", "round-robin", "prefix-affinity"], default="round-robin", help="how the current deployment routes (default round-robin)")
+    a.add_argument("--affinity-blocks", type=_positive_int, default=4, help="prefix-affinity hashes the first k full blocks (default 4)")
+    a.add_argument("--local-kv-gib", type=float, default=32.0, help="physical KV cache per replica in GiB (default 32)")
+    a.add_argument("--decode-share", type=float, default=0.25, help="share of it held by active decodes (default 0.25)")
+    a.add_argument("--reserved-share", type=float, default=0.05, help="reserved share (default 0.05)")
+    a.add_argument("--fragmentation-share", type=float, default=0.05, help="fragmentation share (default 0.05)")
+    a.add_argument("--json", default=None, metavar="OUT", help="write the full report as JSON")
+    a.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures (needs matplotlib)")
+    a.add_argument("--no-progress", action="store_true")
+    a.set_defaults(func=_cmd_analyze)
     return p
 
 

@@ -1,0 +1,22 @@
+"""Traces: the columnar model, readers and the synthetic generator."""
+
+from .model import Trace, canonicalize, first_appearance_ids
+from .readers import FORMATS, detect_format, read_bailian, read_mooncake, read_tokens_jsonl, read_trace
+from .synthetic import PRESETS, SyntheticSpec, generate, preset, write_tokens_jsonl
+
+__all__ = [
+    "FORMATS",
+    "PRESETS",
+    "SyntheticSpec",
+    "Trace",
+    "canonicalize",
+    "detect_format",
+    "first_appearance_ids",
+    "generate",
+    "preset",
+    "read_bailian",
+    "read_mooncake",
+    "read_tokens_jsonl",
+    "read_trace",
+    "write_tokens_jsonl",
+]

@@ -1,0 +1,226 @@
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvpolicy.analysis import (
+    EffectiveCapacity,
+    PrefixMRC,
+    analyze,
+    default_capacities,
+    lru_hit_ratio_curve,
+    replica_view,
+    request_stack_distances,
+    request_stack_distances_reference,
+    reuse_times_s,
+    route,
+    shards,
+    stack_distances,
+    stack_distances_reference,
+    worst_window_rate,
+)
+from kvpolicy.errors import ConfigError
+from kvpolicy.traces import Trace, canonicalize, first_appearance_ids, generate, preset
+
+ids_st = st.lists(st.integers(0, 12), max_size=80).map(lambda x: first_appearance_ids(np.asarray(x, dtype=np.int64)))
+
+
+@given(ids_st)
+def test_stack_distances_equal_brute_force(ids):
+    assert np.array_equal(stack_distances(ids), stack_distances_reference(ids))
+
+
+@given(ids_st, st.data())
+def test_weighted_stack_distances_equal_brute_force(ids, data):
+    n = int(ids.max()) + 1 if ids.size else 1
+    w = np.asarray(data.draw(st.lists(st.integers(0, 9), min_size=n, max_size=n)), dtype=np.int64)
+    assert np.array_equal(stack_distances(ids, w), stack_distances_reference(ids, w))
+
+
+def test_compaction_path_is_exercised():
+    rng = np.random.default_rng(1)
+    ids = first_appearance_ids(rng.integers(0, 30, 5000))  # tree of 2×30: compacts ~100 times
+    assert np.array_equal(stack_distances(ids), stack_distances_reference(ids))
+
+
+@st.composite
+def prefix_traces(draw, max_requests=25):
+    """Request-level chained traces: requests extend earlier requests' chains."""
+    B = draw(st.sampled_from([1, 2, 4]))
+    n = draw(st.integers(1, max_requests))
+    chains: list[list[int]] = []
+    next_id = 0
+    rows = []
+    for _ in range(n):
+        if chains and draw(st.booleans()):
+            base = draw(st.sampled_from(chains))
+            keep = draw(st.integers(0, len(base)))
+            chain = base[:keep]
+        else:
+            chain = []
+        for _ in range(draw(st.integers(0, 4))):
+            chain = chain + [next_id]
+            next_id += 1
+        chains.append(chain)
+        tail = draw(st.integers(0, B - 1))
+        rows.append((chain, tail))
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum([len(c) for c, _ in rows], out=offsets[1:])
+    ids = np.asarray([x for c, _ in rows for x in c], dtype=np.int64)
+    inp = np.asarray([len(c) * B + t for c, t in rows], dtype=np.int64)
+    partial = np.where(inp % B != 0, next_id + np.arange(n), -1)
+    tr = Trace(arrival_s=np.arange(n, dtype=float), input_tokens=inp, output_tokens=np.ones(n, np.int64), block_offsets=offsets, block_ids=ids, partial_block_ids=partial, block_size_tokens=B)
+    return canonicalize(tr)
+
+
+@given(prefix_traces())
+def test_request_stack_distances_equal_brute_force(tr):
+    assert np.array_equal(
+        request_stack_distances(tr.block_offsets, tr.block_ids),
+        request_stack_distances_reference(tr.block_offsets, tr.block_ids),
+    )
+
+
+def lru_prefix_cache_hits(tr, capacity):
+    """Direct simulation: an LRU prefix cache, lookup then insert (tail first), prefix rule."""
+    cache: OrderedDict = OrderedDict()  # last = most recent
+    hits = 0
+    for i in range(len(tr)):
+        blocks = tr.blocks(i).tolist()
+        m = int(tr.matchable_blocks[i])
+        for b in blocks[:m]:
+            if b in cache:
+                hits += 1
+            else:
+                break
+        for b in reversed(blocks):
+            cache.pop(b, None)
+            cache[b] = True
+            while len(cache) > capacity:
+                cache.popitem(last=False)
+    return hits
+
+
+@settings(max_examples=60)
+@given(prefix_traces(), st.integers(1, 12))
+def test_prefix_mrc_equals_direct_lru_simulation(tr, capacity):
+    m = PrefixMRC.from_trace(tr)
+    assert int(m.hit_blocks(np.array([capacity]))[0]) == lru_prefix_cache_hits(tr, capacity)
+
+
+@given(prefix_traces())
+def test_prefix_mrc_is_monotone_and_bounded(tr):
+    m = PrefixMRC.from_trace(tr)
+    caps = np.arange(1, 40)
+    h = m.token_hit_ratio(caps)
+    assert np.all(np.diff(h) >= 0)  # miss ratio never increases with capacity
+    assert np.all(h <= m.ceiling_token_hit_ratio + 1e-12)
+    assert m.ceiling_token_hit_ratio <= 1.0
+    if m.ceiling_blocks:
+        c90 = m.capacity_for(0.9)
+        assert m.hit_blocks(np.array([c90]))[0] >= 0.9 * m.ceiling_blocks
+        assert c90 == 1 or m.hit_blocks(np.array([c90 - 1]))[0] < 0.9 * m.ceiling_blocks
+
+
+def test_lru_hits_iff_stack_distance_below_capacity():
+    rng = np.random.default_rng(0)
+    ids = first_appearance_ids(rng.zipf(1.3, 3000) % 200)
+    d = stack_distances(ids)
+    for cap in (1, 5, 20, 80):
+        cache: OrderedDict = OrderedDict()
+        for x, dist in zip(ids.tolist(), d.tolist()):
+            hit = x in cache
+            assert hit == (0 <= dist < cap)
+            cache.pop(x, None)
+            cache[x] = True
+            if len(cache) > cap:
+                cache.popitem(last=False)
+
+
+def test_shards_rate_one_equals_exact_and_size_bound_too():
+    rng = np.random.default_rng(2)
+    ids = first_appearance_ids(rng.zipf(1.2, 20000) % 3000)
+    caps = default_capacities(3000)
+    exact = lru_hit_ratio_curve(stack_distances(ids), caps)
+    assert np.allclose(shards(ids, rate=1.0).hit_ratio(caps), exact)
+    assert np.allclose(shards(ids, s_max=10**6).hit_ratio(caps), exact)
+
+
+def test_shards_approximates_on_uniform_ids():
+    rng = np.random.default_rng(3)
+    ids = first_appearance_ids(rng.integers(0, 20000, 300_000))
+    caps = default_capacities(20000)
+    exact = lru_hit_ratio_curve(stack_distances(ids), caps)
+    for res in (shards(ids, rate=0.1, seed=1), shards(ids, s_max=4000, seed=1)):
+        assert np.mean(np.abs(res.hit_ratio(caps) - exact)) < 0.02
+    fs = shards(ids, s_max=2000)
+    assert fs.final_rate < 0.2  # the threshold dropped to keep ≤ 2000 ids
+
+
+def test_shards_arguments():
+    with pytest.raises(ConfigError, match="exactly one"):
+        shards(np.array([0, 1]))
+    with pytest.raises(ConfigError, match="rate"):
+        shards(np.array([0, 1]), rate=0.0)
+    with pytest.raises(ConfigError, match="ids"):
+        stack_distances(np.array([-1, 0]))
+
+
+@given(prefix_traces(), st.integers(1, 5), st.sampled_from(["random", "round-robin", "prefix-affinity"]))
+def test_replica_view_partitions_the_ceiling(tr, n, routing):
+    v = replica_view(tr, n, routing, bytes_per_token=2)
+    m = PrefixMRC.from_trace(tr)
+    assert v.ceiling_tokens == m.ceiling_blocks * tr.block_size_tokens
+    assert np.all(v.local_blocks <= v.global_blocks)
+    assert v.local_tokens + v.cross_tokens == v.ceiling_tokens
+    if n == 1:
+        assert v.cross_tokens == 0
+    assert np.all(v.write_reread_bytes <= v.write_all_bytes)
+    assert v.read_bytes.sum() == v.cross_tokens * 2
+    assert v.write_all_bytes.sum() == np.unique(tr.block_ids).size * tr.block_size_tokens * 2
+
+
+def test_prefix_affinity_is_deterministic_and_keeps_shared_prefixes_together():
+    tr = generate(preset("chat", n_requests=300))
+    a = route(tr, 6, "prefix-affinity", affinity_blocks=2)
+    assert np.array_equal(a, route(tr, 6, "prefix-affinity", affinity_blocks=2))
+    keys = {}
+    for i in range(len(tr)):
+        b = tr.blocks(i)
+        if b.size >= 2:
+            assert keys.setdefault(int(b[1]), int(a[i])) == int(a[i])
+    with pytest.raises(ConfigError, match="routing"):
+        route(tr, 2, "sticky")  # type: ignore[arg-type]
+
+
+def test_worst_window_and_reuse_times():
+    t = np.array([0.0, 10.0, 20.0, 1000.0])
+    v = np.array([1.0, 1.0, 1.0, 5.0])
+    assert worst_window_rate(t, v, 900.0) == pytest.approx(5.0 / 900)
+    assert worst_window_rate(t, v, 30.0) == pytest.approx(5.0 / 30)
+    tr = Trace(arrival_s=[0.0, 2.0, 5.0], input_tokens=[2, 2, 2], output_tokens=[1, 1, 1], block_offsets=[0, 2, 4, 6], block_ids=[0, 1, 0, 2, 0, 1], partial_block_ids=[-1, -1, -1], block_size_tokens=1)
+    assert reuse_times_s(tr).tolist() == [-1.0, -1.0, 2.0, -1.0, 3.0, 5.0]
+
+
+def test_effective_capacity():
+    c = EffectiveCapacity(100, 20, 5, 5)
+    assert c.effective_bytes == 70 and c.effective_blocks(7) == 10
+    with pytest.raises(ConfigError, match="physical_bytes"):
+        EffectiveCapacity(10, 20)
+    with pytest.raises(ConfigError, match="active_decode"):
+        EffectiveCapacity.from_fractions(100, active_decode=1.5)
+
+
+def test_analyze_verdicts():
+    tr = generate(preset("chat", n_requests=400))
+    r = analyze(tr, bytes_per_token=1024, replicas=4, local_capacity=EffectiveCapacity(2**40))
+    assert r["verdict"] in ("enough local cache", "prefix-affinity routing", "a shared pool is worth a trial")
+    assert r["mrc"] and all(0 <= row["token_hit_ratio"] <= r["ceiling_token_hit_ratio"] + 1e-12 for row in r["mrc"])
+    # one replica with a huge cache: all reuse is local and fits
+    one = analyze(tr, bytes_per_token=1024, replicas=1, local_capacity=EffectiveCapacity(2**40))
+    assert one["verdict"] == "enough local cache"
+    # a trace with no reuse
+    n = 50
+    no = Trace(arrival_s=np.arange(n, dtype=float), input_tokens=np.full(n, 64), output_tokens=np.ones(n, np.int64), block_offsets=np.arange(n + 1) * 4, block_ids=np.arange(4 * n), partial_block_ids=np.full(n, -1), block_size_tokens=16)
+    assert analyze(no, bytes_per_token=1024)["verdict"] == "no reuse worth chasing"

@@ -1,0 +1,199 @@
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvpolicy.errors import ConfigError, TraceFormatError
+from kvpolicy.traces import (
+    Trace,
+    detect_format,
+    first_appearance_ids,
+    generate,
+    preset,
+    read_bailian,
+    read_mooncake,
+    read_tokens_jsonl,
+    read_trace,
+    write_tokens_jsonl,
+)
+
+
+def write_lines(path, objs):
+    path.write_text("".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs))
+    return path
+
+
+def mc(ts, inp, ids, out=10):
+    return {"timestamp": ts, "input_length": inp, "output_length": out, "hash_ids": ids}
+
+
+def test_mooncake_partial_block_kept_apart(tmp_path):
+    p = write_lines(tmp_path / "t.jsonl", [mc(0, 1100, [7, 8, 9]), mc(1000, 1024, [7, 8]), mc(2000, 100, [5])])
+    tr = read_mooncake(p)
+    assert len(tr) == 3 and tr.block_size_tokens == 512
+    assert tr.full_blocks.tolist() == [2, 2, 0]
+    assert tr.blocks(0).tolist() == [0, 1] and tr.blocks(1).tolist() == [0, 1]
+    assert tr.partial_block_ids[0] >= 0 and tr.partial_block_ids[1] == -1 and tr.partial_block_ids[2] >= 0
+    assert tr.arrival_s.tolist() == [0.0, 1.0, 2.0]
+    # 1024 tokens = 2 full blocks, but the last token is recomputed: only block 0 is matchable
+    assert tr.matchable_blocks.tolist() == [2, 1, 0]
+
+
+@pytest.mark.parametrize(
+    "line, what",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+        (json.dumps({"timestamp": 0, "input_length": 10, "hash_ids": [1]}), "output_length"),
+        (json.dumps(mc(0, -5, [])), "negative"),
+        (json.dumps(mc(0, 1100, [1, 2])), r"needs ceil\(1100/512\) = 3"),
+        (json.dumps(mc(0, 10, [-1])), r"hash_ids\[0\]"),
+        (json.dumps(mc(0, 10, "abc")), "must be a list"),
+        (json.dumps(mc("soon", 10, [1])), "timestamp"),
+        (json.dumps(mc(0, 10.5, [1])), "input_length"),
+    ],
+)
+def test_mooncake_malformed_lines_name_file_and_line(tmp_path, line, what):
+    p = write_lines(tmp_path / "t.jsonl", [mc(0, 10, [1]), line])
+    with pytest.raises(TraceFormatError, match=what) as exc:
+        read_mooncake(p)
+    assert exc.value.line == 2 and str(p) in str(exc.value) and f"{p}:2" in str(exc.value)
+
+
+def test_time_backwards_and_sort(tmp_path):
+    p = write_lines(tmp_path / "t.jsonl", [mc(5000, 600, [1, 2]), mc(1000, 600, [1, 3])])
+    with pytest.raises(TraceFormatError, match="backwards") as exc:
+        read_mooncake(p)
+    assert exc.value.line == 2
+    tr = read_mooncake(p, sort=True)
+    assert tr.arrival_s.tolist() == [1.0, 5.0]
+    assert tr.partial_block_ids.tolist() == [1, 2]  # renumbered by first appearance after sorting
+
+
+def test_skip_bad_lines_counts_and_reports(tmp_path):
+    p = write_lines(tmp_path / "t.jsonl", [mc(0, 10, [1]), "garbage", mc(1, 10, [2, 3]), mc(2, 10, [4])])
+    tr = read_mooncake(p, skip_bad_lines=True)
+    assert len(tr) == 2 and tr.skipped_lines == (2, 3)
+    empty = write_lines(tmp_path / "e.jsonl", ["garbage"])
+    with pytest.raises(TraceFormatError, match="1 bad lines skipped"):
+        read_mooncake(empty, skip_bad_lines=True)
+
+
+def test_missing_file_and_empty(tmp_path):
+    with pytest.raises(TraceFormatError, match="no such file"):
+        read_trace(tmp_path / "nope.jsonl")
+    (tmp_path / "e.jsonl").write_text("\n\n")
+    with pytest.raises(TraceFormatError, match="empty"):
+        read_trace(tmp_path / "e.jsonl")
+
+
+def test_bailian_chains_content_ids(tmp_path):
+    rows = [
+        {"chat_id": 1, "parent_chat_id": -1, "timestamp": 0.0, "input_length": 40, "output_length": 5, "type": "text", "turn": 1, "hash_ids": [10, 11, 12]},
+        # same content ids in another order: content-equal blocks, different prefixes
+        {"chat_id": 2, "parent_chat_id": -1, "timestamp": 1.0, "input_length": 48, "output_length": 5, "type": "text", "turn": 1, "hash_ids": [11, 10, 12]},
+        {"chat_id": 3, "parent_chat_id": 1, "timestamp": 2.0, "input_length": 64, "output_length": 5, "type": "text", "turn": 2, "hash_ids": [10, 11, 12, 13]},
+    ]
+    tr = read_bailian(write_lines(tmp_path / "b.jsonl", rows))
+    assert tr.block_size_tokens == 16
+    a, b, c = tr.blocks(0).tolist(), tr.blocks(1).tolist(), tr.blocks(2).tolist()
+    assert len(a) == 2 and len(b) == 3 and len(c) == 4
+    assert not set(a) & set(b)  # 10→11 and 11→10 are different prefixes
+    assert c[:2] == a  # turn 2 extends turn 1
+    assert tr.session[0] == tr.session[2] != tr.session[1]
+    assert tr.class_names == ("text",)
+    assert detect_format(tmp_path / "b.jsonl") == "bailian"
+
+
+def test_tokens_jsonl_tenants_never_share(tmp_path):
+    shared = list(range(40))
+    rows = [
+        {"timestamp": 0, "tokens": shared + [1, 2], "tenant": "a", "request_id": "r1"},
+        {"timestamp": 1, "tokens": shared + [3], "tenant": "a", "request_id": "r2"},
+        {"timestamp": 2, "tokens": shared + [3], "tenant": "b", "request_id": "r3"},
+    ]
+    tr = read_tokens_jsonl(write_lines(tmp_path / "t.jsonl", rows), block_size_tokens=16)
+    assert tr.blocks(0).tolist() == tr.blocks(1).tolist()
+    assert not set(tr.blocks(0).tolist()) & set(tr.blocks(2).tolist())
+    assert tr.request_ids == ("r1", "r2", "r3")
+    assert tr.prompt(1).tolist() == shared + [3]
+    assert detect_format(tmp_path / "t.jsonl") == "tokens"
+    bad = write_lines(tmp_path / "bad.jsonl", [{"tokens": [1, -2]}])
+    with pytest.raises(TraceFormatError, match=r"tokens\[1\]"):
+        read_tokens_jsonl(bad)
+
+
+def test_unknown_format(tmp_path):
+    p = write_lines(tmp_path / "x.jsonl", [{"foo": 1}])
+    with pytest.raises(TraceFormatError, match="unknown trace format"):
+        read_trace(p)
+    with pytest.raises(ConfigError, match="format"):
+        read_trace(p, format="csv")  # type: ignore[arg-type]
+
+
+@settings(max_examples=15)
+@given(seed=st.integers(0, 10_000))
+def test_generator_mooncake_round_trip(tmp_path_factory, seed):
+    tr = generate(preset("mixed", n_requests=40, seed=seed, block_size_tokens=32))
+    p = tmp_path_factory.mktemp("rt") / "t.jsonl"
+    tr.to_mooncake_jsonl(p)
+    back = read_mooncake(p, block_size_tokens=32)
+    assert np.array_equal(back.block_ids, tr.block_ids)
+    assert np.array_equal(back.partial_block_ids, tr.partial_block_ids)
+    assert np.array_equal(back.input_tokens, tr.input_tokens)
+    assert np.allclose(back.arrival_s, np.round(tr.arrival_s * 1000) / 1000)
+
+
+def test_generator_is_deterministic_and_seeded():
+    a = generate(preset("chat", n_requests=200, seed=3))
+    b = generate(preset("chat", n_requests=200, seed=3))
+    c = generate(preset("chat", n_requests=200, seed=4))
+    assert np.array_equal(a.block_ids, b.block_ids) and np.array_equal(a.arrival_s, b.arrival_s)
+    assert not np.array_equal(a.input_tokens, c.input_tokens)
+
+
+@pytest.mark.parametrize("name", ["chat", "rag", "agent", "mixed"])
+def test_presets_have_reuse_and_structure(name):
+    tr = generate(preset(name, n_requests=300))
+    assert len(tr) == 300
+    assert np.all(tr.publish_boundary_tokens <= tr.input_tokens)
+    assert tr.tenant is not None and tr.request_class is not None
+    # something is reused, and no tenant ever shares a block with another
+    assert np.unique(tr.block_ids).size < tr.block_ids.size
+    owner = {}
+    for i in range(len(tr)):
+        for b in tr.blocks(i).tolist():
+            assert owner.setdefault(b, int(tr.tenant[i])) == int(tr.tenant[i])
+
+
+def test_token_jsonl_round_trip_keeps_structure(tmp_path):
+    tr = generate(preset("agent", n_requests=60, block_size_tokens=16), keep_tokens=True)
+    p = tmp_path / "tok.jsonl"
+    write_tokens_jsonl(tr, p)
+    back = read_tokens_jsonl(p, block_size_tokens=16)
+    assert np.array_equal(back.block_ids, tr.block_ids)
+    assert np.array_equal(back.input_tokens, tr.input_tokens)
+    assert np.array_equal(back.tokens, tr.tokens)
+
+
+@given(st.lists(st.integers(-5, 10**12), max_size=50))
+def test_first_appearance_ids(ids):
+    arr = np.asarray(ids, dtype=np.int64)
+    out = first_appearance_ids(arr)
+    seen = {}
+    want = [seen.setdefault(x, len(seen)) for x in ids]
+    assert out.tolist() == want
+
+
+def test_trace_validation():
+    ok = dict(arrival_s=[0.0], input_tokens=[10], output_tokens=[1], block_offsets=[0, 0], block_ids=[], partial_block_ids=[0], block_size_tokens=16)
+    Trace(**ok)
+    with pytest.raises(ConfigError, match="partial_block_ids"):
+        Trace(**{**ok, "partial_block_ids": [-1]})
+    with pytest.raises(ConfigError, match="block_ids"):
+        Trace(**{**ok, "input_tokens": [40]})
+    with pytest.raises(ConfigError, match="arrival_s"):
+        Trace(**{**ok, "arrival_s": [1.0, 0.0], "input_tokens": [10, 10], "output_tokens": [1, 1], "block_offsets": [0, 0, 0], "partial_block_ids": [0, 1]})
+    with pytest.raises(ConfigError, match="block_size_tokens"):
+        Trace(**{**ok, "block_size_tokens": 0})
