@@ -36,7 +36,7 @@ def analyze_figures(report: dict[str, Any], trace: Any, distances: np.ndarray, o
     ax.set_xscale("log")
     ax.set_xlabel("cache capacity (GiB of KV)")
     ax.set_ylabel("token hit ratio (share of prefill avoided)")
-    ax.set_title("Miss-ratio curve")
+    ax.set_title("LRU hit-ratio curve (1 - miss ratio), prefix rule")
     ax.legend()
     fig.tight_layout()
     paths.append(out / "mrc.png")

@@ -17,9 +17,9 @@ they are directly "share of prefill avoided".
 stream, scale them by 1/R. *Fixed-rate* keeps R; *fixed-size* bounds the
 sampled set to ``s_max`` ids by lowering T (evicting the largest-hash id) and
 re-weights earlier samples by ``R_final / R_then``. At R = 1 it is exact.
-Fixed-rate applies SHARDS_adj: the difference between the expected (R·N) and
-the actual number of sampled accesses goes to the distance-0 bucket, which
-removes most of the bias when a few very hot ids dominate the sample.
+Both apply SHARDS_adj: the difference between the expected sample weight
+(R_final·N) and the actual one goes to the distance-0 bucket, which removes most
+of the bias when a few very hot ids dominate the sample.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numba as nb
 import numpy as np
 
 from ..errors import ConfigError
-from .stack import _bit_add, _bit_prefix, _compact, request_stack_distances
+from .stack import _bits_alloc, _bits_clear, _bits_compact, _bits_live_upto, _bits_set, request_stack_distances
 
 INF = np.iinfo(np.int64).max
 SHARDS_MODULUS = 1 << 24
@@ -49,11 +49,22 @@ def default_capacities(max_blocks: int) -> np.ndarray:
 
 
 def hits_at(distances: np.ndarray, capacities: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
-    """Hit count (or weight) at each capacity: Σ weight over accesses with 0 ≤ d < C."""
+    """Hit count (or weight) at each capacity: Σ weight over accesses with 0 ≤ d < C.
+
+    A histogram (O(N + max d)) when distances are bounded, as stack distances
+    are (< distinct ids); a sort otherwise.
+    """
     d = np.asarray(distances, dtype=np.int64)
     caps = np.asarray(capacities, dtype=np.int64)
     ok = d >= 0
     dd = d[ok]
+    if dd.size == 0:
+        return np.zeros(caps.size)
+    top = int(dd.max())
+    if top <= 4 * d.size + (1 << 20):
+        w = None if weights is None else np.asarray(weights, dtype=np.float64)[ok]
+        cum = np.concatenate([[0.0], np.cumsum(np.bincount(dd, weights=w, minlength=top + 1), dtype=np.float64)])
+        return cum[np.clip(caps, 0, top + 1)]
     order = np.argsort(dd, kind="stable")
     sd = dd[order]
     idx = np.searchsorted(sd, caps, side="left")
@@ -194,13 +205,34 @@ def _heap_pop(hh, hi, size):
 
 
 @nb.njit(cache=True)
+def _id_hashes(n_ids, seed):
+    """The 24-bit sampling hash of every id, once (a lookup per access after that)."""
+    out = np.empty(n_ids, dtype=np.int32)
+    mod_mask = np.uint64(SHARDS_MODULUS - 1)
+    s = np.uint64(seed)
+    for x in range(n_ids):
+        out[x] = np.int32(_splitmix64(np.uint64(x) ^ s) & mod_mask)
+    return out
+
+
+@nb.njit(cache=True)
 def _shards_kernel(ids, n_ids, threshold, s_max, seed, out_d, out_t):
-    """Sampled accesses → (distance in sampled ids, threshold at the time). Returns count."""
-    cap = 2 * (s_max if s_max > 0 else n_ids) + 64
-    tree = np.zeros(cap + 1, dtype=np.int64)
-    owner = np.full(cap, -1, dtype=np.int64)
-    last = np.full(n_ids, -1, dtype=np.int64)
-    weight = np.ones(n_ids, dtype=np.int64)
+    """Sampled accesses → (distance in sampled ids, threshold at the time). Returns count.
+
+    Same bitset + superblock-tree structure as the exact kernel, sized to the
+    sampled ids only (fixed-rate: those under the threshold; fixed-size: s_max).
+    """
+    hashes = _id_hashes(n_ids, seed)
+    if s_max > 0:
+        live_max = s_max + 1
+    else:
+        live_max = 0
+        for x in range(n_ids):
+            if hashes[x] < threshold:
+                live_max += 1
+    bits, sbt, owner = _bits_alloc(2 * live_max + 64)
+    cap = owner.size
+    last = np.full(n_ids, -1, dtype=np.int32)
     heap_h = np.zeros(max(s_max, 0) + 2, dtype=np.int64)
     heap_i = np.zeros(max(s_max, 0) + 2, dtype=np.int64)
     hsize = 0
@@ -208,15 +240,13 @@ def _shards_kernel(ids, n_ids, threshold, s_max, seed, out_d, out_t):
     total = 0
     t = 0
     k = 0
-    mod_mask = np.uint64(SHARDS_MODULUS - 1)
-    s = np.uint64(seed)
     for i in range(ids.size):
         x = ids[i]
-        hx = np.int64(_splitmix64(np.uint64(x) ^ s) & mod_mask)
+        hx = hashes[x]
         if hx >= threshold:
             continue
         if t == cap:
-            t = _compact(tree, owner, last, weight, t)
+            t = _bits_compact(bits, sbt, owner, last, t)
         p = last[x]
         if p < 0:
             out_d[k] = -1
@@ -225,12 +255,12 @@ def _shards_kernel(ids, n_ids, threshold, s_max, seed, out_d, out_t):
             if s_max > 0:
                 hsize = _heap_push(heap_h, heap_i, hsize, hx, x)
         else:
-            out_d[k] = total - _bit_prefix(tree, p)
-            _bit_add(tree, p, -1)
+            out_d[k] = total - _bits_live_upto(bits, sbt, p)
+            _bits_clear(bits, sbt, p)
             owner[p] = -1
         out_t[k] = threshold
         k += 1
-        _bit_add(tree, t, 1)
+        _bits_set(bits, sbt, t)
         owner[t] = x
         last[x] = t
         t += 1
@@ -239,7 +269,7 @@ def _shards_kernel(ids, n_ids, threshold, s_max, seed, out_d, out_t):
             threshold = hy
             py = last[y]
             if py >= 0:
-                _bit_add(tree, py, -1)
+                _bits_clear(bits, sbt, py)
                 owner[py] = -1
                 last[y] = -1
                 total -= 1
@@ -259,11 +289,9 @@ class ShardsResult:
     def hit_ratio(self, capacities: np.ndarray) -> np.ndarray:
         caps = np.asarray(capacities, dtype=np.int64)
         hits = hits_at(self.scaled_distances, caps, self.weights)
-        if self.fixed_rate:
-            expected = self.final_rate * self.total_accesses
-            adjusted = (hits + (expected - self.sampled_accesses) * (caps >= 1)) / max(expected, 1e-300)
-            return np.clip(adjusted, 0.0, 1.0)
-        return hits / max(float(self.weights.sum()), 1e-300)
+        expected = self.final_rate * self.total_accesses
+        adjusted = (hits + (expected - float(self.weights.sum())) * (caps >= 1)) / max(expected, 1e-300)
+        return np.clip(adjusted, 0.0, 1.0)
 
 
 def shards(ids: np.ndarray, *, rate: float | None = None, s_max: int | None = None, seed: int = 0) -> ShardsResult:
