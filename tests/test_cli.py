@@ -138,3 +138,19 @@ def test_analyze_errors(capsys, tmp_path):
     assert rc == 2 and "need a TRACE" in err
     rc, _, err = run(capsys, "analyze", "--config", "llama-3-8b", "--bytes-per-token", "5", "--no-progress")
     assert rc == 2 and "not both" in err
+
+
+def test_breakeven_command(capsys, tmp_path):
+    p = tmp_path / "p.csv"
+    p.write_text(PROFILE)
+    rc, out, _ = run(capsys, "breakeven", "--config", "llama-3-8b", "--profile", str(p), "--bandwidth-gbps", "10", "--prefix-tokens", "1024,131072", "--json")
+    assert rc == 0
+    data = json.loads(out)
+    assert [r["prefix_tokens"] for r in data["rows"]] == [1024, 131072]
+    for r in data["rows"]:
+        assert set(r) >= {"prefix_tokens", "useful_tokens", "load_bytes", "t_remote_ms", "t_recompute_ms", "decision"}
+    assert isinstance(data["break_even_tokens"], int)
+    rc, out, _ = run(capsys, "breakeven", "--bytes-per-token", "131072", "--profile", str(p), "--bandwidth-gbps", "10")
+    assert rc == 0 and "break-even" in out
+    rc, _, err = run(capsys, "breakeven", "--profile", str(p), "--bandwidth-gbps", "0")
+    assert rc == 2 and "bandwidth_gbps" in err

@@ -278,6 +278,40 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- breakeven
+
+
+def _cmd_breakeven(args: argparse.Namespace) -> int:
+    from .admission.breakeven import breakeven
+    from .profile import read_profile
+
+    bpt, model_note = _bytes_per_token(args)
+    prof = read_profile(args.profile)
+    res = breakeven(
+        bytes_per_token=bpt, prefill=prof.prefill_model(), bandwidth_gbps=args.bandwidth_gbps, block_size_tokens=args.block_size,
+        prefix_tokens=args.prefix_tokens, lookup_s=args.lookup_ms / 1e3, queue_s=args.queue_ms / 1e3, stage_s=args.stage_ms / 1e3,
+        install_s=args.install_ms / 1e3, dispatch_s=args.dispatch_ms / 1e3, interference_s_per_gb=args.interference_ms_per_gb / 1e3,
+        margin=args.margin,
+    )
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    inp = res["inputs"]
+    print(f"model            {model_note}")
+    print(f"link             {inp['bandwidth_gbps']} Gbit/s useful; lookup {inp['lookup_ms']} ms, queue {inp['queue_ms']} ms, stage {inp['stage_ms']} ms, install {inp['install_ms']} ms")
+    print(f"recompute        dispatch {inp['dispatch_ms']} ms + T_prefill from {args.profile}; interference {inp['interference_ms_per_gb']} ms/GB; load iff T_remote + T_interf < {inp['margin']} x T_recompute\n")
+    print(f"{'prefix_tokens':>14} {'useful_tokens':>14} {'load_bytes':>14} {'t_remote_ms':>12} {'t_interf_ms':>12} {'t_recompute_ms':>15} {'decision':>10}")
+    for r in res["rows"]:
+        print(f"{r['prefix_tokens']:>14,} {r['useful_tokens']:>14,} {r['load_bytes']:>14,} {r['t_remote_ms']:>12.2f} {r['t_interference_ms']:>12.2f} {r['t_recompute_ms']:>15.2f} {r['decision']:>10}")
+    be = res["break_even_tokens"]
+    if be:
+        verdict = f"{be:,} tokens: loading wins from here"
+    else:
+        verdict = f"none: recompute wins at every length up to {inp['searched_up_to_tokens']:,} tokens"
+    print(f"\nbreak-even       {verdict}")
+    return 0
+
+
 def _add_trace_args(p: argparse.ArgumentParser) -> None:
     from .traces import FORMATS, PRESETS
 
@@ -337,6 +371,22 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures (needs matplotlib)")
     a.add_argument("--no-progress", action="store_true")
     a.set_defaults(func=_cmd_analyze)
+
+    b = sub.add_parser("breakeven", help="remote load vs recompute per prefix length, and the break-even prefix")
+    b.add_argument("--config", default=None, help="model config.json or bundled name (default llama-3-8b)")
+    b.add_argument("--kv-dtype", default=None)
+    b.add_argument("--bytes-per-token", type=_positive_int, default=None)
+    b.add_argument("--profile", required=True, help="measured profile CSV (prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms)")
+    b.add_argument("--bandwidth-gbps", type=float, required=True, help="useful bandwidth under contention, Gbit/s (10^9 bits)")
+    for flag, default, what in (("--lookup-ms", 0.5, "hash + metadata lookup"), ("--queue-ms", 0.0, "waiting for link/staging/server"),
+                                ("--stage-ms", 0.0, "copy through CPU memory"), ("--install-ms", 0.0, "placing blocks into the cache"),
+                                ("--dispatch-ms", 0.0, "recompute dispatch overhead"), ("--interference-ms-per-gb", 0.5, "time stolen from active requests per GB loaded")):
+        b.add_argument(flag, type=float, default=default, help=f"{what} (default {default})")
+    b.add_argument("--margin", type=float, default=0.8, help="load iff T_remote + T_interf < margin x T_recompute (default 0.8)")
+    b.add_argument("--block-size", type=_positive_int, default=16)
+    b.add_argument("--prefix-tokens", type=_int_list, default=[1024, 4096, 16384, 32768, 65536])
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=_cmd_breakeven)
     return p
 
 

@@ -54,3 +54,7 @@ class CapacityError(KVPolicyError):
 
 class OracleRequiredError(KVPolicyError):
     """An offline policy was asked for a number it needs future knowledge for."""
+
+
+class RemoteLoadError(KVPolicyError):
+    """A remote load failed and the failure policy is ``fail``."""

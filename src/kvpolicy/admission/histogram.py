@@ -1,0 +1,129 @@
+"""Mergeable streaming histograms with log-spaced buckets (relative-error quantiles).
+
+A value x > 0 lands in bucket ``ceil(log(x) / log(γ))`` with γ = (1 + α)/(1 − α);
+every quantile is then within a relative error α of the true sample quantile
+(the DDSketch construction). Values ≤ ``min_value`` share one zero bucket.
+Two histograms with the same α merge by adding bucket counts — per replica,
+per window, per class. Recording is a dict increment; quantiles are cached
+until the next record.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError
+
+
+class LogHistogram:
+    __slots__ = ("alpha", "_gamma_log", "min_value", "_counts", "_zero", "count", "sum", "min", "max", "_sorted")
+
+    def __init__(self, alpha: float = 0.01, min_value: float = 1e-9) -> None:
+        if not 0 < alpha < 1:
+            raise ConfigError("alpha", f"relative accuracy must be in (0, 1), got {alpha}")
+        self.alpha = alpha
+        self._gamma_log = math.log((1 + alpha) / (1 - alpha))
+        self.min_value = min_value
+        self._counts: dict[int, int] = {}
+        self._zero = 0
+        self.count = 0
+        self.sum = 0.0
+        self.min = math.inf
+        self.max = -math.inf
+        self._sorted: tuple[np.ndarray, np.ndarray] | None = None
+
+    def record(self, x: float, n: int = 1) -> None:
+        if not x == x or x in (math.inf, -math.inf):  # NaN or inf
+            raise ConfigError("value", f"must be finite, got {x!r}")
+        if x < 0:
+            raise ConfigError("value", f"latencies and sizes are non-negative, got {x!r}")
+        if x <= self.min_value:
+            self._zero += n
+        else:
+            k = math.ceil(math.log(x) / self._gamma_log)
+            self._counts[k] = self._counts.get(k, 0) + n
+        self.count += n
+        self.sum += x * n
+        if x < self.min:
+            self.min = x
+        if x > self.max:
+            self.max = x
+        self._sorted = None
+
+    def record_many(self, values: Iterable[float] | np.ndarray) -> None:
+        v = np.asarray(values, dtype=np.float64).ravel()
+        if v.size == 0:
+            return
+        if not np.all(np.isfinite(v)) or np.any(v < 0):
+            raise ConfigError("values", "must be finite and non-negative")
+        zero = v <= self.min_value
+        self._zero += int(zero.sum())
+        keys = np.ceil(np.log(v[~zero]) / self._gamma_log).astype(np.int64)
+        if keys.size:
+            uk, cnt = np.unique(keys, return_counts=True)
+            for k, c in zip(uk.tolist(), cnt.tolist()):
+                self._counts[k] = self._counts.get(k, 0) + c
+        self.count += int(v.size)
+        self.sum += float(v.sum())
+        self.min = min(self.min, float(v.min()))
+        self.max = max(self.max, float(v.max()))
+        self._sorted = None
+
+    def merge(self, other: LogHistogram) -> LogHistogram:
+        if other.alpha != self.alpha:
+            raise ConfigError("alpha", f"cannot merge histograms of accuracy {self.alpha} and {other.alpha}")
+        for k, c in other._counts.items():
+            self._counts[k] = self._counts.get(k, 0) + c
+        self._zero += other._zero
+        self.count += other.count
+        self.sum += other.sum
+        self.min = min(self.min, other.min)
+        self.max = max(self.max, other.max)
+        self._sorted = None
+        return self
+
+    def copy(self) -> LogHistogram:
+        h = LogHistogram(self.alpha, self.min_value)
+        return h.merge(self)
+
+    def quantile(self, q: float) -> float | None:
+        """The q-quantile (None when empty), within relative error α."""
+        if not 0 <= q <= 1:
+            raise ConfigError("q", f"must be in [0, 1], got {q}")
+        if self.count == 0:
+            return None
+        if self._sorted is None:
+            keys = np.asarray(sorted(self._counts), dtype=np.int64)
+            cum = np.cumsum([self._counts[k] for k in keys.tolist()], dtype=np.int64) + self._zero
+            self._sorted = (keys, cum)
+        keys, cum = self._sorted
+        rank = q * (self.count - 1)
+        if rank < self._zero:
+            return 0.0
+        i = int(np.searchsorted(cum, rank, side="right"))
+        if i >= keys.size:
+            return self.max
+        k = int(keys[i])
+        # bucket k holds (γ^(k−1), γ^k]; its representative 2γ^k/(γ+1) has relative error ≤ α
+        gamma = math.exp(self._gamma_log)
+        value = 2 * math.exp(k * self._gamma_log) / (gamma + 1)
+        return min(max(value, self.min), self.max)
+
+    @property
+    def mean(self) -> float | None:
+        return self.sum / self.count if self.count else None
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "count": self.count,
+            "mean": self.mean,
+            "p50": self.quantile(0.5),
+            "p95": self.quantile(0.95),
+            "p99": self.quantile(0.99),
+            "min": self.min if self.count else None,
+            "max": self.max if self.count else None,
+        }

@@ -1,0 +1,466 @@
+"""The ledger: every request's outcome by cause, four latency distributions, byte flows.
+
+**Outcomes.** Each request lands in exactly one request category —
+``local_hit`` (every matchable block served locally), ``remote_hit`` (every
+matchable block served, some remotely), ``partial_hit`` (some reuse, then a miss)
+or ``miss`` (no reuse) — and its prompt tokens are split, exactly, into:
+
+| token category | meaning |
+|---|---|
+| ``local_hit`` / ``remote_hit`` | served from the local cache / loaded from a remote tier |
+| ``miss_never_published`` | the block was never in any shared tier |
+| ``miss_evicted`` | it was published, then evicted (tier and age kept) |
+| ``miss_incompatible`` / ``miss_transfer_error`` / ``miss_timeout`` | found but not loaded |
+| ``miss_declined`` | found, but admission judged the load slower than recompute (or a guard rail refused) |
+| ``tail`` | the partial last block and the last token: always recomputed |
+
+so the categories add up to the requests, the tokens and the bytes recorded. A
+prefill→decode handoff is not reuse and is never recorded here as a hit.
+
+**Publication log.** ``published(key)`` / ``evicted(key)`` record what the shared
+tier held; a missing block is classified as evicted if its key was published
+before. The exact table keeps the newest ``max_exact_keys`` keys; keys dropped
+from it live on in a Bloom filter (``bloom_bits``, 4 hashes taken from the key
+bytes — keys are already uniform hashes). While nothing has been dropped the
+classification is exact. After that, a never-published block is reported as
+evicted with the filter's false-positive rate, ≈ (1 − e^(−4n/m))^4 for n dropped
+keys in m bits (≈ 0.24 % at n = m/16); a published block is never reported as
+never-published; ages are known only for keys still in the exact table.
+Publishing is prefix-closed (a block is published only with its whole prefix),
+so once one missing block of a request is never-published, so is every block
+after it: classification costs one lookup per evicted block plus one.
+
+**Distributions.** Cold prefill, local hit, remote hit and fallback recompute
+(a load was attempted and failed or timed out): TTFT and component times, with
+p50/p95/p99.
+
+**Byte flows.** ``R_read`` (remote bytes loaded), ``R_write`` (bytes published),
+``R_replica`` (replication traffic) and their total, over the whole run and over
+the worst sliding window (15 minutes by default).
+
+**Expected benefit per request class i**::
+
+    E[benefit_i] = h_remote_i × (T_recompute_i − T_remote_i) − P_stall_i − P_write_i − P_eviction_i
+    E[benefit]   = Σ_i λ_i × E[benefit_i]
+
+from the ledger's own observations: ``h_remote_i`` the share of class-i requests
+with a remote hit; ``T_recompute_i − T_remote_i`` the mean of (predicted recompute
+− observed load) over them; ``P_stall_i`` from observed stalls; ``P_write_i`` =
+bytes written and never re-read × ``write_cost_s_per_byte``; ``P_eviction_i`` =
+evicted-miss tokens × ``eviction_cost_s_per_token``. A term without data (or
+without its cost coefficient) is reported as unknown (``None``) — never as 0 —
+and then so is the sum.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Literal
+
+import attrs
+import numpy as np
+
+from .admission.histogram import LogHistogram
+from .errors import ConfigError
+
+REQUEST_CATEGORIES = ("local_hit", "remote_hit", "partial_hit", "miss")
+TOKEN_CATEGORIES = (
+    "local_hit", "remote_hit", "miss_never_published", "miss_evicted", "miss_incompatible",
+    "miss_transfer_error", "miss_timeout", "miss_declined", "tail",
+)
+DISTRIBUTIONS = ("cold_prefill", "local_hit", "remote_hit", "fallback_recompute")
+NotLoaded = Literal["declined", "incompatible", "transfer_error", "timeout"]
+
+
+@attrs.frozen
+class RequestRecord:
+    """One finished request, as the engine (or simulator) saw it."""
+
+    prompt_tokens: int
+    block_size_tokens: int
+    local_blocks: int = 0
+    remote_loaded_blocks: int = 0
+    #: blocks found remotely but not used, and why
+    remote_not_loaded_blocks: int = 0
+    not_loaded_reason: NotLoaded | None = None
+    #: keys of the blocks after the reused run (up to the matchable limit), to classify never-published vs evicted
+    missing_keys: tuple[bytes, ...] = ()
+    request_class: str = "default"
+    arrival_s: float = 0.0
+    ttft_s: float | None = None
+    prefill_s: float | None = None
+    load_s: float | None = None
+    queue_s: float | None = None
+    predicted_recompute_s: float | None = None  # of the blocks that were loaded (from the Decision)
+    load_attempted: bool = False
+    stall_s: float | None = None
+
+    def __attrs_post_init__(self) -> None:
+        B = self.block_size_tokens
+        if B <= 0 or self.prompt_tokens < 0:
+            raise ConfigError("prompt_tokens", "prompt_tokens must be >= 0 and block_size_tokens > 0")
+        matchable = max(self.prompt_tokens - 1, 0) // B
+        used = self.local_blocks + self.remote_loaded_blocks + self.remote_not_loaded_blocks
+        if min(self.local_blocks, self.remote_loaded_blocks, self.remote_not_loaded_blocks) < 0 or used > matchable:
+            raise ConfigError("local_blocks", f"local + remote blocks ({used}) exceed the {matchable} matchable blocks of a {self.prompt_tokens}-token prompt")
+        if len(self.missing_keys) > matchable - used:
+            raise ConfigError("missing_keys", f"{len(self.missing_keys)} keys for {matchable - used} unmatched blocks")
+        if self.remote_not_loaded_blocks and self.not_loaded_reason is None:
+            raise ConfigError("not_loaded_reason", "required when remote_not_loaded_blocks > 0")
+
+
+class PublicationLog:
+    """What the shared tier held: exact recent keys + a Bloom filter of older ones."""
+
+    def __init__(self, max_exact_keys: int = 1_000_000, bloom_bits: int = 1 << 24) -> None:
+        if max_exact_keys <= 0 or bloom_bits < 64:
+            raise ConfigError("max_exact_keys", "max_exact_keys must be > 0 and bloom_bits >= 64")
+        self.max_exact_keys = max_exact_keys
+        self._exact: dict[bytes, tuple[str, float, float | None]] = {}  # key → (tier, published_s, evicted_s)
+        self.dropped_keys = 0
+        self._bits = bytearray((bloom_bits + 7) // 8)
+        self._m = bloom_bits
+        self._reads: set[bytes] = set()
+        self.bytes_written_by_class: dict[str, float] = {}
+        self._written: dict[bytes, tuple[str, float]] = {}
+
+    def _positions(self, key: bytes) -> tuple[int, int, int, int]:
+        x = int.from_bytes(key[:16].ljust(16, b"\0"), "little")
+        m = self._m
+        return (x & 0xFFFFFFFF) % m, (x >> 32 & 0xFFFFFFFF) % m, (x >> 64 & 0xFFFFFFFF) % m, (x >> 96) % m
+
+    def _bloom_add(self, key: bytes) -> None:
+        bits = self._bits
+        for p in self._positions(key):
+            bits[p >> 3] |= 1 << (p & 7)
+
+    def _bloom_has(self, key: bytes) -> bool:
+        bits = self._bits
+        a, b, c, d = self._positions(key)
+        return bool(bits[a >> 3] >> (a & 7) & bits[b >> 3] >> (b & 7) & bits[c >> 3] >> (c & 7) & bits[d >> 3] >> (d & 7) & 1)
+
+    def published(self, key: bytes, tier: str = "pool", t_s: float = 0.0, size_bytes: float = 0.0, request_class: str = "default") -> None:
+        self._exact.pop(key, None)
+        self._exact[key] = (tier, t_s, None)
+        if size_bytes:
+            self.bytes_written_by_class[request_class] = self.bytes_written_by_class.get(request_class, 0.0) + size_bytes
+            if len(self._written) < self.max_exact_keys:
+                self._written[key] = (request_class, size_bytes)
+        while len(self._exact) > self.max_exact_keys:
+            old = next(iter(self._exact))
+            del self._exact[old]
+            self._bloom_add(old)
+            self.dropped_keys += 1
+
+    def evicted(self, key: bytes, t_s: float = 0.0) -> None:
+        e = self._exact.get(key)
+        if e is not None:
+            self._exact[key] = (e[0], e[1], t_s)
+
+    def read(self, key: bytes) -> None:
+        self._reads.add(key)
+
+    def classify(self, key: bytes, now_s: float) -> tuple[str, str | None, float | None]:
+        """("never_published" | "evicted" | "resident", tier, age_s since eviction)."""
+        e = self._exact.get(key)
+        if e is not None:
+            tier, _, ev = e
+            if ev is None:
+                return "resident", tier, None
+            return "evicted", tier, now_s - ev
+        if self.dropped_keys and self._bloom_has(key):
+            return "evicted", None, None
+        return "never_published", None, None
+
+    def unread_write_bytes(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for key, (cls, size) in self._written.items():
+            if key not in self._reads:
+                out[cls] = out.get(cls, 0.0) + size
+        return out
+
+
+class _Flow:
+    """Bytes of one flow as (time, bytes) events; totals and the worst window on demand."""
+
+    def __init__(self) -> None:
+        self.t: list[float] = []
+        self.b: list[float] = []
+
+    def add(self, t_s: float, amount: float) -> None:
+        self.t.append(t_s)
+        self.b.append(amount)
+
+    @property
+    def total(self) -> float:
+        return float(sum(self.b))
+
+    @staticmethod
+    def peak_rate(t: list[float], b: list[float], window_s: float) -> float:
+        """Worst window [t_i, t_i + window) of Σ bytes / window."""
+        if not t:
+            return 0.0
+        tt = np.asarray(t, dtype=np.float64)
+        bb = np.asarray(b, dtype=np.float64)
+        order = np.argsort(tt, kind="stable")
+        tt, bb = tt[order], bb[order]
+        c = np.concatenate([[0.0], np.cumsum(bb)])
+        end = np.searchsorted(tt, tt + window_s, side="left")
+        return float(np.max(c[end] - c[: tt.size]) / window_s)
+
+
+class _Dist:
+    """TTFT and component times of one distribution, buffered then folded."""
+
+    FIELDS = ("ttft_s", "prefill_s", "load_s", "queue_s")
+
+    def __init__(self) -> None:
+        self.hists = {f: LogHistogram() for f in self.FIELDS}
+        self.buf: dict[str, list[float]] = {f: [] for f in self.FIELDS}
+
+    def add(self, field: str, v: float) -> None:
+        b = self.buf[field]
+        b.append(v)
+        if len(b) >= 65536:
+            self.flush()
+
+    def flush(self) -> None:
+        for f, b in self.buf.items():
+            if b:
+                self.hists[f].record_many(b)
+                b.clear()
+
+    def summary(self) -> dict[str, Any]:
+        self.flush()
+        return {f: h.summary() for f, h in self.hists.items()}
+
+
+class Ledger:
+    def __init__(self, bytes_per_token: int, *, window_s: float = 900.0, publication_log: PublicationLog | None = None,
+                 write_cost_s_per_byte: float | None = None, eviction_cost_s_per_token: float | None = None) -> None:
+        if isinstance(bytes_per_token, bool) or not isinstance(bytes_per_token, int) or bytes_per_token <= 0:
+            raise ConfigError("bytes_per_token", f"must be a positive int, got {bytes_per_token!r}")
+        if window_s <= 0:
+            raise ConfigError("window_s", "must be positive")
+        self.bytes_per_token = bytes_per_token
+        self.pub = publication_log or PublicationLog()
+        self.write_cost_s_per_byte = write_cost_s_per_byte
+        self.eviction_cost_s_per_token = eviction_cost_s_per_token
+        self.requests = {c: 0 for c in REQUEST_CATEGORIES}
+        self.tokens = {c: 0 for c in TOKEN_CATEGORIES}
+        self.evicted_by_tier: dict[str, int] = {}
+        self.evicted_age_s = LogHistogram()
+        self.dists = {d: _Dist() for d in DISTRIBUTIONS}
+        self.flows = {k: _Flow() for k in ("read", "write", "replica")}
+        self.window_s = window_s
+        self._cls: dict[str, dict[str, Any]] = {}
+        self._t_first: float | None = None
+        self._t_last = 0.0
+
+    # ---------------------------------------------------------------- record
+
+    def record(self, r: RequestRecord) -> None:
+        B = r.block_size_tokens
+        T = r.prompt_tokens
+        matchable = (T - 1) // B if T > 0 else 0
+        tok = self.tokens
+        local_b = r.local_blocks
+        remote_b = r.remote_loaded_blocks
+        not_loaded = r.remote_not_loaded_blocks
+        tok["local_hit"] += local_b * B
+        tok["remote_hit"] += remote_b * B
+        if not_loaded:
+            tok["miss_" + r.not_loaded_reason] += not_loaded * B  # type: ignore[operator]
+        rest = matchable - local_b - remote_b - not_loaded
+        evicted = 0
+        if r.missing_keys:
+            classify = self.pub.classify
+            for key in r.missing_keys:
+                kind, tier, age = classify(key, r.arrival_s)
+                if kind == "never_published":
+                    break  # publishing is prefix-closed: nothing after it was published either
+                if kind == "evicted":
+                    evicted += 1
+                    tier = tier or "unknown"
+                    self.evicted_by_tier[tier] = self.evicted_by_tier.get(tier, 0) + 1
+                    if age is not None:
+                        self.evicted_age_s.record(age)
+            tok["miss_evicted"] += evicted * B
+        tok["miss_never_published"] += (rest - evicted) * B
+        tok["tail"] += T - matchable * B
+        reused = local_b + remote_b
+        if reused == 0:
+            cat = "miss"
+        elif reused == matchable:
+            cat = "remote_hit" if remote_b else "local_hit"
+        else:
+            cat = "partial_hit"
+        self.requests[cat] += 1
+        if r.load_attempted and not_loaded and r.not_loaded_reason in ("transfer_error", "timeout"):
+            dist = "fallback_recompute"
+        elif remote_b:
+            dist = "remote_hit"
+        elif local_b:
+            dist = "local_hit"
+        else:
+            dist = "cold_prefill"
+        d = self.dists[dist]
+        for f, v in (("ttft_s", r.ttft_s), ("prefill_s", r.prefill_s), ("load_s", r.load_s), ("queue_s", r.queue_s)):
+            if v is not None:
+                d.add(f, v)
+        c = self._cls.get(r.request_class)
+        if c is None:
+            c = self._cls[r.request_class] = {"requests": 0, "remote_hits": 0, "saved_s": 0.0, "saved_n": 0, "stall_s": 0.0, "stall_n": 0, "evicted_tokens": 0}
+        c["requests"] += 1
+        if remote_b:
+            c["remote_hits"] += 1
+            if r.predicted_recompute_s is not None and r.load_s is not None:
+                c["saved_s"] += r.predicted_recompute_s - r.load_s
+                c["saved_n"] += 1
+            self.flows["read"].add(r.arrival_s, remote_b * B * self.bytes_per_token)
+        if r.stall_s is not None:
+            c["stall_s"] += r.stall_s
+            c["stall_n"] += 1
+        if evicted:
+            c["evicted_tokens"] += evicted * B
+        t = r.arrival_s
+        if self._t_first is None:
+            self._t_first = t
+        if t > self._t_last:
+            self._t_last = t
+
+    def _time(self, t: float) -> None:
+        if self._t_first is None:
+            self._t_first = t
+        self._t_last = max(self._t_last, t)
+
+    def _flow(self, kind: str, t_s: float, nbytes: float) -> None:
+        self.flows[kind].add(t_s, nbytes)
+
+    def _flow_summary(self) -> dict[str, dict[str, float | None]]:
+        span = (self._t_last - self._t_first) if self._t_first is not None else 0.0
+        out: dict[str, dict[str, float | None]] = {}
+        all_t: list[float] = []
+        all_b: list[float] = []
+        for k, f in self.flows.items():
+            all_t += f.t
+            all_b += f.b
+            out[k] = {"bytes": f.total, "mean_bytes_per_s": f.total / span if span > 0 else None, "peak_window_bytes_per_s": _Flow.peak_rate(f.t, f.b, self.window_s)}
+        tot = float(sum(all_b))
+        out["total"] = {"bytes": tot, "mean_bytes_per_s": tot / span if span > 0 else None, "peak_window_bytes_per_s": _Flow.peak_rate(all_t, all_b, self.window_s)}
+        return out
+
+    def record_write(self, key: bytes, t_s: float, size_bytes: float, tier: str = "pool", request_class: str = "default") -> None:
+        """A block was published to a shared tier."""
+        self.pub.published(key, tier, t_s, size_bytes, request_class)
+        self._flow("write", t_s, size_bytes)
+        self._time(t_s)
+
+    def record_eviction(self, key: bytes, t_s: float) -> None:
+        self.pub.evicted(key, t_s)
+
+    def record_read(self, key: bytes) -> None:
+        self.pub.read(key)
+
+    def record_replication(self, t_s: float, size_bytes: float) -> None:
+        self._flow("replica", t_s, size_bytes)
+        self._time(t_s)
+
+    # ---------------------------------------------------------------- report
+
+    @property
+    def total_requests(self) -> int:
+        return sum(self.requests.values())
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.tokens.values())
+
+    def expected_benefit(self) -> dict[str, Any]:
+        span = (self._t_last - self._t_first) if self._t_first is not None else 0.0
+        unread = self.pub.unread_write_bytes()
+        per_class = {}
+        total: float | None = 0.0
+        unknown_terms: set[str] = set()
+        for name, c in sorted(self._cls.items()):
+            n = c["requests"]
+            h = c["remote_hits"] / n if n else 0.0
+            saved = c["saved_s"] / c["saved_n"] if c["saved_n"] else None
+            stall = c["stall_s"] / n if c["stall_n"] else None
+            write = None if self.write_cost_s_per_byte is None else unread.get(name, 0.0) * self.write_cost_s_per_byte / n
+            evict = None if self.eviction_cost_s_per_token is None else c["evicted_tokens"] * self.eviction_cost_s_per_token / n
+            terms = {"h_remote": h, "recompute_minus_remote_s": saved, "p_stall_s": stall, "p_write_s": write, "p_eviction_s": evict}
+            missing = [k for k, v in terms.items() if v is None and not (k == "recompute_minus_remote_s" and h == 0)]
+            benefit = None if missing else h * (saved or 0.0) - stall - write - evict  # type: ignore[operator]
+            lam = n / span if span > 0 else None
+            per_class[name] = {**terms, "rate_per_s": lam, "e_benefit_s": benefit, "unknown": missing}
+            if benefit is None or lam is None:
+                unknown_terms.update(missing or ["rate_per_s"])
+                total = None
+            elif total is not None:
+                total += lam * benefit
+        return {"per_class": per_class, "e_benefit_s_per_s": total, "unknown": sorted(unknown_terms)}
+
+    def to_dict(self) -> dict[str, Any]:
+        bpt = self.bytes_per_token
+        flows = self._flow_summary()
+        return {
+            "requests": dict(self.requests),
+            "total_requests": self.total_requests,
+            "tokens": dict(self.tokens),
+            "total_tokens": self.total_tokens,
+            "bytes": {k: v * bpt for k, v in self.tokens.items()},
+            "evicted_by_tier": dict(self.evicted_by_tier),
+            "evicted_age_s": self.evicted_age_s.summary(),
+            "distributions": {d: v.summary() for d, v in self.dists.items()},
+            "flows": flows,
+            "window_s": self.window_s,
+            "expected_benefit": self.expected_benefit(),
+        }
+
+    def to_prometheus(self, prefix: str = "kvpolicy") -> str:
+        """Prometheus text exposition (counters, summaries with quantiles, gauges)."""
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[dict[str, str], float]]) -> None:
+            lines.append(f"# HELP {prefix}_{name} {help_}")
+            lines.append(f"# TYPE {prefix}_{name} {kind}")
+            for labels, v in samples:
+                lab = ",".join(f'{k}="{val}"' for k, val in labels.items())
+                lines.append(f"{prefix}_{name}{{{lab}}} {_num(v)}" if lab else f"{prefix}_{name} {_num(v)}")
+
+        metric("requests_total", "counter", "Requests by outcome category.", [({"category": c}, v) for c, v in self.requests.items()])
+        metric("prompt_tokens_total", "counter", "Prompt tokens by reuse outcome or miss cause.", [({"category": c}, v) for c, v in self.tokens.items()])
+        metric("prompt_bytes_total", "counter", "KV bytes of prompt tokens by outcome or miss cause.", [({"category": c}, v * self.bytes_per_token) for c, v in self.tokens.items()])
+        for d, dist in self.dists.items():
+            dist.flush()
+        for field in _Dist.FIELDS:
+            samples = []
+            sums = []
+            for d, dist in self.dists.items():
+                h = dist.hists[field]
+                for q in (0.5, 0.95, 0.99):
+                    v = h.quantile(q)
+                    if v is not None:
+                        samples.append(({"distribution": d, "quantile": str(q)}, v))
+                sums.append((d, h.sum, h.count))
+            name = field.replace("_s", "_seconds")
+            lines.append(f"# HELP {prefix}_{name} {field} by distribution (cold prefill, local hit, remote hit, fallback recompute).")
+            lines.append(f"# TYPE {prefix}_{name} summary")
+            for labels, v in samples:
+                lab = ",".join(f'{k}="{val}"' for k, val in labels.items())
+                lines.append(f"{prefix}_{name}{{{lab}}} {_num(v)}")
+            for d, s, n in sums:
+                lines.append(f'{prefix}_{name}_sum{{distribution="{d}"}} {_num(s)}')
+                lines.append(f'{prefix}_{name}_count{{distribution="{d}"}} {_num(n)}')
+        flows = self._flow_summary()
+        metric("flow_bytes_total", "counter", "Bytes moved by flow (read, write, replica, total).", [({"flow": k}, v["bytes"]) for k, v in flows.items()])
+        metric("flow_peak_window_bytes_per_second", "gauge", f"Worst {self.window_s:.0f}-second window of each flow.", [({"flow": k}, v["peak_window_bytes_per_s"]) for k, v in flows.items()])
+        return "\n".join(lines) + "\n"
+
+
+def _num(v: float) -> str:
+    if isinstance(v, float) and (math.isinf(v) or math.isnan(v)):
+        return "+Inf" if v > 0 else ("-Inf" if v < 0 else "NaN")
+    return repr(float(v)) if isinstance(v, float) else str(v)

@@ -1,0 +1,296 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvpolicy.admission import (
+    AdmissionConfig,
+    AdmissionContext,
+    AdmissionController,
+    CircuitBreaker,
+    LatencyModel,
+    LinkPrior,
+    LoadOutcome,
+    LogHistogram,
+    RampController,
+)
+from kvpolicy.admission.breakeven import breakeven
+from kvpolicy.clock import ManualClock
+from kvpolicy.errors import ConfigError, RemoteLoadError
+from kvpolicy.matching import PrefixMatch
+from kvpolicy.profile import PrefillModel, fit_prefill
+
+PREFILL = fit_prefill([4096, 16384, 32768, 65536], [0.31, 1.41, 3.19, 7.6])
+B = 16
+BLOCK_BYTES = 131072 * B
+
+
+def controller(bw=3e9, **cfg):
+    return AdmissionController(LatencyModel(LinkPrior(bandwidth_bytes_per_s=bw), PREFILL), AdmissionConfig(**cfg), clock=ManualClock())
+
+
+def pm(local, remote, tokens=None):
+    tokens = tokens or (local + remote + 10) * B + 3
+    return PrefixMatch(tokens, B, (tokens - 1) // B, local, (remote,), ("pool",), "miss")
+
+
+ctx = AdmissionContext(block_bytes=BLOCK_BYTES)
+
+
+@given(st.floats(0.0, 5.0), st.floats(0.0, 5.0))
+def test_histogram_quantiles_are_within_relative_error(mu, sigma):
+    x = np.random.default_rng(0).lognormal(mu, sigma, 2000)
+    h = LogHistogram(alpha=0.01)
+    h.record_many(x)
+    for q in (0.5, 0.95, 0.99):
+        got = h.quantile(q)
+        lo, hi = np.quantile(x, q, method="lower"), np.quantile(x, q, method="higher")
+        assert lo * (1 - 0.0101) <= got <= hi * (1 + 0.0101)
+
+
+def test_histogram_merge_equals_recording_everything():
+    a, b, both = LogHistogram(), LogHistogram(), LogHistogram()
+    for i, v in enumerate(np.random.default_rng(1).exponential(1.0, 500)):
+        (a if i % 2 else b).record(v)
+        both.record(v)
+    a.merge(b)
+    assert a.count == both.count and a.quantile(0.95) == both.quantile(0.95)
+    with pytest.raises(ConfigError):
+        a.record(float("nan"))
+    with pytest.raises(ConfigError):
+        a.merge(LogHistogram(alpha=0.05))
+    assert LogHistogram().quantile(0.5) is None
+
+
+@settings(max_examples=80)
+@given(st.integers(0, 200), st.integers(1, 400), st.floats(0.05e9, 50e9), st.floats(1.01, 4.0))
+def test_faster_link_never_turns_load_into_recompute(local, remote, bw, factor):
+    slow = controller(bw).decide(pm(local, remote), ctx)
+    fast = controller(bw * factor).decide(pm(local, remote), ctx)
+    if slow.loads:
+        assert fast.loads
+    if not fast.loads:
+        assert not slow.loads  # a slower link never turns a recompute into a load
+
+
+@settings(max_examples=80)
+@given(st.integers(0, 200), st.integers(1, 400), st.integers(1, 400), st.floats(0.05e9, 50e9))
+def test_longer_shared_prefix_never_turns_load_into_recompute(local, remote, extra, bw):
+    tokens = (local + remote + extra + 10) * B + 3
+    short = controller(bw).decide(pm(local, remote, tokens), ctx)
+    long_ = controller(bw).decide(pm(local, remote + extra, tokens), ctx)
+    if short.loads:
+        assert long_.loads
+
+
+def test_decision_carries_terms_and_reasons():
+    c = controller(bw=25e9)
+    d = c.decide(pm(10, 500), ctx)
+    assert d.action == "load" and d.reason == "wins" and 1 <= d.load_blocks <= 500
+    assert d.t_remote_p95_s + d.interference_s < 0.8 * d.t_recompute_p50_s
+    assert d.interference_s > 0  # never zero by assumption
+    for term in ("lookup_p95_s", "queue_p95_s", "transfer_p95_s", "stage_p95_s", "install_p95_s", "dispatch_p50_s", "prefill_p50_s"):
+        assert term in d.terms
+    assert d.soft_timeout_s == pytest.approx(d.t_recompute_p50_s)
+    slow = controller(bw=0.01e9).decide(pm(10, 500), ctx)
+    assert slow.action == "local_only" and slow.reason == "slower_than_recompute"
+    none = controller().decide(pm(0, 0), ctx)
+    assert none.action == "recompute" and none.reason == "no_remote_blocks"
+
+
+def test_caps_queue_and_warming():
+    c = controller(bw=25e9, max_loads_per_replica=2, max_loads_per_source=3, warming_max_loads_per_replica=1)
+    a = [c.decide(pm(0, 100), ctx) for _ in range(3)]
+    assert [d.reason for d in a] == ["wins", "wins", "replica_cap"]
+    other = AdmissionContext(block_bytes=BLOCK_BYTES, replica="r2")
+    assert c.decide(pm(0, 100), other).reason == "wins"
+    assert c.decide(pm(0, 100), AdmissionContext(block_bytes=BLOCK_BYTES, replica="r3")).reason == "source_cap"
+    warm = controller(bw=25e9, warming_max_loads_per_replica=1)
+    w = AdmissionContext(block_bytes=BLOCK_BYTES, warming=True)
+    assert [warm.decide(pm(0, 100), w).reason for _ in range(2)] == ["wins", "replica_cap"]
+    q = controller(bw=25e9, max_queue_bytes_per_source=150 * BLOCK_BYTES)
+    assert [q.decide(pm(0, 100), AdmissionContext(block_bytes=BLOCK_BYTES, replica=f"r{i}")).reason for i in range(2)] == ["wins", "queue_full"]
+
+
+class AdmissionMachine(RuleBasedStateMachine):
+    """Caps are never exceeded, and in-flight accounting always balances."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = controller(bw=25e9, max_loads_per_replica=2, max_loads_per_source=3)
+        self.inflight = []
+
+    @rule(replica=st.sampled_from(["a", "b", "c"]), remote=st.integers(1, 300))
+    def decide(self, replica, remote):
+        d = self.c.decide(pm(0, remote), AdmissionContext(block_bytes=BLOCK_BYTES, replica=replica))
+        if d.loads:
+            self.inflight.append(d)
+
+    @precondition(lambda self: self.inflight)
+    @rule(data=st.data(), status=st.sampled_from(["ok", "failed", "timeout", "incompatible"]))
+    def finish(self, data, status):
+        d = self.inflight.pop(data.draw(st.integers(0, len(self.inflight) - 1)))
+        ok = data.draw(st.integers(0, d.load_blocks))
+        r = self.c.record(LoadOutcome(d.load_id, status, ok, transfer_s=0.01))
+        assert r.usable_blocks <= ok and r.usable_blocks + r.recompute_blocks == d.load_blocks
+        if status != "ok":
+            assert r.usable_blocks <= ok
+
+    @invariant()
+    def caps_hold(self):
+        for rep in "abc":
+            assert self.c.loads_in_flight(replica=rep) <= 2
+        assert self.c.loads_in_flight(source="pool") <= 3
+        assert self.c.loads_in_flight() == len(self.inflight)
+        assert self.c.queued_bytes("pool") == pytest.approx(sum(d.load_bytes for d in self.inflight))
+
+
+TestAdmissionMachine = AdmissionMachine.TestCase
+TestAdmissionMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
+def test_failed_block_and_everything_after_it_are_never_used():
+    c = controller(bw=25e9)
+    d = c.decide(pm(0, 100), ctx)
+    r = c.record(LoadOutcome(d.load_id, "failed", ok_blocks=37))
+    assert r.usable_blocks == 37 and r.recompute_blocks == d.load_blocks - 37
+    d = c.decide(pm(0, 100), ctx)
+    assert c.record(LoadOutcome(d.load_id, "timeout", ok_blocks=50)).usable_blocks == 0
+    with pytest.raises(ConfigError, match="ok_blocks"):
+        d = c.decide(pm(0, 100), ctx)
+        c.record(LoadOutcome(d.load_id, "ok", ok_blocks=d.load_blocks + 1))
+
+
+def test_failure_policy_fail_raises():
+    c = controller(bw=25e9, failure_policy="fail")
+    d = c.decide(pm(0, 100), ctx)
+    with pytest.raises(RemoteLoadError, match="failure_policy='fail'"):
+        c.record(LoadOutcome(d.load_id, "failed", ok_blocks=0))
+    assert c.loads_in_flight() == 0  # the slot was released all the same
+
+
+def test_breaker_opens_and_controller_recomputes_with_reason():
+    clock = ManualClock()
+    c = AdmissionController(LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), PREFILL), AdmissionConfig(), clock=clock,
+                            breaker_factory=lambda: CircuitBreaker(failure_threshold=2, window_s=10, open_s=5, clock=clock))
+    for _ in range(2):
+        d = c.decide(pm(0, 100), ctx)
+        c.record(LoadOutcome(d.load_id, "failed", ok_blocks=0))
+    d = c.decide(pm(0, 100), ctx)
+    assert d.action == "recompute" and d.reason == "source_unhealthy"
+    clock.advance(5)
+    probe = c.decide(pm(0, 100), ctx)
+    assert probe.loads  # half-open probe
+    assert c.decide(pm(0, 100), ctx).reason == "source_unhealthy"  # one probe at a time
+    c.record(LoadOutcome(probe.load_id, "ok", ok_blocks=probe.load_blocks, transfer_s=0.1))
+    assert c.breaker("pool").state == "closed"
+
+
+class BreakerMachine(RuleBasedStateMachine):
+    """The breaker's state machine against a small reference model."""
+
+    def __init__(self):
+        super().__init__()
+        self.clock = ManualClock()
+        self.b = CircuitBreaker(failure_threshold=3, window_s=10.0, open_s=5.0, half_open_probes=1, clock=self.clock)
+        self.fails: list[float] = []
+        self.state = "closed"
+        self.opened = 0.0
+        self.probe = False
+
+    def _ref_state(self):
+        if self.state == "open" and self.clock.now_s() - self.opened >= 5.0:
+            self.state, self.probe = "half_open", False
+        return self.state
+
+    @rule(dt=st.floats(0, 8))
+    def tick(self, dt):
+        self.clock.advance(dt)
+
+    @rule()
+    def allow(self):
+        s = self._ref_state()
+        want = s == "closed" or (s == "half_open" and not self.probe)
+        if s == "half_open" and want:
+            self.probe = True
+        assert self.b.allow() == want
+
+    @rule()
+    def success(self):
+        if self._ref_state() == "half_open":
+            self.state, self.fails, self.probe = "closed", [], False
+        self.b.record_success()
+
+    @rule()
+    def failure(self):
+        now = self.clock.now_s()
+        s = self._ref_state()
+        if s == "half_open":
+            self.state, self.opened, self.probe = "open", now, False
+        elif s == "closed":
+            self.fails = [t for t in self.fails + [now] if now - t <= 10.0]
+            if len(self.fails) >= 3:
+                self.state, self.opened, self.fails = "open", now, []
+        self.b.record_failure()
+
+    @invariant()
+    def same_state(self):
+        assert self.b.state == self._ref_state()
+
+
+TestBreakerMachine = BreakerMachine.TestCase
+TestBreakerMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_ramp_aimd_and_share():
+    r = RampController(baseline_p95_ttft_s=1.0, baseline_throughput=100.0, initial_share=0.1, step=0.1, backoff=0.5)
+    assert r.observe_window(1.0, 100.0).action == "raise"
+    assert r.share == pytest.approx(0.2)
+    assert r.observe_window(1.2, 100.0).action == "back_off"
+    assert r.share == pytest.approx(0.1)
+    assert r.observe_window(1.0, 80.0).action == "back_off"
+    admitted = sum(r.admit() for _ in range(1000))
+    assert admitted == pytest.approx(1000 * r.share, abs=1)
+    assert len(r.to_dict()["history"]) == 3
+    c = AdmissionController(LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), PREFILL), AdmissionConfig(max_loads_per_replica=10**6, max_loads_per_source=10**6, max_queue_bytes_per_source=1e30),
+                            ramp=RampController(1.0, 1.0, initial_share=0.25))
+    reasons = [c.decide(pm(0, 10), ctx).reason for _ in range(8)]
+    assert reasons.count("wins") == 2 and reasons.count("ramp_share") == 6
+
+
+def test_online_learning_moves_the_estimate():
+    c = controller(bw=25e9)
+    before = c.decide(pm(0, 100), ctx)
+    for _ in range(30):  # observed transfers are 20x slower than the prior
+        d = c.decide(pm(0, 100), ctx)
+        if not d.loads:
+            break
+        c.record(LoadOutcome(d.load_id, "ok", d.load_blocks, transfer_s=20 * d.load_bytes / 25e9))
+    after = c.decide(pm(0, 100), ctx)
+    assert after.t_remote_p95_s > 5 * before.t_remote_p95_s
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="margin"):
+        AdmissionConfig(margin=0)
+    with pytest.raises(ConfigError, match="failure_policy"):
+        AdmissionConfig(failure_policy="retry")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="bandwidth_bytes_per_s"):
+        LinkPrior(bandwidth_bytes_per_s=0)
+    with pytest.raises(ConfigError, match="block_bytes"):
+        AdmissionContext(block_bytes=0)
+    with pytest.raises(ConfigError, match="load_id"):
+        controller().record(LoadOutcome(999, "ok", 0))
+
+
+def test_breakeven_table():
+    res = breakeven(bytes_per_token=131072, prefill=PREFILL, bandwidth_gbps=10, block_size_tokens=16, prefix_tokens=[1000, 70007, 200000])
+    rows = res["rows"]
+    assert [r["useful_tokens"] for r in rows] == [992, 70000, 200000]
+    assert rows[0]["load_bytes"] == 992 * 131072
+    assert rows[0]["t_remote_ms"] == pytest.approx(0.5 + 992 * 131072 * 8 / 10e9 * 1e3)
+    be = res["break_even_tokens"]
+    assert be is not None and be % 16 == 0
+    assert rows[0]["decision"] == "recompute" and rows[-1]["decision"] == "load"
+    never = breakeven(bytes_per_token=131072, prefill=PrefillModel(0.0, 1e-6, 0.0, 0, 0), bandwidth_gbps=0.1, prefix_tokens=[1024])
+    assert never["break_even_tokens"] is None and never["rows"][0]["decision"] == "recompute"

@@ -1,0 +1,127 @@
+import re
+
+import pytest
+from hypothesis import given, strategies as st
+
+from kvpolicy.errors import ConfigError
+from kvpolicy.ledger import DISTRIBUTIONS, REQUEST_CATEGORIES, Ledger, PublicationLog, RequestRecord
+
+B = 16
+
+
+@st.composite
+def records(draw):
+    T = draw(st.integers(0, 400))
+    matchable = max(T - 1, 0) // B
+    local = draw(st.integers(0, matchable))
+    remote = draw(st.integers(0, matchable - local))
+    not_loaded = draw(st.integers(0, matchable - local - remote))
+    missing = draw(st.integers(0, matchable - local - remote - not_loaded))
+    keys = tuple(bytes([draw(st.integers(0, 9))]) * 16 for _ in range(missing))
+    return RequestRecord(
+        prompt_tokens=T, block_size_tokens=B, local_blocks=local, remote_loaded_blocks=remote, remote_not_loaded_blocks=not_loaded,
+        not_loaded_reason=draw(st.sampled_from(["declined", "incompatible", "transfer_error", "timeout"])) if not_loaded else None,
+        missing_keys=keys, request_class=draw(st.sampled_from(["chat", "rag"])), arrival_s=draw(st.floats(0, 1000)),
+        ttft_s=draw(st.floats(0.001, 5)), load_s=0.01 if remote else None, predicted_recompute_s=0.05 if remote else None,
+        load_attempted=bool(remote or not_loaded),
+    )
+
+
+@given(st.lists(records(), max_size=40), st.sets(st.integers(0, 9)))
+def test_ledger_counts_add_up(recs, published):
+    led = Ledger(bytes_per_token=7)
+    for p in published:
+        led.record_write(bytes([p]) * 16, 0.0, 100.0)
+    for r in recs:
+        led.record(r)
+    d = led.to_dict()
+    assert d["total_requests"] == len(recs) == sum(d["requests"].values())
+    assert d["total_tokens"] == sum(r.prompt_tokens for r in recs)
+    assert sum(d["bytes"].values()) == 7 * sum(r.prompt_tokens for r in recs)
+    assert d["tokens"]["local_hit"] == B * sum(r.local_blocks for r in recs)
+    assert sum(led.dists[x].hists["ttft_s"].count + len(led.dists[x].buf["ttft_s"]) for x in DISTRIBUTIONS) == len(recs)
+    assert set(d["requests"]) == set(REQUEST_CATEGORIES)
+
+
+def test_miss_causes_are_kept_apart():
+    led = Ledger(bytes_per_token=1)
+    k_pub, k_ev, k_new = b"p" * 16, b"e" * 16, b"n" * 16
+    led.record_write(k_ev, 1.0, 10.0, tier="ssd")
+    led.record_eviction(k_ev, 5.0)
+    led.record_write(k_pub, 1.0, 10.0)
+    led.record(RequestRecord(prompt_tokens=5 * B + 1, block_size_tokens=B, local_blocks=1, remote_not_loaded_blocks=1, not_loaded_reason="timeout",
+                             missing_keys=(k_ev, k_new), arrival_s=65.0, load_attempted=True, ttft_s=0.3))
+    t = led.tokens
+    assert t["local_hit"] == B and t["miss_timeout"] == B and t["miss_evicted"] == B
+    assert t["miss_never_published"] == 2 * B and t["tail"] == 1
+    assert led.evicted_by_tier == {"ssd": 1}
+    assert led.evicted_age_s.quantile(0.5) == pytest.approx(60.0, rel=0.02)
+    assert led.dists["fallback_recompute"].summary()["ttft_s"]["count"] == 1
+
+
+def test_bloom_keeps_dropped_keys_as_evicted():
+    log = PublicationLog(max_exact_keys=2, bloom_bits=1 << 16)
+    keys = [bytes([i]) * 16 for i in range(5)]
+    for k in keys:
+        log.published(k)
+    assert log.dropped_keys == 3
+    assert all(log.classify(k, 0.0)[0] in ("evicted", "resident") for k in keys)
+    assert log.classify(b"\xff" * 16, 0.0)[0] == "never_published"
+
+
+def test_expected_benefit_reports_unknown_terms():
+    led = Ledger(bytes_per_token=1)
+    for t in (0.0, 10.0):
+        led.record(RequestRecord(prompt_tokens=10 * B + 1, block_size_tokens=B, remote_loaded_blocks=10, load_s=0.1, predicted_recompute_s=0.5, arrival_s=t, request_class="chat", stall_s=0.01))
+    eb = led.expected_benefit()
+    assert eb["e_benefit_s_per_s"] is None and "p_write_s" in eb["unknown"]
+    led2 = Ledger(bytes_per_token=1, write_cost_s_per_byte=1e-9, eviction_cost_s_per_token=1e-6)
+    for t in (0.0, 10.0):
+        led2.record(RequestRecord(prompt_tokens=10 * B + 1, block_size_tokens=B, remote_loaded_blocks=10, load_s=0.1, predicted_recompute_s=0.5, arrival_s=t, request_class="chat", stall_s=0.01))
+    eb2 = led2.expected_benefit()
+    c = eb2["per_class"]["chat"]
+    assert c["e_benefit_s"] == pytest.approx(1.0 * 0.4 - 0.01)
+    assert eb2["e_benefit_s_per_s"] == pytest.approx(c["e_benefit_s"] * 2 / 10)
+
+
+def test_byte_flows_and_peak_window():
+    led = Ledger(bytes_per_token=10, window_s=100.0)
+    led.record_write(b"a" * 16, 0.0, 1000.0)
+    led.record_replication(50.0, 500.0)
+    led.record(RequestRecord(prompt_tokens=2 * B + 1, block_size_tokens=B, remote_loaded_blocks=2, arrival_s=300.0))
+    f = led.to_dict()["flows"]
+    assert f["write"]["bytes"] == 1000 and f["replica"]["bytes"] == 500 and f["read"]["bytes"] == 2 * B * 10
+    assert f["total"]["bytes"] == 1000 + 500 + 320
+    assert f["total"]["peak_window_bytes_per_s"] == pytest.approx(1500 / 100)
+
+
+_LINE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="[^"]*")(,[a-zA-Z_][a-zA-Z0-9_]*="[^"]*")*\})? (-?[0-9.e+-]+|[+-]Inf|NaN)$')
+
+
+def test_prometheus_exposition_parses():
+    led = Ledger(bytes_per_token=2)
+    led.record(RequestRecord(prompt_tokens=3 * B, block_size_tokens=B, local_blocks=2, ttft_s=0.05, prefill_s=0.04))
+    text = led.to_prometheus()
+    types = {}
+    for line in text.strip().splitlines():
+        if line.startswith("# HELP"):
+            continue
+        if line.startswith("# TYPE"):
+            _, _, name, kind = line.split()
+            types[name] = kind
+            continue
+        assert _LINE.match(line), line
+        name = line.split("{")[0].split(" ")[0]
+        base = re.sub(r"_(sum|count)$", "", name)
+        assert name in types or base in types, line
+    assert 'kvpolicy_requests_total{category="local_hit"} 1' in text
+    assert 'kvpolicy_ttft_seconds{distribution="local_hit",quantile="0.5"}' in text
+
+
+def test_record_validation():
+    with pytest.raises(ConfigError, match="local_blocks"):
+        RequestRecord(prompt_tokens=2 * B, block_size_tokens=B, local_blocks=2)  # only 1 matchable block
+    with pytest.raises(ConfigError, match="not_loaded_reason"):
+        RequestRecord(prompt_tokens=5 * B, block_size_tokens=B, remote_not_loaded_blocks=1)
+    with pytest.raises(ConfigError, match="bytes_per_token"):
+        Ledger(bytes_per_token=0)
