@@ -257,6 +257,7 @@ class Ledger:
         self._cls: dict[str, dict[str, Any]] = {}
         self._t_first: float | None = None
         self._t_last = 0.0
+        self._n_buffered = 0
 
     # ---------------------------------------------------------------- record
 
@@ -275,11 +276,14 @@ class Ledger:
         rest = matchable - local_b - remote_b - not_loaded
         evicted = 0
         if r.missing_keys:
-            classify = self.pub.classify
+            pub = self.pub
+            exact = pub._exact
             for key in r.missing_keys:
-                kind, tier, age = classify(key, r.arrival_s)
+                if not pub.dropped_keys and key not in exact:
+                    break  # never published — and publishing is prefix-closed: nothing after it was either
+                kind, tier, age = pub.classify(key, r.arrival_s)
                 if kind == "never_published":
-                    break  # publishing is prefix-closed: nothing after it was published either
+                    break
                 if kind == "evicted":
                     evicted += 1
                     tier = tier or "unknown"
@@ -305,10 +309,20 @@ class Ledger:
             dist = "local_hit"
         else:
             dist = "cold_prefill"
-        d = self.dists[dist]
-        for f, v in (("ttft_s", r.ttft_s), ("prefill_s", r.prefill_s), ("load_s", r.load_s), ("queue_s", r.queue_s)):
-            if v is not None:
-                d.add(f, v)
+        buf = self.dists[dist].buf
+        if r.ttft_s is not None:
+            buf["ttft_s"].append(r.ttft_s)
+        if r.prefill_s is not None:
+            buf["prefill_s"].append(r.prefill_s)
+        if r.load_s is not None:
+            buf["load_s"].append(r.load_s)
+        if r.queue_s is not None:
+            buf["queue_s"].append(r.queue_s)
+        self._n_buffered += 1
+        if self._n_buffered >= 65536:
+            for x in self.dists.values():
+                x.flush()
+            self._n_buffered = 0
         c = self._cls.get(r.request_class)
         if c is None:
             c = self._cls[r.request_class] = {"requests": 0, "remote_hits": 0, "saved_s": 0.0, "saved_n": 0, "stall_s": 0.0, "stall_n": 0, "evicted_tokens": 0}
@@ -318,7 +332,9 @@ class Ledger:
             if r.predicted_recompute_s is not None and r.load_s is not None:
                 c["saved_s"] += r.predicted_recompute_s - r.load_s
                 c["saved_n"] += 1
-            self.flows["read"].add(r.arrival_s, remote_b * B * self.bytes_per_token)
+            fr = self.flows["read"]
+            fr.t.append(r.arrival_s)
+            fr.b.append(remote_b * B * self.bytes_per_token)
         if r.stall_s is not None:
             c["stall_s"] += r.stall_s
             c["stall_n"] += 1

@@ -169,21 +169,25 @@ class AdmissionController:
     # ------------------------------------------------------------------ decide
 
     def evaluate(self, local_blocks: int, remote_blocks: int, k: int, block_size_tokens: int, ctx: AdmissionContext) -> dict[str, float]:
-        """Predicted terms for loading k of the remote blocks (no side effects)."""
-        m = self.model
+        """Every predicted term for loading k of the remote blocks (no side effects)."""
         load_bytes = k * ctx.block_bytes
         queue = self.queued_bytes(ctx.source)
-        r95 = m.t_remote(load_bytes, k, queue, 0.95)
-        r50 = m.t_remote(load_bytes, k, queue, 0.5)
         start = local_blocks * block_size_tokens
-        rec = m.t_recompute(start, start + k * block_size_tokens, 0.5)
-        out = {f"{name[:-2]}_p95_s": v for name, v in r95.items()}
-        out.update({f"{name[:-2]}_p50_s": v for name, v in r50.items()})
-        out.update({f"{name[:-2]}_p50_s": v for name, v in rec.items()})
-        out["t_remote_p95_s"] = sum(r95.values())
-        out["t_remote_p50_s"] = sum(r50.values())
-        out["t_recompute_p50_s"] = sum(rec.values())
-        out["interference_s"] = m.t_interference(load_bytes, ctx.active_decodes)
+        end = start + k * block_size_tokens
+        out: dict[str, float] = {}
+        for tag, c in (("p95", self.model.coefficients(0.95)), ("p50", self.model.coefficients(0.5))):
+            out[f"lookup_{tag}_s"] = c.lookup_s
+            out[f"queue_{tag}_s"] = queue * c.s_per_byte
+            out[f"transfer_{tag}_s"] = c.transfer_overhead_s + c.s_per_byte * load_bytes if load_bytes > 0 else 0.0
+            out[f"stage_{tag}_s"] = c.stage_s_per_byte * load_bytes
+            out[f"install_{tag}_s"] = c.install_s_per_block * k
+            out[f"t_remote_{tag}_s"] = c.remote(load_bytes, k, queue)
+        c50 = self.model.coefficients(0.5)
+        out["dispatch_p50_s"] = c50.dispatch_s
+        out["prefill_p50_s"] = c50.recompute(start, end) - c50.dispatch_s
+        out["t_recompute_p50_s"] = c50.recompute(start, end)
+        out["interference_s"] = c50.interference_s_per_byte * load_bytes * (1 + max(ctx.active_decodes, 0))
+        out["b_eff_p50_bytes_per_s"] = 1.0 / c50.s_per_byte if c50.s_per_byte > 0 else float("inf")
         out["benefit_s"] = self.config.margin * out["t_recompute_p50_s"] - out["t_remote_p95_s"] - out["interference_s"]
         return out
 
@@ -195,18 +199,26 @@ class AdmissionController:
         no_load: Action = "local_only" if L > 0 else "recompute"
         if R == 0:
             return Decision(no_load, "no_remote_blocks", L, 0, 0, None, None, None, None, {}, source=ctx.source, replica=ctx.replica)
-        best_k, best = 0, None
+        # benefit(k) in closed form from cached coefficients; full terms for the winner only
+        c95 = self.model.coefficients(0.95)
+        c50 = self.model.coefficients(0.5)
+        queue = self.queued_bytes(ctx.source)
+        Bt = match.block_size_tokens
+        start = L * Bt
+        margin = self.config.margin
+        spread = 1 + max(ctx.active_decodes, 0)
+        best_k, best_benefit = 1, -float("inf")
         k = 1
-        candidates = []
-        while k < R:
-            candidates.append(k)
+        while True:
+            kk = min(k, R)
+            S = kk * ctx.block_bytes
+            benefit = margin * c50.recompute(start, start + kk * Bt) - c95.remote(S, kk, queue) - c50.interference_s_per_byte * S * spread
+            if benefit > best_benefit:
+                best_k, best_benefit = kk, benefit
+            if kk == R:
+                break
             k *= 2
-        candidates.append(R)
-        for k in candidates:
-            terms = self.evaluate(L, R, k, match.block_size_tokens, ctx)
-            if best is None or terms["benefit_s"] > best["benefit_s"]:
-                best_k, best = k, terms
-        assert best is not None
+        best = self.evaluate(L, R, best_k, Bt, ctx)
 
         def refuse(reason: str) -> Decision:
             return Decision(no_load, reason, L, R, 0, best["t_remote_p50_s"], best["t_remote_p95_s"], best["t_recompute_p50_s"],

@@ -20,7 +20,7 @@ from ..errors import ConfigError
 
 
 class LogHistogram:
-    __slots__ = ("alpha", "_gamma_log", "min_value", "_counts", "_zero", "count", "sum", "min", "max", "_sorted")
+    __slots__ = ("alpha", "_gamma_log", "min_value", "_counts", "_zero", "count", "sum", "min", "max", "_sorted", "_qcache")
 
     def __init__(self, alpha: float = 0.01, min_value: float = 1e-9) -> None:
         if not 0 < alpha < 1:
@@ -35,6 +35,7 @@ class LogHistogram:
         self.min = math.inf
         self.max = -math.inf
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None
+        self._qcache: dict[float, float | None] = {}
 
     def record(self, x: float, n: int = 1) -> None:
         if not x == x or x in (math.inf, -math.inf):  # NaN or inf
@@ -53,6 +54,7 @@ class LogHistogram:
         if x > self.max:
             self.max = x
         self._sorted = None
+        self._qcache = {}
 
     def record_many(self, values: Iterable[float] | np.ndarray) -> None:
         v = np.asarray(values, dtype=np.float64).ravel()
@@ -72,6 +74,7 @@ class LogHistogram:
         self.min = min(self.min, float(v.min()))
         self.max = max(self.max, float(v.max()))
         self._sorted = None
+        self._qcache = {}
 
     def merge(self, other: LogHistogram) -> LogHistogram:
         if other.alpha != self.alpha:
@@ -84,6 +87,7 @@ class LogHistogram:
         self.min = min(self.min, other.min)
         self.max = max(self.max, other.max)
         self._sorted = None
+        self._qcache = {}
         return self
 
     def copy(self) -> LogHistogram:
@@ -92,6 +96,14 @@ class LogHistogram:
 
     def quantile(self, q: float) -> float | None:
         """The q-quantile (None when empty), within relative error α."""
+        hit = self._qcache.get(q)
+        if hit is not None or (q in self._qcache):
+            return hit
+        v = self._quantile(q)
+        self._qcache[q] = v
+        return v
+
+    def _quantile(self, q: float) -> float | None:
         if not 0 <= q <= 1:
             raise ConfigError("q", f"must be in [0, 1], got {q}")
         if self.count == 0:

@@ -157,6 +157,30 @@ def _nnls_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return float(best[1][0]), float(best[1][1])
 
 
+@attrs.frozen
+class Coefficients:
+    """Every term of the model at one quantile, as plain floats (seconds, bytes)."""
+
+    lookup_s: float
+    transfer_overhead_s: float
+    s_per_byte: float  # 1 / B_eff
+    stage_s_per_byte: float
+    install_s_per_block: float
+    dispatch_s: float
+    prefill_ratio: float
+    prefill_b_s_per_token: float
+    prefill_c_s_per_token2: float
+    interference_s_per_byte: float
+
+    def remote(self, load_bytes: float, n_blocks: int, queue_bytes: float) -> float:
+        xfer = self.transfer_overhead_s + self.s_per_byte * load_bytes if load_bytes > 0 else 0.0
+        return self.lookup_s + queue_bytes * self.s_per_byte + xfer + self.stage_s_per_byte * load_bytes + self.install_s_per_block * n_blocks
+
+    def recompute(self, start_tokens: int, end_tokens: int) -> float:
+        marginal = self.prefill_b_s_per_token * (end_tokens - start_tokens) + self.prefill_c_s_per_token2 * (end_tokens * end_tokens - start_tokens * start_tokens)
+        return self.dispatch_s + self.prefill_ratio * max(marginal, 0.0)
+
+
 class LatencyModel:
     """Priors + online corrections for every term; quantiles on demand."""
 
@@ -175,12 +199,30 @@ class LatencyModel:
         self.prefill_ratio = _Term(1.0, 1.0, min_samples)
         self.interference_per_byte = _Term(prior.interference_s_per_byte, 1.0, min_samples)
         self.transfer = TransferModel(prior, min_samples)
+        self.version = 0
+        self._snap: dict[float, tuple[int, Coefficients]] = {}
+
+    def coefficients(self, q: float) -> Coefficients:
+        """All terms at quantile q (cached until the next observation)."""
+        hit = self._snap.get(q)
+        if hit is not None and hit[0] == self.version:
+            return hit[1]
+        alpha, beta = self.transfer.coefficients(q)
+        c = Coefficients(
+            lookup_s=self.lookup.q(q), transfer_overhead_s=alpha, s_per_byte=beta, stage_s_per_byte=self.stage_per_byte.q(q),
+            install_s_per_block=self.install_per_block.q(q), dispatch_s=self.dispatch.q(q), prefill_ratio=self.prefill_ratio.q(q),
+            prefill_b_s_per_token=self.prefill.b_s_per_token, prefill_c_s_per_token2=self.prefill.c_s_per_token2,
+            interference_s_per_byte=self.interference_per_byte.q(0.5),
+        )
+        self._snap[q] = (self.version, c)
+        return c
 
     # ---------------------------------------------------------------- observe
 
     def observe_load(self, *, bytes_loaded: float, n_blocks: int, lookup_s: float | None = None, transfer_s: float | None = None,
                      stage_s: float | None = None, install_s: float | None = None) -> None:
         """Feed one completed remote load's measured components."""
+        self.version += 1
         if lookup_s is not None:
             self.lookup.hist.record(lookup_s)
         if transfer_s is not None and bytes_loaded > 0:
@@ -192,6 +234,7 @@ class LatencyModel:
 
     def observe_prefill(self, tokens_before: int, tokens_computed: int, seconds: float, dispatch_s: float | None = None) -> None:
         """Feed a measured prefill of ``tokens_computed`` tokens after ``tokens_before`` cached ones."""
+        self.version += 1
         predicted = self.prefill_seconds(tokens_before, tokens_before + tokens_computed)
         if predicted > 0 and seconds > 0:
             self.prefill_ratio.hist.record(seconds / predicted)
@@ -200,6 +243,7 @@ class LatencyModel:
 
     def observe_interference(self, bytes_moved: float, stall_s: float, active_decodes: int = 0) -> None:
         """Feed an observed stall of active requests attributed to a load of ``bytes_moved``."""
+        self.version += 1
         if bytes_moved > 0:
             self.interference_per_byte.hist.record(stall_s / bytes_moved / (1 + max(active_decodes, 0)))
 
