@@ -186,7 +186,7 @@ def test_block_keys_views():
 
 @given(
     st.recursive(
-        st.one_of(st.none(), st.booleans(), st.integers(-(2**64), 2**64 - 1), st.text(max_size=8), st.binary(max_size=40)),
+        st.one_of(st.none(), st.booleans(), st.integers(-(2**80), 2**80), st.text(max_size=8), st.binary(max_size=40)),
         lambda inner: st.lists(inner, max_size=5).map(tuple),
         max_leaves=12,
     )

@@ -1,6 +1,6 @@
 """Canonical CBOR (RFC 8949 §4.2.1 core deterministic encoding) for the value
-shapes vLLM hashes: ``None``, ``bool``, ``int``, ``str``, ``bytes`` and
-tuples/lists of them. Enough to reproduce ``cbor2.dumps(obj, canonical=True)``
+shapes vLLM hashes: ``None``, ``bool``, ``int`` (bignums as tags 2/3), ``str``,
+``bytes`` and tuples/lists of them. Enough to reproduce ``cbor2.dumps(obj, canonical=True)``
 for block-hash inputs without a runtime dependency; the test suite checks it
 against ``cbor2`` on generated values.
 """
@@ -26,7 +26,7 @@ def _head(major: int, n: int) -> bytes:
         return bytes([(major << 5) | 26]) + struct.pack(">I", n)
     if n < 0x10000000000000000:
         return bytes([(major << 5) | 27]) + struct.pack(">Q", n)
-    raise ConfigError("cbor", f"integer {n} needs a bignum tag, which block hashing never uses")
+    raise ConfigError("cbor", f"length {n} does not fit a CBOR head")
 
 
 def dumps(obj: Any) -> bytes:
@@ -44,7 +44,14 @@ def _encode(obj: Any, out: list[bytes]) -> None:
     elif obj is False:
         out.append(b"\xf4")
     elif isinstance(obj, int):
-        out.append(_head(0, obj) if obj >= 0 else _head(1, -1 - obj))
+        n, major = (obj, 0) if obj >= 0 else (-1 - obj, 1)
+        if n < 0x10000000000000000:
+            out.append(_head(major, n))
+        else:  # bignum: tag 2 (positive) / 3 (negative) around the big-endian magnitude
+            mag = n.to_bytes((n.bit_length() + 7) // 8, "big")
+            out.append(bytes([0xC2 if major == 0 else 0xC3]))
+            out.append(_head(2, len(mag)))
+            out.append(mag)
     elif isinstance(obj, bytes):
         out.append(_head(2, len(obj)))
         out.append(obj)
