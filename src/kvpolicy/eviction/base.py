@@ -1,0 +1,295 @@
+"""The shared machinery every eviction policy stands on.
+
+A policy sees a **resident prefix tree**: each block has a size in bytes and
+(optionally) a parent that must already be resident. The base keeps:
+
+* the tree (children counts, depth) — the resident set stays prefix-closed, and
+  only **leaves** (no resident child) are ever evicted: a parent becomes a
+  candidate once its last child is gone;
+* **pins** (refcounts held by active decodes): a pinned block is never evicted.
+  A per-node count of pinned nodes in its subtree, propagated only on 0↔1
+  transitions (O(1) amortised for chain pins), gives the bytes that cannot be
+  freed, so :meth:`victims` raises :class:`~kvpolicy.errors.CapacityError`
+  *before* evicting anything when the request is impossible — never over-commits;
+* capacity and used bytes.
+
+A policy overrides a few hooks (cachetools-style: reading one teaches all):
+``_admit`` (new block), ``_hit`` (access), ``_candidate`` (a block becomes or
+stops being an eviction candidate), ``_choose`` (return a current candidate) and
+``_forget`` (a block left the cache). :class:`PriorityPolicy` turns a priority
+function into a policy (SGLang-style: lower priority is evicted first).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Hashable, Iterator
+from typing import Any
+
+from ..clock import ManualClock
+from ..errors import CapacityError, ConfigError
+from ..protocols import Clock
+
+
+class Node:
+    __slots__ = ("key", "size", "parent", "children", "pins", "prot", "depth", "seq", "version", "t_insert", "t_access", "hits", "data")
+
+    def __init__(self, key: Hashable, size: int, parent: Node | None, seq: int, now: float) -> None:
+        self.key = key
+        self.size = size
+        self.parent = parent
+        self.children = 0
+        self.pins = 0
+        self.prot = 0  # pinned nodes in this subtree, counted as: own pin (0/1) + children with prot > 0
+        self.depth = 0 if parent is None else parent.depth + 1
+        self.seq = seq
+        self.version = 0
+        self.t_insert = now
+        self.t_access = now
+        self.hits = 0
+        self.data: Any = None
+
+    @property
+    def is_candidate(self) -> bool:
+        return self.children == 0 and self.prot == 0
+
+
+class EvictionPolicy:
+    """Base class: the prefix tree, pins, capacity. Subclasses pick victims."""
+
+    name = "base"
+
+    def __init__(self, capacity_bytes: int, *, clock: Clock | None = None) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            raise ConfigError("capacity_bytes", f"must be a non-negative int, got {capacity_bytes!r}")
+        self.capacity_bytes = capacity_bytes
+        self.clock = clock or ManualClock()
+        self.nodes: dict[Hashable, Node] = {}
+        self.used_bytes = 0
+        self.protected_bytes = 0
+        self._seq = itertools.count()
+        self.evictions = 0
+        self.hits = 0
+        self.inserts = 0
+        self._incoming: Hashable | None = None
+
+    # ------------------------------------------------------------------ engine API
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.nodes
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(self.nodes)
+
+    @property
+    def freeable_bytes(self) -> int:
+        return self.used_bytes - self.protected_bytes
+
+    def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        """A block became resident. Its parent must be resident; capacity must suffice."""
+        if key in self.nodes:
+            raise ConfigError("key", f"{key!r} is already resident")
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ConfigError("size", f"must be a positive int (bytes), got {size!r}")
+        p = None
+        if parent is not None:
+            p = self.nodes.get(parent)
+            if p is None:
+                raise ConfigError("parent", f"{parent!r} is not resident: the resident set must stay prefix-closed")
+        if self.used_bytes + size > self.capacity_bytes:
+            raise CapacityError(f"inserting {size} bytes would exceed capacity ({self.used_bytes} of {self.capacity_bytes} used); call victims() first")
+        node = Node(key, size, p, next(self._seq), self.clock.now_s())
+        self.nodes[key] = node
+        self.used_bytes += size
+        self.inserts += 1
+        if p is not None:
+            if p.children == 0 and p.prot == 0:
+                self._candidate(p, False)
+            p.children += 1
+        self._admit(node)
+        self._candidate(node, True)
+
+    def on_access(self, key: Hashable) -> None:
+        node = self.nodes.get(key)
+        if node is None:
+            raise ConfigError("key", f"{key!r} is not resident")
+        node.hits += 1
+        node.t_access = self.clock.now_s()
+        self.hits += 1
+        self._hit(node)
+
+    def on_remove(self, key: Hashable) -> None:
+        """The engine dropped a block itself (it must be an unpinned leaf)."""
+        node = self.nodes.get(key)
+        if node is None:
+            raise ConfigError("key", f"{key!r} is not resident")
+        if not node.is_candidate:
+            raise ConfigError("key", f"{key!r} is pinned or has resident children; remove its descendants first")
+        self._remove(node)
+
+    def pin(self, key: Hashable) -> None:
+        node = self.nodes.get(key)
+        if node is None:
+            raise ConfigError("key", f"{key!r} is not resident")
+        node.pins += 1
+        if node.pins == 1:
+            self._prot_up(node)
+
+    def unpin(self, key: Hashable) -> None:
+        node = self.nodes.get(key)
+        if node is None or node.pins == 0:
+            raise ConfigError("key", f"{key!r} is not pinned")
+        node.pins -= 1
+        if node.pins == 0:
+            self._prot_down(node)
+
+    def victims(self, need_bytes: int, incoming: Hashable | None = None) -> list[Hashable]:
+        """Evict until ``need_bytes`` more fit; return the evicted keys (leaves first).
+
+        ``incoming`` names the block about to be inserted, for policies that use it
+        (ARC's ghost lists). Raises CapacityError, evicting nothing, when pinned
+        blocks make it impossible.
+        """
+        self._incoming = incoming
+        short = self.used_bytes + need_bytes - self.capacity_bytes
+        if short <= 0:
+            return []
+        if short > self.freeable_bytes:
+            raise CapacityError(
+                f"need {short} more bytes but only {self.freeable_bytes} are freeable "
+                f"({self.protected_bytes} bytes pinned or under pinned blocks)"
+            )
+        out = []
+        while self.used_bytes + need_bytes > self.capacity_bytes:
+            node = self._choose()
+            assert node.is_candidate, f"{type(self).__name__} chose a non-candidate {node.key!r}"
+            out.append(node.key)
+            self._remove(node)
+            self.evictions += 1
+        return out
+
+    def admit(self, key: Hashable, size: int, parent: Hashable | None = None) -> bool:
+        """Should this block be cached at all? (Bypass policies say no.)"""
+        return True
+
+    # ------------------------------------------------------------------ internals
+
+    def _remove(self, node: Node) -> None:
+        self._candidate(node, False)
+        del self.nodes[node.key]
+        self.used_bytes -= node.size
+        p = node.parent
+        if p is not None:
+            p.children -= 1
+            if p.children == 0 and p.prot == 0:
+                self._candidate(p, True)
+        self._forget(node)
+
+    def _prot_up(self, node: Node) -> None:
+        n: Node | None = node
+        while n is not None:
+            was_candidate = n.children == 0 and n.prot == 0
+            n.prot += 1
+            if n.prot != 1:
+                break
+            self.protected_bytes += n.size
+            if was_candidate:
+                self._candidate(n, False)
+            n = n.parent
+
+    def _prot_down(self, node: Node) -> None:
+        n: Node | None = node
+        while n is not None:
+            n.prot -= 1
+            if n.prot != 0:
+                break
+            self.protected_bytes -= n.size
+            if n.children == 0:
+                self._candidate(n, True)
+            n = n.parent
+
+    # ------------------------------------------------------------------ hooks
+
+    def _admit(self, node: Node) -> None:
+        pass
+
+    def _hit(self, node: Node) -> None:
+        pass
+
+    def _candidate(self, node: Node, yes: bool) -> None:
+        pass
+
+    def _choose(self) -> Node:
+        raise NotImplementedError
+
+    def _forget(self, node: Node) -> None:
+        pass
+
+    # ------------------------------------------------------------------ checks
+
+    def check(self) -> None:
+        """Verify every invariant (for tests): sizes, children, prefix closure, pins."""
+        used = 0
+        prot = 0
+        children: dict[Hashable, int] = {k: 0 for k in self.nodes}
+        for k, n in self.nodes.items():
+            used += n.size
+            if n.parent is not None:
+                assert self.nodes.get(n.parent.key) is n.parent, f"{k!r}: parent not resident (prefix closure broken)"
+                children[n.parent.key] += 1
+        for k, n in self.nodes.items():
+            assert n.children == children[k], f"{k!r}: children {n.children} != {children[k]}"
+            want = (1 if n.pins > 0 else 0) + sum(1 for c in self.nodes.values() if c.parent is n and c.prot > 0)
+            assert n.prot == want, f"{k!r}: prot {n.prot} != {want}"
+            if n.prot > 0:
+                prot += n.size
+        assert used == self.used_bytes <= self.capacity_bytes, (used, self.used_bytes, self.capacity_bytes)
+        assert prot == self.protected_bytes, (prot, self.protected_bytes)
+
+
+class PriorityPolicy(EvictionPolicy):
+    """Evict the candidate with the lowest ``priority(node)`` (a tuple).
+
+    A heap of candidates with lazy invalidation: a node's entry is re-pushed
+    whenever its priority may have changed, and stale entries are skipped.
+    """
+
+    def __init__(self, capacity_bytes: int, *, clock: Clock | None = None) -> None:
+        super().__init__(capacity_bytes, clock=clock)
+        self._heap: list[tuple[Any, int, int, Node]] = []
+        self._n_candidates = 0
+
+    def priority(self, node: Node) -> tuple:
+        raise NotImplementedError
+
+    def _push(self, node: Node) -> None:
+        node.version += 1
+        heapq.heappush(self._heap, (self.priority(node), node.seq, node.version, node))
+        if len(self._heap) > 4 * self._n_candidates + 64:
+            self._heap = [e for e in self._heap if e[2] == e[3].version and e[3].key in self.nodes and e[3].is_candidate]
+            heapq.heapify(self._heap)
+
+    def _candidate(self, node: Node, yes: bool) -> None:
+        if yes:
+            self._n_candidates += 1
+            self._push(node)
+        else:
+            self._n_candidates -= 1
+            node.version += 1  # invalidates its heap entry
+
+    def _hit(self, node: Node) -> None:
+        if node.is_candidate:
+            self._push(node)
+
+    def _choose(self) -> Node:
+        heap = self._heap
+        while heap:
+            _, _, version, node = heap[0]
+            if version == node.version and node.is_candidate and self.nodes.get(node.key) is node:
+                return node
+            heapq.heappop(heap)
+        raise CapacityError("no eviction candidate")  # unreachable: victims() checks freeable bytes first

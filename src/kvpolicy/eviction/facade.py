@@ -1,0 +1,91 @@
+"""A cachetools-compatible facade: any online policy as a ``MutableMapping``.
+
+``PolicyCache(maxsize, policy="sieve", getsizeof=len)`` behaves like
+``cachetools.Cache``: ``maxsize``, ``currsize``, ``getsizeof(value)``, ``popitem()``
+(evicts the policy's victim), ``__missing__``; a value larger than ``maxsize``
+raises ``ValueError``. Keys are flat (no prefix parents), so it drops into code
+that already uses cachetools.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator, MutableMapping
+from typing import Any
+
+from ..errors import CapacityError
+from .replay import make_policy
+
+
+class PolicyCache(MutableMapping):
+    def __init__(self, maxsize: int, policy: str = "lru", getsizeof: Callable[[Any], int] | None = None, **policy_kw: Any) -> None:
+        self._policy = make_policy(policy, int(maxsize), **policy_kw)
+        self._data: dict[Hashable, Any] = {}
+        if getsizeof is not None:
+            self.getsizeof = getsizeof  # type: ignore[method-assign]
+
+    @staticmethod
+    def getsizeof(value: Any) -> int:
+        return 1
+
+    @property
+    def maxsize(self) -> int:
+        return self._policy.capacity_bytes
+
+    @property
+    def currsize(self) -> int:
+        return self._policy.used_bytes
+
+    @property
+    def policy(self) -> Any:
+        return self._policy
+
+    def __missing__(self, key: Hashable) -> Any:
+        raise KeyError(key)
+
+    def __getitem__(self, key: Hashable) -> Any:
+        if key not in self._data:
+            return self.__missing__(key)
+        self._policy.on_access(key)
+        return self._data[key]
+
+    def __setitem__(self, key: Hashable, value: Any) -> None:
+        size = self.getsizeof(value)
+        if size > self.maxsize:
+            raise ValueError("value too large")
+        if key in self._data:
+            self._policy.on_remove(key)
+            del self._data[key]
+        for victim in self._policy.victims(size, incoming=key):
+            del self._data[victim]
+        self._policy.on_insert(key, size)
+        self._data[key] = value
+
+    def __delitem__(self, key: Hashable) -> None:
+        if key not in self._data:
+            raise KeyError(key)
+        self._policy.on_remove(key)
+        del self._data[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def popitem(self) -> tuple[Hashable, Any]:
+        """Evict and return the item the policy would evict next."""
+        if not self._data:
+            raise KeyError(f"{type(self).__name__} is empty")
+        try:
+            node = self._policy._choose()
+        except CapacityError:
+            raise KeyError("every item is pinned") from None
+        key = node.key
+        self._policy._remove(node)
+        return key, self._data.pop(key)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._policy.name}, maxsize={self.maxsize}, currsize={self.currsize}, items={len(self)})"
