@@ -1,0 +1,45 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from strategies_prefix import flat_trace, prefix_traces
+from kvpolicy.errors import ConfigError
+from kvpolicy.eviction import replay
+from kvpolicy.eviction.kernels import KERNEL_POLICIES, next_use_per_ref, replay_kernel
+from kvpolicy.traces import first_appearance_ids
+
+
+@pytest.mark.parametrize("policy", KERNEL_POLICIES)
+@settings(max_examples=60, deadline=None)
+@given(tr=prefix_traces(max_requests=30), cap=st.integers(0, 14))
+def test_kernel_makes_the_online_decisions(policy, tr, cap):
+    online = replay(tr, policy, cap, record_victims=True)
+    kernel = replay_kernel(tr, policy, cap)
+    assert np.array_equal(online.hits, kernel.hits)
+    assert online.victims == kernel.victims
+
+
+@pytest.mark.parametrize("policy", KERNEL_POLICIES)
+@settings(max_examples=30, deadline=None)
+@given(ids=st.lists(st.integers(0, 20), max_size=150), cap=st.integers(1, 10))
+def test_kernel_on_flat_streams(policy, ids, cap):
+    ids = first_appearance_ids(np.asarray(ids, dtype=np.int64))
+    if ids.size == 0:
+        return
+    tr = flat_trace(ids)
+    online = replay(tr, policy, cap, record_victims=True)
+    kernel = replay_kernel(tr, policy, cap)
+    assert np.array_equal(online.hits, kernel.hits) and online.victims == kernel.victims
+
+
+def test_next_use_per_ref():
+    tr = flat_trace(np.array([0, 1, 0, 2, 1]))
+    assert next_use_per_ref(tr).tolist() == [2, 4, np.inf, np.inf, np.inf]
+
+
+def test_kernel_errors():
+    tr = flat_trace(np.array([0, 1]))
+    with pytest.raises(ConfigError, match="no kernel"):
+        replay_kernel(tr, "lfu", 2)
+    with pytest.raises(ConfigError, match="capacity_blocks"):
+        replay_kernel(tr, "lru", -1)
