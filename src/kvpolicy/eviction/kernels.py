@@ -37,129 +37,140 @@ NIL = -1
 # ----------------------------------------------------------------------------- lists
 
 
+# Packed lists for the multi-list kernels: every array argument of a helper costs
+# reference-count traffic per call, so all list state lives in one int64 array
+#   st[0:n] prev · st[n:2n] next · st[2n:3n] list of id (NIL: none)
+#   st[3n+L] head · st[3n+4+L] tail · st[3n+8+L] length      (up to 4 lists)
+
+
 @nb.njit(cache=True, inline="always")
-def _push_tail(L, x, prev, nxt, head, tail, where, size):
-    where[x] = L
-    prev[x] = tail[L]
-    nxt[x] = NIL
-    if tail[L] != NIL:
-        nxt[tail[L]] = x
+def _ppush(st, n, L, x):
+    t = st[3 * n + 4 + L]
+    st[2 * n + x] = L
+    st[x] = t
+    st[n + x] = NIL
+    if t != NIL:
+        st[n + t] = x
     else:
-        head[L] = x
-    tail[L] = x
-    size[L] += 1
+        st[3 * n + L] = x
+    st[3 * n + 4 + L] = x
+    st[3 * n + 8 + L] += 1
 
 
 @nb.njit(cache=True, inline="always")
-def _unlink(x, prev, nxt, head, tail, where, size):
-    L = where[x]
-    p, n = prev[x], nxt[x]
+def _punlink(st, n, x):
+    L = st[2 * n + x]
+    p = st[x]
+    q = st[n + x]
     if p != NIL:
-        nxt[p] = n
+        st[n + p] = q
     else:
-        head[L] = n
-    if n != NIL:
-        prev[n] = p
+        st[3 * n + L] = q
+    if q != NIL:
+        st[q] = p
     else:
-        tail[L] = p
-    where[x] = NIL
-    size[L] -= 1
-
-
-@nb.njit(cache=True, inline="always")
-def _insert_before(L, x, before, prev, nxt, head, tail, where, size):
-    """Insert x just before ``before`` (toward the head) in list L."""
-    where[x] = L
-    p = prev[before]
-    prev[x] = p
-    nxt[x] = before
-    prev[before] = x
-    if p != NIL:
-        nxt[p] = x
-    else:
-        head[L] = x
-    size[L] += 1
-
-
-def _state(n_ids: int) -> tuple[np.ndarray, ...]:
-    prev = np.full(n_ids, NIL, dtype=np.int64)
-    nxt = np.full(n_ids, NIL, dtype=np.int64)
-    where = np.full(n_ids, NIL, dtype=np.int64)
-    children = np.zeros(n_ids, dtype=np.int64)
-    pin = np.full(n_ids, -1, dtype=np.int64)
-    parent = np.full(n_ids, NIL, dtype=np.int64)
-    return prev, nxt, where, children, pin, parent
+        st[3 * n + 4 + L] = p
+    st[2 * n + x] = NIL
+    st[3 * n + 8 + L] -= 1
 
 
 # ----------------------------------------------------------------------------- LRU / FIFO / SIEVE
 
 
+# Single-list kernels keep head/tail in scalars and the list code inline: through
+# the shared helpers (head/tail in one-element arrays) they ran 5x slower.
+
+
 @nb.njit(cache=True)
 def lru_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
-    prev = np.full(n_ids, NIL, np.int64)
-    nxt = np.full(n_ids, NIL, np.int64)
-    where = np.full(n_ids, NIL, np.int64)
-    head = np.full(1, NIL, np.int64)
-    tail = np.full(1, NIL, np.int64)
-    size = np.zeros(1, np.int64)
-    parent = np.full(n_ids, NIL, np.int64)
+    prev = np.full(n_ids, NIL, np.int32)  # toward the least recent end
+    nxt = np.full(n_ids, NIL, np.int32)  # toward the most recent end
+    res = np.zeros(n_ids, np.bool_)
+    head = NIL  # least recent
+    tail = NIL  # most recent
+    size = 0
     nv = 0
     for r in range(offsets.size - 1):
-        s, e = offsets[r], offsets[r + 1]
+        s = offsets[r]
+        e = offsets[r + 1]
         j = s
-        while j < e and where[ids[j]] != NIL:
+        while j < e and res[ids[j]]:
             j += 1
         h = j - s
         for k in range(s, s + min(h, matchable[r])):
             hits[k] = True
-        # the run moves to the most-recent end, deepest first, root last
+        # the run moves to the most recent end, deepest first, root last
         for k in range(j - 1, s - 1, -1):
-            _unlink(ids[k], prev, nxt, head, tail, where, size)
-            _push_tail(0, ids[k], prev, nxt, head, tail, where, size)
+            x = ids[k]
+            if x != tail:
+                p = prev[x]
+                n = nxt[x]
+                if p != NIL:
+                    nxt[p] = n
+                else:
+                    head = n
+                prev[n] = p
+                prev[x] = tail
+                nxt[x] = NIL
+                nxt[tail] = x
+                tail = x
         seg = ids[j - 1] if h > 0 else NIL  # the request's least recent block so far
         while j < e:
             x = ids[j]
-            if size[0] >= cap:
-                v = head[0]
-                if v == NIL or (h > 0 or j > s) and _in_request(v, ids, s, j):
-                    break
-                _unlink(v, prev, nxt, head, tail, where, size)
+            if size >= cap:
+                v = head
+                if v == NIL or (seg != NIL and v == seg):
+                    break  # every resident block belongs to this request (pinned)
+                head = nxt[v]
+                if head != NIL:
+                    prev[head] = NIL
+                else:
+                    tail = NIL
+                res[v] = False
+                size -= 1
                 victims[nv] = v
                 nv += 1
-            parent[x] = ids[j - 1] if j > s else NIL
-            if seg == NIL:
-                _push_tail(0, x, prev, nxt, head, tail, where, size)
-            else:
-                _insert_before(0, x, seg, prev, nxt, head, tail, where, size)
+            if seg == NIL:  # the request's first block: most recent end
+                prev[x] = tail
+                nxt[x] = NIL
+                if tail != NIL:
+                    nxt[tail] = x
+                else:
+                    head = x
+                tail = x
+            else:  # deeper than the run so far: just before it
+                p = prev[seg]
+                prev[x] = p
+                nxt[x] = seg
+                prev[seg] = x
+                if p != NIL:
+                    nxt[p] = x
+                else:
+                    head = x
+            res[x] = True
+            size += 1
             seg = x
             j += 1
     return nv
 
 
-@nb.njit(cache=True, inline="always")
-def _in_request(v, ids, s, j):
-    for k in range(s, j):
-        if ids[k] == v:
-            return True
-    return False
-
-
 @nb.njit(cache=True)
 def fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
-    prev = np.full(n_ids, NIL, np.int64)
-    nxt = np.full(n_ids, NIL, np.int64)
-    where = np.full(n_ids, NIL, np.int64)
-    head = np.full(1, NIL, np.int64)
-    tail = np.full(1, NIL, np.int64)
-    size = np.zeros(1, np.int64)
-    children = np.zeros(n_ids, np.int64)
-    pin = np.full(n_ids, -1, np.int64)
-    parent = np.full(n_ids, NIL, np.int64)
+    prev = np.full(n_ids, NIL, np.int32)
+    nxt = np.full(n_ids, NIL, np.int32)
+    res = np.zeros(n_ids, np.bool_)
+    children = np.zeros(n_ids, np.int32)
+    pin = np.full(n_ids, -1, np.int32)
+    parent = np.full(n_ids, NIL, np.int32)
+    head = NIL  # oldest
+    tail = NIL  # newest
+    size = 0
     nv = 0
     for r in range(offsets.size - 1):
-        s, e = offsets[r], offsets[r + 1]
+        s = offsets[r]
+        e = offsets[r + 1]
         j = s
-        while j < e and where[ids[j]] != NIL:
+        while j < e and res[ids[j]]:
             pin[ids[j]] = r
             j += 1
         for k in range(s, s + min(j - s, matchable[r])):
@@ -167,23 +178,41 @@ def fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
         npinned = j - s
         while j < e:
             x = ids[j]
-            if size[0] >= cap:
-                if size[0] - npinned < 1:
+            if size >= cap:
+                if size - npinned < 1:
                     break
-                v = head[0]
-                while children[v] > 0 or pin[v] == r:
-                    _unlink(v, prev, nxt, head, tail, where, size)
-                    _push_tail(0, v, prev, nxt, head, tail, where, size)
-                    v = head[0]
-                _unlink(v, prev, nxt, head, tail, where, size)
+                v = head
+                while children[v] > 0 or pin[v] == r:  # not evictable: rotate to the newest end
+                    head = nxt[v]
+                    prev[head] = NIL
+                    prev[v] = tail
+                    nxt[v] = NIL
+                    nxt[tail] = v
+                    tail = v
+                    v = head
+                head = nxt[v]
+                if head != NIL:
+                    prev[head] = NIL
+                else:
+                    tail = NIL
+                res[v] = False
+                size -= 1
                 if parent[v] != NIL:
                     children[parent[v]] -= 1
                 victims[nv] = v
                 nv += 1
-            parent[x] = ids[j - 1] if j > s else NIL
-            if parent[x] != NIL:
-                children[parent[x]] += 1
-            _push_tail(0, x, prev, nxt, head, tail, where, size)
+            if j > s:  # a chain id always has the same parent: written once, kept
+                parent[x] = ids[j - 1]
+                children[ids[j - 1]] += 1
+            prev[x] = tail
+            nxt[x] = NIL
+            if tail != NIL:
+                nxt[tail] = x
+            else:
+                head = x
+            tail = x
+            res[x] = True
+            size += 1
             pin[x] = r
             npinned += 1
             j += 1
@@ -192,22 +221,23 @@ def fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
 
 @nb.njit(cache=True)
 def sieve_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
-    prev = np.full(n_ids, NIL, np.int64)  # prev = older, nxt = newer
-    nxt = np.full(n_ids, NIL, np.int64)
-    where = np.full(n_ids, NIL, np.int64)
-    head = np.full(1, NIL, np.int64)  # oldest
-    tail = np.full(1, NIL, np.int64)  # newest
-    size = np.zeros(1, np.int64)
-    children = np.zeros(n_ids, np.int64)
-    pin = np.full(n_ids, -1, np.int64)
-    parent = np.full(n_ids, NIL, np.int64)
+    prev = np.full(n_ids, NIL, np.int32)  # toward older
+    nxt = np.full(n_ids, NIL, np.int32)  # toward newer
+    res = np.zeros(n_ids, np.bool_)
+    children = np.zeros(n_ids, np.int32)
+    pin = np.full(n_ids, -1, np.int32)
+    parent = np.full(n_ids, NIL, np.int32)
     visited = np.zeros(n_ids, np.bool_)
+    head = NIL  # oldest
+    tail = NIL  # newest
     hand = NIL
+    size = 0
     nv = 0
     for r in range(offsets.size - 1):
-        s, e = offsets[r], offsets[r + 1]
+        s = offsets[r]
+        e = offsets[r + 1]
         j = s
-        while j < e and where[ids[j]] != NIL:
+        while j < e and res[ids[j]]:
             visited[ids[j]] = True
             pin[ids[j]] = r
             j += 1
@@ -216,28 +246,47 @@ def sieve_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
         npinned = j - s
         while j < e:
             x = ids[j]
-            if size[0] >= cap:
-                if size[0] - npinned < 1:
+            if size >= cap:
+                if size - npinned < 1:
                     break
-                k = hand if hand != NIL else head[0]
+                k = hand if hand != NIL else head
                 while True:
                     if children[k] == 0 and pin[k] != r and not visited[k]:
                         break
                     visited[k] = False
                     k = nxt[k]
                     if k == NIL:
-                        k = head[0]
+                        k = head
                 hand = nxt[k]
-                _unlink(k, prev, nxt, head, tail, where, size)
+                p = prev[k]
+                n = nxt[k]
+                if p != NIL:
+                    nxt[p] = n
+                else:
+                    head = n
+                if n != NIL:
+                    prev[n] = p
+                else:
+                    tail = p
+                res[k] = False
+                size -= 1
                 if parent[k] != NIL:
                     children[parent[k]] -= 1
                 victims[nv] = k
                 nv += 1
-            parent[x] = ids[j - 1] if j > s else NIL
-            if parent[x] != NIL:
-                children[parent[x]] += 1
+            if j > s:  # a chain id always has the same parent: written once, kept
+                parent[x] = ids[j - 1]
+                children[ids[j - 1]] += 1
             visited[x] = False
-            _push_tail(0, x, prev, nxt, head, tail, where, size)
+            prev[x] = tail
+            nxt[x] = NIL
+            if tail != NIL:
+                nxt[tail] = x
+            else:
+                head = x
+            tail = x
+            res[x] = True
+            size += 1
             pin[x] = r
             npinned += 1
             j += 1
@@ -251,16 +300,13 @@ S_Q, M_Q, G_Q = 0, 1, 2
 
 @nb.njit(cache=True)
 def s3fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, small_fraction):
-    prev = np.full(n_ids, NIL, np.int64)
-    nxt = np.full(n_ids, NIL, np.int64)
-    where = np.full(n_ids, NIL, np.int64)
-    head = np.full(3, NIL, np.int64)
-    tail = np.full(3, NIL, np.int64)
-    size = np.zeros(3, np.int64)
-    children = np.zeros(n_ids, np.int64)
-    pin = np.full(n_ids, -1, np.int64)
-    parent = np.full(n_ids, NIL, np.int64)
-    freq = np.zeros(n_ids, np.int64)
+    n = n_ids
+    st = np.full(3 * n + 12, NIL, np.int64)
+    st[3 * n + 8 :] = 0
+    children = np.zeros(n_ids, np.int32)
+    pin = np.full(n_ids, -1, np.int32)
+    parent = np.full(n_ids, NIL, np.int32)
+    freq = np.zeros(n_ids, np.int32)
     cand = np.zeros(2, np.int64)
     small_bytes = small_fraction * cap
     ghost_cap = cap - small_bytes
@@ -268,11 +314,11 @@ def s3fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, small_frac
     for r in range(offsets.size - 1):
         s, e = offsets[r], offsets[r + 1]
         j = s
-        while j < e and where[ids[j]] != NIL and where[ids[j]] != G_Q:
+        while j < e and st[2 * n + ids[j]] != NIL and st[2 * n + ids[j]] != G_Q:
             x = ids[j]
             freq[x] = min(freq[x] + 1, 3)
             if children[x] == 0 and pin[x] != r:
-                cand[where[x]] -= 1
+                cand[st[2 * n + x]] -= 1
             pin[x] = r
             j += 1
         for k in range(s, s + min(j - s, matchable[r])):
@@ -281,45 +327,45 @@ def s3fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, small_frac
         npinned = j - s
         while j < e:
             x = ids[j]
-            if size[0] + size[1] >= cap:
-                if size[0] + size[1] - npinned < 1:
+            if st[3 * n + 8 + 0] + st[3 * n + 8 + 1] >= cap:
+                if st[3 * n + 8 + 0] + st[3 * n + 8 + 1] - npinned < 1:
                     break
                 while True:
-                    use_small = (size[0] >= small_bytes and cand[0] > 0) or cand[1] == 0
+                    use_small = (st[3 * n + 8 + 0] >= small_bytes and cand[0] > 0) or cand[1] == 0
                     if use_small:
-                        t = head[S_Q]
+                        t = st[3 * n + S_Q]
                         is_c = children[t] == 0 and pin[t] != r
                         if (not is_c) or freq[t] > 1:
                             if is_c:
                                 cand[0] -= 1
-                            _unlink(t, prev, nxt, head, tail, where, size)
+                            _punlink(st, n, t)
                             if freq[t] > 1:
                                 freq[t] = 0
-                            _push_tail(M_Q, t, prev, nxt, head, tail, where, size)
+                            _ppush(st, n, M_Q, t)
                             if is_c:
                                 cand[1] += 1
                             continue
                         break
-                    t = head[M_Q]
+                    t = st[3 * n + M_Q]
                     is_c = children[t] == 0 and pin[t] != r
                     if is_c and freq[t] == 0:
                         break
                     if is_c:
                         freq[t] -= 1
-                    _unlink(t, prev, nxt, head, tail, where, size)
-                    _push_tail(M_Q, t, prev, nxt, head, tail, where, size)
-                q = where[t]
+                    _punlink(st, n, t)
+                    _ppush(st, n, M_Q, t)
+                q = st[2 * n + t]
                 cand[q] -= 1
-                _unlink(t, prev, nxt, head, tail, where, size)
+                _punlink(st, n, t)
                 p = parent[t]
                 if p != NIL:
                     children[p] -= 1
                     if children[p] == 0 and pin[p] != r:
-                        cand[where[p]] += 1
+                        cand[st[2 * n + p]] += 1
                 if q == S_Q:
-                    _push_tail(G_Q, t, prev, nxt, head, tail, where, size)
-                    while size[G_Q] > ghost_cap and size[G_Q] > 0:
-                        _unlink(head[G_Q], prev, nxt, head, tail, where, size)
+                    _ppush(st, n, G_Q, t)
+                    while st[3 * n + 8 + G_Q] > ghost_cap and st[3 * n + 8 + G_Q] > 0:
+                        _punlink(st, n, st[3 * n + G_Q])
                 victims[nv] = t
                 nv += 1
             p = ids[j - 1] if j > s else NIL
@@ -327,11 +373,11 @@ def s3fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, small_frac
             if p != NIL:
                 children[p] += 1  # p is pinned (this request): no candidacy change
             freq[x] = 0
-            if where[x] == G_Q:
-                _unlink(x, prev, nxt, head, tail, where, size)
-                _push_tail(M_Q, x, prev, nxt, head, tail, where, size)
+            if st[2 * n + x] == G_Q:
+                _punlink(st, n, x)
+                _ppush(st, n, M_Q, x)
             else:
-                _push_tail(S_Q, x, prev, nxt, head, tail, where, size)
+                _ppush(st, n, S_Q, x)
             pin[x] = r
             npinned += 1
             j += 1
@@ -339,7 +385,7 @@ def s3fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, small_frac
         for k in range(s, j):
             x = ids[k]
             if children[x] == 0:
-                cand[where[x]] += 1
+                cand[st[2 * n + x]] += 1
             pin[x] = -1
         _ = run_end
     return nv
@@ -352,15 +398,12 @@ T1, T2, B1, B2 = 0, 1, 2, 3
 
 @nb.njit(cache=True)
 def arc_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
-    prev = np.full(n_ids, NIL, np.int64)
-    nxt = np.full(n_ids, NIL, np.int64)
-    where = np.full(n_ids, NIL, np.int64)
-    head = np.full(4, NIL, np.int64)
-    tail = np.full(4, NIL, np.int64)
-    size = np.zeros(4, np.int64)
-    children = np.zeros(n_ids, np.int64)
-    pin = np.full(n_ids, -1, np.int64)
-    parent = np.full(n_ids, NIL, np.int64)
+    n = n_ids
+    st = np.full(3 * n + 12, NIL, np.int64)
+    st[3 * n + 8 :] = 0
+    children = np.zeros(n_ids, np.int32)
+    pin = np.full(n_ids, -1, np.int32)
+    parent = np.full(n_ids, NIL, np.int32)
     cand = np.zeros(2, np.int64)
     p = 0.0
     c = cap
@@ -368,13 +411,13 @@ def arc_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
     for r in range(offsets.size - 1):
         s, e = offsets[r], offsets[r + 1]
         j = s
-        while j < e and (where[ids[j]] == T1 or where[ids[j]] == T2):
+        while j < e and (st[2 * n + ids[j]] == T1 or st[2 * n + ids[j]] == T2):
             x = ids[j]
             was = children[x] == 0 and pin[x] != r
             if was:
-                cand[where[x]] -= 1
-            _unlink(x, prev, nxt, head, tail, where, size)
-            _push_tail(T2, x, prev, nxt, head, tail, where, size)
+                cand[st[2 * n + x]] -= 1
+            _punlink(st, n, x)
+            _ppush(st, n, T2, x)
             pin[x] = r  # pinned: no longer a candidate
             j += 1
         for k in range(s, s + min(j - s, matchable[r])):
@@ -383,64 +426,63 @@ def arc_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
         while j < e:
             x = ids[j]
             adapted = False
-            used = size[T1] + size[T2]
+            used = st[3 * n + 8 + T1] + st[3 * n + 8 + T2]
             if used + 1 > cap:
                 if used - npinned < 1:
                     break
                 # adapt p on a ghost hit (ARC's case II/III), before REPLACE
-                if where[x] == B1:
-                    p = min(float(c), p + max(size[B2] / size[B1], 1.0))
+                if st[2 * n + x] == B1:
+                    p = min(float(c), p + max(st[3 * n + 8 + B2] / st[3 * n + 8 + B1], 1.0))
                     adapted = True
-                elif where[x] == B2:
-                    p = max(0.0, p - max(size[B1] / size[B2], 1.0))
+                elif st[2 * n + x] == B2:
+                    p = max(0.0, p - max(st[3 * n + 8 + B1] / st[3 * n + 8 + B2], 1.0))
                     adapted = True
-                in_b2 = where[x] == B2
-                from_t1 = cand[0] > 0 and (size[T1] > p or (in_b2 and size[T1] == p) or cand[1] == 0)
+                in_b2 = st[2 * n + x] == B2
+                from_t1 = cand[0] > 0 and (st[3 * n + 8 + T1] > p or (in_b2 and st[3 * n + 8 + T1] == p) or cand[1] == 0)
                 q = T1 if from_t1 else T2
-                t = head[q]
+                t = st[3 * n + q]
                 while not (children[t] == 0 and pin[t] != r):
-                    _unlink(t, prev, nxt, head, tail, where, size)
-                    _push_tail(q, t, prev, nxt, head, tail, where, size)
-                    t = head[q]
+                    _punlink(st, n, t)
+                    _ppush(st, n, q, t)
+                    t = st[3 * n + q]
                 cand[q] -= 1
-                _unlink(t, prev, nxt, head, tail, where, size)
+                _punlink(st, n, t)
                 pp = parent[t]
                 if pp != NIL:
                     children[pp] -= 1
                     if children[pp] == 0 and pin[pp] != r:
-                        cand[where[pp]] += 1
-                _push_tail(B1 if q == T1 else B2, t, prev, nxt, head, tail, where, size)
-                while size[B1] > c:
-                    _unlink(head[B1], prev, nxt, head, tail, where, size)
-                while size[B2] > c:
-                    _unlink(head[B2], prev, nxt, head, tail, where, size)
+                        cand[st[2 * n + pp]] += 1
+                _ppush(st, n, B1 if q == T1 else B2, t)
+                while st[3 * n + 8 + B1] > c:
+                    _punlink(st, n, st[3 * n + B1])
+                while st[3 * n + 8 + B2] > c:
+                    _punlink(st, n, st[3 * n + B2])
                 victims[nv] = t
                 nv += 1
             if not adapted:
-                if where[x] == B1:
-                    p = min(float(c), p + max(size[B2] / size[B1], 1.0))
-                elif where[x] == B2:
-                    p = max(0.0, p - max(size[B1] / size[B2], 1.0))
-            pa = ids[j - 1] if j > s else NIL
-            parent[x] = pa
-            if pa != NIL:
-                children[pa] += 1
-            if where[x] == B1 or where[x] == B2:
-                _unlink(x, prev, nxt, head, tail, where, size)
-                _push_tail(T2, x, prev, nxt, head, tail, where, size)
+                if st[2 * n + x] == B1:
+                    p = min(float(c), p + max(st[3 * n + 8 + B2] / st[3 * n + 8 + B1], 1.0))
+                elif st[2 * n + x] == B2:
+                    p = max(0.0, p - max(st[3 * n + 8 + B1] / st[3 * n + 8 + B2], 1.0))
+            if j > s:  # a chain id always has the same parent: written once, kept
+                parent[x] = ids[j - 1]
+                children[ids[j - 1]] += 1
+            if st[2 * n + x] == B1 or st[2 * n + x] == B2:
+                _punlink(st, n, x)
+                _ppush(st, n, T2, x)
             else:
-                if size[T1] + size[B1] >= c and size[B1] > 0:
-                    _unlink(head[B1], prev, nxt, head, tail, where, size)
-                elif size[T1] + size[T2] + size[B1] + size[B2] >= 2 * c and size[B2] > 0:
-                    _unlink(head[B2], prev, nxt, head, tail, where, size)
-                _push_tail(T1, x, prev, nxt, head, tail, where, size)
+                if st[3 * n + 8 + T1] + st[3 * n + 8 + B1] >= c and st[3 * n + 8 + B1] > 0:
+                    _punlink(st, n, st[3 * n + B1])
+                elif st[3 * n + 8 + T1] + st[3 * n + 8 + T2] + st[3 * n + 8 + B1] + st[3 * n + 8 + B2] >= 2 * c and st[3 * n + 8 + B2] > 0:
+                    _punlink(st, n, st[3 * n + B2])
+                _ppush(st, n, T1, x)
             pin[x] = r
             npinned += 1
             j += 1
         for k in range(s, j):
             x = ids[k]
             if children[x] == 0:
-                cand[where[x]] += 1
+                cand[st[2 * n + x]] += 1
             pin[x] = -1
     return nv
 
@@ -501,12 +543,12 @@ def _hpop(hk0, hk1, hk2, hid, hver, n):
 @nb.njit(cache=True)
 def belady_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, next_use, depth, bypass):
     resident = np.zeros(n_ids, np.bool_)
-    children = np.zeros(n_ids, np.int64)
-    pin = np.full(n_ids, -1, np.int64)
-    parent = np.full(n_ids, NIL, np.int64)
+    children = np.zeros(n_ids, np.int32)
+    pin = np.full(n_ids, -1, np.int32)
+    parent = np.full(n_ids, NIL, np.int32)
     nu = np.zeros(n_ids, np.float64)
-    seq = np.zeros(n_ids, np.int64)
-    version = np.zeros(n_ids, np.int64)
+    seq = np.zeros(n_ids, np.int32)
+    version = np.zeros(n_ids, np.int32)
     hmax = ids.size * 3 + 16
     hk0 = np.empty(hmax, np.float64)
     hk1 = np.empty(hmax, np.int64)
@@ -553,10 +595,9 @@ def belady_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, next_use, 
                         n = _hpush(hk0, hk1, hk2, hid, hver, n, -nu[pp], -depth[pp], seq[pp], pp, version[pp])
                 victims[nv] = t
                 nv += 1
-            pa = ids[j - 1] if j > s else NIL
-            parent[x] = pa
-            if pa != NIL:
-                children[pa] += 1
+            if j > s:  # a chain id always has the same parent: written once, kept
+                parent[x] = ids[j - 1]
+                children[ids[j - 1]] += 1
             resident[x] = True
             used += 1
             nu[x] = next_use[j]
@@ -625,6 +666,6 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
     elif policy == "arc":
         nv = arc_kernel(off, ids, matchable, capacity_blocks, n_ids, hits, victims)
     else:
-        nv = belady_kernel(off, ids, matchable, capacity_blocks, n_ids, hits, victims, next_use_per_ref(trace), np.zeros(n_ids, np.int64), policy == "belady-bypass")
+        nv = belady_kernel(off, ids, matchable, capacity_blocks, n_ids, hits, victims, next_use_per_ref(trace), np.zeros(n_ids, np.int32), policy == "belady-bypass")
     name = policy
     return ReplayResult(name, capacity_blocks, hits, victims[:nv].tolist(), trace.block_size_tokens, trace.total_input_tokens)
