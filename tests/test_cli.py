@@ -154,3 +154,24 @@ def test_breakeven_command(capsys, tmp_path):
     assert rc == 0 and "break-even" in out
     rc, _, err = run(capsys, "breakeven", "--profile", str(p), "--bandwidth-gbps", "0")
     assert rc == 2 and "bandwidth_gbps" in err
+
+
+def test_evict_bench_command(capsys, tmp_path):
+    from kvpolicy.traces import generate, preset
+
+    tr = generate(preset("chat", n_requests=150, block_size_tokens=64))
+    p = tmp_path / "mc.jsonl"
+    tr.to_mooncake_jsonl(p)
+    out_json = tmp_path / "e.json"
+    rc, out, _ = run(capsys, "evict-bench", str(p), "--block-size", "64", "--capacities-blocks", "32,256", "--policies", "lru,sieve,reuse-distance,lfu",
+                     "--json", str(out_json), "--no-progress")
+    assert rc == 0 and "belady (bound)" in out and "infinite cache" in out
+    data = json.loads(out_json.read_text())
+    rows = data["results"]
+    assert {r["policy"] for r in rows} >= {"lru", "sieve", "reuse-distance", "lfu", "belady", "infinite"}
+    for r in rows:
+        assert set(r) >= {"policy", "capacity_blocks", "block_hit_ratio", "token_hit_ratio", "gap_closed"}
+    bel = {r["capacity_blocks"]: r["block_hit_ratio"] for r in rows if r["policy"] == "belady"}
+    assert all(r["block_hit_ratio"] <= bel[r["capacity_blocks"]] + 1e-12 for r in rows if r["policy"] not in ("infinite",))
+    rc, _, err = run(capsys, "evict-bench", "--policies", "mru", "--no-progress")
+    assert rc == 2 and "unknown policy" in err

@@ -312,6 +312,41 @@ def _cmd_breakeven(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- evict-bench
+
+
+def _cmd_evict_bench(args: argparse.Namespace) -> int:
+    from .eviction.bench import compare, render
+    from .progress import Progress
+
+    prog = Progress("evict-bench", enabled=None if not args.no_progress else False)
+    prog("reading trace")
+    trace = _load_trace(args)
+    bpt = _bytes_per_token(args)[0] if (args.config or args.bytes_per_token) else None
+    caps = args.capacities_blocks
+    if not caps:
+        import numpy as np
+
+        distinct = int(np.unique(trace.block_ids).size) if trace.block_ids.size else 16
+        caps = sorted({max(distinct // d, 1) for d in (64, 16, 4, 2)})
+    res = compare(trace, args.policies, caps, bytes_per_token=bpt, progress=prog)
+    prog.done()
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    print(render(res))
+    if args.json:
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def _policy_list(text: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of policies")
+    return items
+
+
 def _add_trace_args(p: argparse.ArgumentParser) -> None:
     from .traces import FORMATS, PRESETS
 
@@ -387,6 +422,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prefix-tokens", type=_int_list, default=[1024, 4096, 16384, 32768, 65536])
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=_cmd_breakeven)
+
+    e = sub.add_parser("evict-bench", help="replay a trace through eviction policies, with Belady and the infinite cache beside them")
+    _add_trace_args(e)
+    e.add_argument("--capacities-blocks", type=_int_list, default=None, help="capacities in blocks (default: 1/64, 1/16, 1/4, 1/2 of the distinct blocks)")
+    e.add_argument("--policies", type=_policy_list, default=["lru", "fifo", "lfu", "ttl", "s3fifo", "sieve", "arc", "gdsf", "reuse-distance", "belady"],
+                   help="comma-separated (default: lru,fifo,lfu,ttl,s3fifo,sieve,arc,gdsf,reuse-distance,belady; also belady-bypass)")
+    e.add_argument("--json", default=None, metavar="OUT")
+    e.add_argument("--no-progress", action="store_true")
+    e.set_defaults(func=_cmd_evict_bench)
     return p
 
 

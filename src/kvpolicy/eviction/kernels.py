@@ -43,37 +43,6 @@ NIL = -1
 #   st[3n+L] head · st[3n+4+L] tail · st[3n+8+L] length      (up to 4 lists)
 
 
-@nb.njit(cache=True, inline="always")
-def _ppush(st, n, L, x):
-    t = st[3 * n + 4 + L]
-    st[2 * n + x] = L
-    st[x] = t
-    st[n + x] = NIL
-    if t != NIL:
-        st[n + t] = x
-    else:
-        st[3 * n + L] = x
-    st[3 * n + 4 + L] = x
-    st[3 * n + 8 + L] += 1
-
-
-@nb.njit(cache=True, inline="always")
-def _punlink(st, n, x):
-    L = st[2 * n + x]
-    p = st[x]
-    q = st[n + x]
-    if p != NIL:
-        st[n + p] = q
-    else:
-        st[3 * n + L] = q
-    if q != NIL:
-        st[q] = p
-    else:
-        st[3 * n + 4 + L] = p
-    st[2 * n + x] = NIL
-    st[3 * n + 8 + L] -= 1
-
-
 # ----------------------------------------------------------------------------- LRU / FIFO / SIEVE
 
 
@@ -301,7 +270,7 @@ S_Q, M_Q, G_Q = 0, 1, 2
 @nb.njit(cache=True)
 def s3fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, small_fraction):
     n = n_ids
-    st = np.full(3 * n + 12, NIL, np.int64)
+    st = np.full(3 * n + 12, NIL, np.int32)
     st[3 * n + 8 :] = 0
     children = np.zeros(n_ids, np.int32)
     pin = np.full(n_ids, -1, np.int32)
@@ -338,10 +307,34 @@ def s3fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, small_frac
                         if (not is_c) or freq[t] > 1:
                             if is_c:
                                 cand[0] -= 1
-                            _punlink(st, n, t)
+                            _x = t
+                            _L = st[2 * n + _x]
+                            _p = st[_x]
+                            _q = st[n + _x]
+                            if _p != NIL:
+                                st[n + _p] = _q
+                            else:
+                                st[3 * n + _L] = _q
+                            if _q != NIL:
+                                st[_q] = _p
+                            else:
+                                st[3 * n + 4 + _L] = _p
+                            st[2 * n + _x] = NIL
+                            st[3 * n + 8 + _L] -= 1
                             if freq[t] > 1:
                                 freq[t] = 0
-                            _ppush(st, n, M_Q, t)
+                            _L = M_Q
+                            _x = t
+                            _t = st[3 * n + 4 + _L]
+                            st[2 * n + _x] = _L
+                            st[_x] = _t
+                            st[n + _x] = NIL
+                            if _t != NIL:
+                                st[n + _t] = _x
+                            else:
+                                st[3 * n + _L] = _x
+                            st[3 * n + 4 + _L] = _x
+                            st[3 * n + 8 + _L] += 1
                             if is_c:
                                 cand[1] += 1
                             continue
@@ -352,20 +345,81 @@ def s3fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, small_frac
                         break
                     if is_c:
                         freq[t] -= 1
-                    _punlink(st, n, t)
-                    _ppush(st, n, M_Q, t)
+                    _x = t
+                    _L = st[2 * n + _x]
+                    _p = st[_x]
+                    _q = st[n + _x]
+                    if _p != NIL:
+                        st[n + _p] = _q
+                    else:
+                        st[3 * n + _L] = _q
+                    if _q != NIL:
+                        st[_q] = _p
+                    else:
+                        st[3 * n + 4 + _L] = _p
+                    st[2 * n + _x] = NIL
+                    st[3 * n + 8 + _L] -= 1
+                    _L = M_Q
+                    _x = t
+                    _t = st[3 * n + 4 + _L]
+                    st[2 * n + _x] = _L
+                    st[_x] = _t
+                    st[n + _x] = NIL
+                    if _t != NIL:
+                        st[n + _t] = _x
+                    else:
+                        st[3 * n + _L] = _x
+                    st[3 * n + 4 + _L] = _x
+                    st[3 * n + 8 + _L] += 1
                 q = st[2 * n + t]
                 cand[q] -= 1
-                _punlink(st, n, t)
+                _x = t
+                _L = st[2 * n + _x]
+                _p = st[_x]
+                _q = st[n + _x]
+                if _p != NIL:
+                    st[n + _p] = _q
+                else:
+                    st[3 * n + _L] = _q
+                if _q != NIL:
+                    st[_q] = _p
+                else:
+                    st[3 * n + 4 + _L] = _p
+                st[2 * n + _x] = NIL
+                st[3 * n + 8 + _L] -= 1
                 p = parent[t]
                 if p != NIL:
                     children[p] -= 1
                     if children[p] == 0 and pin[p] != r:
                         cand[st[2 * n + p]] += 1
                 if q == S_Q:
-                    _ppush(st, n, G_Q, t)
+                    _L = G_Q
+                    _x = t
+                    _t = st[3 * n + 4 + _L]
+                    st[2 * n + _x] = _L
+                    st[_x] = _t
+                    st[n + _x] = NIL
+                    if _t != NIL:
+                        st[n + _t] = _x
+                    else:
+                        st[3 * n + _L] = _x
+                    st[3 * n + 4 + _L] = _x
+                    st[3 * n + 8 + _L] += 1
                     while st[3 * n + 8 + G_Q] > ghost_cap and st[3 * n + 8 + G_Q] > 0:
-                        _punlink(st, n, st[3 * n + G_Q])
+                        _x = st[3 * n + G_Q]
+                        _L = st[2 * n + _x]
+                        _p = st[_x]
+                        _q = st[n + _x]
+                        if _p != NIL:
+                            st[n + _p] = _q
+                        else:
+                            st[3 * n + _L] = _q
+                        if _q != NIL:
+                            st[_q] = _p
+                        else:
+                            st[3 * n + 4 + _L] = _p
+                        st[2 * n + _x] = NIL
+                        st[3 * n + 8 + _L] -= 1
                 victims[nv] = t
                 nv += 1
             p = ids[j - 1] if j > s else NIL
@@ -374,10 +428,45 @@ def s3fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, small_frac
                 children[p] += 1  # p is pinned (this request): no candidacy change
             freq[x] = 0
             if st[2 * n + x] == G_Q:
-                _punlink(st, n, x)
-                _ppush(st, n, M_Q, x)
+                _x = x
+                _L = st[2 * n + _x]
+                _p = st[_x]
+                _q = st[n + _x]
+                if _p != NIL:
+                    st[n + _p] = _q
+                else:
+                    st[3 * n + _L] = _q
+                if _q != NIL:
+                    st[_q] = _p
+                else:
+                    st[3 * n + 4 + _L] = _p
+                st[2 * n + _x] = NIL
+                st[3 * n + 8 + _L] -= 1
+                _L = M_Q
+                _x = x
+                _t = st[3 * n + 4 + _L]
+                st[2 * n + _x] = _L
+                st[_x] = _t
+                st[n + _x] = NIL
+                if _t != NIL:
+                    st[n + _t] = _x
+                else:
+                    st[3 * n + _L] = _x
+                st[3 * n + 4 + _L] = _x
+                st[3 * n + 8 + _L] += 1
             else:
-                _ppush(st, n, S_Q, x)
+                _L = S_Q
+                _x = x
+                _t = st[3 * n + 4 + _L]
+                st[2 * n + _x] = _L
+                st[_x] = _t
+                st[n + _x] = NIL
+                if _t != NIL:
+                    st[n + _t] = _x
+                else:
+                    st[3 * n + _L] = _x
+                st[3 * n + 4 + _L] = _x
+                st[3 * n + 8 + _L] += 1
             pin[x] = r
             npinned += 1
             j += 1
@@ -399,7 +488,7 @@ T1, T2, B1, B2 = 0, 1, 2, 3
 @nb.njit(cache=True)
 def arc_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
     n = n_ids
-    st = np.full(3 * n + 12, NIL, np.int64)
+    st = np.full(3 * n + 12, NIL, np.int32)
     st[3 * n + 8 :] = 0
     children = np.zeros(n_ids, np.int32)
     pin = np.full(n_ids, -1, np.int32)
@@ -416,8 +505,32 @@ def arc_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
             was = children[x] == 0 and pin[x] != r
             if was:
                 cand[st[2 * n + x]] -= 1
-            _punlink(st, n, x)
-            _ppush(st, n, T2, x)
+            _x = x
+            _L = st[2 * n + _x]
+            _p = st[_x]
+            _q = st[n + _x]
+            if _p != NIL:
+                st[n + _p] = _q
+            else:
+                st[3 * n + _L] = _q
+            if _q != NIL:
+                st[_q] = _p
+            else:
+                st[3 * n + 4 + _L] = _p
+            st[2 * n + _x] = NIL
+            st[3 * n + 8 + _L] -= 1
+            _L = T2
+            _x = x
+            _t = st[3 * n + 4 + _L]
+            st[2 * n + _x] = _L
+            st[_x] = _t
+            st[n + _x] = NIL
+            if _t != NIL:
+                st[n + _t] = _x
+            else:
+                st[3 * n + _L] = _x
+            st[3 * n + 4 + _L] = _x
+            st[3 * n + 8 + _L] += 1
             pin[x] = r  # pinned: no longer a candidate
             j += 1
         for k in range(s, s + min(j - s, matchable[r])):
@@ -442,21 +555,95 @@ def arc_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
                 q = T1 if from_t1 else T2
                 t = st[3 * n + q]
                 while not (children[t] == 0 and pin[t] != r):
-                    _punlink(st, n, t)
-                    _ppush(st, n, q, t)
+                    _x = t
+                    _L = st[2 * n + _x]
+                    _p = st[_x]
+                    _q = st[n + _x]
+                    if _p != NIL:
+                        st[n + _p] = _q
+                    else:
+                        st[3 * n + _L] = _q
+                    if _q != NIL:
+                        st[_q] = _p
+                    else:
+                        st[3 * n + 4 + _L] = _p
+                    st[2 * n + _x] = NIL
+                    st[3 * n + 8 + _L] -= 1
+                    _L = q
+                    _x = t
+                    _t = st[3 * n + 4 + _L]
+                    st[2 * n + _x] = _L
+                    st[_x] = _t
+                    st[n + _x] = NIL
+                    if _t != NIL:
+                        st[n + _t] = _x
+                    else:
+                        st[3 * n + _L] = _x
+                    st[3 * n + 4 + _L] = _x
+                    st[3 * n + 8 + _L] += 1
                     t = st[3 * n + q]
                 cand[q] -= 1
-                _punlink(st, n, t)
+                _x = t
+                _L = st[2 * n + _x]
+                _p = st[_x]
+                _q = st[n + _x]
+                if _p != NIL:
+                    st[n + _p] = _q
+                else:
+                    st[3 * n + _L] = _q
+                if _q != NIL:
+                    st[_q] = _p
+                else:
+                    st[3 * n + 4 + _L] = _p
+                st[2 * n + _x] = NIL
+                st[3 * n + 8 + _L] -= 1
                 pp = parent[t]
                 if pp != NIL:
                     children[pp] -= 1
                     if children[pp] == 0 and pin[pp] != r:
                         cand[st[2 * n + pp]] += 1
-                _ppush(st, n, B1 if q == T1 else B2, t)
+                _L = B1 if q == T1 else B2
+                _x = t
+                _t = st[3 * n + 4 + _L]
+                st[2 * n + _x] = _L
+                st[_x] = _t
+                st[n + _x] = NIL
+                if _t != NIL:
+                    st[n + _t] = _x
+                else:
+                    st[3 * n + _L] = _x
+                st[3 * n + 4 + _L] = _x
+                st[3 * n + 8 + _L] += 1
                 while st[3 * n + 8 + B1] > c:
-                    _punlink(st, n, st[3 * n + B1])
+                    _x = st[3 * n + B1]
+                    _L = st[2 * n + _x]
+                    _p = st[_x]
+                    _q = st[n + _x]
+                    if _p != NIL:
+                        st[n + _p] = _q
+                    else:
+                        st[3 * n + _L] = _q
+                    if _q != NIL:
+                        st[_q] = _p
+                    else:
+                        st[3 * n + 4 + _L] = _p
+                    st[2 * n + _x] = NIL
+                    st[3 * n + 8 + _L] -= 1
                 while st[3 * n + 8 + B2] > c:
-                    _punlink(st, n, st[3 * n + B2])
+                    _x = st[3 * n + B2]
+                    _L = st[2 * n + _x]
+                    _p = st[_x]
+                    _q = st[n + _x]
+                    if _p != NIL:
+                        st[n + _p] = _q
+                    else:
+                        st[3 * n + _L] = _q
+                    if _q != NIL:
+                        st[_q] = _p
+                    else:
+                        st[3 * n + 4 + _L] = _p
+                    st[2 * n + _x] = NIL
+                    st[3 * n + 8 + _L] -= 1
                 victims[nv] = t
                 nv += 1
             if not adapted:
@@ -468,14 +655,75 @@ def arc_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
                 parent[x] = ids[j - 1]
                 children[ids[j - 1]] += 1
             if st[2 * n + x] == B1 or st[2 * n + x] == B2:
-                _punlink(st, n, x)
-                _ppush(st, n, T2, x)
+                _x = x
+                _L = st[2 * n + _x]
+                _p = st[_x]
+                _q = st[n + _x]
+                if _p != NIL:
+                    st[n + _p] = _q
+                else:
+                    st[3 * n + _L] = _q
+                if _q != NIL:
+                    st[_q] = _p
+                else:
+                    st[3 * n + 4 + _L] = _p
+                st[2 * n + _x] = NIL
+                st[3 * n + 8 + _L] -= 1
+                _L = T2
+                _x = x
+                _t = st[3 * n + 4 + _L]
+                st[2 * n + _x] = _L
+                st[_x] = _t
+                st[n + _x] = NIL
+                if _t != NIL:
+                    st[n + _t] = _x
+                else:
+                    st[3 * n + _L] = _x
+                st[3 * n + 4 + _L] = _x
+                st[3 * n + 8 + _L] += 1
             else:
                 if st[3 * n + 8 + T1] + st[3 * n + 8 + B1] >= c and st[3 * n + 8 + B1] > 0:
-                    _punlink(st, n, st[3 * n + B1])
+                    _x = st[3 * n + B1]
+                    _L = st[2 * n + _x]
+                    _p = st[_x]
+                    _q = st[n + _x]
+                    if _p != NIL:
+                        st[n + _p] = _q
+                    else:
+                        st[3 * n + _L] = _q
+                    if _q != NIL:
+                        st[_q] = _p
+                    else:
+                        st[3 * n + 4 + _L] = _p
+                    st[2 * n + _x] = NIL
+                    st[3 * n + 8 + _L] -= 1
                 elif st[3 * n + 8 + T1] + st[3 * n + 8 + T2] + st[3 * n + 8 + B1] + st[3 * n + 8 + B2] >= 2 * c and st[3 * n + 8 + B2] > 0:
-                    _punlink(st, n, st[3 * n + B2])
-                _ppush(st, n, T1, x)
+                    _x = st[3 * n + B2]
+                    _L = st[2 * n + _x]
+                    _p = st[_x]
+                    _q = st[n + _x]
+                    if _p != NIL:
+                        st[n + _p] = _q
+                    else:
+                        st[3 * n + _L] = _q
+                    if _q != NIL:
+                        st[_q] = _p
+                    else:
+                        st[3 * n + 4 + _L] = _p
+                    st[2 * n + _x] = NIL
+                    st[3 * n + 8 + _L] -= 1
+                _L = T1
+                _x = x
+                _t = st[3 * n + 4 + _L]
+                st[2 * n + _x] = _L
+                st[_x] = _t
+                st[n + _x] = NIL
+                if _t != NIL:
+                    st[n + _t] = _x
+                else:
+                    st[3 * n + _L] = _x
+                st[3 * n + 4 + _L] = _x
+                st[3 * n + 8 + _L] += 1
             pin[x] = r
             npinned += 1
             j += 1
@@ -668,4 +916,4 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
     else:
         nv = belady_kernel(off, ids, matchable, capacity_blocks, n_ids, hits, victims, next_use_per_ref(trace), np.zeros(n_ids, np.int32), policy == "belady-bypass")
     name = policy
-    return ReplayResult(name, capacity_blocks, hits, victims[:nv].tolist(), trace.block_size_tokens, trace.total_input_tokens)
+    return ReplayResult(name, capacity_blocks, hits, victims[:nv], trace.block_size_tokens, trace.total_input_tokens)

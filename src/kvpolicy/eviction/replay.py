@@ -51,7 +51,7 @@ class ReplayResult:
     policy: str
     capacity_blocks: int
     hits: np.ndarray  # per block reference: counted as a hit
-    victims: list[Any]
+    victims: Any  # evicted keys in order: a list (online) or an int64 array (kernels)
     block_size_tokens: int
     total_input_tokens: int
 
