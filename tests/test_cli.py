@@ -175,3 +175,34 @@ def test_evict_bench_command(capsys, tmp_path):
     assert all(r["block_hit_ratio"] <= bel[r["capacity_blocks"]] + 1e-12 for r in rows if r["policy"] not in ("infinite",))
     rc, _, err = run(capsys, "evict-bench", "--policies", "mru", "--no-progress")
     assert rc == 2 and "unknown policy" in err
+
+
+def test_publish_bench_and_plan_warmup_commands(capsys, tmp_path):
+    from kvpolicy.traces import generate, preset
+
+    tr = generate(preset("chat", n_requests=200, block_size_tokens=64))
+    p = tmp_path / "mc.jsonl"
+    tr.to_mooncake_jsonl(p)
+    out = tmp_path / "pub.json"
+    rc, text, _ = run(capsys, "publish-bench", str(p), "--block-size", "64", "--replicas", "4", "--policies", "all,never,threshold-2,reuse-aware",
+                      "--bytes-per-token", "1024", "--json", str(out), "--no-progress")
+    assert rc == 0 and "oracle" in text
+    runs = {r["policy"]: r for r in json.loads(out.read_text())["runs"]}
+    for r in runs.values():
+        assert set(r) >= {"blocks_written", "bytes_written", "reread_bytes", "wasted_write_bytes"}
+    assert runs["never"]["bytes_written"] == 0 and runs["all"]["reread_bytes"] == runs["oracle"]["reread_bytes"]
+    assert all(r["reread_bytes"] <= runs["oracle"]["reread_bytes"] for r in runs.values())
+    rc, text, _ = run(capsys, "plan-warmup", str(p), "--block-size", "64", "--bytes-per-token", "1024", "--replicas", "3", "--window-s", "5",
+                      "--bandwidth-gbps", "10", "--max-loads-per-replica", "2", "--max-loads-pool", "4", "--json")
+    assert rc == 0
+    d = json.loads(text)
+    assert set(d) >= {"required_gbps", "available_gbps", "schedule", "prefill", "verdict"}
+    for s in d["schedule"]:
+        assert set(s) >= {"replica", "prefix", "start_s", "end_s", "bytes"}
+    hot = tmp_path / "hot.json"
+    hot.write_text(json.dumps({"prefixes": [{"prefix": "sys", "tokens": 2048, "access_count": 40}, {"prefix": "doc", "bytes": 1000}]}))
+    rc, _, err = run(capsys, "plan-warmup", str(hot), "--replicas", "2", "--window-s", "5", "--bandwidth-gbps", "10")
+    assert rc == 2 and "prefixes[1]" in err
+    hot.write_text(json.dumps({"prefixes": [{"prefix": "sys", "tokens": 2048, "access_count": 40}]}))
+    rc, text, _ = run(capsys, "plan-warmup", str(hot), "--replicas", "2", "--window-s", "5", "--bandwidth-gbps", "10")
+    assert rc == 0 and "verdict" in text

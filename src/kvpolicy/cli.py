@@ -340,6 +340,99 @@ def _cmd_evict_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- publish-bench / plan-warmup
+
+
+def _prefill_model(args: argparse.Namespace) -> Any:
+    from .profile import read_profile
+    from .publish_sim import DEFAULT_PREFILL
+
+    return read_profile(args.profile).prefill_model() if args.profile else DEFAULT_PREFILL
+
+
+def _cmd_publish_bench(args: argparse.Namespace) -> int:
+    from .progress import Progress
+    from .publish_sim import publish_bench, render
+
+    prog = Progress("publish-bench", enabled=None if not args.no_progress else False)
+    bpt, model_note = _bytes_per_token(args)
+    prog("reading trace")
+    trace = _load_trace(args)
+    res = publish_bench(trace, args.policies, replicas=args.replicas, routing=args.routing, pool_capacity_blocks=args.pool_capacity_blocks,
+                        bytes_per_token=bpt, prefill=_prefill_model(args), write_bytes_per_s=args.write_gbps * 1e9 / 8, seed=args.seed, progress=prog)
+    prog.done()
+    res["model"] = model_note
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    print(f"model            {model_note}")
+    print(render(res))
+    if args.json:
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def _load_hot(args: argparse.Namespace, bpt: int) -> list[Any]:
+    from .traces import detect_format, generate, preset, read_trace
+    from .warmup import HotPrefix, hot_prefixes_from_trace
+
+    prefill = _prefill_model(args)
+    src = args.source
+    if src and src.endswith(".json"):
+        try:
+            data = json.loads(Path(src).read_text())
+        except FileNotFoundError:
+            raise ConfigError("HOT.json", f"no such file {src!r}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError("HOT.json", f"{src}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("prefixes"), list):
+            raise ConfigError("HOT.json", f"{src}: expected an object with a 'prefixes' list")
+        out = []
+        for i, item in enumerate(data["prefixes"]):
+            if not isinstance(item, dict) or "prefix" not in item or "access_count" not in item or not ("tokens" in item or "bytes" in item):
+                raise ConfigError("HOT.json", f"{src}: prefixes[{i}] needs 'prefix', 'access_count' and 'tokens' or 'bytes'")
+            tokens = item.get("tokens")
+            size = item.get("bytes", (tokens or 0) * bpt)
+            rec = item.get("recompute_s", float(prefill(tokens)) if tokens else None)
+            if rec is None:
+                raise ConfigError("HOT.json", f"{src}: prefixes[{i}] gives bytes without tokens: add 'recompute_s'")
+            out.append(HotPrefix(prefix=item["prefix"], size_bytes=int(size), access_count=int(item["access_count"]), recompute_s=float(rec),
+                                 blocks=tuple(item.get("blocks", ()))))
+        return out
+    if src:
+        detect_format(src)
+        trace = read_trace(src, None, args.block_size)
+    else:
+        trace = generate(preset(args.preset, seed=args.seed))
+    return hot_prefixes_from_trace(trace, bytes_per_token=bpt, recompute_s=prefill, min_access_count=args.min_access_count, max_prefixes=args.max_prefixes)
+
+
+def _cmd_plan_warmup(args: argparse.Namespace) -> int:
+    from .warmup import WarmupConfig, plan_warmup
+
+    bpt, model_note = _bytes_per_token(args)
+    hot = _load_hot(args, bpt)
+    cfg = WarmupConfig(replicas=args.replicas, window_s=args.window_s, bandwidth_bytes_per_s=args.bandwidth_gbps * 1e9 / 8,
+                       current_load_bytes_per_s=args.current_load_gbps * 1e9 / 8, max_loads_per_replica=args.max_loads_per_replica,
+                       max_loads_pool=args.max_loads_pool, min_access_count=args.min_access_count, readiness_share=args.readiness_share)
+    plan = plan_warmup(hot, cfg)
+    d = plan.to_dict()
+    if args.json:
+        print(json.dumps(d, indent=2))
+        return 0
+    print(f"model            {model_note}")
+    print(f"hot prefixes     {len(hot) - len(plan.cold)} planned (>= {cfg.min_access_count} requests), {len(plan.cold)} cold; hot set W = {plan.hot_bytes / 2**30:,.2f} GiB")
+    print(f"bandwidth        need N x W / dt = {d['required_gbps']:,.2f} Gbit/s; available {d['available_gbps']:,.2f} Gbit/s")
+    print(f"verdict          {plan.verdict}\n")
+    print(f"{'replica':>8} {'loads':>6} {'GiB':>8} {'ready_at_s':>11} {'left to prefill':>16}")
+    for r in range(cfg.replicas):
+        loads = [x for x in plan.schedule if x.replica == r]
+        ra = plan.ready_at_s[r]
+        print(f"{r:>8} {len(loads):>6} {sum(x.bytes for x in loads) / 2**30:>8,.2f} {('-' if ra is None else f'{ra:.1f}'):>11} {len(plan.prefill[r]):>16}")
+    print(f"\nfirst loads      " + "; ".join(f"r{x.replica} {x.prefix} {x.start_s:.1f}-{x.end_s:.1f}s" for x in plan.schedule[:6]))
+    return 0
+
+
 def _policy_list(text: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     if not items:
@@ -431,6 +524,40 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", default=None, metavar="OUT")
     e.add_argument("--no-progress", action="store_true")
     e.set_defaults(func=_cmd_evict_bench)
+
+    pb = sub.add_parser("publish-bench", help="bytes each publish policy writes vs bytes re-read by other replicas, beside the oracle")
+    _add_trace_args(pb)
+    pb.add_argument("--policies", type=_policy_list, default=["all", "never", "threshold-2", "boundary", "reuse-aware"],
+                    help="comma-separated; compose with + (e.g. boundary+reuse-aware)")
+    pb.add_argument("--replicas", type=_positive_int, default=8)
+    pb.add_argument("--routing", choices=["random", "round-robin", "prefix-affinity"], default="round-robin")
+    pb.add_argument("--pool-capacity-blocks", type=_positive_int, default=None, help="LRU pool capacity (default infinite)")
+    pb.add_argument("--profile", default=None, help="measured profile CSV for recompute seconds (default: an order-of-magnitude model)")
+    pb.add_argument("--write-gbps", type=float, default=100.0, help="pool write bandwidth for the reuse-aware cost (default 100)")
+    pb.add_argument("--json", default=None, metavar="OUT")
+    pb.add_argument("--no-progress", action="store_true")
+    pb.set_defaults(func=_cmd_publish_bench)
+
+    w = sub.add_parser("plan-warmup", help="schedule loads of measured hot prefixes into new replicas within caps and bandwidth")
+    w.add_argument("source", nargs="?", default=None, help="trace (JSONL) or HOT.json; default: a built-in synthetic preset")
+    w.add_argument("--preset", default="mixed")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--block-size", type=_positive_int, default=None)
+    w.add_argument("--config", default=None)
+    w.add_argument("--kv-dtype", default=None)
+    w.add_argument("--bytes-per-token", type=_positive_int, default=None)
+    w.add_argument("--profile", default=None, help="measured profile CSV for recompute seconds")
+    w.add_argument("--replicas", type=_positive_int, required=True)
+    w.add_argument("--window-s", type=float, required=True)
+    w.add_argument("--bandwidth-gbps", type=float, required=True, help="useful link bandwidth, Gbit/s")
+    w.add_argument("--current-load-gbps", type=float, default=0.0)
+    w.add_argument("--max-loads-per-replica", type=_positive_int, default=2)
+    w.add_argument("--max-loads-pool", type=_positive_int, default=8)
+    w.add_argument("--min-access-count", type=int, default=2, help="only prefixes used by at least this many requests are planned")
+    w.add_argument("--max-prefixes", type=_positive_int, default=64)
+    w.add_argument("--readiness-share", type=float, default=0.9)
+    w.add_argument("--json", action="store_true")
+    w.set_defaults(func=_cmd_plan_warmup)
     return p
 
 

@@ -1,0 +1,387 @@
+"""Publish filters: put in the shared pool only what another request will re-read.
+
+Publishing every finished block is the most harmful setting: user tails are
+mostly unique, so the pool pays for writes, indexing and eviction with no
+re-read. A filter answers one question per finished (or prefilled) request —
+how many **leading** full blocks may be published (0 = none) — so the published
+set stays prefix-closed, and learns from ``observe`` (called once per request,
+before ``publishable``; repeated calls for the same request id are ignored).
+
+Policies (compose with :class:`AllOf` — the minimum — and :class:`WriteBudget`):
+
+* ``never`` — a read-only pool (the brief's first experiment);
+* ``all`` — the baseline;
+* ``threshold-k`` — a block after k **distinct requests** containing it (the
+  SGLang / vLLM / KVBM style) — counted per request, never per lookup;
+* ``boundary`` — only blocks wholly before the application's mark
+  (``PublishRequest.boundary_tokens``: system prompt, template, knowledge-base
+  version, de-identified document) and nothing of a ``private`` data class, ever;
+* ``reuse-aware`` — kvpolicy's: publish a block when its expected value exceeds
+  its write cost (below).
+
+**reuse-aware.** Evidence is the number of distinct requests that contained the
+block, decayed with half-life ``half_life_s``, kept in a Count-Min sketch
+(``width`` × ``depth`` counters: memory is fixed at 8 × width × depth bytes; a
+count is overestimated by at most ε·N with probability 1 − δ, ε = e/width,
+δ = e^−depth, N the decayed total of sightings — with the defaults 2^18 × 4
+(8 MiB), ε ≈ 1.0e-5 · N at δ ≈ 1.8 %, under half a request while N < 48k).
+With ĉ the decayed count including this request::
+
+    rate       = (ĉ − 1) / half_life_s                      (other requests per second)
+    P(reuse)   = 1 − exp(−rate × lifetime_s)                if the block was seen before
+               = P(a new block is seen again | bucket)      on its first sighting
+    value      = P(reuse) × cross_replica_share × recompute_s(depth)
+    cost       = block_bytes / write_bytes_per_s + index_s + eviction_s
+    publish iff value > cost                                (the leading run that passes)
+
+The first-sighting probability is **learned**, per bucket of how much of the
+request was itself reused (quarters of its blocks: a mid-session request reuses
+most of its prompt): of the new blocks such requests created, the share that was
+seen again (Laplace-smoothed). It lets a live session's newest turn be published
+before the next turn needs it, and keeps unique tails out. Origins are tracked for
+the newest ``origin_capacity`` new blocks (memory bound).
+
+**WriteBudget** is a token bucket on written bytes per second (``burst_bytes``
+deep); when it runs low it sheds the lowest-value blocks first: a block is
+admitted only while tokens last and its value is at least
+``value_floor × (1 − fill)`` (fill = tokens / burst).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import numpy as np
+
+from .errors import ConfigError
+
+DATA_CLASSES = ("public", "shared", "internal", "private")
+
+
+@attrs.frozen
+class PublishRequest:
+    request_id: Hashable
+    num_tokens: int
+    block_size_tokens: int
+    time_s: float = 0.0
+    tenant: str = "default"
+    data_class: str = "shared"
+    boundary_tokens: int | None = None
+    replica: str = "replica-0"
+    reused_blocks: int = 0  # leading blocks this request itself found (local or remote)
+
+    def __attrs_post_init__(self) -> None:
+        if self.block_size_tokens <= 0 or self.num_tokens < 0:
+            raise ConfigError("num_tokens", "num_tokens must be >= 0 and block_size_tokens > 0")
+        if self.data_class not in DATA_CLASSES:
+            raise ConfigError("data_class", f"must be one of {DATA_CLASSES}, got {self.data_class!r}")
+        if self.boundary_tokens is not None and not 0 <= self.boundary_tokens <= self.num_tokens:
+            raise ConfigError("boundary_tokens", f"must be in [0, num_tokens={self.num_tokens}], got {self.boundary_tokens}")
+
+    @property
+    def full_blocks(self) -> int:
+        return self.num_tokens // self.block_size_tokens
+
+
+@runtime_checkable
+class PublishFilter(Protocol):
+    def observe(self, request: PublishRequest, keys: Sequence[Hashable]) -> None: ...
+
+    def publishable(self, request: PublishRequest, keys: Sequence[Hashable]) -> int: ...
+
+
+def _check(request: PublishRequest, keys: Sequence[Hashable]) -> None:
+    if len(keys) > request.full_blocks:
+        raise ConfigError("keys", f"{len(keys)} keys for {request.num_tokens} tokens: only full blocks ({request.full_blocks}) may be published — never a partial one")
+
+
+class _Dedup:
+    """Counts each (request, block) pair once: an engine may observe a request
+    several times, or block by block as it looks the prefix up. Remembers the
+    keys of the newest ``size`` requests (memory bound)."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self._seen: OrderedDict[Hashable, set] = OrderedDict()
+        self._size = size
+
+    def new_keys(self, request_id: Hashable, keys: Sequence[Hashable]) -> list[Hashable]:
+        done = self._seen.get(request_id)
+        if done is None:
+            done = self._seen[request_id] = set()
+            if len(self._seen) > self._size:
+                self._seen.popitem(last=False)
+        else:
+            self._seen.move_to_end(request_id)
+        fresh = [k for k in dict.fromkeys(keys) if k not in done]
+        done.update(fresh)
+        return fresh
+
+
+class NeverPublish:
+    name = "never"
+
+    def observe(self, request: PublishRequest, keys: Sequence[Hashable]) -> None:
+        _check(request, keys)
+
+    def publishable(self, request: PublishRequest, keys: Sequence[Hashable]) -> int:
+        _check(request, keys)
+        return 0
+
+
+class PublishAll:
+    name = "all"
+
+    def observe(self, request: PublishRequest, keys: Sequence[Hashable]) -> None:
+        _check(request, keys)
+
+    def publishable(self, request: PublishRequest, keys: Sequence[Hashable]) -> int:
+        _check(request, keys)
+        return len(keys)
+
+
+class ThresholdPublish:
+    """A block after ``k`` distinct requests that contain it."""
+
+    def __init__(self, k: int = 2) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+            raise ConfigError("k", f"must be a positive int, got {k!r}")
+        self.k = k
+        self.name = f"threshold-{k}"
+        self._count: dict[Hashable, int] = {}
+        self._dedup = _Dedup()
+
+    def observe(self, request: PublishRequest, keys: Sequence[Hashable]) -> None:
+        _check(request, keys)
+        for key in self._dedup.new_keys(request.request_id, keys):
+            self._count[key] = self._count.get(key, 0) + 1
+
+    def count(self, key: Hashable) -> int:
+        return self._count.get(key, 0)
+
+    def publishable(self, request: PublishRequest, keys: Sequence[Hashable]) -> int:
+        _check(request, keys)
+        n = 0
+        for key in keys:
+            if self._count.get(key, 0) < self.k:
+                break
+            n += 1
+        return n
+
+
+class BoundaryPublish:
+    """Nothing past the application's boundary, nothing private, ever."""
+
+    name = "boundary"
+
+    def observe(self, request: PublishRequest, keys: Sequence[Hashable]) -> None:
+        _check(request, keys)
+
+    def publishable(self, request: PublishRequest, keys: Sequence[Hashable]) -> int:
+        _check(request, keys)
+        if request.data_class == "private" or request.boundary_tokens is None:
+            return 0
+        return min(len(keys), request.boundary_tokens // request.block_size_tokens)
+
+
+class CountMinSketch:
+    """Decayed counts in fixed memory; estimates never undercount."""
+
+    def __init__(self, width: int = 1 << 18, depth: int = 4, half_life_s: float = 600.0, seed: int = 0) -> None:
+        if width <= 0 or depth <= 0 or half_life_s <= 0:
+            raise ConfigError("width", "width, depth and half_life_s must be positive")
+        self.width, self.depth = width, depth
+        self.lam = math.log(2) / half_life_s
+        self.table = np.zeros((depth, width), dtype=np.float64)
+        self._salt = [(seed * 1_000_003 + i * 7919 + 1) for i in range(depth)]
+        self._t0 = 0.0
+
+    def _rows(self, key: Hashable) -> list[int]:
+        h = hash(key) if not isinstance(key, (bytes, int)) else (int.from_bytes(key[:8], "little") if isinstance(key, bytes) else key)
+        return [((h * 0x9E3779B97F4A7C15 + s) >> 17) % self.width for s in self._salt]
+
+    def _weight(self, t_s: float) -> float:
+        x = self.lam * (t_s - self._t0)
+        if x > 50:  # rescale to keep weights finite
+            self.table *= math.exp(-x)
+            self._t0 = t_s
+            x = 0.0
+        return math.exp(x)
+
+    def add(self, key: Hashable, t_s: float, amount: float = 1.0) -> None:
+        w = amount * self._weight(t_s)
+        for i, j in enumerate(self._rows(key)):
+            self.table[i, j] += w
+
+    def estimate(self, key: Hashable, t_s: float) -> float:
+        w = self._weight(t_s)
+        return min(self.table[i, j] for i, j in enumerate(self._rows(key))) / w
+
+
+class ReuseAwarePublish:
+    name = "reuse-aware"
+
+    def __init__(
+        self,
+        *,
+        block_bytes: int,
+        recompute_s: Callable[[int], float],
+        write_bytes_per_s: float = 12.5e9,
+        index_s: float = 2e-4,
+        eviction_s: float = 2e-4,
+        lifetime_s: float = 600.0,
+        half_life_s: float = 600.0,
+        cross_replica_share: float = 0.875,
+        buckets: int = 4,
+        origin_capacity: int = 200_000,
+        sketch: CountMinSketch | None = None,
+    ) -> None:
+        if block_bytes <= 0 or write_bytes_per_s <= 0 or lifetime_s <= 0:
+            raise ConfigError("block_bytes", "block_bytes, write_bytes_per_s and lifetime_s must be positive")
+        if not 0 <= cross_replica_share <= 1:
+            raise ConfigError("cross_replica_share", "is a probability")
+        if buckets <= 0 or origin_capacity <= 0:
+            raise ConfigError("buckets", "buckets and origin_capacity must be positive")
+        self.block_bytes = block_bytes
+        self.recompute_s = recompute_s
+        self.cost_s = block_bytes / write_bytes_per_s + index_s + eviction_s
+        self.lifetime_s = lifetime_s
+        self.half_life_s = half_life_s
+        self.cross = cross_replica_share
+        self.sketch = sketch or CountMinSketch(half_life_s=half_life_s)
+        self._dedup = _Dedup()
+        self.created = [0.0] * buckets
+        self.seen_again = [0.0] * buckets
+        self._origin: OrderedDict[Hashable, int] = OrderedDict()
+        self._origin_capacity = origin_capacity
+
+    def _bucket(self, request: PublishRequest) -> int:
+        n = len(self.created)
+        return min(int(n * request.reused_blocks / max(request.full_blocks, 1)), n - 1)
+
+    def first_sighting_probability(self, request: PublishRequest) -> float:
+        b = self._bucket(request)
+        return (self.seen_again[b] + 1) / (self.created[b] + 2)
+
+    def observe(self, request: PublishRequest, keys: Sequence[Hashable]) -> None:
+        _check(request, keys)
+        b = self._bucket(request)
+        t = request.time_s
+        for key in self._dedup.new_keys(request.request_id, keys):
+            if self.sketch.estimate(key, t) < 0.5:  # first sighting: remember which kind of request made it
+                self.created[b] += 1
+                self._origin[key] = b
+                if len(self._origin) > self._origin_capacity:
+                    self._origin.popitem(last=False)
+            else:
+                ob = self._origin.pop(key, None)
+                if ob is not None:
+                    self.seen_again[ob] += 1
+            self.sketch.add(key, t)
+
+    def values(self, request: PublishRequest, keys: Sequence[Hashable]) -> list[float]:
+        """Expected value − cost of publishing each leading block (seconds)."""
+        p_first = self.first_sighting_probability(request)
+        out = []
+        for depth, key in enumerate(keys):
+            c = self.sketch.estimate(key, request.time_s)
+            p = 1.0 - math.exp(-max(c - 1.0, 0.0) / self.half_life_s * self.lifetime_s) if c > 1.5 else p_first
+            out.append(p * self.cross * self.recompute_s(depth) - self.cost_s)
+        return out
+
+    def publishable(self, request: PublishRequest, keys: Sequence[Hashable]) -> int:
+        _check(request, keys)
+        n = 0
+        for v in self.values(request, keys):
+            if v <= 0:
+                break
+            n += 1
+        return n
+
+
+class AllOf:
+    """Composition: a block is publishable only if every filter allows it."""
+
+    def __init__(self, *filters: Any) -> None:
+        if not filters:
+            raise ConfigError("filters", "AllOf needs at least one filter")
+        self.filters = filters
+        self.name = " & ".join(getattr(f, "name", type(f).__name__) for f in filters)
+
+    def observe(self, request: PublishRequest, keys: Sequence[Hashable]) -> None:
+        for f in self.filters:
+            f.observe(request, keys)
+
+    def publishable(self, request: PublishRequest, keys: Sequence[Hashable]) -> int:
+        return min(f.publishable(request, keys) for f in self.filters)
+
+
+class WriteBudget:
+    """Token bucket on published bytes; sheds the lowest-value blocks first."""
+
+    def __init__(self, inner: Any, *, bytes_per_s: float, burst_bytes: float, block_bytes: int, value_floor_s: float = 0.0) -> None:
+        if bytes_per_s <= 0 or burst_bytes <= 0 or block_bytes <= 0:
+            raise ConfigError("bytes_per_s", "bytes_per_s, burst_bytes and block_bytes must be positive")
+        self.inner = inner
+        self.rate = bytes_per_s
+        self.burst = burst_bytes
+        self.block_bytes = block_bytes
+        self.value_floor_s = value_floor_s
+        self.tokens = burst_bytes
+        self._t = None
+        self.name = f"{getattr(inner, 'name', 'filter')} + budget"
+        self.shed_blocks = 0
+
+    def observe(self, request: PublishRequest, keys: Sequence[Hashable]) -> None:
+        self.inner.observe(request, keys)
+
+    def publishable(self, request: PublishRequest, keys: Sequence[Hashable]) -> int:
+        n = self.inner.publishable(request, keys)
+        if self._t is not None:
+            self.tokens = min(self.burst, self.tokens + (request.time_s - self._t) * self.rate)
+        self._t = request.time_s
+        values = _find_values(self.inner, request, keys)
+        k = 0
+        while k < n:
+            fill = self.tokens / self.burst
+            if self.tokens < self.block_bytes or (values is not None and values[k] < self.value_floor_s * (1 - fill)):
+                break
+            self.tokens -= self.block_bytes
+            k += 1
+        self.shed_blocks += n - k
+        return k
+
+
+def _find_values(f: Any, request: PublishRequest, keys: Sequence[Hashable]) -> list[float] | None:
+    if isinstance(f, ReuseAwarePublish):
+        return f.values(request, keys)
+    for inner in getattr(f, "filters", ()):
+        v = _find_values(inner, request, keys)
+        if v is not None:
+            return v
+    return None
+
+
+def make_filter(spec: str, **kw: Any) -> Any:
+    """``all``, ``never``, ``threshold-K``, ``boundary``, ``reuse-aware``; ``a+b`` composes with AllOf."""
+    parts = [p.strip() for p in spec.split("+") if p.strip()]
+    if len(parts) > 1:
+        return AllOf(*(make_filter(p, **kw) for p in parts))
+    name = parts[0] if parts else ""
+    if name == "all":
+        return PublishAll()
+    if name == "never":
+        return NeverPublish()
+    if name == "boundary":
+        return BoundaryPublish()
+    if name.startswith("threshold-"):
+        try:
+            return ThresholdPublish(int(name.split("-", 1)[1]))
+        except ValueError:
+            raise ConfigError("policy", f"threshold needs an integer: {name!r}") from None
+    if name == "reuse-aware":
+        return ReuseAwarePublish(**kw)
+    raise ConfigError("policy", f"unknown publish policy {name!r}; known: all, never, threshold-K, boundary, reuse-aware (compose with +)")

@@ -1,0 +1,123 @@
+"""`kvpolicy publish-bench`: what each publish policy writes, and what gets re-read.
+
+Requests are routed to N replicas (``kvpolicy.analysis.replicas.route``). Each
+replica keeps every block it computed or loaded (an infinite local cache, so a
+pool read is always cross-replica reuse). Per request, under the prefix rule:
+the leading blocks held locally are local hits, the pool's continuation is read
+(``reread_bytes``), then the filter decides how many leading blocks to publish;
+new ones are written (``blocks_written``, ``bytes_written``) into a pool that is
+infinite or LRU with ``pool_capacity_blocks``. A write never read before it left
+the pool is wasted (``wasted_write_bytes``). The **oracle** writes exactly the
+blocks another replica will read later (an infinite pool): the most re-read bytes
+for the fewest written.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from .analysis.replicas import replica_view, route
+from .errors import ConfigError
+from .profile import PrefillModel
+from .publish import PublishRequest, make_filter
+
+#: order-of-magnitude default prefill model (≈ 20k tokens/s, mildly superlinear); pass a measured profile
+DEFAULT_PREFILL = PrefillModel(a_s=0.0, b_s_per_token=5e-5, c_s_per_token2=1e-10, rms_rel_error=float("nan"), max_rel_error=float("nan"))
+
+
+def block_recompute_s(prefill: PrefillModel, block_size_tokens: int):
+    def f(depth: int) -> float:
+        a, b = depth * block_size_tokens, (depth + 1) * block_size_tokens
+        return prefill.b_s_per_token * (b - a) + prefill.c_s_per_token2 * (b * b - a * a)
+
+    return f
+
+
+def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing: str = "round-robin", pool_capacity_blocks: int | None = None,
+                  bytes_per_token: int, prefill: PrefillModel | None = None, write_bytes_per_s: float = 12.5e9, seed: int = 0,
+                  progress: Any = None) -> dict[str, Any]:
+    if pool_capacity_blocks is not None and pool_capacity_blocks <= 0:
+        raise ConfigError("--pool-capacity-blocks", "must be positive")
+    step = progress or (lambda _m: None)
+    B = trace.block_size_tokens
+    block_bytes = bytes_per_token * B
+    prefill = prefill or DEFAULT_PREFILL
+    rep = route(trace, replicas, routing, seed=seed)  # type: ignore[arg-type]
+    offsets = trace.block_offsets.tolist()
+    ids = trace.block_ids.tolist()
+    matchable = trace.matchable_blocks.tolist()
+    arrival = trace.arrival_s.tolist()
+    ntok = trace.input_tokens.tolist()
+    bound = trace.publish_boundary_tokens.tolist() if trace.publish_boundary_tokens is not None else None
+    tenant = [trace.tenant_names[t] for t in trace.tenant.tolist()] if trace.tenant is not None else None
+    kw = {"block_bytes": block_bytes, "recompute_s": block_recompute_s(prefill, B), "write_bytes_per_s": write_bytes_per_s,
+          "cross_replica_share": (replicas - 1) / replicas if routing != "prefix-affinity" else 0.1}
+    runs = []
+    for spec in policies:
+        step(spec)
+        f = make_filter(spec, **kw) if spec not in ("all", "never", "boundary") and not spec.startswith("threshold") else make_filter(spec)
+        local = [set() for _ in range(replicas)]
+        pool: OrderedDict[int, bool] = OrderedDict()  # block -> read since written
+        written = reread = wasted = 0
+        for r in range(len(trace)):
+            p = int(rep[r])
+            s, e = offsets[r], offsets[r + 1]
+            m = s + matchable[r]
+            mine = local[p]
+            j = s
+            while j < m and ids[j] in mine:
+                j += 1
+            L = j - s
+            while j < m and ids[j] in pool:
+                pool[ids[j]] = True
+                pool.move_to_end(ids[j])
+                j += 1
+            reread += j - s - L
+            blocks = ids[s:e]
+            mine.update(blocks)
+            req = PublishRequest(request_id=r, num_tokens=ntok[r], block_size_tokens=B, time_s=arrival[r],
+                                 tenant=tenant[r] if tenant else "default", boundary_tokens=bound[r] if bound else None,
+                                 replica=str(p), reused_blocks=j - s)
+            f.observe(req, blocks)
+            n = f.publishable(req, blocks)
+            for b in blocks[:n]:
+                if b in pool:
+                    pool.move_to_end(b)
+                    continue
+                pool[b] = False
+                written += 1
+                if pool_capacity_blocks is not None and len(pool) > pool_capacity_blocks:
+                    _, was_read = pool.popitem(last=False)
+                    wasted += not was_read
+        wasted += sum(1 for v in pool.values() if not v)
+        runs.append({"policy": spec, "blocks_written": written, "bytes_written": written * block_bytes, "reread_bytes": reread * block_bytes,
+                     "wasted_write_bytes": wasted * block_bytes, "reread_per_written_byte": (reread / written) if written else None})
+    step("oracle")
+    view = replica_view(trace, replicas, routing, bytes_per_token=bytes_per_token, seed=seed)  # type: ignore[arg-type]
+    ow = int(round(view.write_reread_bytes.sum()))
+    runs.append({"policy": "oracle", "blocks_written": ow // block_bytes, "bytes_written": ow, "reread_bytes": int(round(view.read_bytes.sum())),
+                 "wasted_write_bytes": 0, "reread_per_written_byte": (view.read_bytes.sum() / ow) if ow else None})
+    oracle = runs[-1]
+    for run in runs:
+        run["reread_share_of_oracle"] = run["reread_bytes"] / oracle["reread_bytes"] if oracle["reread_bytes"] else None
+        run["written_over_oracle"] = run["bytes_written"] / oracle["bytes_written"] if oracle["bytes_written"] else None
+    return {"source": trace.source, "replicas": replicas, "routing": routing, "pool_capacity_blocks": pool_capacity_blocks,
+            "block_bytes": block_bytes, "runs": runs}
+
+
+def render(res: dict[str, Any]) -> str:
+    gib = 2**30
+    cap = res["pool_capacity_blocks"]
+    lines = [f"trace            {res['source']}",
+             f"setup            {res['replicas']} replicas, {res['routing']} routing, pool {'infinite' if cap is None else f'{cap:,} blocks (LRU)'}, "
+             f"{res['block_bytes'] / 2**20:,.0f} MiB per block", "",
+             f"{'policy':>28} {'blocks_written':>15} {'written GiB':>12} {'re-read GiB':>12} {'wasted GiB':>11} {'re-read/written':>16} {'re-read of oracle':>18}"]
+    for r in res["runs"]:
+        rr = "-" if r["reread_per_written_byte"] is None else f"{r['reread_per_written_byte']:.2f}"
+        so = "-" if r["reread_share_of_oracle"] is None else f"{r['reread_share_of_oracle']:.1%}"
+        lines.append(f"{r['policy']:>28} {r['blocks_written']:>15,} {r['bytes_written'] / gib:>12,.1f} {r['reread_bytes'] / gib:>12,.1f} "
+                     f"{r['wasted_write_bytes'] / gib:>11,.1f} {rr:>16} {so:>18}")
+    return "\n".join(lines)

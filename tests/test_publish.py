@@ -1,0 +1,153 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvpolicy.errors import ConfigError
+from kvpolicy.keys import BlockHasher
+from kvpolicy.publish import (
+    AllOf,
+    BoundaryPublish,
+    CountMinSketch,
+    PublishAll,
+    PublishFilter,
+    PublishRequest,
+    ReuseAwarePublish,
+    ThresholdPublish,
+    WriteBudget,
+    make_filter,
+)
+
+from helpers import ns
+
+B = 4
+
+
+def req(i, n_blocks, t=0.0, **kw):
+    return PublishRequest(request_id=i, num_tokens=n_blocks * B + 1, block_size_tokens=B, time_s=t, **kw)
+
+
+def reuse_aware(**kw):
+    base = dict(block_bytes=1 << 20, recompute_s=lambda d: 0.01, write_bytes_per_s=1e9, index_s=0, eviction_s=0, half_life_s=600, lifetime_s=600)
+    base.update(kw)
+    return ReuseAwarePublish(**base)
+
+
+@given(st.integers(1, 12), st.integers(1, 5), st.integers(0, 3))
+def test_threshold_k_after_exactly_k_distinct_requests(n, k, extra):
+    f = ThresholdPublish(k)
+    chain = list(range(n))
+    for i in range(k):
+        keys = chain + [1000 + 10 * i + j for j in range(extra)]  # each request may extend the prefix differently
+        r = req(i, len(keys))
+        assert f.publishable(r, keys) < n or i >= k  # not yet before the k-th request is observed
+        f.observe(r, keys)
+        assert (f.publishable(r, chain) == n) == (i == k - 1)
+
+
+def test_regression_vllm_52227_counting_per_lookup():
+    """A threshold counted per lookup made an N-block prefix need 2N+1 repeats."""
+    f = ThresholdPublish(2)
+    chain = list(range(8))
+    for i in range(2):
+        r = req(i, 8)
+        for j in range(1, 9):  # an engine that looks the prefix up block by block
+            f.observe(r, chain[:j])
+    assert f.publishable(req(99, 8), chain) == 8
+
+
+def test_regression_sglang_30689_one_request_counted_once():
+    f = ThresholdPublish(2)
+    r = req(7, 3)
+    for _ in range(5):
+        f.observe(r, [1, 2, 3])
+    assert f.count(1) == 1 and f.publishable(r, [1, 2, 3]) == 0
+    ra = reuse_aware()
+    for _ in range(5):
+        ra.observe(r, [1, 2, 3])
+    assert ra.sketch.estimate(1, 0.0) == pytest.approx(1.0)
+
+
+def test_regression_lmcache_2206_never_a_partial_block():
+    r = PublishRequest(request_id=1, num_tokens=10, block_size_tokens=B)  # 2 full blocks + 2 tokens
+    for f in (PublishAll(), ThresholdPublish(1), BoundaryPublish(), reuse_aware()):
+        with pytest.raises(ConfigError, match="partial"):
+            f.publishable(r, [1, 2, 3])
+    assert PublishAll().publishable(r, [1, 2]) == 2
+
+
+@settings(max_examples=60)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.sampled_from(["public", "shared", "internal", "private"]),
+                          st.integers(0, 6), st.integers(0, 40)), min_size=1, max_size=25),
+       st.sampled_from(["boundary", "boundary+reuse-aware", "boundary+threshold-2", "boundary+all"]))
+def test_tenancy_property(requests, spec):
+    """No block beyond a boundary, of a private class, or of another tenant is ever published."""
+    hashers = {t: BlockHasher(ns(tenant=t, block_size_tokens=B), "fast") for t in "ab"}
+    kw = dict(block_bytes=1 << 20, recompute_s=lambda d: 1.0, write_bytes_per_s=1e12)
+    f = make_filter(spec, **kw) if "reuse-aware" in spec else make_filter(spec)
+    published: dict[bytes, str] = {}
+    for i, (tenant, cls, n_blocks, boundary) in enumerate(requests):
+        tokens = list(range(n_blocks * B + 1))
+        keys = list(hashers[tenant].hash_blocks(tokens))
+        r = PublishRequest(request_id=i, num_tokens=len(tokens), block_size_tokens=B, tenant=tenant, data_class=cls,
+                           boundary_tokens=min(boundary, len(tokens)), time_s=float(i))
+        f.observe(r, keys)
+        n = f.publishable(r, keys)
+        assert n <= min(boundary, len(tokens)) // B
+        if cls == "private":
+            assert n == 0
+        for k in keys[:n]:
+            assert published.setdefault(k, tenant) == tenant
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.floats(0, 1000)), max_size=200))
+def test_count_min_never_undercounts(events):
+    sk = CountMinSketch(width=64, depth=3, half_life_s=100.0)
+    events = sorted(events, key=lambda e: e[1])
+    for key, t in events:
+        sk.add(key, t)
+    now = events[-1][1] if events else 0.0
+    lam = np.log(2) / 100.0
+    for key in {k for k, _ in events}:
+        want = sum(np.exp(-lam * (now - t)) for k, t in events if k == key)
+        assert sk.estimate(key, now) >= want * (1 - 1e-9)
+
+
+def test_reuse_aware_keeps_unique_tails_out_and_publishes_reuse():
+    f = reuse_aware()
+    for i in range(300):  # unique single-use chains: the learned first-sighting probability falls
+        keys = [10_000 + 10 * i + j for j in range(3)]
+        r = req(i, 3, t=i)
+        f.observe(r, keys)
+    assert f.first_sighting_probability(req(999, 3)) < 0.05
+    fresh = [1, 2, 3]
+    r = req(1000, 3, t=400.0)
+    f.observe(r, fresh)
+    assert f.publishable(r, fresh) == 0  # seen once: not yet
+    r2 = req(1001, 3, t=410.0)
+    f.observe(r2, fresh)
+    assert f.publishable(r2, fresh) == 3  # re-used soon after: worth the write
+
+
+@given(st.lists(st.tuples(st.floats(0, 5), st.integers(0, 8)), min_size=1, max_size=40))
+def test_write_budget_bounds_bytes(steps):
+    wb = WriteBudget(PublishAll(), bytes_per_s=10.0, burst_bytes=20.0, block_bytes=5)
+    t = 0.0
+    written = 0
+    for i, (dt, n) in enumerate(steps):
+        t += dt
+        written += 5 * wb.publishable(req(i, n, t=t), list(range(n)))
+        assert written <= 20.0 + 10.0 * t + 1e-9
+
+
+def test_allof_and_protocol():
+    f = AllOf(ThresholdPublish(1), BoundaryPublish())
+    assert isinstance(f, PublishFilter)
+    r = req(1, 4, boundary_tokens=9)
+    f.observe(r, [1, 2, 3, 4])
+    assert f.publishable(r, [1, 2, 3, 4]) == 2
+    with pytest.raises(ConfigError, match="unknown publish policy"):
+        make_filter("sometimes")
+    with pytest.raises(ConfigError, match="threshold"):
+        make_filter("threshold-x")
+    with pytest.raises(ConfigError, match="boundary_tokens"):
+        PublishRequest(request_id=1, num_tokens=4, block_size_tokens=B, boundary_tokens=9)
