@@ -12,19 +12,21 @@ corrections:
    uses. A block whose expected reuse distance exceeds ``C_effective`` will be
    evicted before it is re-read whatever happens, so it goes first; holding it
    only displaces blocks that can still hit.
-2. **Never-reused blocks age faster.** Most blocks of a conversation are used
-   once (a turn that never continues). A block not yet re-used is ranked as if its
-   last use were ``W`` seconds earlier, where ``W`` is learned from the population:
-   the running geometric mean of the intervals between a block's first use and its
-   first reuse (how long a block that *will* be reused typically waits). Until the
-   first such observation W = 0 and the policy is exactly LRU.
+2. **Reuse history shifts recency by W.** Most blocks of a conversation are used
+   once (a turn that never continues); a few are reused again and again (system
+   prompts, long-lived sessions). A block not yet re-used is ranked as if its last
+   use were ``W`` seconds earlier; a block reused at least twice as if it were
+   ``W`` seconds later. ``W`` is learned from the population: the running geometric
+   mean of the intervals between a block's first use and its first reuse (how long
+   a block that *will* be reused typically waits). Until the first such
+   observation W = 0 and the policy is exactly LRU.
 
 Priority (lowest evicted first)::
 
-    (0 if doomed else 1,  last_use − (W if never reused else 0),  −depth)
+    (0 if doomed else 1,  last_use − aging·W·[never reused] + boost·W·[reused ≥ 2],  −depth)
 
 Knobs: ``effective_bytes`` (``C_effective``; default the capacity), ``ewma`` (0.5),
-``aging`` (multiplier on W, default 1.0; 0 disables the second correction).
+``aging`` and ``boost`` (multipliers on W, default 1.0; 0 disables each).
 Priorities are computed when a block is used or becomes a candidate, with the W
 of that moment.
 """
@@ -41,15 +43,17 @@ from .base import Node, PriorityPolicy
 class ReuseDistancePolicy(PriorityPolicy):
     name = "reuse-distance"
 
-    def __init__(self, capacity_bytes: int, *, effective_bytes: int | None = None, ewma: float = 0.5, aging: float = 1.0, clock: Clock | None = None) -> None:
+    def __init__(self, capacity_bytes: int, *, effective_bytes: int | None = None, ewma: float = 0.5, aging: float = 1.0, boost: float = 1.0,
+                 clock: Clock | None = None) -> None:
         if not 0 < ewma <= 1:
             raise ConfigError("ewma", f"must be in (0, 1], got {ewma}")
-        if aging < 0:
-            raise ConfigError("aging", f"must be non-negative, got {aging}")
+        if aging < 0 or boost < 0:
+            raise ConfigError("aging", f"aging and boost must be non-negative, got {aging}, {boost}")
         super().__init__(capacity_bytes, clock=clock)
         self.c_eff = float(effective_bytes if effective_bytes is not None else max(capacity_bytes, 1))
         self.ewma = ewma
         self.aging = aging
+        self.boost = boost
         self.V = 0.0
         self._log_w = 0.0
         self._n_w = 0
@@ -82,5 +86,6 @@ class ReuseDistancePolicy(PriorityPolicy):
         return est is not None and est > self.c_eff
 
     def priority(self, node: Node) -> tuple:
-        age_shift = self.aging * self.first_reuse_interval_s if node.hits == 0 else 0.0
-        return (0 if self.doomed(node) else 1, node.t_access - age_shift, -node.depth)
+        w = self.first_reuse_interval_s
+        shift = self.aging * w if node.hits == 0 else (-self.boost * w if node.hits >= 2 else 0.0)
+        return (0 if self.doomed(node) else 1, node.t_access - shift, -node.depth)
