@@ -433,6 +433,45 @@ def _cmd_plan_warmup(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- diagnose
+
+
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    from .diagnose import diagnose, explain
+    from .traces import read_tokens_jsonl
+
+    trace = read_tokens_jsonl(args.trace, args.block_size or 16, sort=args.sort, skip_bad_lines=args.skip_bad_lines)
+    diag = diagnose(trace, min_shared=args.min_shared)
+    if args.request is not None:
+        ex = explain(trace, args.request, diag, capacity_blocks=args.capacity_blocks)
+        if args.json:
+            Path(args.json).write_text(json.dumps(ex, indent=2, default=str))
+        print(f"request          {ex['request']} ({ex['input_tokens']:,} tokens; {ex['reusable_tokens_infinite_cache']:,} reusable with an infinite cache)")
+        for reason in ex["reasons"]:
+            print(f"  - {reason}")
+        return 0
+    d = diag.to_dict()
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(d, indent=2, default=str))
+    print(f"trace            {trace.source} ({len(trace):,} requests, {d['total_input_tokens']:,} input tokens)")
+    print(f"lost hit tokens  {d['lost_hit_tokens']:,} to nondeterministic prompt assembly = {d['lost_share_of_input']:.1%} of input tokens, "
+          f"{d['lost_share_of_ceiling_plus_lost']:.1%} of what an infinite cache could reuse with deterministic assembly")
+    print(f"flagged          {d['flagged_requests']:,} requests share >= {args.min_shared:.0%} of their content with an earlier one, yet their prefix match breaks early\n")
+    if d["patterns"]:
+        print(f"{'kind':>14} {'position':>9} {'requests':>9} {'lost tokens':>12}   example")
+        for p_ in d["patterns"][:10]:
+            ex = p_["example"]
+            print(f"{p_['kind']:>14} {p_['position_tokens']:>9,} {p_['requests']:>9,} {p_['lost_tokens']:>12,}   {ex['request']} vs {ex['earlier']}: "
+                  f"tokens {ex['span_request'][0]}-{ex['span_request'][1]} vs {ex['span_earlier'][0]}-{ex['span_earlier'][1]}")
+        print("\nworst offenders  " + ", ".join(f"{w['request_id']} ({w['lost_tokens']:,})" for w in d["worst"][:5]))
+    else:
+        print("no pattern: prompts that share content also share their prefixes")
+    if args.json:
+        print(f"\nwrote {args.json}")
+    return 0
+
+
 def _policy_list(text: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     if not items:
@@ -558,6 +597,17 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--readiness-share", type=float, default=0.9)
     w.add_argument("--json", action="store_true")
     w.set_defaults(func=_cmd_plan_warmup)
+
+    dg = sub.add_parser("diagnose", help="find misses caused by nondeterministic prompt assembly; explain one request's misses")
+    dg.add_argument("trace", help="token trace (JSONL with raw token ids)")
+    dg.add_argument("--block-size", type=_positive_int, default=None, help="block size in tokens (default 16)")
+    dg.add_argument("--min-shared", type=float, default=0.8, help="share of content a request must share with an earlier one (default 0.8)")
+    dg.add_argument("--request", default=None, help="explain this request id")
+    dg.add_argument("--capacity-blocks", type=_positive_int, default=None, help="with --request: replay an LRU cache of this size to find evictions")
+    dg.add_argument("--sort", action="store_true")
+    dg.add_argument("--skip-bad-lines", action="store_true")
+    dg.add_argument("--json", default=None, metavar="OUT")
+    dg.set_defaults(func=_cmd_diagnose)
     return p
 
 
