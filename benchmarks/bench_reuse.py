@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             od_rows.append([f"{cap:,}", f"{h / args.accesses:.4f}", f"{t:.2f}"])
             res["ordered_dict"].append({"capacity": cap, "hit_ratio": h / args.accesses, "seconds": t})
         exact_all = t_exact + t_curve
-        print(f"\nOrderedDict LRU loop at four capacities (hit counts equal the exact curve's)\n")
+        print("\nOrderedDict LRU loop at four capacities (hit counts equal the exact curve's)\n")
         print_table(["capacity", "hit ratio", "seconds"], od_rows)
         print(f"\nexact curve, every capacity: {exact_all:.2f} s; OrderedDict, four capacities: {od_total:.2f} s -> {od_total / exact_all:.1f}x")
         res["ordered_dict_vs_exact_ratio"] = od_total / exact_all

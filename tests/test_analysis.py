@@ -21,7 +21,8 @@ from kvpolicy.analysis import (
     worst_window_rate,
 )
 from kvpolicy.errors import ConfigError
-from kvpolicy.traces import Trace, canonicalize, first_appearance_ids, generate, preset
+from kvpolicy.testing.strategies import prefix_traces
+from kvpolicy.traces import Trace, first_appearance_ids, generate, preset
 
 ids_st = st.lists(st.integers(0, 12), max_size=80).map(lambda x: first_appearance_ids(np.asarray(x, dtype=np.int64)))
 
@@ -42,36 +43,6 @@ def test_compaction_path_is_exercised():
     rng = np.random.default_rng(1)
     ids = first_appearance_ids(rng.integers(0, 30, 5000))  # tree of 2×30: compacts ~100 times
     assert np.array_equal(stack_distances(ids), stack_distances_reference(ids))
-
-
-@st.composite
-def prefix_traces(draw, max_requests=25):
-    """Request-level chained traces: requests extend earlier requests' chains."""
-    B = draw(st.sampled_from([1, 2, 4]))
-    n = draw(st.integers(1, max_requests))
-    chains: list[list[int]] = []
-    next_id = 0
-    rows = []
-    for _ in range(n):
-        if chains and draw(st.booleans()):
-            base = draw(st.sampled_from(chains))
-            keep = draw(st.integers(0, len(base)))
-            chain = base[:keep]
-        else:
-            chain = []
-        for _ in range(draw(st.integers(0, 4))):
-            chain = chain + [next_id]
-            next_id += 1
-        chains.append(chain)
-        tail = draw(st.integers(0, B - 1))
-        rows.append((chain, tail))
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum([len(c) for c, _ in rows], out=offsets[1:])
-    ids = np.asarray([x for c, _ in rows for x in c], dtype=np.int64)
-    inp = np.asarray([len(c) * B + t for c, t in rows], dtype=np.int64)
-    partial = np.where(inp % B != 0, next_id + np.arange(n), -1)
-    tr = Trace(arrival_s=np.arange(n, dtype=float), input_tokens=inp, output_tokens=np.ones(n, np.int64), block_offsets=offsets, block_ids=ids, partial_block_ids=partial, block_size_tokens=B)
-    return canonicalize(tr)
 
 
 @given(prefix_traces())

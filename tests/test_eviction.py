@@ -8,7 +8,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from strategies_prefix import flat_trace, prefix_traces
 from kvpolicy.analysis import PrefixMRC, stack_distances
-from kvpolicy.clock import ManualClock
 from kvpolicy.errors import CapacityError, ConfigError, OracleRequiredError
 from kvpolicy.eviction import ALL_POLICIES, BeladyPolicy, PolicyCache, TraceOracle, make_policy, replay
 from kvpolicy.traces import first_appearance_ids, generate, preset

@@ -3,7 +3,6 @@ import sys
 import textwrap
 from collections import OrderedDict
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 
@@ -120,29 +119,7 @@ class NaiveLRU:
     def unpin(self, k):
         self.pins[k] -= 1
 
-    def _blocked(self, k):
-        if self.respect_children and any(p == k for p in self.parent.values()):
-            return True
-        if self.respect_pins:  # pinned, or above a pinned block
-            stack = [k]
-            while stack:
-                x = stack.pop()
-                if self.pins.get(x, 0):
-                    return True
-                stack += [c for c, p in self.parent.items() if p == x]
-        return False
-
-    def victims(self, need):
-        if need > self.capacity or (self.respect_pins and self.used_bytes + need - self.capacity > sum(s for k, s in self.d.items() if not self._blocked_any(k))):
-            raise CapacityError("cannot free enough")
-        out = []
-        while self.used_bytes + need > self.capacity:
-            k = next(k for k in self.d if not self._blocked(k))
-            out.append(k)
-            self.on_remove(k)
-        return out
-
-    def _blocked_any(self, k):
+    def _pinned_at_or_below(self, k):
         stack = [k]
         while stack:
             x = stack.pop()
@@ -150,6 +127,22 @@ class NaiveLRU:
                 return True
             stack += [c for c, p in self.parent.items() if p == x]
         return False
+
+    def _blocked(self, k):
+        if self.respect_children and any(p == k for p in self.parent.values()):
+            return True
+        return self.respect_pins and self._pinned_at_or_below(k)
+
+    def victims(self, need):
+        freeable = sum(s for k, s in self.d.items() if not self._pinned_at_or_below(k))
+        if need > self.capacity or (self.respect_pins and self.used_bytes + need - self.capacity > freeable):
+            raise CapacityError("cannot free enough")
+        out = []
+        while self.used_bytes + need > self.capacity:
+            k = next(k for k in self.d if not self._blocked(k))
+            out.append(k)
+            self.on_remove(k)
+        return out
 
 
 def caught(machine, name):

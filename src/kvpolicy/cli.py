@@ -42,6 +42,13 @@ def _emit(payload: dict[str, Any], as_json: bool, render: Callable[[dict[str, An
         print(render(payload))
 
 
+def _write_report(path: str | None, payload: dict[str, Any]) -> None:
+    """Write a --json OUT report (parents created)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=2, default=str))
+
+
 def _human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -266,9 +273,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         prog("plots")
         report["plots"] = [str(p) for p in analyze_figures(report, trace, request_stack_distances(trace.block_offsets, trace.block_ids), args.plot)]
     prog.done()
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    _write_report(args.json, report)
     print(f"model            {model_note}")
     print(render(report))
     if args.json:
@@ -331,9 +336,7 @@ def _cmd_evict_bench(args: argparse.Namespace) -> int:
         caps = sorted({max(distinct // d, 1) for d in (64, 16, 4, 2)})
     res = compare(trace, args.policies, caps, bytes_per_token=bpt, progress=prog)
     prog.done()
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=2))
+    _write_report(args.json, res)
     print(render(res))
     if args.json:
         print(f"\nwrote {args.json}")
@@ -362,9 +365,7 @@ def _cmd_publish_bench(args: argparse.Namespace) -> int:
                         bytes_per_token=bpt, prefill=_prefill_model(args), write_bytes_per_s=args.write_gbps * 1e9 / 8, seed=args.seed, progress=prog)
     prog.done()
     res["model"] = model_note
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=2))
+    _write_report(args.json, res)
     print(f"model            {model_note}")
     print(render(res))
     if args.json:
@@ -429,7 +430,7 @@ def _cmd_plan_warmup(args: argparse.Namespace) -> int:
         loads = [x for x in plan.schedule if x.replica == r]
         ra = plan.ready_at_s[r]
         print(f"{r:>8} {len(loads):>6} {sum(x.bytes for x in loads) / 2**30:>8,.2f} {('-' if ra is None else f'{ra:.1f}'):>11} {len(plan.prefill[r]):>16}")
-    print(f"\nfirst loads      " + "; ".join(f"r{x.replica} {x.prefix} {x.start_s:.1f}-{x.end_s:.1f}s" for x in plan.schedule[:6]))
+    print("\nfirst loads      " + "; ".join(f"r{x.replica} {x.prefix} {x.start_s:.1f}-{x.end_s:.1f}s" for x in plan.schedule[:6]))
     return 0
 
 
@@ -444,16 +445,13 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     diag = diagnose(trace, min_shared=args.min_shared)
     if args.request is not None:
         ex = explain(trace, args.request, diag, capacity_blocks=args.capacity_blocks)
-        if args.json:
-            Path(args.json).write_text(json.dumps(ex, indent=2, default=str))
+        _write_report(args.json, ex)
         print(f"request          {ex['request']} ({ex['input_tokens']:,} tokens; {ex['reusable_tokens_infinite_cache']:,} reusable with an infinite cache)")
         for reason in ex["reasons"]:
             print(f"  - {reason}")
         return 0
     d = diag.to_dict()
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(d, indent=2, default=str))
+    _write_report(args.json, d)
     print(f"trace            {trace.source} ({len(trace):,} requests, {d['total_input_tokens']:,} input tokens)")
     print(f"lost hit tokens  {d['lost_hit_tokens']:,} to nondeterministic prompt assembly = {d['lost_share_of_input']:.1%} of input tokens, "
           f"{d['lost_share_of_ceiling_plus_lost']:.1%} of what an infinite cache could reuse with deterministic assembly")

@@ -43,19 +43,12 @@ import attrs
 import numba as nb
 import numpy as np
 
+from ._mix import splitmix64
 from .errors import ConfigError
 
 KINDS = ("varying-span", "reordered", "edited", "other")
 
 _GEAR = np.random.default_rng(0x6B76).integers(0, 2**63, 4096, dtype=np.uint64)
-
-
-@nb.njit(cache=True)
-def _mix(x):
-    z = np.uint64(x) + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
 
 
 @nb.njit(cache=True)
@@ -71,13 +64,13 @@ def cdc_kernel(tokens, offsets, gear, mask, min_chunk, max_chunk, starts, lens, 
         ch = np.uint64(0xCBF29CE484222325)
         for i in range(s, e):
             t = tokens[i]
-            h = (h << np.uint64(1)) + gear[_mix(t) & np.uint64(4095)]
+            h = (h << np.uint64(1)) + gear[splitmix64(t) & np.uint64(4095)]
             ch = (ch ^ np.uint64(t)) * np.uint64(0x100000001B3)
             size = i - start + 1
             if (size >= min_chunk and (h & np.uint64(mask)) == 0) or size >= max_chunk or i == e - 1:
                 starts[n] = start
                 lens[n] = size
-                hashes[n] = np.int64(_mix(ch ^ np.uint64(size)))
+                hashes[n] = np.int64(splitmix64(ch ^ np.uint64(size)))
                 n += 1
                 start = i + 1
                 h = np.uint64(0)

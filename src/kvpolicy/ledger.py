@@ -55,7 +55,6 @@ and then so is the sum.
 from __future__ import annotations
 
 import math
-from collections import deque
 from typing import Any, Literal
 
 import attrs

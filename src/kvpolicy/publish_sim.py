@@ -17,8 +17,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-import numpy as np
-
 from .analysis.replicas import replica_view, route
 from .errors import ConfigError
 from .profile import PrefillModel

@@ -27,7 +27,6 @@ Plans are deterministic: no randomness; ties break by prefix id and replica.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Hashable, Sequence
 from typing import Any
 

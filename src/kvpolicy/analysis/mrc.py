@@ -30,6 +30,7 @@ import attrs
 import numba as nb
 import numpy as np
 
+from .._mix import splitmix64
 from ..errors import ConfigError
 from .stack import _bits_alloc, _bits_clear, _bits_compact, _bits_live_upto, _bits_set, request_stack_distances
 
@@ -158,14 +159,6 @@ class PrefixMRC:
 # --------------------------------------------------------------------------- SHARDS
 
 
-@nb.njit(cache=True, inline="always")
-def _splitmix64(x):
-    z = np.uint64(x) + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
 @nb.njit(cache=True)
 def _heap_push(hh, hi, size, h, x):
     i = size
@@ -211,7 +204,7 @@ def _id_hashes(n_ids, seed):
     mod_mask = np.uint64(SHARDS_MODULUS - 1)
     s = np.uint64(seed)
     for x in range(n_ids):
-        out[x] = np.int32(_splitmix64(np.uint64(x) ^ s) & mod_mask)
+        out[x] = np.int32(splitmix64(np.uint64(x) ^ s) & mod_mask)
     return out
 
 

@@ -26,19 +26,12 @@ import attrs
 import numba as nb
 import numpy as np
 
+from .._mix import splitmix64
 from ..errors import ConfigError
 
 Routing = Literal["random", "round-robin", "prefix-affinity"]
 ROUTINGS: tuple[str, ...] = ("random", "round-robin", "prefix-affinity")
 WINDOW_S = 900.0
-
-
-@nb.njit(cache=True)
-def _mix(x):
-    z = np.uint64(x) + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
 
 
 @nb.njit(cache=True)
@@ -48,7 +41,7 @@ def _rendezvous(keys, n_replicas, seed, out):
         best = np.uint64(0)
         arg = 0
         for r in range(n_replicas):
-            w = _mix((np.uint64(keys[i]) * np.uint64(1000003)) ^ _mix(np.uint64(r) + np.uint64(seed)))
+            w = splitmix64((np.uint64(keys[i]) * np.uint64(1000003)) ^ splitmix64(np.uint64(r) + np.uint64(seed)))
             if r == 0 or w > best:
                 best = w
                 arg = r

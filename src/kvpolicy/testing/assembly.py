@@ -23,8 +23,6 @@ def assembly_trace(n_requests: int = 40, *, date: bool = False, shuffle_tools: b
                    insertion: bool = False, distinct: bool = False, block_size_tokens: int = 16, seed: int = 0,
                    system_tokens: int = 256, date_position: int = 40, n_tools: int = 6, tool_tokens: int = 96,
                    json_keys: int = 6, json_value_tokens: int = 6, user_tokens: int = 48) -> Trace:
-    from ..keys import BlockHasher, Namespace
-
     rng = np.random.default_rng(seed)
     vocab = 50_000
     system = rng.integers(1000, vocab, system_tokens)
