@@ -123,14 +123,20 @@ def lru_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
     return nv
 
 
+@nb.njit(cache=True, inline="always")
+def _in_run(v, ids, s, j):
+    for k in range(s, j):
+        if ids[k] == v:
+            return True
+    return False
+
+
 @nb.njit(cache=True)
 def fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
-    prev = np.full(n_ids, NIL, np.int32)
-    nxt = np.full(n_ids, NIL, np.int32)
+    link = np.full(2 * n_ids, NIL, np.int32)  # interleaved per block: prev (older), next (newer)
     res = np.zeros(n_ids, np.bool_)
-    children = np.zeros(n_ids, np.int32)
-    pin = np.full(n_ids, -1, np.int32)
-    parent = np.full(n_ids, NIL, np.int32)
+    fam = np.zeros(2 * n_ids, np.int32)  # interleaved per block: resident children, parent
+    fam[1::2] = NIL
     head = NIL  # oldest
     tail = NIL  # newest
     size = 0
@@ -140,7 +146,6 @@ def fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
         e = offsets[r + 1]
         j = s
         while j < e and res[ids[j]]:
-            pin[ids[j]] = r
             j += 1
         for k in range(s, s + min(j - s, matchable[r])):
             hits[k] = True
@@ -151,38 +156,38 @@ def fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
                 if size - npinned < 1:
                     break
                 v = head
-                while children[v] > 0 or pin[v] == r:  # not evictable: rotate to the newest end
-                    head = nxt[v]
-                    prev[head] = NIL
-                    prev[v] = tail
-                    nxt[v] = NIL
-                    nxt[tail] = v
+                # not evictable (a resident child, or pinned = in this request's run ids[s:j]): rotate to the newest end
+                while fam[2 * (v)] > 0 or _in_run(v, ids, s, j):
+                    head = link[2 * (v) + 1]
+                    link[2 * (head)] = NIL
+                    link[2 * (v)] = tail
+                    link[2 * (v) + 1] = NIL
+                    link[2 * (tail) + 1] = v
                     tail = v
                     v = head
-                head = nxt[v]
+                head = link[2 * (v) + 1]
                 if head != NIL:
-                    prev[head] = NIL
+                    link[2 * (head)] = NIL
                 else:
                     tail = NIL
                 res[v] = False
                 size -= 1
-                if parent[v] != NIL:
-                    children[parent[v]] -= 1
+                if fam[2 * (v) + 1] != NIL:
+                    fam[2 * (fam[2 * (v) + 1])] -= 1
                 victims[nv] = v
                 nv += 1
             if j > s:  # a chain id always has the same parent: written once, kept
-                parent[x] = ids[j - 1]
-                children[ids[j - 1]] += 1
-            prev[x] = tail
-            nxt[x] = NIL
+                fam[2 * (x) + 1] = ids[j - 1]
+                fam[2 * (ids[j - 1])] += 1
+            link[2 * (x)] = tail
+            link[2 * (x) + 1] = NIL
             if tail != NIL:
-                nxt[tail] = x
+                link[2 * (tail) + 1] = x
             else:
                 head = x
             tail = x
             res[x] = True
             size += 1
-            pin[x] = r
             npinned += 1
             j += 1
     return nv
@@ -272,10 +277,10 @@ def s3fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, small_frac
     n = n_ids
     st = np.full(3 * n + 12, NIL, np.int32)
     st[3 * n + 8 :] = 0
-    children = np.zeros(n_ids, np.int32)
-    pin = np.full(n_ids, -1, np.int32)
-    parent = np.full(n_ids, NIL, np.int32)
-    freq = np.zeros(n_ids, np.int32)
+    # per-block metadata interleaved — children, pin, freq, parent — so one cache line serves them all
+    meta = np.zeros(4 * n_ids, np.int32)
+    meta[1::4] = -1
+    meta[3::4] = NIL
     cand = np.zeros(2, np.int64)
     small_bytes = small_fraction * cap
     ghost_cap = cap - small_bytes
@@ -283,12 +288,12 @@ def s3fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, small_frac
     for r in range(offsets.size - 1):
         s, e = offsets[r], offsets[r + 1]
         j = s
-        while j < e and st[2 * n + ids[j]] != NIL and st[2 * n + ids[j]] != G_Q:
+        while j < e and st[3 * (ids[j]) + 2] != NIL and st[3 * (ids[j]) + 2] != G_Q:
             x = ids[j]
-            freq[x] = min(freq[x] + 1, 3)
-            if children[x] == 0 and pin[x] != r:
-                cand[st[2 * n + x]] -= 1
-            pin[x] = r
+            meta[4 * (x) + 2] = min(meta[4 * (x) + 2] + 1, 3)
+            if meta[4 * (x)] == 0 and meta[4 * (x) + 1] != r:
+                cand[st[3 * (x) + 2]] -= 1
+            meta[4 * (x) + 1] = r
             j += 1
         for k in range(s, s + min(j - s, matchable[r])):
             hits[k] = True
@@ -303,34 +308,34 @@ def s3fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, small_frac
                     use_small = (st[3 * n + 8 + 0] >= small_bytes and cand[0] > 0) or cand[1] == 0
                     if use_small:
                         t = st[3 * n + S_Q]
-                        is_c = children[t] == 0 and pin[t] != r
-                        if (not is_c) or freq[t] > 1:
+                        is_c = meta[4 * (t)] == 0 and meta[4 * (t) + 1] != r
+                        if (not is_c) or meta[4 * (t) + 2] > 1:
                             if is_c:
                                 cand[0] -= 1
                             _x = t
-                            _L = st[2 * n + _x]
-                            _p = st[_x]
-                            _q = st[n + _x]
+                            _L = st[3 * (_x) + 2]
+                            _p = st[3 * _x]
+                            _q = st[3 * (_x) + 1]
                             if _p != NIL:
-                                st[n + _p] = _q
+                                st[3 * (_p) + 1] = _q
                             else:
                                 st[3 * n + _L] = _q
                             if _q != NIL:
-                                st[_q] = _p
+                                st[3 * _q] = _p
                             else:
                                 st[3 * n + 4 + _L] = _p
-                            st[2 * n + _x] = NIL
+                            st[3 * (_x) + 2] = NIL
                             st[3 * n + 8 + _L] -= 1
-                            if freq[t] > 1:
-                                freq[t] = 0
+                            if meta[4 * (t) + 2] > 1:
+                                meta[4 * (t) + 2] = 0
                             _L = M_Q
                             _x = t
                             _t = st[3 * n + 4 + _L]
-                            st[2 * n + _x] = _L
-                            st[_x] = _t
-                            st[n + _x] = NIL
+                            st[3 * (_x) + 2] = _L
+                            st[3 * _x] = _t
+                            st[3 * (_x) + 1] = NIL
                             if _t != NIL:
-                                st[n + _t] = _x
+                                st[3 * (_t) + 1] = _x
                             else:
                                 st[3 * n + _L] = _x
                             st[3 * n + 4 + _L] = _x
@@ -340,116 +345,116 @@ def s3fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, small_frac
                             continue
                         break
                     t = st[3 * n + M_Q]
-                    is_c = children[t] == 0 and pin[t] != r
-                    if is_c and freq[t] == 0:
+                    is_c = meta[4 * (t)] == 0 and meta[4 * (t) + 1] != r
+                    if is_c and meta[4 * (t) + 2] == 0:
                         break
                     if is_c:
-                        freq[t] -= 1
+                        meta[4 * (t) + 2] -= 1
                     _x = t
-                    _L = st[2 * n + _x]
-                    _p = st[_x]
-                    _q = st[n + _x]
+                    _L = st[3 * (_x) + 2]
+                    _p = st[3 * _x]
+                    _q = st[3 * (_x) + 1]
                     if _p != NIL:
-                        st[n + _p] = _q
+                        st[3 * (_p) + 1] = _q
                     else:
                         st[3 * n + _L] = _q
                     if _q != NIL:
-                        st[_q] = _p
+                        st[3 * _q] = _p
                     else:
                         st[3 * n + 4 + _L] = _p
-                    st[2 * n + _x] = NIL
+                    st[3 * (_x) + 2] = NIL
                     st[3 * n + 8 + _L] -= 1
                     _L = M_Q
                     _x = t
                     _t = st[3 * n + 4 + _L]
-                    st[2 * n + _x] = _L
-                    st[_x] = _t
-                    st[n + _x] = NIL
+                    st[3 * (_x) + 2] = _L
+                    st[3 * _x] = _t
+                    st[3 * (_x) + 1] = NIL
                     if _t != NIL:
-                        st[n + _t] = _x
+                        st[3 * (_t) + 1] = _x
                     else:
                         st[3 * n + _L] = _x
                     st[3 * n + 4 + _L] = _x
                     st[3 * n + 8 + _L] += 1
-                q = st[2 * n + t]
+                q = st[3 * (t) + 2]
                 cand[q] -= 1
                 _x = t
-                _L = st[2 * n + _x]
-                _p = st[_x]
-                _q = st[n + _x]
+                _L = st[3 * (_x) + 2]
+                _p = st[3 * _x]
+                _q = st[3 * (_x) + 1]
                 if _p != NIL:
-                    st[n + _p] = _q
+                    st[3 * (_p) + 1] = _q
                 else:
                     st[3 * n + _L] = _q
                 if _q != NIL:
-                    st[_q] = _p
+                    st[3 * _q] = _p
                 else:
                     st[3 * n + 4 + _L] = _p
-                st[2 * n + _x] = NIL
+                st[3 * (_x) + 2] = NIL
                 st[3 * n + 8 + _L] -= 1
-                p = parent[t]
+                p = meta[4 * (t) + 3]
                 if p != NIL:
-                    children[p] -= 1
-                    if children[p] == 0 and pin[p] != r:
-                        cand[st[2 * n + p]] += 1
+                    meta[4 * (p)] -= 1
+                    if meta[4 * (p)] == 0 and meta[4 * (p) + 1] != r:
+                        cand[st[3 * (p) + 2]] += 1
                 if q == S_Q:
                     _L = G_Q
                     _x = t
                     _t = st[3 * n + 4 + _L]
-                    st[2 * n + _x] = _L
-                    st[_x] = _t
-                    st[n + _x] = NIL
+                    st[3 * (_x) + 2] = _L
+                    st[3 * _x] = _t
+                    st[3 * (_x) + 1] = NIL
                     if _t != NIL:
-                        st[n + _t] = _x
+                        st[3 * (_t) + 1] = _x
                     else:
                         st[3 * n + _L] = _x
                     st[3 * n + 4 + _L] = _x
                     st[3 * n + 8 + _L] += 1
                     while st[3 * n + 8 + G_Q] > ghost_cap and st[3 * n + 8 + G_Q] > 0:
                         _x = st[3 * n + G_Q]
-                        _L = st[2 * n + _x]
-                        _p = st[_x]
-                        _q = st[n + _x]
+                        _L = st[3 * (_x) + 2]
+                        _p = st[3 * _x]
+                        _q = st[3 * (_x) + 1]
                         if _p != NIL:
-                            st[n + _p] = _q
+                            st[3 * (_p) + 1] = _q
                         else:
                             st[3 * n + _L] = _q
                         if _q != NIL:
-                            st[_q] = _p
+                            st[3 * _q] = _p
                         else:
                             st[3 * n + 4 + _L] = _p
-                        st[2 * n + _x] = NIL
+                        st[3 * (_x) + 2] = NIL
                         st[3 * n + 8 + _L] -= 1
                 victims[nv] = t
                 nv += 1
             p = ids[j - 1] if j > s else NIL
-            parent[x] = p
+            meta[4 * (x) + 3] = p
             if p != NIL:
-                children[p] += 1  # p is pinned (this request): no candidacy change
-            freq[x] = 0
-            if st[2 * n + x] == G_Q:
+                meta[4 * (p)] += 1  # p is pinned (this request): no candidacy change
+            meta[4 * (x) + 2] = 0
+            if st[3 * (x) + 2] == G_Q:
                 _x = x
-                _L = st[2 * n + _x]
-                _p = st[_x]
-                _q = st[n + _x]
+                _L = st[3 * (_x) + 2]
+                _p = st[3 * _x]
+                _q = st[3 * (_x) + 1]
                 if _p != NIL:
-                    st[n + _p] = _q
+                    st[3 * (_p) + 1] = _q
                 else:
                     st[3 * n + _L] = _q
                 if _q != NIL:
-                    st[_q] = _p
+                    st[3 * _q] = _p
                 else:
                     st[3 * n + 4 + _L] = _p
-                st[2 * n + _x] = NIL
+                st[3 * (_x) + 2] = NIL
                 st[3 * n + 8 + _L] -= 1
                 _L = M_Q
                 _x = x
                 _t = st[3 * n + 4 + _L]
-                st[2 * n + _x] = _L
-                st[_x] = _t
-                st[n + _x] = NIL
+                st[3 * (_x) + 2] = _L
+                st[3 * _x] = _t
+                st[3 * (_x) + 1] = NIL
                 if _t != NIL:
-                    st[n + _t] = _x
+                    st[3 * (_t) + 1] = _x
                 else:
                     st[3 * n + _L] = _x
                 st[3 * n + 4 + _L] = _x
@@ -458,24 +463,24 @@ def s3fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, small_frac
                 _L = S_Q
                 _x = x
                 _t = st[3 * n + 4 + _L]
-                st[2 * n + _x] = _L
-                st[_x] = _t
-                st[n + _x] = NIL
+                st[3 * (_x) + 2] = _L
+                st[3 * _x] = _t
+                st[3 * (_x) + 1] = NIL
                 if _t != NIL:
-                    st[n + _t] = _x
+                    st[3 * (_t) + 1] = _x
                 else:
                     st[3 * n + _L] = _x
                 st[3 * n + 4 + _L] = _x
                 st[3 * n + 8 + _L] += 1
-            pin[x] = r
+            meta[4 * (x) + 1] = r
             npinned += 1
             j += 1
         # unpin: blocks of this request that are leaves become candidates
         for k in range(s, j):
             x = ids[k]
-            if children[x] == 0:
-                cand[st[2 * n + x]] += 1
-            pin[x] = -1
+            if meta[4 * (x)] == 0:
+                cand[st[3 * (x) + 2]] += 1
+            meta[4 * (x) + 1] = -1
         _ = run_end
     return nv
 
@@ -490,9 +495,10 @@ def arc_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
     n = n_ids
     st = np.full(3 * n + 12, NIL, np.int32)
     st[3 * n + 8 :] = 0
-    children = np.zeros(n_ids, np.int32)
-    pin = np.full(n_ids, -1, np.int32)
-    parent = np.full(n_ids, NIL, np.int32)
+    # per-block metadata interleaved — children, pin, freq, parent — so one cache line serves them all
+    meta = np.zeros(4 * n_ids, np.int32)
+    meta[1::4] = -1
+    meta[3::4] = NIL
     cand = np.zeros(2, np.int64)
     p = 0.0
     c = cap
@@ -500,38 +506,38 @@ def arc_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
     for r in range(offsets.size - 1):
         s, e = offsets[r], offsets[r + 1]
         j = s
-        while j < e and (st[2 * n + ids[j]] == T1 or st[2 * n + ids[j]] == T2):
+        while j < e and (st[3 * (ids[j]) + 2] == T1 or st[3 * (ids[j]) + 2] == T2):
             x = ids[j]
-            was = children[x] == 0 and pin[x] != r
+            was = meta[4 * (x)] == 0 and meta[4 * (x) + 1] != r
             if was:
-                cand[st[2 * n + x]] -= 1
+                cand[st[3 * (x) + 2]] -= 1
             _x = x
-            _L = st[2 * n + _x]
-            _p = st[_x]
-            _q = st[n + _x]
+            _L = st[3 * (_x) + 2]
+            _p = st[3 * _x]
+            _q = st[3 * (_x) + 1]
             if _p != NIL:
-                st[n + _p] = _q
+                st[3 * (_p) + 1] = _q
             else:
                 st[3 * n + _L] = _q
             if _q != NIL:
-                st[_q] = _p
+                st[3 * _q] = _p
             else:
                 st[3 * n + 4 + _L] = _p
-            st[2 * n + _x] = NIL
+            st[3 * (_x) + 2] = NIL
             st[3 * n + 8 + _L] -= 1
             _L = T2
             _x = x
             _t = st[3 * n + 4 + _L]
-            st[2 * n + _x] = _L
-            st[_x] = _t
-            st[n + _x] = NIL
+            st[3 * (_x) + 2] = _L
+            st[3 * _x] = _t
+            st[3 * (_x) + 1] = NIL
             if _t != NIL:
-                st[n + _t] = _x
+                st[3 * (_t) + 1] = _x
             else:
                 st[3 * n + _L] = _x
             st[3 * n + 4 + _L] = _x
             st[3 * n + 8 + _L] += 1
-            pin[x] = r  # pinned: no longer a candidate
+            meta[4 * (x) + 1] = r  # pinned: no longer a candidate
             j += 1
         for k in range(s, s + min(j - s, matchable[r])):
             hits[k] = True
@@ -544,39 +550,39 @@ def arc_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
                 if used - npinned < 1:
                     break
                 # adapt p on a ghost hit (ARC's case II/III), before REPLACE
-                if st[2 * n + x] == B1:
+                if st[3 * (x) + 2] == B1:
                     p = min(float(c), p + max(st[3 * n + 8 + B2] / st[3 * n + 8 + B1], 1.0))
                     adapted = True
-                elif st[2 * n + x] == B2:
+                elif st[3 * (x) + 2] == B2:
                     p = max(0.0, p - max(st[3 * n + 8 + B1] / st[3 * n + 8 + B2], 1.0))
                     adapted = True
-                in_b2 = st[2 * n + x] == B2
+                in_b2 = st[3 * (x) + 2] == B2
                 from_t1 = cand[0] > 0 and (st[3 * n + 8 + T1] > p or (in_b2 and st[3 * n + 8 + T1] == p) or cand[1] == 0)
                 q = T1 if from_t1 else T2
                 t = st[3 * n + q]
-                while not (children[t] == 0 and pin[t] != r):
+                while not (meta[4 * (t)] == 0 and meta[4 * (t) + 1] != r):
                     _x = t
-                    _L = st[2 * n + _x]
-                    _p = st[_x]
-                    _q = st[n + _x]
+                    _L = st[3 * (_x) + 2]
+                    _p = st[3 * _x]
+                    _q = st[3 * (_x) + 1]
                     if _p != NIL:
-                        st[n + _p] = _q
+                        st[3 * (_p) + 1] = _q
                     else:
                         st[3 * n + _L] = _q
                     if _q != NIL:
-                        st[_q] = _p
+                        st[3 * _q] = _p
                     else:
                         st[3 * n + 4 + _L] = _p
-                    st[2 * n + _x] = NIL
+                    st[3 * (_x) + 2] = NIL
                     st[3 * n + 8 + _L] -= 1
                     _L = q
                     _x = t
                     _t = st[3 * n + 4 + _L]
-                    st[2 * n + _x] = _L
-                    st[_x] = _t
-                    st[n + _x] = NIL
+                    st[3 * (_x) + 2] = _L
+                    st[3 * _x] = _t
+                    st[3 * (_x) + 1] = NIL
                     if _t != NIL:
-                        st[n + _t] = _x
+                        st[3 * (_t) + 1] = _x
                     else:
                         st[3 * n + _L] = _x
                     st[3 * n + 4 + _L] = _x
@@ -584,99 +590,99 @@ def arc_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
                     t = st[3 * n + q]
                 cand[q] -= 1
                 _x = t
-                _L = st[2 * n + _x]
-                _p = st[_x]
-                _q = st[n + _x]
+                _L = st[3 * (_x) + 2]
+                _p = st[3 * _x]
+                _q = st[3 * (_x) + 1]
                 if _p != NIL:
-                    st[n + _p] = _q
+                    st[3 * (_p) + 1] = _q
                 else:
                     st[3 * n + _L] = _q
                 if _q != NIL:
-                    st[_q] = _p
+                    st[3 * _q] = _p
                 else:
                     st[3 * n + 4 + _L] = _p
-                st[2 * n + _x] = NIL
+                st[3 * (_x) + 2] = NIL
                 st[3 * n + 8 + _L] -= 1
-                pp = parent[t]
+                pp = meta[4 * (t) + 3]
                 if pp != NIL:
-                    children[pp] -= 1
-                    if children[pp] == 0 and pin[pp] != r:
-                        cand[st[2 * n + pp]] += 1
+                    meta[4 * (pp)] -= 1
+                    if meta[4 * (pp)] == 0 and meta[4 * (pp) + 1] != r:
+                        cand[st[3 * (pp) + 2]] += 1
                 _L = B1 if q == T1 else B2
                 _x = t
                 _t = st[3 * n + 4 + _L]
-                st[2 * n + _x] = _L
-                st[_x] = _t
-                st[n + _x] = NIL
+                st[3 * (_x) + 2] = _L
+                st[3 * _x] = _t
+                st[3 * (_x) + 1] = NIL
                 if _t != NIL:
-                    st[n + _t] = _x
+                    st[3 * (_t) + 1] = _x
                 else:
                     st[3 * n + _L] = _x
                 st[3 * n + 4 + _L] = _x
                 st[3 * n + 8 + _L] += 1
                 while st[3 * n + 8 + B1] > c:
                     _x = st[3 * n + B1]
-                    _L = st[2 * n + _x]
-                    _p = st[_x]
-                    _q = st[n + _x]
+                    _L = st[3 * (_x) + 2]
+                    _p = st[3 * _x]
+                    _q = st[3 * (_x) + 1]
                     if _p != NIL:
-                        st[n + _p] = _q
+                        st[3 * (_p) + 1] = _q
                     else:
                         st[3 * n + _L] = _q
                     if _q != NIL:
-                        st[_q] = _p
+                        st[3 * _q] = _p
                     else:
                         st[3 * n + 4 + _L] = _p
-                    st[2 * n + _x] = NIL
+                    st[3 * (_x) + 2] = NIL
                     st[3 * n + 8 + _L] -= 1
                 while st[3 * n + 8 + B2] > c:
                     _x = st[3 * n + B2]
-                    _L = st[2 * n + _x]
-                    _p = st[_x]
-                    _q = st[n + _x]
+                    _L = st[3 * (_x) + 2]
+                    _p = st[3 * _x]
+                    _q = st[3 * (_x) + 1]
                     if _p != NIL:
-                        st[n + _p] = _q
+                        st[3 * (_p) + 1] = _q
                     else:
                         st[3 * n + _L] = _q
                     if _q != NIL:
-                        st[_q] = _p
+                        st[3 * _q] = _p
                     else:
                         st[3 * n + 4 + _L] = _p
-                    st[2 * n + _x] = NIL
+                    st[3 * (_x) + 2] = NIL
                     st[3 * n + 8 + _L] -= 1
                 victims[nv] = t
                 nv += 1
             if not adapted:
-                if st[2 * n + x] == B1:
+                if st[3 * (x) + 2] == B1:
                     p = min(float(c), p + max(st[3 * n + 8 + B2] / st[3 * n + 8 + B1], 1.0))
-                elif st[2 * n + x] == B2:
+                elif st[3 * (x) + 2] == B2:
                     p = max(0.0, p - max(st[3 * n + 8 + B1] / st[3 * n + 8 + B2], 1.0))
             if j > s:  # a chain id always has the same parent: written once, kept
-                parent[x] = ids[j - 1]
-                children[ids[j - 1]] += 1
-            if st[2 * n + x] == B1 or st[2 * n + x] == B2:
+                meta[4 * (x) + 3] = ids[j - 1]
+                meta[4 * (ids[j - 1])] += 1
+            if st[3 * (x) + 2] == B1 or st[3 * (x) + 2] == B2:
                 _x = x
-                _L = st[2 * n + _x]
-                _p = st[_x]
-                _q = st[n + _x]
+                _L = st[3 * (_x) + 2]
+                _p = st[3 * _x]
+                _q = st[3 * (_x) + 1]
                 if _p != NIL:
-                    st[n + _p] = _q
+                    st[3 * (_p) + 1] = _q
                 else:
                     st[3 * n + _L] = _q
                 if _q != NIL:
-                    st[_q] = _p
+                    st[3 * _q] = _p
                 else:
                     st[3 * n + 4 + _L] = _p
-                st[2 * n + _x] = NIL
+                st[3 * (_x) + 2] = NIL
                 st[3 * n + 8 + _L] -= 1
                 _L = T2
                 _x = x
                 _t = st[3 * n + 4 + _L]
-                st[2 * n + _x] = _L
-                st[_x] = _t
-                st[n + _x] = NIL
+                st[3 * (_x) + 2] = _L
+                st[3 * _x] = _t
+                st[3 * (_x) + 1] = NIL
                 if _t != NIL:
-                    st[n + _t] = _x
+                    st[3 * (_t) + 1] = _x
                 else:
                     st[3 * n + _L] = _x
                 st[3 * n + 4 + _L] = _x
@@ -684,106 +690,120 @@ def arc_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
             else:
                 if st[3 * n + 8 + T1] + st[3 * n + 8 + B1] >= c and st[3 * n + 8 + B1] > 0:
                     _x = st[3 * n + B1]
-                    _L = st[2 * n + _x]
-                    _p = st[_x]
-                    _q = st[n + _x]
+                    _L = st[3 * (_x) + 2]
+                    _p = st[3 * _x]
+                    _q = st[3 * (_x) + 1]
                     if _p != NIL:
-                        st[n + _p] = _q
+                        st[3 * (_p) + 1] = _q
                     else:
                         st[3 * n + _L] = _q
                     if _q != NIL:
-                        st[_q] = _p
+                        st[3 * _q] = _p
                     else:
                         st[3 * n + 4 + _L] = _p
-                    st[2 * n + _x] = NIL
+                    st[3 * (_x) + 2] = NIL
                     st[3 * n + 8 + _L] -= 1
                 elif st[3 * n + 8 + T1] + st[3 * n + 8 + T2] + st[3 * n + 8 + B1] + st[3 * n + 8 + B2] >= 2 * c and st[3 * n + 8 + B2] > 0:
                     _x = st[3 * n + B2]
-                    _L = st[2 * n + _x]
-                    _p = st[_x]
-                    _q = st[n + _x]
+                    _L = st[3 * (_x) + 2]
+                    _p = st[3 * _x]
+                    _q = st[3 * (_x) + 1]
                     if _p != NIL:
-                        st[n + _p] = _q
+                        st[3 * (_p) + 1] = _q
                     else:
                         st[3 * n + _L] = _q
                     if _q != NIL:
-                        st[_q] = _p
+                        st[3 * _q] = _p
                     else:
                         st[3 * n + 4 + _L] = _p
-                    st[2 * n + _x] = NIL
+                    st[3 * (_x) + 2] = NIL
                     st[3 * n + 8 + _L] -= 1
                 _L = T1
                 _x = x
                 _t = st[3 * n + 4 + _L]
-                st[2 * n + _x] = _L
-                st[_x] = _t
-                st[n + _x] = NIL
+                st[3 * (_x) + 2] = _L
+                st[3 * _x] = _t
+                st[3 * (_x) + 1] = NIL
                 if _t != NIL:
-                    st[n + _t] = _x
+                    st[3 * (_t) + 1] = _x
                 else:
                     st[3 * n + _L] = _x
                 st[3 * n + 4 + _L] = _x
                 st[3 * n + 8 + _L] += 1
-            pin[x] = r
+            meta[4 * (x) + 1] = r
             npinned += 1
             j += 1
         for k in range(s, j):
             x = ids[k]
-            if children[x] == 0:
-                cand[st[2 * n + x]] += 1
-            pin[x] = -1
+            if meta[4 * (x)] == 0:
+                cand[st[3 * (x) + 2]] += 1
+            meta[4 * (x) + 1] = -1
     return nv
 
 
 # ----------------------------------------------------------------------------- Belady
 
 
+# The heap is one float64 array of 5-field records (key0, key1, key2, id, version):
+# helpers taking one array instead of five cost a fifth of the reference-count
+# traffic per call. Ints are exact in float64 below 2**53.
+_HF = 5
+
+
 @nb.njit(cache=True, inline="always")
-def _less(a0, a1, a2, b0, b1, b2):
-    if a0 != b0:
-        return a0 < b0
-    if a1 != b1:
-        return a1 < b1
-    return a2 < b2
+def _hless(h, i, j):
+    a = i * _HF
+    b = j * _HF
+    if h[a] != h[b]:
+        return h[a] < h[b]
+    if h[a + 1] != h[b + 1]:
+        return h[a + 1] < h[b + 1]
+    return h[a + 2] < h[b + 2]
+
+
+@nb.njit(cache=True, inline="always")
+def _hswap(h, i, j):
+    a = i * _HF
+    b = j * _HF
+    for f in range(_HF):
+        h[a + f], h[b + f] = h[b + f], h[a + f]
 
 
 @nb.njit(cache=True)
-def _hpush(hk0, hk1, hk2, hid, hver, n, k0, k1, k2, x, ver):
+def _hpush(h, n, k0, k1, k2, x, ver):
     i = n
-    hk0[i], hk1[i], hk2[i], hid[i], hver[i] = k0, k1, k2, x, ver
+    a = i * _HF
+    h[a] = k0
+    h[a + 1] = k1
+    h[a + 2] = k2
+    h[a + 3] = x
+    h[a + 4] = ver
     while i > 0:
         par = (i - 1) // 2
-        if not _less(hk0[i], hk1[i], hk2[i], hk0[par], hk1[par], hk2[par]):
+        if not _hless(h, i, par):
             break
-        hk0[i], hk0[par] = hk0[par], hk0[i]
-        hk1[i], hk1[par] = hk1[par], hk1[i]
-        hk2[i], hk2[par] = hk2[par], hk2[i]
-        hid[i], hid[par] = hid[par], hid[i]
-        hver[i], hver[par] = hver[par], hver[i]
+        _hswap(h, i, par)
         i = par
     return n + 1
 
 
 @nb.njit(cache=True)
-def _hpop(hk0, hk1, hk2, hid, hver, n):
+def _hpop(h, n):
     n -= 1
-    hk0[0], hk1[0], hk2[0], hid[0], hver[0] = hk0[n], hk1[n], hk2[n], hid[n], hver[n]
+    for f in range(_HF):
+        h[f] = h[n * _HF + f]
     i = 0
     while True:
         left = 2 * i + 1
         right = left + 1
         m = i
-        if left < n and _less(hk0[left], hk1[left], hk2[left], hk0[m], hk1[m], hk2[m]):
+        if left < n and _hless(h, left, m):
             m = left
-        if right < n and _less(hk0[right], hk1[right], hk2[right], hk0[m], hk1[m], hk2[m]):
+        if right < n and _hless(h, right, m):
             m = right
         if m == i:
             break
-        hk0[i], hk0[m] = hk0[m], hk0[i]
-        hk1[i], hk1[m] = hk1[m], hk1[i]
-        hk2[i], hk2[m] = hk2[m], hk2[i]
-        hid[i], hid[m] = hid[m], hid[i]
-        hver[i], hver[m] = hver[m], hver[i]
+        _hswap(h, i, m)
         i = m
     return n
 
@@ -791,24 +811,21 @@ def _hpop(hk0, hk1, hk2, hid, hver, n):
 @nb.njit(cache=True)
 def belady_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, next_use, depth, bypass):
     resident = np.zeros(n_ids, np.bool_)
-    children = np.zeros(n_ids, np.int32)
-    pin = np.full(n_ids, -1, np.int32)
-    parent = np.full(n_ids, NIL, np.int32)
+    children = np.zeros(n_ids, np.int64)
+    pin = np.full(n_ids, -1, np.int64)
+    parent = np.full(n_ids, NIL, np.int64)
     nu = np.zeros(n_ids, np.float64)
-    seq = np.zeros(n_ids, np.int32)
-    version = np.zeros(n_ids, np.int32)
+    seq = np.zeros(n_ids, np.int64)
+    version = np.zeros(n_ids, np.int64)
     hmax = ids.size * 3 + 16
-    hk0 = np.empty(hmax, np.float64)
-    hk1 = np.empty(hmax, np.int64)
-    hk2 = np.empty(hmax, np.int64)
-    hid = np.empty(hmax, np.int64)
-    hver = np.empty(hmax, np.int64)
+    h = np.empty(hmax * _HF, np.float64)
     n = 0
     used = 0
     nseq = 0
     nv = 0
     for r in range(offsets.size - 1):
-        s, e = offsets[r], offsets[r + 1]
+        s = offsets[r]
+        e = offsets[r + 1]
         j = s
         while j < e and resident[ids[j]]:
             x = ids[j]
@@ -821,17 +838,18 @@ def belady_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, next_use, 
         npinned = j - s
         while j < e:
             x = ids[j]
+            t = NIL
             if used + 1 > cap:
                 if used - npinned < 1:
                     break
                 while True:  # drop stale heap entries
-                    t = hid[0]
-                    if hver[0] == version[t] and resident[t] and children[t] == 0 and pin[t] != r:
+                    t = np.int64(h[3])
+                    if np.int64(h[4]) == version[t] and resident[t] and children[t] == 0 and pin[t] != r:
                         break
-                    n = _hpop(hk0, hk1, hk2, hid, hver, n)
+                    n = _hpop(h, n)
                 if bypass and not (next_use[j] < nu[t]):
                     break
-                n = _hpop(hk0, hk1, hk2, hid, hver, n)
+                n = _hpop(h, n)
                 resident[t] = False
                 version[t] += 1
                 used -= 1
@@ -840,12 +858,13 @@ def belady_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, next_use, 
                     children[pp] -= 1
                     if children[pp] == 0 and pin[pp] != r:
                         version[pp] += 1
-                        n = _hpush(hk0, hk1, hk2, hid, hver, n, -nu[pp], -depth[pp], seq[pp], pp, version[pp])
+                        n = _hpush(h, n, -nu[pp], -depth[pp], seq[pp], pp, version[pp])
                 victims[nv] = t
                 nv += 1
-            if j > s:  # a chain id always has the same parent: written once, kept
-                parent[x] = ids[j - 1]
-                children[ids[j - 1]] += 1
+            pa = ids[j - 1] if j > s else NIL
+            parent[x] = pa
+            if pa != NIL:
+                children[pa] += 1
             resident[x] = True
             used += 1
             nu[x] = next_use[j]
@@ -861,17 +880,19 @@ def belady_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, next_use, 
             pin[x] = -1
             if children[x] == 0:
                 version[x] += 1
-                n = _hpush(hk0, hk1, hk2, hid, hver, n, -nu[x], -depth[x], seq[x], x, version[x])
+                n = _hpush(h, n, -nu[x], -depth[x], seq[x], x, version[x])
         if n > hmax - 2 * (e - s) - 16:  # compact stale entries
             m = 0
             for i in range(n):
-                t = hid[i]
-                if hver[i] == version[t] and resident[t]:
-                    hk0[m], hk1[m], hk2[m], hid[m], hver[m] = hk0[i], hk1[i], hk2[i], hid[i], hver[i]
+                t = np.int64(h[i * _HF + 3])
+                if np.int64(h[i * _HF + 4]) == version[t] and resident[t]:
+                    for f in range(_HF):
+                        h[m * _HF + f] = h[i * _HF + f]
                     m += 1
             n = 0
             for i in range(m):
-                n = _hpush(hk0, hk1, hk2, hid, hver, n, hk0[i], hk1[i], hk2[i], hid[i], hver[i])
+                k0, k1, k2, xx, vv = h[i * _HF], h[i * _HF + 1], h[i * _HF + 2], h[i * _HF + 3], h[i * _HF + 4]
+                n = _hpush(h, n, k0, k1, k2, xx, vv)
     return nv
 
 
