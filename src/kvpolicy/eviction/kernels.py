@@ -32,6 +32,7 @@ from ..errors import ConfigError
 from .replay import ReplayResult
 
 NIL = -1
+INF_USE = np.int32(2**31 - 1)  # next use of a block never referenced again (int32 sentinel)
 
 
 # ----------------------------------------------------------------------------- lists
@@ -808,91 +809,196 @@ def _hpop(h, n):
     return n
 
 
+@nb.njit(cache=True, inline="always")
+def _bits_top(words, summary, top_word):
+    """Highest set bit at or below summary word ``top_word`` (−1 if none)."""
+    w1 = top_word
+    while w1 >= 0:
+        sw = summary[w1]
+        if sw != 0:
+            hi = 63
+            while (sw >> np.uint64(hi)) & np.uint64(1) == 0:
+                hi -= 1
+            w0 = w1 * 64 + hi
+            word = words[w0]
+            b = 63
+            while (word >> np.uint64(b)) & np.uint64(1) == 0:
+                b -= 1
+            return w0 * 64 + b
+        w1 -= 1
+    return -1
+
+
 @nb.njit(cache=True)
-def belady_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, next_use, depth, bypass):
-    resident = np.zeros(n_ids, np.bool_)
-    children = np.zeros(n_ids, np.int64)
-    pin = np.full(n_ids, -1, np.int64)
-    parent = np.full(n_ids, NIL, np.int64)
-    nu = np.zeros(n_ids, np.float64)
-    seq = np.zeros(n_ids, np.int64)
-    version = np.zeros(n_ids, np.int64)
-    hmax = ids.size * 3 + 16
+def belady_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, next_use, bypass):
+    """MIN over candidates keyed (−next use, −depth, seq).
+
+    Finite next uses are request indices: one bucket per index (entries chained
+    in a pool), found through a two-level bitset; a bucket is scanned for the
+    deepest, then oldest, valid candidate. Blocks never used again go to a heap
+    keyed (−depth, seq). Entries are invalidated lazily by a per-block version.
+    """
+    n_req = offsets.size - 1
+    # one 32-byte record per block: resident, children, pin, parent, version, seq, depth, next use (INF_USE = never)
+    meta = np.zeros(8 * n_ids, np.int32)
+    meta[2::8] = -1
+    meta[3::8] = NIL
+    # finite buckets
+    bhead = np.full(n_req + 1, NIL, np.int32)
+    n_w0 = (n_req + 1 + 63) // 64
+    words = np.zeros(n_w0, np.uint64)
+    summary = np.zeros((n_w0 + 63) // 64, np.uint64)
+    top_word = -1
+    pool_cap = ids.size * 2 + 16
+    pool = np.empty(3 * pool_cap, np.int32)  # interleaved entries: block id, version, next entry in the bucket
+    n_pool = 0
+    free = NIL
+    # never used again: heap of (−depth, seq, id, version) in one float64 array
+    hmax = ids.size * 2 + 16
     h = np.empty(hmax * _HF, np.float64)
     n = 0
     used = 0
     nseq = 0
     nv = 0
-    for r in range(offsets.size - 1):
+    for r in range(n_req):
         s = offsets[r]
         e = offsets[r + 1]
         j = s
-        while j < e and resident[ids[j]]:
+        while j < e and meta[8 * (ids[j]) + 0]:
             x = ids[j]
-            nu[x] = next_use[j]
-            version[x] += 1  # re-prioritised; pinned now, so not a candidate
-            pin[x] = r
+            meta[8 * (x) + 7] = next_use[j]
+            meta[8 * (x) + 4] += 1  # re-prioritised; pinned now, so not a candidate
+            meta[8 * (x) + 2] = r
             j += 1
         for k in range(s, s + min(j - s, matchable[r])):
             hits[k] = True
         npinned = j - s
         while j < e:
             x = ids[j]
-            t = NIL
             if used + 1 > cap:
                 if used - npinned < 1:
                     break
-                while True:  # drop stale heap entries
-                    t = np.int64(h[3])
-                    if np.int64(h[4]) == version[t] and resident[t] and children[t] == 0 and pin[t] != r:
+                # the victim: never-used-again candidates first (deepest, oldest), else the furthest finite next use
+                t = NIL
+                while n > 0:
+                    c = np.int64(h[2])
+                    if np.int64(h[3]) == meta[8 * (c) + 4] and meta[8 * (c) + 0] and meta[8 * (c) + 1] == 0 and meta[8 * (c) + 2] != r:
+                        t = c
                         break
                     n = _hpop(h, n)
-                if bypass and not (next_use[j] < nu[t]):
+                in_heap = t != NIL
+                while t == NIL:
+                    key = _bits_top(words, summary, top_word)
+                    best = NIL
+                    prev_e = NIL
+                    cur = bhead[key]
+                    while cur != NIL:  # drop stale entries, pick deepest then oldest
+                        nxt_e = pool[3 * (cur) + 2]
+                        c = pool[3 * (cur) + 0]
+                        if pool[3 * (cur) + 1] == meta[8 * (c) + 4] and meta[8 * (c) + 0] and meta[8 * (c) + 1] == 0 and meta[8 * (c) + 2] != r:
+                            if best == NIL or meta[8 * (c) + 6] > meta[8 * (best) + 6] or (meta[8 * (c) + 6] == meta[8 * (best) + 6] and meta[8 * (c) + 5] < meta[8 * (best) + 5]):
+                                best = c
+                            prev_e = cur
+                        else:
+                            if prev_e == NIL:
+                                bhead[key] = nxt_e
+                            else:
+                                pool[3 * (prev_e) + 2] = nxt_e
+                            pool[3 * (cur) + 2] = free
+                            free = cur
+                        cur = nxt_e
+                    if best != NIL:
+                        t = best
+                    else:  # empty bucket: clear its bit
+                        w0 = key // 64
+                        words[w0] &= ~(np.uint64(1) << np.uint64(key % 64))
+                        if words[w0] == 0:
+                            summary[w0 // 64] &= ~(np.uint64(1) << np.uint64(w0 % 64))
+                            while top_word >= 0 and summary[top_word] == 0:
+                                top_word -= 1
+                if bypass and not (next_use[j] < meta[8 * (t) + 7]):
                     break
-                n = _hpop(h, n)
-                resident[t] = False
-                version[t] += 1
+                if in_heap:
+                    n = _hpop(h, n)
+                meta[8 * (t) + 0] = 0
+                meta[8 * (t) + 4] += 1  # its bucket entry goes stale
                 used -= 1
-                pp = parent[t]
+                pp = meta[8 * (t) + 3]
                 if pp != NIL:
-                    children[pp] -= 1
-                    if children[pp] == 0 and pin[pp] != r:
-                        version[pp] += 1
-                        n = _hpush(h, n, -nu[pp], -depth[pp], seq[pp], pp, version[pp])
+                    meta[8 * (pp) + 1] -= 1
+                    if meta[8 * (pp) + 1] == 0 and meta[8 * (pp) + 2] != r:
+                        meta[8 * (pp) + 4] += 1
+                        if meta[8 * (pp) + 7] == INF_USE:
+                            n = _hpush(h, n, -meta[8 * (pp) + 6], meta[8 * (pp) + 5], pp, meta[8 * (pp) + 4], 0.0)
+                        else:
+                            key = meta[8 * (pp) + 7]
+                            if free != NIL:
+                                slot = free
+                                free = pool[3 * (slot) + 2]
+                            else:
+                                slot = n_pool
+                                n_pool += 1
+                            pool[3 * (slot) + 0] = pp
+                            pool[3 * (slot) + 1] = meta[8 * (pp) + 4]
+                            pool[3 * (slot) + 2] = bhead[key]
+                            bhead[key] = slot
+                            w0 = key // 64
+                            words[w0] |= np.uint64(1) << np.uint64(key % 64)
+                            summary[w0 // 64] |= np.uint64(1) << np.uint64(w0 % 64)
+                            if w0 // 64 > top_word:
+                                top_word = w0 // 64
                 victims[nv] = t
                 nv += 1
             pa = ids[j - 1] if j > s else NIL
-            parent[x] = pa
+            meta[8 * (x) + 3] = pa
             if pa != NIL:
-                children[pa] += 1
-            resident[x] = True
+                meta[8 * (pa) + 1] += 1
+            meta[8 * (x) + 0] = 1
             used += 1
-            nu[x] = next_use[j]
-            depth[x] = j - s
-            seq[x] = nseq
+            meta[8 * (x) + 7] = next_use[j]
+            meta[8 * (x) + 6] = j - s
+            meta[8 * (x) + 5] = nseq
             nseq += 1
-            version[x] += 1
-            pin[x] = r
+            meta[8 * (x) + 4] += 1
+            meta[8 * (x) + 2] = r
             npinned += 1
             j += 1
         for k in range(s, j):  # unpin: leaves become candidates, with their current next use
             x = ids[k]
-            pin[x] = -1
-            if children[x] == 0:
-                version[x] += 1
-                n = _hpush(h, n, -nu[x], -depth[x], seq[x], x, version[x])
-        if n > hmax - 2 * (e - s) - 16:  # compact stale entries
+            meta[8 * (x) + 2] = -1
+            if meta[8 * (x) + 1] == 0:
+                meta[8 * (x) + 4] += 1
+                if meta[8 * (x) + 7] == INF_USE:
+                    n = _hpush(h, n, -meta[8 * (x) + 6], meta[8 * (x) + 5], x, meta[8 * (x) + 4], 0.0)
+                else:
+                    key = meta[8 * (x) + 7]
+                    if free != NIL:
+                        slot = free
+                        free = pool[3 * (slot) + 2]
+                    else:
+                        slot = n_pool
+                        n_pool += 1
+                    pool[3 * (slot) + 0] = x
+                    pool[3 * (slot) + 1] = meta[8 * (x) + 4]
+                    pool[3 * (slot) + 2] = bhead[key]
+                    bhead[key] = slot
+                    w0 = key // 64
+                    words[w0] |= np.uint64(1) << np.uint64(key % 64)
+                    summary[w0 // 64] |= np.uint64(1) << np.uint64(w0 % 64)
+                    if w0 // 64 > top_word:
+                        top_word = w0 // 64
+        if n > hmax - 2 * (e - s) - 16:  # compact stale heap entries
             m = 0
             for i in range(n):
-                t = np.int64(h[i * _HF + 3])
-                if np.int64(h[i * _HF + 4]) == version[t] and resident[t]:
+                c = np.int64(h[i * _HF + 2])
+                if np.int64(h[i * _HF + 3]) == meta[8 * (c) + 4] and meta[8 * (c) + 0]:
                     for f in range(_HF):
                         h[m * _HF + f] = h[i * _HF + f]
                     m += 1
             n = 0
             for i in range(m):
-                k0, k1, k2, xx, vv = h[i * _HF], h[i * _HF + 1], h[i * _HF + 2], h[i * _HF + 3], h[i * _HF + 4]
-                n = _hpush(h, n, k0, k1, k2, xx, vv)
+                k0, k1, xx, vv = h[i * _HF], h[i * _HF + 1], h[i * _HF + 2], h[i * _HF + 3]
+                n = _hpush(h, n, k0, k1, xx, vv, 0.0)
     return nv
 
 
@@ -901,14 +1007,22 @@ def belady_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, next_use, 
 KERNEL_POLICIES = ("lru", "fifo", "sieve", "s3fifo", "arc", "belady", "belady-bypass")
 
 
+@nb.njit(cache=True)
+def _next_use_kernel(offsets, ids, n_ids, out):
+    nxt = np.full(n_ids, np.inf)
+    for r in range(offsets.size - 2, -1, -1):
+        for j in range(offsets[r], offsets[r + 1]):
+            out[j] = nxt[ids[j]]
+        for j in range(offsets[r], offsets[r + 1]):
+            nxt[ids[j]] = r
+
+
 def next_use_per_ref(trace: Any) -> np.ndarray:
-    """For every block reference: the request index of the same block's next reference (inf if none)."""
+    """For every block reference: the request index of the same block's next reference (inf if none). One backward pass."""
     ids = trace.block_ids
-    req = trace.request_of_block_ref()
-    out = np.full(ids.size, np.inf)
-    order = np.lexsort((req, ids))
-    same = ids[order][1:] == ids[order][:-1]
-    out[order[:-1][same]] = req[order][1:][same]
+    out = np.empty(ids.size, dtype=np.float64)
+    if ids.size:
+        _next_use_kernel(trace.block_offsets, ids, int(ids.max()) + 1, out)
     return out
 
 
@@ -935,6 +1049,8 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
     elif policy == "arc":
         nv = arc_kernel(off, ids, matchable, capacity_blocks, n_ids, hits, victims)
     else:
-        nv = belady_kernel(off, ids, matchable, capacity_blocks, n_ids, hits, victims, next_use_per_ref(trace), np.zeros(n_ids, np.int32), policy == "belady-bypass")
+        nu = next_use_per_ref(trace)
+        nu32 = np.where(np.isinf(nu), INF_USE, nu).astype(np.int32)
+        nv = belady_kernel(off, ids, matchable, capacity_blocks, n_ids, hits, victims, nu32, policy == "belady-bypass")
     name = policy
     return ReplayResult(name, capacity_blocks, hits, victims[:nv], trace.block_size_tokens, trace.total_input_tokens)
