@@ -224,7 +224,7 @@ class EvictionPolicy:
         pass
 
     def _choose(self) -> Node:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must override _choose() (or derive from PriorityPolicy and define priority())")
 
     def _forget(self, node: Node) -> None:
         pass
@@ -264,7 +264,7 @@ class PriorityPolicy(EvictionPolicy):
         self._n_candidates = 0
 
     def priority(self, node: Node) -> tuple:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define priority(node) -> tuple (lowest is evicted first)")
 
     def _push(self, node: Node) -> None:
         node.version += 1
