@@ -470,6 +470,45 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .progress import Progress
+    from .sim import POLICY_SETS, SCENARIOS, compare, default_cluster, figures, render
+
+    prog = Progress("compare", enabled=None if not args.no_progress else False)
+    bpt, model_note = _bytes_per_token(args)
+    prog("reading trace")
+    if not args.trace and not args.block_size:
+        args.block_size = 256  # the built-in preset at 256-token blocks: every scenario x policy set in well under a minute
+    trace = _load_trace(args)
+    scenarios = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    policies = args.policies or list(POLICY_SETS)
+    overrides: dict[str, Any] = {"router": args.router, "prefill_slots": args.prefill_slots, "decode_tokens_per_s": args.decode_tokens_per_s,
+                                 "node_bandwidth_bytes_per_s": args.node_gbps * 1e9 / 8, "replica_bandwidth_bytes_per_s": args.replica_gbps * 1e9 / 8,
+                                 "failure_rate": args.failure_rate}
+    if args.stage_gbps:
+        overrides["stage_bytes_per_s"] = args.stage_gbps * 1e9 / 8
+    for name, value in (("--node-gbps", args.node_gbps), ("--replica-gbps", args.replica_gbps), ("--local-kv-gib", args.local_kv_gib),
+                        ("--pool-share", args.pool_share)):
+        if value < 0:
+            raise ConfigError(name, f"must be non-negative, got {value}")
+    cluster = default_cluster(trace, bytes_per_token=bpt, prefill=_prefill_model(args), replicas=args.replicas, local_kv_gib=args.local_kv_gib,
+                              pool_share=args.pool_share, storage_nodes=args.storage_nodes, **overrides)
+    report, raw = compare(trace, cluster, scenarios=scenarios, policies=policies, seed=args.seed, progress=prog)
+    report["model"] = model_note
+    if args.plot:
+        prog("plots")
+        report["plots"] = [str(p) for p in figures(report, raw, args.plot)]
+    prog.done()
+    _write_report(args.json, report)
+    print(f"model     {model_note}")
+    print(render(report))
+    if args.plot:
+        print("plots     " + ", ".join(report["plots"]))
+    if args.json:
+        print(f"wrote     {args.json}")
+    return 0
+
+
 def _policy_list(text: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     if not items:
@@ -595,6 +634,29 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--readiness-share", type=float, default=0.9)
     w.add_argument("--json", action="store_true")
     w.set_defaults(func=_cmd_plan_warmup)
+
+    from .sim import POLICY_SETS, ROUTERS
+
+    cp = sub.add_parser("compare", help="simulate a cluster: kvpolicy beside vllm-like, sglang-like, lmcache-like, recompute-only and the oracle")
+    _add_trace_args(cp)
+    cp.add_argument("--scenario", choices=["steady", "scale-out", "spike", "degraded", "all"], default="all", help="load view (default all)")
+    cp.add_argument("--policies", type=_policy_list, default=None, help=f"comma-separated policy sets (default {','.join(POLICY_SETS)})")
+    cp.add_argument("--profile", default=None, help="measured profile CSV for prefill times (default: an order-of-magnitude model)")
+    cp.add_argument("--replicas", type=_positive_int, default=8)
+    cp.add_argument("--router", choices=list(ROUTERS), default="round-robin", help="request router (default round-robin)")
+    cp.add_argument("--local-kv-gib", type=float, default=28.0, help="effective local KV cache per replica, GiB (default 28)")
+    cp.add_argument("--storage-nodes", type=_positive_int, default=4)
+    cp.add_argument("--pool-share", type=float, default=0.25, help="pool capacity as a share of the trace's distinct KV bytes (default 0.25)")
+    cp.add_argument("--node-gbps", type=float, default=40.0, help="useful bandwidth per storage node, Gbit/s (default 40)")
+    cp.add_argument("--replica-gbps", type=float, default=40.0, help="useful NIC bandwidth per replica, Gbit/s (default 40)")
+    cp.add_argument("--stage-gbps", type=float, default=None, help="staging copy through CPU memory, Gbit/s (default: direct path)")
+    cp.add_argument("--failure-rate", type=float, default=0.0, help="probability a transfer fails outside degradation windows (default 0)")
+    cp.add_argument("--prefill-slots", type=_positive_int, default=1, help="concurrent prefills per replica (default 1)")
+    cp.add_argument("--decode-tokens-per-s", type=float, default=30.0, help="decode rate per request (default 30)")
+    cp.add_argument("--json", default=None, metavar="OUT", help="write every run as JSON")
+    cp.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures (needs matplotlib)")
+    cp.add_argument("--no-progress", action="store_true")
+    cp.set_defaults(func=_cmd_compare)
 
     dg = sub.add_parser("diagnose", help="find misses caused by nondeterministic prompt assembly; explain one request's misses")
     dg.add_argument("trace", help="token trace (JSONL with raw token ids)")

@@ -167,7 +167,7 @@ class PublicationLog:
             tier, _, ev = e
             if ev is None:
                 return "resident", tier, None
-            return "evicted", tier, now_s - ev
+            return "evicted", tier, max(now_s - ev, 0.0)  # 0 when the log only knows a re-eviction after now_s
         if self.dropped_keys and self._bloom_has(key):
             return "evicted", None, None
         return "never_published", None, None

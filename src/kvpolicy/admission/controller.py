@@ -54,7 +54,7 @@ class AdmissionConfig:
     max_loads_per_source: int = attrs.field(default=32, validator=_pos_int)
     max_queue_bytes_per_source: float = 8 * 2**30
     warming_max_loads_per_replica: int = attrs.field(default=1, validator=_pos_int)
-    timeout_factor: float = 1.0
+    timeout_factor: float = 2.0
     failure_policy: FailurePolicy = "recompute"
 
     def __attrs_post_init__(self) -> None:

@@ -1,0 +1,75 @@
+"""Policy sets: what each system decides, on the same physics.
+
+| preset | local eviction | publish | remote load | timeout | on failure |
+|---|---|---|---|---|---|
+| ``kvpolicy`` | reuse-distance | reuse-aware (expected re-reads × recompute saved > write cost) | admission controller (p95 remote < margin × p50 recompute, caps, breaker) | the controller's soft timeout | recompute |
+| ``vllm-like`` | LRU, tail block first | every finished full block | always when present | none (transport only) | fail: the client retries |
+| ``sglang-like`` | LRU over radix leaves | hit count ≥ 2 (write_through_selective) | prefetch if ≥ 256 tokens | 1 s + 0.25 s per 1024 tokens | recompute |
+| ``lmcache-like`` | LRU | everything | always (``min_retrieve_tokens=0``) | none (transport only) | recompute |
+| ``recompute-only`` | LRU | nothing | never | — | — |
+| ``oracle`` | Belady (offline) | blocks used again later | iff it wins, with hindsight | — | — |
+
+Baselines follow their documented behaviour, never their code. kvpolicy alone
+warms new replicas (the warmup planner), routes repeating requests away from a
+replica that is still warming, and moves writes off a storage node whose breaker
+is open.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from ..errors import ConfigError
+
+Load = Literal["admission", "always", "min-tokens", "never", "oracle"]
+Timeout = Literal["none", "admission", "sglang"]
+Failure = Literal["recompute", "fail"]
+
+
+@attrs.frozen
+class PolicySet:
+    name: str
+    local_eviction: str = "lru"
+    pool_eviction: str = "lru"
+    #: a kvpolicy.publish.make_filter spec, or "oracle"
+    publish: str = "all"
+    load: Load = "always"
+    min_load_tokens: int = 0
+    timeout: Timeout = "none"
+    failure: Failure = "recompute"
+    warmup: bool = False
+    uses_pool: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if self.load not in ("admission", "always", "min-tokens", "never", "oracle"):
+            raise ConfigError("load", f"unknown load rule {self.load!r}")
+        if self.timeout not in ("none", "admission", "sglang"):
+            raise ConfigError("timeout", f"unknown timeout rule {self.timeout!r}")
+        if self.failure not in ("recompute", "fail"):
+            raise ConfigError("failure", f"must be 'recompute' or 'fail', got {self.failure!r}")
+
+
+PRESETS: dict[str, PolicySet] = {
+    "kvpolicy": PolicySet("kvpolicy", local_eviction="reuse-distance", pool_eviction="reuse-distance", publish="reuse-aware",
+                          load="admission", timeout="admission", failure="recompute", warmup=True),
+    "vllm-like": PolicySet("vllm-like", publish="all", load="always", timeout="none", failure="fail"),
+    "sglang-like": PolicySet("sglang-like", publish="threshold-2", load="min-tokens", min_load_tokens=256, timeout="sglang", failure="recompute"),
+    "lmcache-like": PolicySet("lmcache-like", publish="all", load="always", timeout="none", failure="recompute"),
+    "recompute-only": PolicySet("recompute-only", publish="never", load="never", uses_pool=False),
+    "oracle": PolicySet("oracle", local_eviction="belady", pool_eviction="belady", publish="oracle", load="oracle"),
+}
+POLICY_SETS = tuple(PRESETS)
+
+
+def policy_set(name: str) -> PolicySet:
+    ps = PRESETS.get(name)
+    if ps is None:
+        raise ConfigError("--policies", f"unknown policy set {name!r}; known: {', '.join(POLICY_SETS)}")
+    return ps
+
+
+def recompute_twin(ps: PolicySet) -> PolicySet:
+    """The same local eviction with no pool at all (for the empty-pool equivalence)."""
+    return attrs.evolve(ps, name=f"{ps.name}/recompute", publish="never", load="never", uses_pool=False, warmup=False)
