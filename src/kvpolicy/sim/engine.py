@@ -359,6 +359,21 @@ class Simulator:
         return make_filter(spec, block_bytes=self.block_bytes, recompute_s=block_recompute_s(self.c.prefill, self.B),
                            write_bytes_per_s=max(self.c.node_bandwidth_bytes_per_s, 1e-3), cross_replica_share=cross)
 
+    def seed_pool(self, chains: Any) -> int:
+        """Start with the pool already holding these key chains (a shared cache filled earlier,
+        e.g. for the brief's read-only experiment). Placement and capacity as for any write;
+        returns the blocks now held."""
+        chunk = self.c.placement_chunk_blocks
+        for chain in chains:
+            chain = [int(k) for k in chain]
+            for j in range(0, len(chain), chunk):
+                node = self._place(chain[j])
+                self._write_done((node, chain[j:j + chunk], chain, "default"), 0.0)
+        self.bytes_written = 0
+        self.ledger.flows["write"].t.clear()
+        self.ledger.flows["write"].b.clear()
+        return len(self.where)
+
     def _push(self, t: float, kind: int, obj: Any) -> None:
         self._seq += 1
         heapq.heappush(self.heap, (t, self._seq, kind, obj))

@@ -1,0 +1,229 @@
+import json
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpolicy.cli import main
+from kvpolicy.errors import ConfigError
+from kvpolicy.publish_sim import DEFAULT_PREFILL
+from kvpolicy.sim import (
+    POLICY_SETS, ROUTERS, SCENARIOS, ClusterConfig, Degrade, PolicySet, Prepared, ScaleOut, Simulator, Spike, apply_spike, build, compare,
+    default_cluster, policy_set, recompute_twin,
+)
+from kvpolicy.traces import generate, preset
+
+BPT = 4096  # small KV per token keeps the numbers readable
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return generate(preset("mixed", n_requests=240, block_size_tokens=64, seed=3))
+
+
+@pytest.fixture(scope="module")
+def prepared(trace):
+    return Prepared(trace)
+
+
+def cluster(trace, **kw):
+    base = dict(replicas=4, local_kv_gib=64 * 64 * BPT / 2**30, pool_share=0.5, storage_nodes=2)
+    base.update(kw)
+    return default_cluster(trace, bytes_per_token=BPT, prefill=DEFAULT_PREFILL, **base)
+
+
+def run(prepared, c, name, **kw):
+    ps = name if isinstance(name, PolicySet) else policy_set(name)
+    return Simulator(prepared, c, ps, **kw).run()
+
+
+def check_conservation(res, trace):
+    assert np.all(res.completed == 1), "every request finishes exactly once"
+    assert np.all(np.isfinite(res.ttft_s)) and np.all(res.ttft_s >= 0)
+    assert sum(res.node_bytes_out) == sum(res.replica_bytes_in) == res.bytes_sent
+    assert res.bytes_read <= res.bytes_sent
+    assert res.loads == res.loads_ok + res.loads_failed + res.loads_timeout
+    led = res.ledger
+    assert led.total_requests == len(trace)
+    assert led.total_tokens == int(trace.input_tokens.sum())
+    assert led.flows["read"].total + res.warmup_bytes == res.bytes_read
+
+
+@pytest.mark.parametrize("name", POLICY_SETS)
+def test_deterministic_for_a_seed(trace, prepared, name):
+    c = cluster(trace, router="random")
+    a, b = run(prepared, c, name, seed=7), run(prepared, c, name, seed=7)
+    assert np.array_equal(a.ttft_s, b.ttft_s)
+    assert a.row() == b.row()
+
+
+@pytest.mark.parametrize("name", POLICY_SETS)
+def test_conservation_and_reads_equal_sent_without_failures(trace, prepared, name):
+    res = run(prepared, cluster(trace), name)
+    check_conservation(res, trace)
+    if res.loads_failed == res.loads_timeout == 0:
+        assert res.bytes_read == res.bytes_sent, "a clean run reads exactly what it sent"
+    if name == "recompute-only":
+        assert res.bytes_sent == res.bytes_written == 0
+
+
+def test_loads_happen_and_save_gpu(trace, prepared):
+    base = run(prepared, cluster(trace), "recompute-only")
+    for name in ("kvpolicy", "vllm-like", "oracle"):
+        res = run(prepared, cluster(trace), name)
+        assert res.loads_ok > 0 and res.bytes_read > 0
+        assert res.gpu_prefill_s < base.gpu_prefill_s
+
+
+def test_zero_bandwidth_makes_every_admission_recompute(trace, prepared):
+    c = cluster(trace, node_bandwidth_bytes_per_s=0.0, transport_timeout_s=5.0)
+    sim = Simulator(prepared, c, policy_set("kvpolicy"))
+    assert sim.seed_pool(prepared.keys) > 0  # the pool holds everything; only the link is gone
+    reasons = []
+    orig = sim._arrive
+
+    def spy(req, t):
+        orig(req, t)
+        if req.decision is not None:
+            reasons.append(req.decision.action)
+
+    sim._arrive = spy
+    res = sim.run()
+    check_conservation(res, trace)
+    assert reasons and set(reasons) <= {"recompute", "local_only"}
+    assert res.loads == 0 and res.bytes_read == 0
+    o = Simulator(prepared, c, policy_set("oracle"))
+    o.seed_pool(prepared.keys)
+    assert o.run().loads == 0
+    # a policy that always loads still finishes: the transport times every load out
+    vs = Simulator(prepared, c, policy_set("lmcache-like"))
+    vs.seed_pool(prepared.keys)
+    v = vs.run()
+    check_conservation(v, trace)
+    assert v.loads > 0 and v.loads_ok == 0 and v.loads_timeout == v.loads
+
+
+@pytest.mark.parametrize("name", POLICY_SETS)
+def test_a_pool_that_holds_nothing_equals_recompute(trace, prepared, name):
+    c = cluster(trace, lookup_s=0.0)
+    c = attrs.evolve(c, pool_capacity_bytes_per_node=0)
+    ps = policy_set(name)
+    res = run(prepared, c, ps)
+    twin = run(prepared, c, recompute_twin(ps))
+    assert res.bytes_read == res.bytes_written == 0 and res.loads == 0
+    assert res.gpu_prefill_s == pytest.approx(twin.gpu_prefill_s, rel=1e-12)
+    assert np.allclose(res.ttft_s, twin.ttft_s, rtol=1e-12, atol=1e-12)
+
+
+def test_scale_out_adds_replicas_and_kvpolicy_warms_them(trace, prepared):
+    t = float(trace.arrival_s[len(trace) // 2])
+    c = cluster(trace)
+    res = run(prepared, c, "kvpolicy", events=(ScaleOut(t, 3),))
+    assert res.replicas_final == 7
+    check_conservation(res, trace)
+    assert res.warmup_bytes > 0
+    assert run(prepared, c, "vllm-like", events=(ScaleOut(t, 3),)).warmup_bytes == 0
+
+
+def test_degraded_node_fails_and_kvpolicy_breaker_moves_off_it(trace, prepared):
+    D = float(trace.arrival_s[-1])
+    ev = (Degrade(0, 0.0, D + 1, bandwidth_factor=0.5, failure_rate=1.0),)
+    c = cluster(trace)
+    vl = run(prepared, c, "vllm-like", events=ev)
+    check_conservation(vl, trace)
+    assert vl.loads_failed > 0 and vl.retries > 0
+    kv_sim = Simulator(prepared, c, policy_set("kvpolicy"), events=ev)
+    kv = kv_sim.run()
+    check_conservation(kv, trace)
+    assert kv.loads_failed < vl.loads_failed
+    assert kv_sim.controller.breakers["node-0"].transitions, "the breaker opened on the failing node"
+
+
+def test_failure_draws_are_the_same_for_every_policy_set(trace, prepared):
+    from kvpolicy.sim.engine import _unit
+
+    assert _unit(0, 5, 0, 1, 1) == _unit(0, 5, 0, 1, 1)
+    assert _unit(0, 5, 0, 1, 1) != _unit(1, 5, 0, 1, 1)
+
+
+def test_apply_spike_squeezes_the_window_and_keeps_every_request(trace):
+    D = float(trace.arrival_s[-1])
+    sp = Spike(0.2 * D, 0.4 * D, 3.0)
+    out = apply_spike(trace, sp)
+    assert len(out) == len(trace)
+    assert np.all(np.diff(out.arrival_s) >= 0)
+    before = np.sum((trace.arrival_s >= sp.t1_s) & (trace.arrival_s < sp.t1_s + 3 * (sp.t2_s - sp.t1_s)))
+    inside = np.sum((out.arrival_s >= sp.t1_s) & (out.arrival_s < sp.t2_s))
+    assert inside == before
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_every_scenario_builds_on_any_trace(trace, scenario):
+    sc = build(scenario, trace, cluster(trace))
+    assert len(sc.trace) == len(trace)
+    res = Simulator(Prepared(sc.trace), sc.cluster, policy_set("kvpolicy"), events=sc.events).run()
+    check_conservation(res, sc.trace)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16), router=st.sampled_from(ROUTERS), name=st.sampled_from(POLICY_SETS),
+       slots=st.integers(1, 3), failure=st.sampled_from([0.0, 0.3]), nodes=st.integers(1, 3))
+def test_conservation_property(trace, prepared, seed, router, name, slots, failure, nodes):
+    c = cluster(trace, router=router, prefill_slots=slots, failure_rate=failure, storage_nodes=nodes)
+    res = run(prepared, c, name, seed=seed)
+    check_conservation(res, trace)
+    # the pool never holds more than its capacity, local caches never more than theirs
+    assert res.ledger.tokens["remote_hit"] * BPT <= res.bytes_read
+
+
+def test_bad_configuration_names_the_field(trace):
+    with pytest.raises(ConfigError) as e:
+        cluster(trace, router="sticky")
+    assert e.value.field == "router"
+    with pytest.raises(ConfigError) as e:
+        Degrade(0, 10.0, 5.0)
+    assert e.value.field == "t2_s"
+    with pytest.raises(ConfigError) as e:
+        cluster(trace, failure_rate=1.5)
+    assert e.value.field == "failure_rate"
+    with pytest.raises(ConfigError) as e:
+        Simulator(trace, cluster(trace), policy_set("kvpolicy"), events=(Degrade(5, 0.0, 1.0),))
+    assert e.value.field == "node"
+    with pytest.raises(ConfigError) as e:
+        policy_set("nvidia-dynamo")
+    assert e.value.field == "--policies"
+    with pytest.raises(ConfigError):
+        ClusterConfig(bytes_per_token=0, prefill=DEFAULT_PREFILL)
+
+
+def test_compare_report_and_checks(trace):
+    report, raw = compare(trace, cluster(trace), scenarios=["steady", "degraded"], policies=["kvpolicy", "vllm-like", "oracle"])
+    names = {(r["scenario"], r["policy"]) for r in report["runs"]}
+    assert ("steady", "recompute-only") in names, "recompute-only always runs: savings are measured against it"
+    for r in report["runs"]:
+        for k in ("ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "gpu_prefill_s", "bytes_read", "bytes_written", "peak15_bytes_per_s", "ledger"):
+            assert k in r
+        assert r["ttft_p50_ms"] <= r["ttft_p95_ms"] <= r["ttft_p99_ms"]
+    assert {c["scenario"] for c in report["checks"]} == {"steady", "degraded"}
+
+
+def test_cli_compare_json(tmp_path, capsys, trace):
+    path = tmp_path / "t.jsonl"
+    trace.to_mooncake_jsonl(path)
+    out = tmp_path / "out.json"
+    rc = main(["compare", str(path), "--format", "mooncake", "--block-size", "64", "--scenario", "steady", "--policies", "kvpolicy,vllm-like",
+               "--bytes-per-token", str(BPT), "--replicas", "4", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "steady" in text and "kvpolicy" in text and "recompute-only" in text
+    data = json.loads(out.read_text())
+    assert {r["policy"] for r in data["runs"]} == {"kvpolicy", "vllm-like", "recompute-only"}
+
+
+def test_cli_compare_bad_input(capsys, tmp_path):
+    assert main(["compare", "--policies", "kvpolicy,bogus", "--no-progress"]) == 2
+    assert "bogus" in capsys.readouterr().err
+    assert main(["compare", "--node-gbps", "-1", "--no-progress"]) == 2
+    assert "--node-gbps" in capsys.readouterr().err
