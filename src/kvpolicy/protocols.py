@@ -1,13 +1,12 @@
 """The engine-facing seams, in one short file.
 
-Engines implement or call these; kvpolicy never imports an engine. Later
-components add their protocols here.
+Engines implement or call these; kvpolicy never imports an engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -27,3 +26,24 @@ class Clock(Protocol):
     """Injectable time source in seconds, so time-dependent policies are testable."""
 
     def now_s(self) -> float: ...
+
+
+@runtime_checkable
+class Directory(Protocol):
+    """Where published blocks live, shared by every replica (``kvpolicy.directory``).
+
+    Every call is scoped to one tenant: a tenant can neither list nor match
+    another tenant's keys. ``match_prefix`` answers in one round trip.
+    """
+
+    def publish(self, tenant: str, entries: Sequence[Any]) -> int: ...
+
+    def match_prefix(self, tenant: str, keys: Sequence[bytes]) -> int: ...
+
+    def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[list[Any]]: ...
+
+    def evict(self, tenant: str, keys: Sequence[bytes], holder: str | None = None, force: bool = False) -> int: ...
+
+    def lease(self, tenant: str, keys: Sequence[bytes], ttl_s: float) -> Any: ...
+
+    def release(self, lease: Any) -> None: ...

@@ -1,0 +1,97 @@
+"""The directory's value objects and the checks every backend shares.
+
+An :class:`Entry` says that ``holder`` (a storage node, a replica, an engine
+pod) holds the block ``key`` of ``size_bytes`` in ``tier``, built under the
+namespace whose digest is ``namespace_digest``, until ``expires_at_s`` (absolute
+seconds on the directory's clock; None: no expiry). A key may have several
+holders. A :class:`Lease` protects keys being loaded from the directory's own
+eviction (and from ``evict`` without ``force``) until it is released or expires.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from ..errors import ConfigError
+
+TENANT_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+def check_tenant(tenant: Any) -> str:
+    if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
+        raise ConfigError("tenant", f"must be 1..128 characters of [A-Za-z0-9_.-], got {tenant!r}")
+    return tenant
+
+
+def check_keys(keys: Any, field: str = "keys") -> list[bytes]:
+    if isinstance(keys, (bytes, str)):
+        raise ConfigError(field, "must be a sequence of keys, not one key")
+    out = []
+    for i, k in enumerate(keys):
+        if not isinstance(k, (bytes, bytearray)) or not 1 <= len(k) <= 64:
+            raise ConfigError(field, f"key {i} must be 1..64 bytes, got {k!r:.40}")
+        out.append(bytes(k))
+    return out
+
+
+def _key(inst: Any, a: attrs.Attribute, v: Any) -> None:
+    if not isinstance(v, bytes) or not 1 <= len(v) <= 64:
+        raise ConfigError(a.name, f"must be 1..64 bytes, got {v!r:.40}")
+
+
+def _holder(inst: Any, a: attrs.Attribute, v: Any) -> None:
+    if not isinstance(v, str) or not 1 <= len(v) <= 256 or "\x00" in v:
+        raise ConfigError(a.name, f"must be a non-empty string, got {v!r}")
+
+
+def _size(inst: Any, a: attrs.Attribute, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ConfigError(a.name, f"must be a non-negative int (bytes), got {v!r}")
+
+
+@attrs.frozen
+class Entry:
+    key: bytes = attrs.field(validator=_key)
+    holder: str = attrs.field(validator=_holder)
+    size_bytes: int = attrs.field(default=0, validator=_size)
+    tier: str = attrs.field(default="pool", validator=_holder)
+    namespace_digest: bytes = b""
+    expires_at_s: float | None = None
+
+    def pack(self) -> bytes:
+        """Compact value for a backend: size|tier|digest-hex|expiry."""
+        exp = "" if self.expires_at_s is None else repr(float(self.expires_at_s))
+        return f"{self.size_bytes}|{self.tier}|{self.namespace_digest.hex()}|{exp}".encode()
+
+    @classmethod
+    def unpack(cls, key: bytes, holder: str, raw: bytes) -> Entry:
+        try:
+            size, tier, digest, exp = raw.decode().split("|")
+            return cls(key, holder, int(size), tier, bytes.fromhex(digest), float(exp) if exp else None)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConfigError("entry", f"malformed directory value {raw!r:.60} for holder {holder!r}: {e}") from None
+
+
+@attrs.frozen
+class Lease:
+    lease_id: str
+    tenant: str
+    keys: tuple[bytes, ...]
+    expires_at_s: float
+
+
+class TenantIndex:
+    """One tenant's view of a directory as a :class:`~kvpolicy.protocols.BlockIndex`
+    (plugs into :func:`kvpolicy.matching.match`)."""
+
+    def __init__(self, directory: Any, tenant: str, name: str = "directory") -> None:
+        self.directory = directory
+        self.tenant = check_tenant(tenant)
+        self.name = name
+
+    def match_prefix(self, keys: Sequence[bytes]) -> int:
+        return int(self.directory.match_prefix(self.tenant, keys))

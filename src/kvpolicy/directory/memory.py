@@ -1,0 +1,170 @@
+"""The in-process directory: the default, and the reference the Redis backend must agree with."""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from ..clock import MonotonicClock
+from ..errors import ConfigError
+from ..protocols import Clock
+from .base import Entry, Lease, TenantIndex, check_keys, check_tenant
+
+
+class InMemoryDirectory:
+    """Per-tenant tables of key → {holder: Entry}, least recently used first.
+
+    ``max_keys_per_tenant`` bounds memory: publishing past it evicts the least
+    recently used keys that no lease protects (the directory's own eviction).
+    Expired entries are dropped when touched.
+    """
+
+    def __init__(self, *, max_keys_per_tenant: int = 1_000_000, clock: Clock | None = None) -> None:
+        if isinstance(max_keys_per_tenant, bool) or not isinstance(max_keys_per_tenant, int) or max_keys_per_tenant <= 0:
+            raise ConfigError("max_keys_per_tenant", f"must be a positive int, got {max_keys_per_tenant!r}")
+        self.max_keys_per_tenant = max_keys_per_tenant
+        self.clock = clock or MonotonicClock()
+        self._t: dict[str, OrderedDict[bytes, dict[str, Entry]]] = {}
+        self._leases: dict[str, dict[bytes, int]] = {}
+        self._active: dict[str, Lease] = {}
+        self._ids = itertools.count(1)
+        self.evicted_by_capacity = 0
+
+    def _table(self, tenant: str) -> OrderedDict[bytes, dict[str, Entry]]:
+        return self._t.setdefault(check_tenant(tenant), OrderedDict())
+
+    def _live(self, table: OrderedDict[bytes, dict[str, Entry]], key: bytes, now: float) -> dict[str, Entry] | None:
+        holders = table.get(key)
+        if holders is None:
+            return None
+        dead = [h for h, e in holders.items() if e.expires_at_s is not None and e.expires_at_s <= now]
+        for h in dead:
+            del holders[h]
+        if not holders:
+            del table[key]
+            return None
+        return holders
+
+    def _expire_leases(self, now: float) -> None:
+        for lid in [lid for lid, l in self._active.items() if l.expires_at_s <= now]:
+            self._drop_lease(self._active.pop(lid))
+
+    def _drop_lease(self, lease: Lease) -> None:
+        counts = self._leases.get(lease.tenant, {})
+        for k in lease.keys:
+            c = counts.get(k, 0) - 1
+            if c <= 0:
+                counts.pop(k, None)
+            else:
+                counts[k] = c
+
+    def leased(self, tenant: str, key: bytes) -> bool:
+        self._expire_leases(self.clock.now_s())
+        return self._leases.get(tenant, {}).get(key, 0) > 0
+
+    # ------------------------------------------------------------------ API
+
+    def publish(self, tenant: str, entries: Sequence[Entry]) -> int:
+        table = self._table(tenant)
+        for e in entries:
+            if not isinstance(e, Entry):
+                raise ConfigError("entries", f"must be kvpolicy.directory.Entry objects, got {type(e).__name__}")
+        for e in entries:
+            holders = table.get(e.key)
+            if holders is None:
+                holders = table[e.key] = {}
+            holders[e.holder] = e
+            table.move_to_end(e.key)
+        excess = len(table) - self.max_keys_per_tenant
+        if excess > 0:
+            self._expire_leases(self.clock.now_s())
+            leased = self._leases.get(tenant, {})
+            for k in list(itertools.islice(table.keys(), len(table))):
+                if excess <= 0:
+                    break
+                if leased.get(k, 0) > 0:
+                    continue
+                del table[k]
+                excess -= 1
+                self.evicted_by_capacity += 1
+        return len(entries)
+
+    def match_prefix(self, tenant: str, keys: Sequence[bytes]) -> int:
+        ks = check_keys(keys)
+        table = self._table(tenant)
+        now = self.clock.now_s()
+        n = 0
+        for k in ks:
+            if self._live(table, k, now) is None:
+                break
+            table.move_to_end(k)
+            n += 1
+        return n
+
+    def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[list[Entry]]:
+        ks = check_keys(keys)
+        table = self._table(tenant)
+        now = self.clock.now_s()
+        out = []
+        for k in ks:
+            h = self._live(table, k, now)
+            out.append(sorted(h.values(), key=lambda e: e.holder) if h else [])
+        return out
+
+    def evict(self, tenant: str, keys: Sequence[bytes], holder: str | None = None, force: bool = False) -> int:
+        ks = check_keys(keys)
+        table = self._table(tenant)
+        if not force:
+            self._expire_leases(self.clock.now_s())
+        leased = self._leases.get(tenant, {})
+        n = 0
+        for k in ks:
+            holders = table.get(k)
+            if holders is None or (not force and leased.get(k, 0) > 0):
+                continue
+            if holder is None:
+                del table[k]
+                n += 1
+            elif holders.pop(holder, None) is not None:
+                n += 1
+                if not holders:
+                    del table[k]
+        return n
+
+    def clear_holder(self, tenant: str, holder: str) -> int:
+        table = self._table(tenant)
+        n = 0
+        for k in list(table):
+            if table[k].pop(holder, None) is not None:
+                n += 1
+                if not table[k]:
+                    del table[k]
+        return n
+
+    def lease(self, tenant: str, keys: Sequence[bytes], ttl_s: float) -> Lease:
+        ks = check_keys(keys)
+        check_tenant(tenant)
+        if not ttl_s > 0:
+            raise ConfigError("ttl_s", f"must be positive, got {ttl_s}")
+        lease = Lease(f"mem-{next(self._ids)}", tenant, tuple(ks), self.clock.now_s() + ttl_s)
+        counts = self._leases.setdefault(tenant, {})
+        for k in ks:
+            counts[k] = counts.get(k, 0) + 1
+        self._active[lease.lease_id] = lease
+        return lease
+
+    def release(self, lease: Lease) -> None:
+        if self._active.pop(lease.lease_id, None) is not None:
+            self._drop_lease(lease)
+
+    def keys(self, tenant: str) -> list[bytes]:
+        table = self._table(tenant)
+        now = self.clock.now_s()
+        return sorted(k for k in list(table) if self._live(table, k, now) is not None)
+
+    def count(self, tenant: str) -> int:
+        return len(self.keys(tenant))
+
+    def index(self, tenant: str) -> TenantIndex:
+        return TenantIndex(self, tenant)

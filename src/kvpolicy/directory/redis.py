@@ -1,0 +1,296 @@
+"""The directory on Redis (or Valkey): shared by every process, one round trip per match.
+
+Layout, for tenant ``t`` under prefix ``p`` (default ``kvp``) — every key carries
+the hash tag ``{p:t}``, so one tenant's keys share a Redis Cluster slot and the
+scripts below stay single-slot::
+
+    {p:t}:b:<key hex>      hash   holder -> "size|tier|namespace digest hex|expiry"
+    {p:t}:lru              zset   key hex -> last-touch counter (the directory's own LRU; one tick per key, in chain order)
+    {p:t}:clock            string the counter
+    {p:t}:lease:<key hex>  string number of live leases on the key (expires with the longest)
+
+``match_prefix`` is one ``EVALSHA``: the script walks the chain and stops at the
+first key with no live holder, touching what it matched. ``publish`` is one
+``EVALSHA`` that also enforces ``max_keys_per_tenant`` by evicting the least
+recently touched keys no lease protects. Expiry: an entry with ``expires_at_s``
+makes its hash expire (Redis ``PEXPIREAT`` on the directory clock = Unix time).
+
+Failure handling: every call catches connection errors and timeouts — a match
+answers 0 (a miss), a publish answers 0 (nothing published), an evict 0 — and
+counts them in :attr:`RedisDirectory.errors`; redis-py reconnects on the next
+call and reloads the scripts after a server restart. Nothing stale can be served
+from the client side: it keeps no cache.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import ConfigError
+from .base import Entry, Lease, TenantIndex, check_keys, check_tenant
+
+_MATCH = """
+local n = 0
+for i = 3, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 0 then break end
+  n = n + 1
+end
+if n > 0 then
+  local tick = redis.call('INCRBY', KEYS[2], n)
+  for i = 1, n do redis.call('ZADD', KEYS[1], tick - n + i, ARGV[i]) end
+end
+return n
+"""
+
+# KEYS: lru, clock, then one hash per entry
+# ARGV: max_keys, lease_prefix, then per entry: hex, holder, value, expire_at_ms ('' = none)
+_PUBLISH = """
+local tick = redis.call('INCRBY', KEYS[2], #KEYS - 2)
+local n = 0
+for i = 3, #KEYS do
+  local j = (i - 3) * 4 + 3
+  local hex, holder, value, exp = ARGV[j], ARGV[j + 1], ARGV[j + 2], ARGV[j + 3]
+  redis.call('HSET', KEYS[i], holder, value)
+  if exp ~= '' then
+    local cur = redis.call('PEXPIRETIME', KEYS[i])
+    if cur == -1 or tonumber(exp) > cur then redis.call('PEXPIREAT', KEYS[i], exp) end
+  else
+    redis.call('PERSIST', KEYS[i])
+  end
+  redis.call('ZADD', KEYS[1], tick - #KEYS + i, hex)
+  n = n + 1
+end
+local maxk = tonumber(ARGV[1])
+local excess = redis.call('ZCARD', KEYS[1]) - maxk
+local evicted = 0
+if excess > 0 then
+  local cands = redis.call('ZRANGE', KEYS[1], 0, excess + 64)
+  local base = string.sub(KEYS[1], 1, -4)
+  for _, hex in ipairs(cands) do
+    if excess <= 0 then break end
+    local b = base .. 'b:' .. hex
+    if redis.call('EXISTS', b) == 0 then
+      redis.call('ZREM', KEYS[1], hex)
+      excess = excess - 1
+    elseif redis.call('EXISTS', ARGV[2] .. hex) == 0 then
+      redis.call('DEL', b)
+      redis.call('ZREM', KEYS[1], hex)
+      excess = excess - 1
+      evicted = evicted + 1
+    end
+  end
+end
+return {n, evicted}
+"""
+
+# KEYS: lru, then one hash per key; ARGV: force ('1'/'0'), holder ('' = all), lease_prefix, then hex per key
+_EVICT = """
+local n = 0
+for i = 2, #KEYS do
+  local hex = ARGV[i + 2]
+  if ARGV[1] == '1' or redis.call('EXISTS', ARGV[3] .. hex) == 0 then
+    if ARGV[2] == '' then
+      if redis.call('DEL', KEYS[i]) == 1 then n = n + 1 end
+      redis.call('ZREM', KEYS[1], hex)
+    else
+      if redis.call('HDEL', KEYS[i], ARGV[2]) == 1 then n = n + 1 end
+      if redis.call('EXISTS', KEYS[i]) == 0 then redis.call('ZREM', KEYS[1], hex) end
+    end
+  end
+end
+return n
+"""
+
+_LEASE = """
+for i = 1, #KEYS do
+  redis.call('INCR', KEYS[i])
+  if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[1]) then redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
+end
+return #KEYS
+"""
+
+_RELEASE = """
+for i = 1, #KEYS do
+  if redis.call('DECR', KEYS[i]) <= 0 then redis.call('DEL', KEYS[i]) end
+end
+return #KEYS
+"""
+
+_CLEAR_HOLDER = """
+local n = 0
+local cursor = '0'
+local base = string.sub(KEYS[1], 1, -4)
+repeat
+  local r = redis.call('ZSCAN', KEYS[1], cursor, 'COUNT', 512)
+  cursor = r[1]
+  local items = r[2]
+  for i = 1, #items, 2 do
+    local b = base .. 'b:' .. items[i]
+    if redis.call('HDEL', b, ARGV[1]) == 1 then n = n + 1 end
+    if redis.call('EXISTS', b) == 0 then redis.call('ZREM', KEYS[1], items[i]) end
+  end
+until cursor == '0'
+return n
+"""
+
+
+def _redis() -> Any:
+    try:
+        import redis
+    except ImportError:
+        raise ConfigError("redis", "the Redis directory needs redis-py: pip install 'kvpolicy[redis]'") from None
+    return redis
+
+
+class RedisDirectory:
+    def __init__(self, client: Any = None, *, url: str | None = None, prefix: str = "kvp", max_keys_per_tenant: int = 1_000_000,
+                 socket_timeout_s: float = 1.0) -> None:
+        redis = _redis()
+        if client is None:
+            if not url:
+                raise ConfigError("url", "give a redis client or a redis:// URL")
+            client = redis.Redis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
+        if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix:
+            raise ConfigError("prefix", f"must be a non-empty string without braces, got {prefix!r}")
+        if isinstance(max_keys_per_tenant, bool) or not isinstance(max_keys_per_tenant, int) or max_keys_per_tenant <= 0:
+            raise ConfigError("max_keys_per_tenant", f"must be a positive int, got {max_keys_per_tenant!r}")
+        self.r = client
+        self.prefix = prefix
+        self.max_keys_per_tenant = max_keys_per_tenant
+        self._errors_types = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+        self._match = client.register_script(_MATCH)
+        self._publish = client.register_script(_PUBLISH)
+        self._evict = client.register_script(_EVICT)
+        self._lease = client.register_script(_LEASE)
+        self._release = client.register_script(_RELEASE)
+        self._clear = client.register_script(_CLEAR_HOLDER)
+        self.errors = 0
+        self.evicted_by_capacity = 0
+
+    # ------------------------------------------------------------------ names
+
+    def _base(self, tenant: str) -> str:
+        return f"{{{self.prefix}:{check_tenant(tenant)}}}:"
+
+    def _call(self, fn: Any, default: Any) -> Any:
+        try:
+            return fn()
+        except self._errors_types:
+            self.errors += 1
+            return default
+
+    # ------------------------------------------------------------------ API
+
+    def publish(self, tenant: str, entries: Sequence[Entry]) -> int:
+        base = self._base(tenant)
+        if not entries:
+            return 0
+        keys = [base + "lru", base + "clock"]
+        args: list[Any] = [self.max_keys_per_tenant, base + "lease:"]
+        for e in entries:
+            if not isinstance(e, Entry):
+                raise ConfigError("entries", f"must be kvpolicy.directory.Entry objects, got {type(e).__name__}")
+            h = e.key.hex()
+            keys.append(base + "b:" + h)
+            exp = "" if e.expires_at_s is None else str(int(e.expires_at_s * 1000))
+            args += [h, e.holder, e.pack(), exp]
+        res = self._call(lambda: self._publish(keys=keys, args=args), None)
+        if res is None:
+            return 0
+        self.evicted_by_capacity += int(res[1])
+        return int(res[0])
+
+    def match_prefix(self, tenant: str, keys: Sequence[bytes]) -> int:
+        ks = check_keys(keys)
+        base = self._base(tenant)
+        if not ks:
+            return 0
+        hexes = [k.hex() for k in ks]
+        names = [base + "lru", base + "clock"] + [base + "b:" + h for h in hexes]
+        return int(self._call(lambda: self._match(keys=names, args=hexes), 0))
+
+    def match_prefix_per_key(self, tenant: str, keys: Sequence[bytes]) -> int:
+        """The naive way — one EXISTS round trip per key (for the benchmark's baseline)."""
+        base = self._base(tenant)
+        n = 0
+        for k in check_keys(keys):
+            if not self._call(lambda k=k: self.r.exists(base + "b:" + k.hex()), 0):
+                break
+            n += 1
+        return n
+
+    def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[list[Entry]]:
+        ks = check_keys(keys)
+        base = self._base(tenant)
+
+        def go() -> list[Any]:
+            pipe = self.r.pipeline(transaction=False)
+            for k in ks:
+                pipe.hgetall(base + "b:" + k.hex())
+            return pipe.execute()
+
+        raw = self._call(go, None)
+        if raw is None:
+            return [[] for _ in ks]
+        out = []
+        for k, h in zip(ks, raw):
+            out.append(sorted((Entry.unpack(k, holder.decode(), v) for holder, v in h.items()), key=lambda e: e.holder))
+        return out
+
+    def evict(self, tenant: str, keys: Sequence[bytes], holder: str | None = None, force: bool = False) -> int:
+        ks = check_keys(keys)
+        base = self._base(tenant)
+        if not ks:
+            return 0
+        hexes = [k.hex() for k in ks]
+        names = [base + "lru"] + [base + "b:" + h for h in hexes]
+        args = ["1" if force else "0", holder or "", base + "lease:"] + hexes
+        return int(self._call(lambda: self._evict(keys=names, args=args), 0))
+
+    def clear_holder(self, tenant: str, holder: str) -> int:
+        base = self._base(tenant)
+        return int(self._call(lambda: self._clear(keys=[base + "lru"], args=[holder]), 0))
+
+    def lease(self, tenant: str, keys: Sequence[bytes], ttl_s: float) -> Lease:
+        ks = check_keys(keys)
+        base = self._base(tenant)
+        if not ttl_s > 0:
+            raise ConfigError("ttl_s", f"must be positive, got {ttl_s}")
+        names = [base + "lease:" + k.hex() for k in ks]
+        if names:
+            self._call(lambda: self._lease(keys=names, args=[int(ttl_s * 1000)]), 0)
+        return Lease(f"redis-{uuid.uuid4().hex}", tenant, tuple(ks), time.time() + ttl_s)
+
+    def release(self, lease: Lease) -> None:
+        base = self._base(lease.tenant)
+        names = [base + "lease:" + k.hex() for k in lease.keys]
+        if names and lease.expires_at_s > time.time():
+            self._call(lambda: self._release(keys=names, args=[]), 0)
+
+    def leased(self, tenant: str, key: bytes) -> bool:
+        return bool(self._call(lambda: self.r.exists(self._base(tenant) + "lease:" + key.hex()), 0))
+
+    def keys(self, tenant: str) -> list[bytes]:
+        base = self._base(tenant)
+
+        def go() -> list[bytes]:
+            out = []
+            for h in self.r.zscan_iter(base + "lru", count=1024):
+                hexkey = h[0].decode()
+                if self.r.exists(base + "b:" + hexkey):
+                    out.append(bytes.fromhex(hexkey))
+            return sorted(out)
+
+        return self._call(go, [])
+
+    def count(self, tenant: str) -> int:
+        return len(self.keys(tenant))
+
+    def index(self, tenant: str) -> TenantIndex:
+        return TenantIndex(self, tenant)
+
+    def ping(self) -> bool:
+        return bool(self._call(lambda: self.r.ping(), False))

@@ -1,0 +1,7 @@
+"""Thin adapters to engines' seams; each imports its engine (if at all) lazily.
+
+* :mod:`kvpolicy.integrations.vllm_events` — vLLM KV events (msgpack over ZMQ) into the directory
+* :mod:`kvpolicy.integrations.vllm_connector` — admission and publishing behind a vLLM KV connector
+* :mod:`kvpolicy.integrations.sglang` — a kvpolicy eviction policy as SGLang's ``EvictionStrategy``
+* :mod:`kvpolicy.integrations.lmcache` — a kvpolicy publish filter as an LMCache store policy
+"""

@@ -1,0 +1,221 @@
+import multiprocessing as mp
+import random
+import time
+import uuid
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpolicy.clock import ManualClock
+from kvpolicy.directory import Entry, InMemoryDirectory
+from kvpolicy.errors import ConfigError
+from kvpolicy.matching import match
+
+KEYS = [bytes([(7 * i + 5) % 12]) * 16 for i in range(12)]  # chain order is not byte order
+
+
+def redis_dir(url, **kw):
+    from kvpolicy.directory import RedisDirectory
+
+    return RedisDirectory(url=url, prefix=f"t{uuid.uuid4().hex[:10]}", **kw)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def directory(request):
+    if request.param == "memory":
+        return InMemoryDirectory(max_keys_per_tenant=64)
+    return redis_dir(request.getfixturevalue("redis_url"), max_keys_per_tenant=64)
+
+
+def test_publish_match_lookup_evict(directory):
+    d = directory
+    assert d.publish("acme", [Entry(k, "node-1", 1024, "cpu", b"\x01" * 16) for k in KEYS[:5]]) == 5
+    assert d.publish("acme", [Entry(KEYS[0], "node-2", 1024)]) == 1
+    assert d.match_prefix("acme", KEYS) == 5
+    assert d.match_prefix("acme", KEYS[1:]) == 4
+    assert d.match_prefix("acme", [KEYS[7]] + KEYS[:3]) == 0, "prefix semantics: stop at the first missing key"
+    got = d.lookup("acme", KEYS[:2] + [KEYS[9]])
+    assert [e.holder for e in got[0]] == ["node-1", "node-2"]
+    assert got[1] == [Entry(KEYS[1], "node-1", 1024, "cpu", b"\x01" * 16)]
+    assert got[2] == []
+    assert d.evict("acme", [KEYS[0]], holder="node-1") == 1
+    assert d.match_prefix("acme", KEYS) == 5, "node-2 still holds block 0"
+    assert d.evict("acme", [KEYS[2]]) == 1
+    assert d.match_prefix("acme", KEYS) == 2
+    assert d.clear_holder("acme", "node-1") == 3  # blocks 1, 3, 4
+    assert d.keys("acme") == [KEYS[0]]
+    # the matcher takes a tenant's view as a BlockIndex
+    assert match(KEYS[:3], 3 * 16 + 1, None, d.index("acme"), block_size_tokens=16).remote_total_blocks == 1
+
+
+def test_tenants_can_neither_list_nor_match_each_other(directory):
+    d = directory
+    d.publish("tenant-a", [Entry(k, "n", 1) for k in KEYS[:4]])
+    assert d.match_prefix("tenant-b", KEYS[:4]) == 0
+    assert d.lookup("tenant-b", KEYS[:4]) == [[], [], [], []]
+    assert d.keys("tenant-b") == []
+    assert d.evict("tenant-b", KEYS[:4], force=True) == 0
+    assert d.match_prefix("tenant-a", KEYS[:4]) == 4
+    for bad in ("", "a:b", "a b", "x" * 200, None):
+        with pytest.raises(ConfigError) as e:
+            d.match_prefix(bad, KEYS[:1])
+        assert e.value.field == "tenant"
+
+
+def test_bounded_memory_never_evicts_leased_keys(directory):
+    d = directory
+    cap = d.max_keys_per_tenant
+    lease = d.lease("t", [KEYS[0]], ttl_s=30)
+    d.publish("t", [Entry(KEYS[0], "n", 1)])
+    d.publish("t", [Entry(bytes([1, i % 256, i // 256]) * 5, "n", 1) for i in range(cap + 20)])
+    assert d.count("t") <= cap
+    assert d.evicted_by_capacity >= 20
+    assert d.match_prefix("t", [KEYS[0]]) == 1, "a leased block survives the directory's own eviction"
+    assert d.evict("t", [KEYS[0]]) == 0, "evict without force respects the lease"
+    d.release(lease)
+    assert d.evict("t", [KEYS[0]]) == 1
+
+
+def test_bad_entries_and_keys_name_the_field(directory):
+    with pytest.raises(ConfigError) as e:
+        Entry(b"", "n")
+    assert e.value.field == "key"
+    with pytest.raises(ConfigError) as e:
+        Entry(KEYS[0], "")
+    assert e.value.field == "holder"
+    with pytest.raises(ConfigError) as e:
+        directory.match_prefix("t", KEYS[0])
+    assert e.value.field == "keys"
+    with pytest.raises(ConfigError) as e:
+        directory.publish("t", [("not", "an", "entry")])
+    assert e.value.field == "entries"
+
+
+def test_expiry_memory():
+    clock = ManualClock()
+    d = InMemoryDirectory(clock=clock)
+    d.publish("t", [Entry(KEYS[0], "n", 1, expires_at_s=10.0), Entry(KEYS[1], "n", 1)])
+    assert d.match_prefix("t", KEYS[:2]) == 2
+    clock.advance(11)
+    assert d.match_prefix("t", KEYS[:2]) == 0
+    assert d.keys("t") == [KEYS[1]]
+
+
+def test_expiry_redis(redis_url):
+    d = redis_dir(redis_url)
+    d.publish("t", [Entry(KEYS[0], "n", 1, expires_at_s=time.time() + 0.15)])
+    assert d.match_prefix("t", KEYS[:1]) == 1
+    time.sleep(0.3)
+    assert d.match_prefix("t", KEYS[:1]) == 0
+
+
+def test_match_prefix_is_one_round_trip(redis_url):
+    d = redis_dir(redis_url)
+    chain = [bytes([7, i]) * 8 for i in range(64)]
+    d.publish("t", [Entry(k, "n", 1) for k in chain])
+
+    def calls():
+        stats = d.r.info("commandstats")
+        return {k: v["calls"] for k, v in stats.items()}
+
+    before = calls()
+    assert d.match_prefix("t", chain) == 64
+    after = calls()
+    delta = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    delta.pop("cmdstat_info", None)
+    # one client round trip (EVALSHA); what runs inside the script is server-side
+    assert delta["cmdstat_evalsha"] == 1
+    assert set(delta) <= {"cmdstat_evalsha", "cmdstat_exists", "cmdstat_zadd", "cmdstat_incrby"}
+    assert d.match_prefix_per_key("t", chain) == 64
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["publish", "match", "evict", "evict_holder", "lease", "release", "clear"]),
+                         st.integers(0, 11), st.integers(1, 6), st.sampled_from(["n1", "n2"]), st.booleans()), max_size=40)
+
+
+@settings(max_examples=25, deadline=None)
+@given(ops=OPS)
+def test_redis_agrees_with_the_in_memory_reference(redis_url, ops):
+    mem = InMemoryDirectory(max_keys_per_tenant=8)
+    red = redis_dir(redis_url, max_keys_per_tenant=8)
+    leases = []
+    for op, start, n, holder, force in ops:
+        ks = KEYS[start:start + n]
+        if op == "publish":
+            ents = [Entry(k, holder, 10) for k in ks]
+            assert mem.publish("t", ents) == red.publish("t", ents)
+        elif op == "match":
+            assert mem.match_prefix("t", ks) == red.match_prefix("t", ks)
+        elif op == "evict":
+            assert mem.evict("t", ks, force=force) == red.evict("t", ks, force=force)
+        elif op == "evict_holder":
+            assert mem.evict("t", ks, holder=holder, force=force) == red.evict("t", ks, holder=holder, force=force)
+        elif op == "lease":
+            leases.append((mem.lease("t", ks, 60), red.lease("t", ks, 60)))
+        elif op == "release" and leases:
+            a, b = leases.pop(0)
+            mem.release(a)
+            red.release(b)
+        elif op == "clear":
+            assert mem.clear_holder("t", holder) == red.clear_holder("t", holder)
+        assert mem.keys("t") == red.keys("t")
+        assert mem.evicted_by_capacity == red.evicted_by_capacity
+
+
+def _worker(url: str, prefix: str, wid: int, rounds: int, out: "mp.Queue") -> None:
+    from kvpolicy.directory import Entry, RedisDirectory
+
+    d = RedisDirectory(url=url, prefix=prefix)
+    rng = random.Random(wid)
+    published: set[bytes] = set()
+    matched: list[bytes] = []
+    for r in range(rounds):
+        root = rng.randrange(20)  # shared roots: workers extend the same chains
+        chain = [bytes([root, depth, 0, 0]) * 4 for depth in range(rng.randrange(1, 10))]
+        if rng.random() < 0.6:
+            d.publish("shared", [Entry(k, f"w{wid}", 64) for k in chain])
+            published.update(chain)
+        n = d.match_prefix("shared", chain)
+        matched += chain[:n]
+    out.put((wid, sorted(published), sorted(set(matched))))
+
+
+def test_several_processes_publish_and_match_without_lost_or_phantom_entries(redis_url):
+    prefix = f"mp{uuid.uuid4().hex[:8]}"
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(redis_url, prefix, w, 150, q)) for w in range(4)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    published = set().union(*(set(r[1]) for r in results))
+    matched = set().union(*(set(r[2]) for r in results))
+    assert matched <= published, "no phantom: nothing matched that nobody published"
+    from kvpolicy.directory import RedisDirectory
+
+    d = RedisDirectory(url=redis_url, prefix=prefix)
+    assert set(d.keys("shared")) == published, "no lost entry: everything published is there"
+    for k in published:
+        holders = {e.holder for e in d.lookup("shared", [k])[0]}
+        assert holders and all(h.startswith("w") for h in holders)
+
+
+def test_restart_clients_reconnect_and_report_misses_meanwhile(redis_server):
+    from kvpolicy.directory import RedisDirectory
+
+    d = RedisDirectory(url=redis_server.url, socket_timeout_s=0.3)
+    d.publish("t", [Entry(k, "n", 1) for k in KEYS[:4]])
+    assert d.match_prefix("t", KEYS[:4]) == 4
+    redis_server.stop()
+    assert d.match_prefix("t", KEYS[:4]) == 0, "the server is down: a miss, not an exception"
+    assert d.publish("t", [Entry(KEYS[5], "n", 1)]) == 0
+    assert d.lookup("t", KEYS[:2]) == [[], []]
+    assert d.errors >= 3
+    redis_server.start()  # a fresh, empty server on the same port
+    assert d.match_prefix("t", KEYS[:4]) == 0, "nothing stale is served after the restart"
+    assert d.publish("t", [Entry(k, "n", 1) for k in KEYS[:2]]) == 2, "the client reconnects and reloads its scripts"
+    assert d.match_prefix("t", KEYS[:4]) == 2
