@@ -294,3 +294,60 @@ def test_breakeven_table():
     assert rows[0]["decision"] == "recompute" and rows[-1]["decision"] == "load"
     never = breakeven(bytes_per_token=131072, prefill=PrefillModel(0.0, 1e-6, 0.0, 0, 0), bandwidth_gbps=0.1, prefix_tokens=[1024])
     assert never["break_even_tokens"] is None and never["rows"][0]["decision"] == "recompute"
+
+
+def test_windowed_histogram_forgets_old_windows():
+    from kvpolicy.admission.histogram import WindowedHistogram
+
+    clock = ManualClock()
+    h = WindowedHistogram(10.0, clock.now_s)
+    for _ in range(50):
+        h.record(1.0)
+    assert h.quantile(0.5) == pytest.approx(1.0, rel=0.02) and h.count == 50
+    clock.advance(10.0)  # next window: the old one still counts
+    for _ in range(50):
+        h.record(0.01)
+    assert h.count == 100 and h.quantile(0.95) == pytest.approx(1.0, rel=0.02)
+    clock.advance(10.0)  # two windows on: the slow past is gone
+    h.record(0.01)
+    assert h.count == 51 and h.quantile(0.95) == pytest.approx(0.01, rel=0.02)
+    clock.advance(100.0)
+    assert h.count == 0 and h.quantile(0.5) is None
+
+
+def _slow_then_recovered(probe_interval_s):
+    c = controller(bw=25e9, probe_interval_s=probe_interval_s)
+    clock = c.clock
+    for _ in range(25):  # the link turned 200x slower than the prior: loads stop
+        d = c.decide(pm(0, 100), ctx)
+        if not d.loads:
+            break
+        c.record(LoadOutcome(d.load_id, "ok", d.load_blocks, transfer_s=200 * d.load_bytes / 25e9))
+    assert c.decide(pm(0, 100), ctx).reason == "slower_than_recompute"
+    return c, clock
+
+
+def test_a_source_judged_slow_is_probed_and_the_model_recovers():
+    c, clock = _slow_then_recovered(30.0)
+    clock.advance(29.0)
+    assert c.decide(pm(0, 100), ctx).reason == "slower_than_recompute", "no probe before the interval"
+    recovered = False
+    for _ in range(40):  # the link is fast again; each probe shows it, old windows age out
+        clock.advance(31.0)
+        d = c.decide(pm(0, 100), ctx)
+        if d.loads:
+            c.record(LoadOutcome(d.load_id, "ok", d.load_blocks, transfer_s=d.load_bytes / 25e9))
+        if d.reason == "wins":
+            recovered = True
+            break
+        assert d.reason == "probe"
+    assert recovered, "after the link recovers, loads win again"
+
+
+def test_no_probe_when_disabled_or_never_loaded():
+    c, clock = _slow_then_recovered(None)
+    clock.advance(10_000)
+    assert c.decide(pm(0, 100), ctx).reason == "slower_than_recompute"
+    fresh = controller(bw=1.0)  # a hopeless link, never loaded: nothing to re-measure
+    fresh.clock.advance(10_000)
+    assert fresh.decide(pm(0, 100), ctx).reason == "slower_than_recompute"

@@ -509,6 +509,47 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from .progress import Progress
+    from .reference.model import ModelConfig
+    from .reference.profiling import ReferenceProfileTarget, figure, render, run_profile
+
+    prog = Progress("profile", enabled=None if not args.no_progress else False)
+    cfg = ModelConfig(num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype)
+    for L in args.lengths:
+        if L % args.block_size:
+            raise ConfigError("--lengths", f"{L} is not a multiple of the block size {args.block_size}")
+    prog("starting the peer replica")
+    target = ReferenceProfileTarget(cfg, block_size_tokens=args.block_size, max_prefix_tokens=max(args.lengths), seed=args.seed)
+    try:
+        prof, report = run_profile(target, args.lengths, args.concurrency, repeats=args.repeats, tail_tokens=args.tail_tokens, progress=prog,
+                                   expected_bytes_per_token=cfg.geometry().bytes_per_token)
+    finally:
+        target.close()
+    report["engine"] = {"model": "kvpolicy reference transformer (numpy)", "layers": cfg.num_layers, "heads": cfg.num_heads,
+                        "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "dtype": cfg.dtype, "block_size_tokens": args.block_size,
+                        "transport": "TCP loopback between two processes"}
+    if args.plot:
+        prog("plot")
+        report["plots"] = [str(figure(report, args.plot))]
+    prog.done()
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        prof.write(args.out)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    e = report["engine"]
+    print(f"engine           {e['model']}: {e['layers']} layers, {e['heads']} heads / {e['kv_heads']} KV heads x {e['head_dim']}, "
+          f"{e['dtype']}, {e['block_size_tokens']}-token blocks; remote = {e['transport']}")
+    print(render(report))
+    if args.out:
+        print(f"wrote            {args.out}  (kvpolicy breakeven / compare --profile read it)")
+    if args.plot:
+        print("plots            " + ", ".join(report["plots"]))
+    return 0
+
+
 def _policy_list(text: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     if not items:
@@ -657,6 +698,24 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures (needs matplotlib)")
     cp.add_argument("--no-progress", action="store_true")
     cp.set_defaults(func=_cmd_compare)
+
+    pr = sub.add_parser("profile", help="measure bytes/token, cold prefill, local-hit TTFT and remote load on an engine (the reference engine by default)")
+    pr.add_argument("--lengths", type=_int_list, default=[1024, 2048, 4096, 8192], help="prefix lengths in tokens (default 1024,2048,4096,8192)")
+    pr.add_argument("--concurrency", type=_int_list, default=[1, 4], help="concurrency levels (default 1,4; 1 is always measured)")
+    pr.add_argument("--repeats", type=_positive_int, default=5, help="runs per measurement alone (default 5)")
+    pr.add_argument("--tail-tokens", type=_positive_int, default=16, help="new tokens after the prefix (default 16)")
+    pr.add_argument("--block-size", type=_positive_int, default=16)
+    pr.add_argument("--layers", type=_positive_int, default=2)
+    pr.add_argument("--heads", type=_positive_int, default=4)
+    pr.add_argument("--kv-heads", type=_positive_int, default=1)
+    pr.add_argument("--head-dim", type=_positive_int, default=32)
+    pr.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--out", default=None, metavar="CSV", help="write the profile CSV (prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms,...)")
+    pr.add_argument("--json", action="store_true", help="print the report as JSON")
+    pr.add_argument("--plot", default=None, metavar="DIR")
+    pr.add_argument("--no-progress", action="store_true")
+    pr.set_defaults(func=_cmd_profile)
 
     dg = sub.add_parser("diagnose", help="find misses caused by nondeterministic prompt assembly; explain one request's misses")
     dg.add_argument("trace", help="token trace (JSONL with raw token ids)")

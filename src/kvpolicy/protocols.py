@@ -47,3 +47,23 @@ class Directory(Protocol):
     def lease(self, tenant: str, keys: Sequence[bytes], ttl_s: float) -> Any: ...
 
     def release(self, lease: Any) -> None: ...
+
+
+@runtime_checkable
+class ProfileTarget(Protocol):
+    """What ``kvpolicy profile`` measures on an engine (seconds, bytes).
+
+    ``prefix_tokens`` of a fixed prefix followed by ``tail_tokens`` of new text:
+    cold (nothing cached), with the prefix cached locally, and the prefix's blocks
+    loaded from another replica (``lookup_s``, ``transfer_s``, ``stage_s``,
+    ``install_s``, ``total_s``). Calls may come from several threads at once
+    (the concurrency levels).
+    """
+
+    def kv_bytes(self, prefix_tokens: int) -> int: ...
+
+    def cold_prefill_s(self, prefix_tokens: int, tail_tokens: int) -> float: ...
+
+    def local_hit_ttft_s(self, prefix_tokens: int, tail_tokens: int) -> float: ...
+
+    def remote_load(self, prefix_tokens: int) -> dict[str, float]: ...

@@ -39,7 +39,7 @@ from .ramp import RampController
 
 Action = Literal["local_only", "load", "recompute"]
 FailurePolicy = Literal["recompute", "fail"]
-REASONS = ("wins", "no_remote_blocks", "slower_than_recompute", "source_unhealthy", "replica_cap", "source_cap", "queue_full", "ramp_share")
+REASONS = ("wins", "probe", "no_remote_blocks", "slower_than_recompute", "source_unhealthy", "replica_cap", "source_cap", "queue_full", "ramp_share")
 
 
 def _pos_int(inst: Any, a: attrs.Attribute, v: Any) -> None:
@@ -56,6 +56,10 @@ class AdmissionConfig:
     warming_max_loads_per_replica: int = attrs.field(default=1, validator=_pos_int)
     timeout_factor: float = 2.0
     failure_policy: FailurePolicy = "recompute"
+    #: after a source has been judged slower than recompute for this long, admit one load
+    #: anyway (a probe, still under every guard rail and the soft timeout) so the model
+    #: sees the link as it is now; None: never probe
+    probe_interval_s: float | None = 30.0
 
     def __attrs_post_init__(self) -> None:
         if not 0 < self.margin <= 1.5:
@@ -64,6 +68,8 @@ class AdmissionConfig:
             raise ConfigError("max_queue_bytes_per_source", "must be positive")
         if not self.timeout_factor > 0:
             raise ConfigError("timeout_factor", "must be positive")
+        if self.probe_interval_s is not None and not self.probe_interval_s > 0:
+            raise ConfigError("probe_interval_s", f"must be positive or None, got {self.probe_interval_s}")
         if self.failure_policy not in ("recompute", "fail"):
             raise ConfigError("failure_policy", f"must be 'recompute' or 'fail', got {self.failure_policy!r}")
 
@@ -146,6 +152,9 @@ class AdmissionController:
         self._replica_loads: dict[str, int] = {}
         self._source_loads: dict[str, int] = {}
         self._source_bytes: dict[str, float] = {}
+        self._last_load_s: dict[str, float] = {}
+        if getattr(model, "clock", None) is None:
+            model.clock = self.clock
 
     # ------------------------------------------------------------------ state
 
@@ -224,8 +233,13 @@ class AdmissionController:
             return Decision(no_load, reason, L, R, 0, best["t_remote_p50_s"], best["t_remote_p95_s"], best["t_recompute_p50_s"],
                             best["interference_s"], best, source=ctx.source, replica=ctx.replica)
 
+        reason = "wins"
         if best["benefit_s"] <= 0:
-            return refuse("slower_than_recompute")
+            last = self._last_load_s.get(ctx.source)
+            probe = self.config.probe_interval_s
+            if probe is None or last is None or self.clock.now_s() - last < probe:
+                return refuse("slower_than_recompute")
+            reason = "probe"  # the model only knows the past: look at the link again
         breaker = self.breaker(ctx.source)
         if breaker.state == "open":
             return refuse("source_unhealthy")
@@ -243,8 +257,9 @@ class AdmissionController:
         if not breaker.allow():
             return refuse("source_unhealthy")
         load_id = next(self._ids)
+        self._last_load_s[ctx.source] = self.clock.now_s()
         d = Decision(
-            "load", "wins", L, R, best_k, best["t_remote_p50_s"], best["t_remote_p95_s"], best["t_recompute_p50_s"], best["interference_s"],
+            "load", reason, L, R, best_k, best["t_remote_p50_s"], best["t_remote_p95_s"], best["t_recompute_p50_s"], best["interference_s"],
             best, soft_timeout_s=cfg.timeout_factor * best["t_recompute_p50_s"], load_id=load_id, source=ctx.source,
             replica=ctx.replica, load_bytes=load_bytes,
         )

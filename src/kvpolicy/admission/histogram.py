@@ -139,3 +139,48 @@ class LogHistogram:
             "min": self.min if self.count else None,
             "max": self.max if self.count else None,
         }
+
+
+class WindowedHistogram:
+    """Quantiles over recent observations only: two rotating windows of ``window_s``.
+
+    Observations land in the current window; when the clock crosses into the next
+    window, the current one becomes the previous and the one before is dropped.
+    Quantiles merge the previous and current windows — between ``window_s`` and
+    ``2 × window_s`` of history — so a link that recovered (or degraded) shows up
+    within two windows instead of being outvoted by its whole past.
+    """
+
+    def __init__(self, window_s: float, now_s: Any) -> None:
+        if not window_s > 0:
+            raise ConfigError("window_s", f"must be positive, got {window_s}")
+        self.window_s = float(window_s)
+        self._now = now_s
+        self._epoch = int(self._now() // self.window_s)
+        self.cur = LogHistogram()
+        self.prev = LogHistogram()
+        self._merged: LogHistogram | None = None
+
+    def _rotate(self) -> None:
+        e = int(self._now() // self.window_s)
+        if e != self._epoch:
+            self.prev = self.cur if e == self._epoch + 1 else LogHistogram()
+            self.cur = LogHistogram()
+            self._epoch = e
+            self._merged = None
+
+    def record(self, x: float, n: int = 1) -> None:
+        self._rotate()
+        self.cur.record(x, n)
+        self._merged = None
+
+    @property
+    def count(self) -> int:
+        self._rotate()
+        return self.cur.count + self.prev.count
+
+    def quantile(self, q: float) -> float | None:
+        self._rotate()
+        if self._merged is None:
+            self._merged = self.prev.copy().merge(self.cur)
+        return self._merged.quantile(q)

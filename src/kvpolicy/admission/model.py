@@ -40,7 +40,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..profile import PrefillModel
-from .histogram import LogHistogram
+from .histogram import LogHistogram, WindowedHistogram
 
 
 def _nonneg(inst: Any, a: attrs.Attribute, v: Any) -> None:
@@ -75,11 +75,11 @@ class LinkPrior:
 class _Term:
     """A scalar term: prior until ``min_samples`` observations, then its histogram."""
 
-    def __init__(self, prior_s: float, p95_factor: float, min_samples: int) -> None:
+    def __init__(self, prior_s: float, p95_factor: float, min_samples: int, hist: Any = None) -> None:
         self.prior_s = prior_s
         self.p95_factor = p95_factor
         self.min_samples = min_samples
-        self.hist = LogHistogram()
+        self.hist = hist if hist is not None else LogHistogram()
 
     def q(self, q: float) -> float:
         if self.hist.count >= self.min_samples:
@@ -92,17 +92,20 @@ class _Term:
 class TransferModel:
     """``T_xfer(S) = α_q + β_q · S`` fitted over per-size-bucket histograms."""
 
-    def __init__(self, prior: LinkPrior, min_samples: int) -> None:
+    def __init__(self, prior: LinkPrior, min_samples: int, make_hist: Any = LogHistogram) -> None:
         self.prior = prior
         self.min_samples = min_samples
-        self.buckets: dict[int, tuple[LogHistogram, LogHistogram]] = {}  # log2 size → (times, sizes)
+        self._make = make_hist
+        self.buckets: dict[int, tuple[Any, Any]] = {}  # log2 size → (times, sizes)
         self._fit: dict[float, tuple[float, float]] = {}
 
     def observe(self, size_bytes: float, seconds: float) -> None:
         if size_bytes <= 0:
             return
         b = int(math.log2(size_bytes))
-        times, sizes = self.buckets.setdefault(b, (LogHistogram(), LogHistogram()))
+        if b not in self.buckets:
+            self.buckets[b] = (self._make(), self._make())
+        times, sizes = self.buckets[b]
         times.record(seconds)
         sizes.record(size_bytes)
         self._fit.clear()
@@ -184,28 +187,49 @@ class Coefficients:
 class LatencyModel:
     """Priors + online corrections for every term; quantiles on demand."""
 
-    def __init__(self, prior: LinkPrior, prefill: PrefillModel, *, min_samples: int = 20) -> None:
+    def __init__(self, prior: LinkPrior, prefill: PrefillModel, *, min_samples: int = 20, window_s: float | None = 300.0,
+                 clock: Any = None) -> None:
         if not isinstance(prior, LinkPrior):
             raise ConfigError("prior", "must be a LinkPrior")
         if not isinstance(prefill, PrefillModel):
             raise ConfigError("prefill", "must be a PrefillModel (e.g. MeasuredProfile.prefill_model())")
+        if window_s is not None and not window_s > 0:
+            raise ConfigError("window_s", f"must be positive or None, got {window_s}")
         self.prior = prior
         self.prefill = prefill
+        self.window_s = window_s
+        #: the controller that owns this model lends it its clock unless one is given here
+        self.clock = clock
         f = prior.prior_p95_factor
-        self.lookup = _Term(prior.lookup_s, f, min_samples)
-        self.install_per_block = _Term(prior.install_s_per_block, f, min_samples)
-        self.dispatch = _Term(prior.dispatch_s, f, min_samples)
-        self.stage_per_byte = _Term(1.0 / prior.stage_bytes_per_s if prior.stage_bytes_per_s else 0.0, f, min_samples)
-        self.prefill_ratio = _Term(1.0, 1.0, min_samples)
-        self.interference_per_byte = _Term(prior.interference_s_per_byte, 1.0, min_samples)
-        self.transfer = TransferModel(prior, min_samples)
+
+        def make() -> Any:
+            return LogHistogram() if window_s is None else WindowedHistogram(window_s, self._now)
+
+        self.lookup = _Term(prior.lookup_s, f, min_samples, make())
+        self.install_per_block = _Term(prior.install_s_per_block, f, min_samples, make())
+        self.dispatch = _Term(prior.dispatch_s, f, min_samples, make())
+        self.stage_per_byte = _Term(1.0 / prior.stage_bytes_per_s if prior.stage_bytes_per_s else 0.0, f, min_samples, make())
+        self.prefill_ratio = _Term(1.0, 1.0, min_samples, make())
+        self.interference_per_byte = _Term(prior.interference_s_per_byte, 1.0, min_samples, make())
+        self.transfer = TransferModel(prior, min_samples, make)
         self.version = 0
-        self._snap: dict[float, tuple[int, Coefficients]] = {}
+        self._snap: dict[float, tuple[Any, Coefficients]] = {}
+
+    def _now(self) -> float:
+        if self.clock is None:
+            import time
+
+            return time.monotonic()
+        return float(self.clock.now_s())
+
+    def _epoch(self) -> int:
+        return -1 if self.window_s is None else int(self._now() // self.window_s)
 
     def coefficients(self, q: float) -> Coefficients:
-        """All terms at quantile q (cached until the next observation)."""
+        """All terms at quantile q (cached until the next observation or window rotation)."""
+        key = (self.version, self._epoch())
         hit = self._snap.get(q)
-        if hit is not None and hit[0] == self.version:
+        if hit is not None and hit[0] == key:
             return hit[1]
         alpha, beta = self.transfer.coefficients(q)
         c = Coefficients(
@@ -214,7 +238,7 @@ class LatencyModel:
             prefill_b_s_per_token=self.prefill.b_s_per_token, prefill_c_s_per_token2=self.prefill.c_s_per_token2,
             interference_s_per_byte=self.interference_per_byte.q(0.5),
         )
-        self._snap[q] = (self.version, c)
+        self._snap[q] = (key, c)  # type: ignore[assignment]
         return c
 
     # ---------------------------------------------------------------- observe

@@ -1,0 +1,130 @@
+"""A replica in its own process: a serving :class:`ReferenceEngine` driven over a pipe.
+
+``PeerReplica.start(config)`` spawns the process, which builds an engine with a
+:class:`~kvpolicy.reference.transport.BlockServer` on a free loopback port and
+answers commands: ``prefill(tokens)`` (computes — loading from its ``peer`` through an admission
+controller when given one — and publishes), ``set_faults(...)`` (drop / delay /
+corrupt its transfers, for tests), ``reset()`` (drop its cache), ``stats()``,
+``ledger()``, ``close()``. Other replicas reach
+its blocks only through TCP (:class:`~kvpolicy.reference.transport.PeerClient`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from typing import Any
+
+from .model import ModelConfig
+
+
+def _serve(conn: Any, config: ModelConfig, block_size_tokens: int, capacity_blocks: int, publish: str, name: str,
+           peer: tuple[tuple[str, int], bytes] | None, opts: dict[str, float]) -> None:
+    from ..admission import AdmissionConfig, AdmissionController, CircuitBreaker, LatencyModel, LinkPrior
+    from ..ledger import Ledger
+    from ..publish import make_filter
+    from ..publish_sim import DEFAULT_PREFILL
+    from .engine import ReferenceEngine
+    from .transport import PeerClient
+
+    peers = [PeerClient(peer[0], peer[1], name="peer")] if peer else []
+    controller = None
+    if peer:
+        model = LatencyModel(LinkPrior(bandwidth_bytes_per_s=opts["link_bytes_per_s"]), DEFAULT_PREFILL, min_samples=3, window_s=opts["window_s"])
+        controller = AdmissionController(model, AdmissionConfig(probe_interval_s=opts["probe_interval_s"]),
+                                         breaker_factory=lambda: CircuitBreaker(failure_threshold=3, open_s=opts["breaker_open_s"]))
+    eng = ReferenceEngine(config, block_size_tokens=block_size_tokens, capacity_blocks=capacity_blocks, serve=True, replica=name,
+                          publish_filter=make_filter(publish), peers=peers, controller=controller, ledger=Ledger(config.geometry().bytes_per_token))
+    assert eng.server is not None
+    conn.send(("ready", eng.server.address, eng.namespace.digest))
+    while True:
+        try:
+            cmd, arg = conn.recv()
+        except EOFError:
+            break
+        if cmd == "prefill":
+            tokens, boundary = arg
+            r = eng.prefill(tokens, boundary_tokens=boundary)
+            if controller is not None:  # feed the measured prefill back: the model learns this machine's speed
+                controller.model.observe_prefill((r.local_blocks + r.loaded_blocks) * block_size_tokens, r.computed_tokens, r.timings["prefill_s"])
+            conn.send({"published_blocks": len(eng.store.blocks), "local_blocks": r.local_blocks, "remote_found": r.remote_found,
+                       "loaded_blocks": r.loaded_blocks, "load_status": r.load_status, "reason": r.decision.reason if r.decision else None,
+                       "ttft_ms": r.timings["ttft_s"] * 1e3})
+        elif cmd == "faults":
+            for k, v in arg.items():
+                setattr(eng.server.faults, k, v)
+            conn.send(True)
+        elif cmd == "reset":
+            eng.reset()
+            conn.send(True)
+        elif cmd == "stats":
+            conn.send({"published_blocks": len(eng.store.blocks), "allocated_kv_bytes": eng.allocated_kv_bytes(), **eng.counts})
+        elif cmd == "ledger":
+            conn.send(eng.ledger.to_dict() if eng.ledger is not None else {})
+        elif cmd == "stop":
+            conn.send(True)
+            break
+    eng.close()
+
+
+class PeerReplica:
+    def __init__(self, proc: Any, conn: Any, address: tuple[str, int], namespace_digest: bytes) -> None:
+        self.proc = proc
+        self.conn = conn
+        self.address = address
+        self.namespace_digest = namespace_digest
+
+    @classmethod
+    def start(cls, config: ModelConfig | None = None, *, block_size_tokens: int = 16, capacity_blocks: int = 4096,
+              publish: str = "all", name: str = "replica", peer: PeerReplica | None = None, link_bytes_per_s: float = 1e9,
+              breaker_open_s: float = 10.0, window_s: float = 300.0, probe_interval_s: float = 30.0, timeout_s: float = 60.0) -> PeerReplica:
+        """Spawn a replica process. With ``peer``, it loads from that replica through its
+        admission controller (prior: ``link_bytes_per_s``), corrected by live measurements."""
+        ctx = mp.get_context("spawn")
+        a, b = ctx.Pipe()
+        peer_arg = (peer.address, peer.namespace_digest) if peer is not None else None
+        opts = {"link_bytes_per_s": link_bytes_per_s, "breaker_open_s": breaker_open_s, "window_s": window_s, "probe_interval_s": probe_interval_s}
+        proc = ctx.Process(target=_serve, args=(b, config or ModelConfig(), block_size_tokens, capacity_blocks, publish, name, peer_arg, opts),
+                           daemon=True)
+        proc.start()
+        if not a.poll(timeout_s):
+            proc.kill()
+            raise RuntimeError("the peer replica did not start")
+        _, address, digest = a.recv()
+        return cls(proc, a, tuple(address), digest)
+
+    def _ask(self, cmd: str, arg: Any = None) -> Any:
+        self.conn.send((cmd, arg))
+        return self.conn.recv()
+
+    def prefill(self, tokens: Any, boundary_tokens: int | None = None) -> dict[str, Any]:
+        """Prefill (and publish) on the replica; returns what happened (blocks served, loads, TTFT)."""
+        return self._ask("prefill", (list(map(int, tokens)), boundary_tokens))
+
+    def reset(self) -> None:
+        """Drop the replica's local cache (other traffic evicted it)."""
+        self._ask("reset")
+
+    def ledger(self) -> dict[str, Any]:
+        return self._ask("ledger")
+
+    def set_faults(self, **faults: Any) -> None:
+        self._ask("faults", faults)
+
+    def stats(self) -> dict[str, int]:
+        return self._ask("stats")
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self._ask("stop")
+            except (EOFError, OSError, BrokenPipeError):
+                pass
+            self.proc.join(timeout=10)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+    def __enter__(self) -> PeerReplica:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,173 @@
+import numpy as np
+import pytest
+
+from kvpolicy.admission import AdmissionController, LatencyModel, LinkPrior
+from kvpolicy.clock import ManualClock
+from kvpolicy.errors import ConfigError
+from kvpolicy.ledger import Ledger
+from kvpolicy.profile import PrefillModel, parse_profile
+from kvpolicy.reference import ModelConfig, PeerClient, ReferenceEngine
+from kvpolicy.reference.profiling import ReferenceProfileTarget, run_profile
+from kvpolicy.reference.replica import PeerReplica
+
+CFG = ModelConfig(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=64, vocab_size=512)
+B = 16
+RNG = np.random.default_rng(5)
+SYSTEM = RNG.integers(0, 512, 20 * B + 5).tolist()  # 20 full blocks + a partial one
+TOL = 1e-4
+
+
+def controller():
+    prefill = PrefillModel(a_s=0.0, b_s_per_token=5e-5, c_s_per_token2=1e-10, rms_rel_error=0.0, max_rel_error=0.0)
+    return AdmissionController(LatencyModel(LinkPrior(bandwidth_bytes_per_s=1e9), prefill), clock=ManualClock())
+
+
+@pytest.fixture(scope="module")
+def peer():
+    p = PeerReplica.start(CFG, block_size_tokens=B, capacity_blocks=512)
+    assert p.prefill(SYSTEM)["published_blocks"] == 20
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def engine_b(peer):
+    peer.set_faults(drop=False, delay_s=0.0, corrupt=False)
+    client = PeerClient(peer.address, peer.namespace_digest, name="peer-a", timeout_s=5.0)
+    e = ReferenceEngine(CFG, block_size_tokens=B, peers=[client], controller=controller(), ledger=Ledger(CFG.geometry().bytes_per_token),
+                        replica="replica-b")
+    yield e
+    e.close()
+    peer.set_faults(drop=False, delay_s=0.0, corrupt=False)
+
+
+def recompute(tokens, cfg=CFG):
+    return ReferenceEngine(cfg, block_size_tokens=B).prefill(tokens).logits
+
+
+def test_logits_after_installing_remote_blocks_equal_a_full_recompute(engine_b):
+    prompt = SYSTEM + RNG.integers(0, 512, 40).tolist()
+    r = engine_b.prefill(prompt)
+    assert r.load_status == "ok" and r.loaded_blocks == 20 and r.local_blocks == 0
+    assert r.computed_tokens == len(prompt) - 20 * B
+    assert np.allclose(r.logits, recompute(prompt), atol=TOL, rtol=0)
+    for k in ("lookup_s", "transfer_s", "stage_s", "install_s", "prefill_s"):
+        assert r.timings[k] >= 0
+    assert engine_b.ledger.requests["remote_hit"] + engine_b.ledger.requests["partial_hit"] == 1
+    assert engine_b.ledger.tokens["remote_hit"] == 20 * B
+    # the next request with the same prefix hits locally; decoding matches too
+    r2 = engine_b.prefill(SYSTEM + [1, 2, 3])
+    assert r2.local_blocks == 20 and r2.loaded_blocks == 0
+    assert np.allclose(r2.logits, recompute(SYSTEM + [1, 2, 3]), atol=TOL, rtol=0)
+    assert engine_b.generate(prompt, 4) == ReferenceEngine(CFG, block_size_tokens=B).generate(prompt, 4)
+
+
+@pytest.mark.parametrize("change", [
+    {"rope_theta": 500000.0}, {"revision": "r2"}, {"adapter": ("lora-x", "v1")}, {"block": 32},
+])
+def test_a_block_from_another_namespace_is_never_matched(peer, change):
+    cfg = CFG if "rope_theta" not in change and "revision" not in change else ModelConfig(**{**_cfg_kwargs(CFG), **change})
+    block = change.get("block", B)
+    e = ReferenceEngine(cfg, block_size_tokens=block, adapter=change.get("adapter"), controller=controller())
+    assert e.namespace.digest != peer.namespace_digest
+    # asked under its own namespace, the peer holds nothing for it; asked with its keys under the peer's namespace, nothing matches either
+    own = PeerClient(peer.address, e.namespace.digest)
+    assert own.match_prefix(list(e.hasher.hash_blocks(SYSTEM))) == 0
+    theirs = PeerClient(peer.address, peer.namespace_digest)
+    assert theirs.match_prefix(list(e.hasher.hash_blocks(SYSTEM))) == 0
+    own.close()
+    theirs.close()
+
+
+def _cfg_kwargs(c):
+    import attrs
+
+    return attrs.asdict(c)
+
+
+def test_forcing_a_foreign_block_in_would_change_the_logits():
+    other = ModelConfig(**{**_cfg_kwargs(CFG), "rope_theta": 500000.0})
+    src = ReferenceEngine(other, block_size_tokens=B)
+    src.prefill(SYSTEM)
+    dst = ReferenceEngine(CFG, block_size_tokens=B)
+    keys_src = list(src.hasher.hash_blocks(SYSTEM))
+    keys_dst = list(dst.hasher.hash_blocks(SYSTEM))
+    assert not set(keys_src) & set(keys_dst), "the namespace keeps the chains disjoint"
+    prev = None
+    for ks, kd in zip(keys_src, keys_dst):  # bypass the keys: install the other RoPE's K/V under our keys
+        assert dst._install(kd, prev, src.payload(ks))
+        prev = kd
+    forced = dst.prefill(SYSTEM + [9, 9, 9]).logits
+    honest = recompute(SYSTEM + [9, 9, 9])
+    assert np.max(np.abs(forced - honest)) > 1e-2, "a block computed under another RoPE theta is not the same block"
+
+
+@pytest.mark.parametrize("fault,status", [({"drop": True}, "failed"), ({"delay_s": 1.0}, "timeout"), ({"corrupt": True}, "failed")])
+def test_failed_timed_out_or_corrupt_loads_fall_back_to_recompute(peer, engine_b, fault, status):
+    prompt = SYSTEM + RNG.integers(0, 512, 7).tolist()
+    peer.set_faults(**fault)
+    r = engine_b.prefill(prompt)
+    assert r.decision is not None and r.decision.loads
+    assert r.load_status == status and r.loaded_blocks == 0
+    assert r.computed_tokens == len(prompt)
+    assert np.allclose(r.logits, recompute(prompt), atol=TOL, rtol=0), "the output is correct whatever the transfer did"
+    if fault.get("corrupt"):
+        assert engine_b.counts["corrupt_refused"] == 1
+    nl = engine_b.ledger.tokens
+    assert nl["miss_timeout" if status == "timeout" else "miss_transfer_error"] == 20 * B
+    assert engine_b.controller.loads_in_flight() == 0
+
+
+def test_measured_byte_slope_equals_the_geometry_formula():
+    for cfg in (CFG, ModelConfig(num_layers=3, num_heads=8, num_kv_heads=2, head_dim=8, ffn_dim=32, vocab_size=256, dtype="float16")):
+        e = ReferenceEngine(cfg, block_size_tokens=B)
+        sizes = []
+        for n in (4, 10):
+            e.reset()
+            e.prefill(list(range(n * B)), publish=False)
+            sizes.append(e.allocated_kv_bytes())
+        slope = (sizes[1] - sizes[0]) / (6 * B)
+        assert slope == cfg.geometry().bytes_per_token == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cfg.bytes_per_element
+
+
+def test_paged_cache_evicts_with_the_policy_and_stays_correct():
+    e = ReferenceEngine(CFG, block_size_tokens=B, capacity_blocks=24)
+    a = RNG.integers(0, 512, 20 * B).tolist()
+    b = RNG.integers(0, 512, 20 * B).tolist()
+    e.prefill(a)
+    r = e.prefill(b)
+    assert e.counts["evicted_blocks"] > 0 and len(e.slot_of) <= 24
+    assert np.allclose(r.logits, recompute(b), atol=TOL, rtol=0)
+    r = e.prefill(a + [1])
+    assert np.allclose(r.logits, recompute(a + [1]), atol=TOL, rtol=0)
+
+
+def test_bad_model_config_names_the_field():
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(num_heads=4, num_kv_heads=3)
+    assert err.value.field == "num_kv_heads"
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(dtype="int4")
+    assert err.value.field == "dtype"
+    with pytest.raises(ConfigError) as err:
+        ReferenceEngine(CFG).prefill([])
+    assert err.value.field == "tokens"
+    with pytest.raises(ConfigError) as err:
+        ReferenceEngine(CFG).prefill([10_000])
+    assert err.value.field == "tokens"
+
+
+def test_profile_runs_and_its_csv_reads_back():
+    target = ReferenceProfileTarget(CFG, block_size_tokens=B, max_prefix_tokens=8 * B)
+    try:
+        prof, report = run_profile(target, [4 * B, 8 * B], [1, 2], repeats=2, expected_bytes_per_token=CFG.geometry().bytes_per_token)
+    finally:
+        target.close()
+    assert report["slope_matches_formula"] is True
+    back = parse_profile(prof.to_csv())
+    assert list(back.prefix_tokens) == [4 * B, 8 * B]
+    assert back.bytes_per_token == pytest.approx(CFG.geometry().bytes_per_token)
+    for col in ("remote_load_p95_ms", "cold_prefill_c2_p50_ms", "remote_transfer_p50_ms"):
+        assert col in back.extra
+    assert {r["concurrency"] for r in report["rows"]} == {1, 2}
+    assert all(r["samples"] >= 2 for r in report["rows"])
