@@ -141,6 +141,17 @@ def test_degraded_node_fails_and_kvpolicy_breaker_moves_off_it(trace, prepared):
     assert kv_sim.controller.breakers["node-0"].transitions, "the breaker opened on the failing node"
 
 
+def test_hanging_transfers_time_out_and_fall_back(trace, prepared):
+    c = cluster(trace, timeout_rate=1.0, transport_timeout_s=1.5)
+    res = run(prepared, c, "lmcache-like")
+    check_conservation(res, trace)
+    assert res.loads > 0 and res.loads_timeout == res.loads and res.bytes_read == 0
+    assert res.ledger.tokens["miss_timeout"] > 0
+    kv = run(prepared, c, "kvpolicy")
+    check_conservation(kv, trace)
+    assert kv.loads_timeout == kv.loads and kv.loads < res.loads, "the breaker stops loading from a source that never answers"
+
+
 def test_failure_draws_are_the_same_for_every_policy_set(trace, prepared):
     from kvpolicy.sim.engine import _unit
 
@@ -169,9 +180,9 @@ def test_every_scenario_builds_on_any_trace(trace, scenario):
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**16), router=st.sampled_from(ROUTERS), name=st.sampled_from(POLICY_SETS),
-       slots=st.integers(1, 3), failure=st.sampled_from([0.0, 0.3]), nodes=st.integers(1, 3))
-def test_conservation_property(trace, prepared, seed, router, name, slots, failure, nodes):
-    c = cluster(trace, router=router, prefill_slots=slots, failure_rate=failure, storage_nodes=nodes)
+       slots=st.integers(1, 3), failure=st.sampled_from([0.0, 0.3]), hang=st.sampled_from([0.0, 0.2]), nodes=st.integers(1, 3))
+def test_conservation_property(trace, prepared, seed, router, name, slots, failure, hang, nodes):
+    c = cluster(trace, router=router, prefill_slots=slots, failure_rate=failure, timeout_rate=hang, storage_nodes=nodes, transport_timeout_s=2.0)
     res = run(prepared, c, name, seed=seed)
     check_conservation(res, trace)
     # the pool never holds more than its capacity, local caches never more than theirs

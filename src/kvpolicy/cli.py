@@ -484,7 +484,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     policies = args.policies or list(POLICY_SETS)
     overrides: dict[str, Any] = {"router": args.router, "prefill_slots": args.prefill_slots, "decode_tokens_per_s": args.decode_tokens_per_s,
                                  "node_bandwidth_bytes_per_s": args.node_gbps * 1e9 / 8, "replica_bandwidth_bytes_per_s": args.replica_gbps * 1e9 / 8,
-                                 "failure_rate": args.failure_rate}
+                                 "failure_rate": args.failure_rate, "timeout_rate": args.timeout_rate}
     if args.stage_gbps:
         overrides["stage_bytes_per_s"] = args.stage_gbps * 1e9 / 8
     for name, value in (("--node-gbps", args.node_gbps), ("--replica-gbps", args.replica_gbps), ("--local-kv-gib", args.local_kv_gib),
@@ -692,6 +692,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--replica-gbps", type=float, default=40.0, help="useful NIC bandwidth per replica, Gbit/s (default 40)")
     cp.add_argument("--stage-gbps", type=float, default=None, help="staging copy through CPU memory, Gbit/s (default: direct path)")
     cp.add_argument("--failure-rate", type=float, default=0.0, help="probability a transfer fails outside degradation windows (default 0)")
+    cp.add_argument("--timeout-rate", type=float, default=0.0, help="probability a transfer hangs until it times out (default 0)")
     cp.add_argument("--prefill-slots", type=_positive_int, default=1, help="concurrent prefills per replica (default 1)")
     cp.add_argument("--decode-tokens-per-s", type=float, default=30.0, help="decode rate per request (default 30)")
     cp.add_argument("--json", default=None, metavar="OUT", help="write every run as JSON")

@@ -1017,6 +1017,27 @@ def _next_use_kernel(offsets, ids, n_ids, out):
             nxt[ids[j]] = r
 
 
+@nb.njit(cache=True)
+def _next_use_i32_kernel(offsets, ids, n_ids, out):
+    last = np.full(n_ids, INF_USE, np.int32)
+    for r in range(offsets.size - 2, -1, -1):
+        for k in range(offsets[r + 1] - 1, offsets[r] - 1, -1):
+            x = ids[k]
+            out[k] = last[x]
+        for k in range(offsets[r], offsets[r + 1]):
+            last[ids[k]] = r
+    return out
+
+
+def _next_use_i32(trace: Any) -> np.ndarray:
+    """``next_use_per_ref`` as int32 request indices, ``INF_USE`` for never (what the Belady kernel reads)."""
+    ids = trace.block_ids
+    out = np.empty(ids.size, dtype=np.int32)
+    if ids.size:
+        _next_use_i32_kernel(trace.block_offsets, ids, int(ids.max()) + 1, out)
+    return out
+
+
 def next_use_per_ref(trace: Any) -> np.ndarray:
     """For every block reference: the request index of the same block's next reference (inf if none). One backward pass."""
     ids = trace.block_ids
@@ -1035,7 +1056,7 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
     off = trace.block_offsets
     ids = trace.block_ids
     n_ids = max(int(ids.max()) + 1 if ids.size else 1, 1)
-    matchable = trace.matchable_blocks.astype(np.int64)
+    matchable = np.ascontiguousarray(trace.matchable_blocks, dtype=np.int64)
     hits = np.zeros(ids.size, dtype=np.bool_)
     victims = np.empty(ids.size + 1, dtype=np.int64)
     if policy == "lru":
@@ -1049,8 +1070,7 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
     elif policy == "arc":
         nv = arc_kernel(off, ids, matchable, capacity_blocks, n_ids, hits, victims)
     else:
-        nu = next_use_per_ref(trace)
-        nu32 = np.where(np.isinf(nu), INF_USE, nu).astype(np.int32)
+        nu32 = _next_use_i32(trace)
         nv = belady_kernel(off, ids, matchable, capacity_blocks, n_ids, hits, victims, nu32, policy == "belady-bypass")
     name = policy
     return ReplayResult(name, capacity_blocks, hits, victims[:nv], trace.block_size_tokens, trace.total_input_tokens)

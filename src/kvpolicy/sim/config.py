@@ -72,6 +72,8 @@ class ClusterConfig:
     interference_s_per_byte: float = attrs.field(default=0.5e-3 / 1e9, validator=_nonneg)
     #: probability that a transfer fails (outside degradation windows)
     failure_rate: float = attrs.field(default=0.0, validator=_prob)
+    #: probability that a transfer hangs (no answer) until the transport timeout or the policy's own timeout
+    timeout_rate: float = attrs.field(default=0.0, validator=_prob)
     #: the transport's own hard timeout: a transfer longer than this fails as a timeout
     transport_timeout_s: float = attrs.field(default=30.0, validator=_pos)
     router: str = "round-robin"

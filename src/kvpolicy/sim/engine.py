@@ -484,8 +484,8 @@ class Simulator:
             bw = min(c.node_bandwidth_bytes_per_s * factor, c.replica_bandwidth_bytes_per_s)
             start = max(t_rep, node.free_s)
             end = start + c.transfer_overhead_s + (nbytes / bw if bw > 0 else math.inf)
-            if end - t0 > c.transport_timeout_s:
-                end = t0 + c.transport_timeout_s
+            if end - t0 > c.transport_timeout_s or (c.timeout_rate and _unit(self.seed, req_i, attempt, node.idx, 2) < c.timeout_rate):
+                end = t0 + c.transport_timeout_s  # no answer: the transport gives up (a policy timeout may fire first)
                 status = "timeout"
             elif _unit(self.seed, req_i, attempt, node.idx, 1) < fail:
                 status = "failed"

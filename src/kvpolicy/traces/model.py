@@ -126,7 +126,11 @@ class Trace:
     @property
     def matchable_blocks(self) -> np.ndarray:
         """Blocks per request that can be hits: ``floor((T − 1) / B)`` (the last token is recomputed)."""
-        return np.maximum(self.input_tokens - 1, 0) // self.block_size_tokens
+        t = np.maximum(self.input_tokens - 1, 0)
+        B = self.block_size_tokens
+        if B & (B - 1) == 0:  # a power of two: a shift, ~10x cheaper than integer division over millions of rows
+            return t >> (B.bit_length() - 1)
+        return t // B
 
     @property
     def total_input_tokens(self) -> int:
