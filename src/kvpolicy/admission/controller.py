@@ -153,6 +153,7 @@ class AdmissionController:
         self._source_loads: dict[str, int] = {}
         self._source_bytes: dict[str, float] = {}
         self._last_load_s: dict[str, float] = {}
+        self._busy_until: dict[str, float] = {}
         if getattr(model, "clock", None) is None:
             model.clock = self.clock
 
@@ -173,7 +174,18 @@ class AdmissionController:
         return len(self._inflight)
 
     def queued_bytes(self, source: str) -> float:
-        return self._source_bytes.get(source, 0.0)
+        """Bytes still ahead of a new load on ``source``: the admitted loads in flight,
+        drained at the model's p50 B_eff since they were admitted (a FIFO link empties
+        while we wait; counting every in-flight load whole until it reports back would
+        charge a nearly finished transfer as if it had not started)."""
+        inflight = self._source_bytes.get(source, 0.0)
+        if inflight <= 0:
+            return 0.0
+        busy = self._busy_until.get(source)
+        s_per_byte = self.model.coefficients(0.5).s_per_byte
+        if busy is None or s_per_byte <= 0:
+            return inflight
+        return min(max(busy - self.clock.now_s(), 0.0) / s_per_byte, inflight)
 
     # ------------------------------------------------------------------ decide
 
@@ -267,6 +279,8 @@ class AdmissionController:
         self._replica_loads[ctx.replica] = self._replica_loads.get(ctx.replica, 0) + 1
         self._source_loads[ctx.source] = self._source_loads.get(ctx.source, 0) + 1
         self._source_bytes[ctx.source] = self._source_bytes.get(ctx.source, 0.0) + load_bytes
+        now = self.clock.now_s()
+        self._busy_until[ctx.source] = max(self._busy_until.get(ctx.source, now), now) + load_bytes * c50.s_per_byte
         return d
 
     # ------------------------------------------------------------------ outcomes
@@ -278,6 +292,8 @@ class AdmissionController:
         self._replica_loads[d.replica] -= 1
         self._source_loads[d.source] -= 1
         self._source_bytes[d.source] = max(self._source_bytes[d.source] - d.load_bytes, 0.0)
+        if self._source_loads[d.source] == 0:  # nothing of ours left on the link: it has drained
+            self._busy_until.pop(d.source, None)
         return d
 
     def cancel(self, load_id: int) -> None:

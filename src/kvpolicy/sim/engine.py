@@ -473,11 +473,17 @@ class Simulator:
 
     def _plan_read(self, rep: _Replica, groups: list[tuple[_Node, list[int]]], t0: float, req_i: int, attempt: int,
                    commit: bool) -> tuple[float, str, float, float]:
-        """(end time, status, transfer seconds, stage seconds) of reading ``groups`` into ``rep`` from t0."""
+        """(end time, status, transfer seconds, stage seconds) of reading ``groups`` into ``rep`` from t0.
+
+        The transfer seconds are the time bytes were moving (the sum of the legs' own
+        durations): waiting for a busy link is the queue term, which the admission
+        model predicts from the bytes ahead on the source — counting it again in
+        B_eff would charge every queue twice."""
         c = self.c
         t_rep = max(t0, rep.in_free_s)
         status = "ok"
         total = 0
+        moving = 0.0
         for node, ks in groups:
             nbytes = len(ks) * self.block_bytes
             factor, fail = node.state(t0, c.failure_rate)
@@ -497,10 +503,11 @@ class Simulator:
                 self.bytes_sent += nbytes
             t_rep = end
             total += nbytes
+            moving += end - start
             if status != "ok":
-                return end, status, end - t0, 0.0
+                return end, status, moving, 0.0
         stage = total / c.stage_bytes_per_s if c.stage_bytes_per_s else 0.0
-        return t_rep + stage, status, t_rep - t0, stage
+        return t_rep + stage, status, moving, stage
 
     # ------------------------------------------------------------------ events
 
