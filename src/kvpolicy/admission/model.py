@@ -38,19 +38,11 @@ from typing import Any
 import attrs
 import numpy as np
 
+from .._validate import non_negative_number as _nonneg
+from .._validate import positive_number as _pos
 from ..errors import ConfigError
 from ..profile import PrefillModel
 from .histogram import LogHistogram, WindowedHistogram
-
-
-def _nonneg(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ConfigError(a.name, f"must be a finite non-negative number, got {v!r}")
-
-
-def _pos(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ConfigError(a.name, f"must be a finite positive number, got {v!r}")
 
 
 @attrs.frozen

@@ -10,21 +10,16 @@ all a cache needs to be checked against.
 
 from __future__ import annotations
 
-from typing import Any
 
 import attrs
 import numpy as np
 
+from .._validate import positive_int as _pos
 from ..errors import ConfigError
 from ..geometry import KVGeometry
 from ..keys import Namespace
 
 DTYPES = {"float32": 4, "float16": 2}
-
-
-def _pos(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ConfigError(a.name, f"must be a positive int, got {v!r}")
 
 
 @attrs.frozen

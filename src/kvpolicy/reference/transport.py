@@ -27,12 +27,11 @@ import socketserver
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
-from ..errors import ConfigError
 
 
 def checksum(namespace_digest: bytes, key: bytes, payload: bytes | memoryview) -> str:
@@ -257,17 +256,3 @@ class PeerClient:
 
 class CorruptBlockError(ConnectionError):
     """A fetched block's checksum does not match: it is refused, never installed."""
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    end = time.time() + timeout_s
-    while time.time() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
-
-
-def require_positive(name: str, v: float) -> None:
-    if not v > 0:
-        raise ConfigError(name, f"must be positive, got {v}")

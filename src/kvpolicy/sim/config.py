@@ -6,40 +6,18 @@ construction, so an impossible cluster cannot exist.
 
 from __future__ import annotations
 
-import math
-from typing import Any
 
 import attrs
 
+from .._validate import non_negative_int as _nonneg_int
+from .._validate import non_negative_number as _nonneg
+from .._validate import positive_int as _pos_int
+from .._validate import positive_number as _pos
+from .._validate import probability as _prob
 from ..errors import ConfigError
 from ..profile import PrefillModel
 
 ROUTERS = ("random", "round-robin", "least-loaded", "prefix-affinity", "kv-overlap")
-
-
-def _pos_int(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ConfigError(a.name, f"must be a positive int, got {v!r}")
-
-
-def _nonneg_int(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ConfigError(a.name, f"must be a non-negative int, got {v!r}")
-
-
-def _nonneg(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ConfigError(a.name, f"must be a finite non-negative number, got {v!r}")
-
-
-def _pos(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ConfigError(a.name, f"must be a finite positive number, got {v!r}")
-
-
-def _prob(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
-        raise ConfigError(a.name, f"must be a probability in [0, 1], got {v!r}")
 
 
 @attrs.frozen

@@ -81,39 +81,20 @@ class _Clock:
         return self.t
 
 
-class _CacheIndex:
-    """A replica's local cache as a BlockIndex."""
+class _DictIndex:
+    """Any mapping of resident keys (a local cache's nodes, the pool's directory) as a BlockIndex."""
 
-    __slots__ = ("nodes", "name")
+    __slots__ = ("keys", "name")
 
-    def __init__(self, policy: Any, name: str) -> None:
-        self.nodes = policy.nodes
+    def __init__(self, keys: Any, name: str) -> None:
+        self.keys = keys
         self.name = name
 
     def match_prefix(self, keys: Any) -> int:
-        nodes = self.nodes
+        held = self.keys
         n = 0
         for k in keys:
-            if k not in nodes:
-                break
-            n += 1
-        return n
-
-
-class _PoolIndex:
-    """The pool's directory as a BlockIndex."""
-
-    __slots__ = ("where", "name")
-
-    def __init__(self, where: dict[int, Any]) -> None:
-        self.where = where
-        self.name = "pool"
-
-    def match_prefix(self, keys: Any) -> int:
-        where = self.where
-        n = 0
-        for k in keys:
-            if k not in where:
+            if k not in held:
                 break
             n += 1
         return n
@@ -190,7 +171,7 @@ class _Replica:
         self.idx = idx
         self.name = f"replica-{idx}"
         self.cache = cache
-        self.index = _CacheIndex(cache, "local")
+        self.index = _DictIndex(cache.nodes, "local")
         self.free_slots = slots
         self.queue: deque[_Req] = deque()
         self.load_tokens = 0
@@ -306,7 +287,7 @@ class Simulator:
             if isinstance(e, Degrade):
                 self.nodes[e.node].windows.append(e)
         self.where: dict[int, _Node] = {}
-        self.pool_index = _PoolIndex(self.where)
+        self.pool_index = _DictIndex(self.where, "pool")
         self.writing: set[int] = set()
         trace = self.p.trace
         self.ledger = Ledger(cluster.bytes_per_token, publication_log=PublicationLog(max_exact_keys=max(trace.num_block_ids + 1, 1024)),
