@@ -152,6 +152,16 @@ def test_hanging_transfers_time_out_and_fall_back(trace, prepared):
     assert kv.loads_timeout == kv.loads and kv.loads < res.loads, "the breaker stops loading from a source that never answers"
 
 
+@pytest.mark.parametrize("router", ["round-robin", "random", "prefix-affinity"])
+def test_the_oracles_hindsight_routes_are_the_routes_taken(trace, prepared, router):
+    t = float(trace.arrival_s[len(trace) // 3])
+    sim = Simulator(prepared, cluster(trace, router=router), policy_set("oracle"), events=(ScaleOut(t, 2),))
+    expected = sim.static_routes()
+    res = sim.run()
+    assert np.array_equal(res.routes, expected)
+    assert Simulator(prepared, cluster(trace, router="least-loaded"), policy_set("oracle")).static_routes() is None
+
+
 def test_failure_draws_are_the_same_for_every_policy_set(trace, prepared):
     from kvpolicy.sim.engine import _unit
 

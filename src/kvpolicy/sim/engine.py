@@ -31,6 +31,7 @@ from each of its active decodes; the sum is reported as ``stall_s``.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import deque
@@ -53,6 +54,7 @@ from .config import ClusterConfig, Degrade, ScaleOut, Spike
 from .policysets import PolicySet
 
 ARRIVE, LOAD_DONE, PREFILL_DONE, DECODE_DONE, WRITE_DONE, WARM_DONE, SCALE_OUT, READY = range(8)
+STATIC_ROUTERS = ("round-robin", "random", "prefix-affinity")
 MAX_RETRIES = 3
 _M64 = (1 << 64) - 1
 
@@ -98,6 +100,36 @@ class _DictIndex:
                 break
             n += 1
         return n
+
+
+class _ReplicaOracle:
+    """Next use of a block on one replica (request index; inf if never), given the routes."""
+
+    __slots__ = ("uses", "clock")
+
+    def __init__(self, uses: dict[int, list[int]], clock: Any) -> None:
+        self.uses = uses
+        self.clock = clock  # the global TraceOracle: its ``now`` is the latest arrived request
+
+    def __call__(self, key: Any) -> float:
+        u = self.uses.get(key)
+        if not u:
+            return math.inf
+        i = bisect.bisect_right(u, self.clock.now)
+        return float(u[i]) if i < len(u) else math.inf
+
+
+def _replica_oracles(p: Prepared, routes: np.ndarray, clock: Any) -> dict[int, _ReplicaOracle]:
+    by: dict[int, dict[int, list[int]]] = {}
+    for i, keys in enumerate(p.keys):
+        d = by.setdefault(int(routes[i]), {})
+        for k in keys:
+            lst = d.get(k)
+            if lst is None:
+                d[k] = [i]
+            else:
+                lst.append(i)
+    return {r: _ReplicaOracle(d, clock) for r, d in by.items()}
 
 
 class Prepared:
@@ -225,6 +257,8 @@ class SimResult:
     node_bytes_out: tuple[int, ...]
     replica_bytes_in: tuple[int, ...]
     completed: np.ndarray
+    #: the replica that served each request (its last attempt)
+    routes: np.ndarray
 
     def quantile_ms(self, q: float) -> float:
         return float(np.quantile(self.ttft_s, q) * 1e3) if self.ttft_s.size else float("nan")
@@ -279,8 +313,13 @@ class Simulator:
         ps = policy_set
         self._oracle: TraceOracle | None = None
         self._oracle_pub: list[int] | None = None
+        self._local_oracles: dict[int, _ReplicaOracle] | None = None
         if "belady" in (ps.local_eviction, ps.pool_eviction) or ps.publish == "oracle" or ps.load == "oracle":
             self._oracle, self._oracle_pub = self.p.oracle()
+            if ps.local_eviction == "belady":
+                routes = self.static_routes()
+                if routes is not None:  # a local cache's Belady ranks by the next use on *that* replica
+                    self._local_oracles = _replica_oracles(self.p, routes, self._oracle)
         self.replicas: list[_Replica] = [self._new_replica(i) for i in range(cluster.replicas)]
         self.nodes = [_Node(j, self._policy(ps.pool_eviction, cluster.pool_capacity_bytes_per_node)) for j in range(cluster.storage_nodes)]
         for e in events:
@@ -314,6 +353,7 @@ class Simulator:
         n = len(trace)
         self.ttft = np.full(n, np.nan)
         self.completed = np.zeros(n, dtype=np.int64)
+        self.routes = np.full(n, -1, dtype=np.int64)
         self.t_last = 0.0
 
     # ------------------------------------------------------------------ construction
@@ -325,7 +365,12 @@ class Simulator:
         return make_policy(name, capacity_bytes, clock=self.clock, **kw)  # type: ignore[arg-type]
 
     def _new_replica(self, idx: int) -> _Replica:
-        return _Replica(idx, self._policy(self.ps.local_eviction, self.c.local_capacity_bytes), self.c.prefill_slots)
+        if self._local_oracles is not None:
+            oracle = self._local_oracles.get(idx) or _ReplicaOracle({}, self._oracle)
+            cache = make_policy("belady", self.c.local_capacity_bytes, clock=self.clock, oracle=oracle)
+        else:
+            cache = self._policy(self.ps.local_eviction, self.c.local_capacity_bytes)
+        return _Replica(idx, cache, self.c.prefill_slots)
 
     def _make_filter(self) -> Any:
         spec = self.ps.publish
@@ -385,7 +430,7 @@ class Simulator:
             loads_ok=self.loads_ok, loads_failed=self.loads_failed, loads_timeout=self.loads_timeout, retries=self.retries,
             warmup_bytes=self.warmup_bytes, stall_s=self.stall_s, makespan_s=self.t_last - t0, replicas_final=len(self.replicas), ledger=self.ledger,
             node_bytes_out=tuple(n.bytes_out for n in self.nodes), replica_bytes_in=tuple(r.bytes_in for r in self.replicas),
-            completed=self.completed.copy(),
+            completed=self.completed.copy(), routes=self.routes.copy(),
         )
 
     # ------------------------------------------------------------------ routing
@@ -395,17 +440,11 @@ class Simulator:
         c = self.c
         kind = c.router
         keys = self.p.keys[req.i]
-        if kind == "round-robin":
-            r = reps[self._rr % len(reps)]
+        if kind in STATIC_ROUTERS:
+            r = reps[self._static_pick(req.i, req.attempt, len(reps), self._rr)]
             self._rr += 1
-        elif kind == "random":
-            r = reps[int(_unit(self.seed, req.i, req.attempt, 17) * len(reps))]
         elif kind == "least-loaded":
             r = min(reps, key=lambda x: (x.load_tokens, x.idx))
-        elif kind == "prefix-affinity":
-            k = min(len(keys), c.affinity_blocks)
-            h = keys[k - 1] if k else (1 << 40) + self.p.partial[req.i]
-            r = max(reps, key=lambda x: _mix((h * 1000003) ^ _mix(x.idx + self.seed)))
         else:  # kv-overlap (Dynamo-style): prefill tokens still needed + queued prefill + decode load
             T = self.p.input_tokens[req.i]
             m = self.p.matchable[req.i]
@@ -422,6 +461,33 @@ class Simulator:
             if warm:  # rule 2: repeating requests go to warm replicas while this one warms
                 r = min(warm, key=lambda x: (x.load_tokens, x.idx))
         return r
+
+    def _static_pick(self, i: int, attempt: int, n_replicas: int, rr: int) -> int:
+        """Replica index for the routers that do not look at replica state."""
+        kind = self.c.router
+        if kind == "round-robin":
+            return rr % n_replicas
+        if kind == "random":
+            return int(_unit(self.seed, i, attempt, 17) * n_replicas)
+        keys = self.p.keys[i]  # prefix-affinity: rendezvous hash of the first k blocks' chain id
+        k = min(len(keys), self.c.affinity_blocks)
+        h = keys[k - 1] if k else (1 << 40) + self.p.partial[i]
+        return max(range(n_replicas), key=lambda x: _mix((h * 1000003) ^ _mix(x + self.seed)))
+
+    def static_routes(self) -> np.ndarray | None:
+        """Every request's replica when the router ignores replica state (round-robin, random,
+        prefix-affinity) and no request is retried — what the oracle may know in hindsight."""
+        if self.c.router not in STATIC_ROUTERS:
+            return None
+        outs = sorted((e for e in self.events if isinstance(e, ScaleOut)), key=lambda e: e.t_s)
+        n, k = self.c.replicas, 0
+        out = np.empty(len(self.p.arrival_s), dtype=np.int64)
+        for i, t in enumerate(self.p.arrival_s):
+            while k < len(outs) and outs[k].t_s < t:  # on a tie the arrival is handled first
+                n += outs[k].replicas
+                k += 1
+            out[i] = self._static_pick(i, 0, n, i)
+        return out
 
     # ------------------------------------------------------------------ pool placement and transfers
 
@@ -501,6 +567,7 @@ class Simulator:
                 self._oracle.now = i
         rep = self._route(req, t)
         req.replica = rep
+        self.routes[i] = rep.idx
         keys = p.keys[i]
         m = p.matchable[i]
         T = p.input_tokens[i]
