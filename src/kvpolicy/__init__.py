@@ -3,8 +3,13 @@
 A shared KV cache saves GPU time only when a remote block is ready for attention
 before the replica could have recomputed it. This package turns that rule into
 code: namespaced chained block keys, block-aligned prefix matching, KV geometry
-and measured profiles, and (in later modules) admission, eviction, publishing,
-warmup, accounting and trace-driven simulation.
+and measured profiles (``kvpolicy.keys``, ``matching``, ``geometry``,
+``profile``); admission, eviction, publishing, warmup and the ledger
+(``admission``, ``eviction``, ``publish``, ``warmup``, ``ledger``); trace
+analytics and diagnosis (``traces``, ``analysis``, ``diagnose``); the shared
+directory and engine adapters (``directory``, ``integrations``); a reference
+engine (``reference``); the cluster simulator (``sim``); and property-based
+contracts (``testing``).
 """
 
 from . import errors
