@@ -18,13 +18,12 @@ import argparse
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import time
 import uuid
 
-from _common import write_json
+from _common import best_of, write_json
 
 from kvpolicy.directory import Entry, InMemoryDirectory, RedisDirectory
 from kvpolicy.integrations.vllm_events import BlockRemoved, BlockStored, KVEventIngestor, encode_batch
@@ -52,14 +51,7 @@ def _server() -> tuple[str, subprocess.Popen | None]:
 
 
 def _median_us(fn, calls: int) -> float:
-    for _ in range(50):
-        fn()
-    t = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        t.append(time.perf_counter() - t0)
-    return statistics.median(t) * 1e6
+    return best_of(fn, repeats=calls, warmup=50) * 1e6
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 import attrs
 
+from .._validate import non_negative_int
 from ..errors import ConfigError
 
 TENANT_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
@@ -48,16 +49,11 @@ def _holder(inst: Any, a: attrs.Attribute, v: Any) -> None:
         raise ConfigError(a.name, f"must be a non-empty string, got {v!r}")
 
 
-def _size(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ConfigError(a.name, f"must be a non-negative int (bytes), got {v!r}")
-
-
 @attrs.frozen
 class Entry:
     key: bytes = attrs.field(validator=_key)
     holder: str = attrs.field(validator=_holder)
-    size_bytes: int = attrs.field(default=0, validator=_size)
+    size_bytes: int = attrs.field(default=0, validator=non_negative_int)
     tier: str = attrs.field(default="pool", validator=_holder)
     namespace_digest: bytes = b""
     expires_at_s: float | None = None

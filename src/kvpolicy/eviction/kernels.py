@@ -1008,16 +1008,6 @@ KERNEL_POLICIES = ("lru", "fifo", "sieve", "s3fifo", "arc", "belady", "belady-by
 
 
 @nb.njit(cache=True)
-def _next_use_kernel(offsets, ids, n_ids, out):
-    nxt = np.full(n_ids, np.inf)
-    for r in range(offsets.size - 2, -1, -1):
-        for j in range(offsets[r], offsets[r + 1]):
-            out[j] = nxt[ids[j]]
-        for j in range(offsets[r], offsets[r + 1]):
-            nxt[ids[j]] = r
-
-
-@nb.njit(cache=True)
 def _next_use_i32_kernel(offsets, ids, n_ids, out):
     last = np.full(n_ids, INF_USE, np.int32)
     for r in range(offsets.size - 2, -1, -1):
@@ -1040,10 +1030,9 @@ def _next_use_i32(trace: Any) -> np.ndarray:
 
 def next_use_per_ref(trace: Any) -> np.ndarray:
     """For every block reference: the request index of the same block's next reference (inf if none). One backward pass."""
-    ids = trace.block_ids
-    out = np.empty(ids.size, dtype=np.float64)
-    if ids.size:
-        _next_use_kernel(trace.block_offsets, ids, int(ids.max()) + 1, out)
+    nu = _next_use_i32(trace)
+    out = nu.astype(np.float64)
+    out[nu == INF_USE] = np.inf
     return out
 
 
