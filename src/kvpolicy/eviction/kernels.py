@@ -770,7 +770,7 @@ def _hswap(h, i, j):
         h[a + f], h[b + f] = h[b + f], h[a + f]
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=True, inline="always")
 def _hpush(h, n, k0, k1, k2, x, ver):
     i = n
     a = i * _HF
@@ -788,7 +788,7 @@ def _hpush(h, n, k0, k1, k2, x, ver):
     return n + 1
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=True, inline="always")
 def _hpop(h, n):
     n -= 1
     for f in range(_HF):
@@ -810,21 +810,38 @@ def _hpop(h, n):
 
 
 @nb.njit(cache=True, inline="always")
+def _msb(x):
+    """Index of the highest set bit of a non-zero uint64 (six halving steps)."""
+    r = 0
+    if x >> np.uint64(32):
+        x >>= np.uint64(32)
+        r += 32
+    if x >> np.uint64(16):
+        x >>= np.uint64(16)
+        r += 16
+    if x >> np.uint64(8):
+        x >>= np.uint64(8)
+        r += 8
+    if x >> np.uint64(4):
+        x >>= np.uint64(4)
+        r += 4
+    if x >> np.uint64(2):
+        x >>= np.uint64(2)
+        r += 2
+    if x >> np.uint64(1):
+        r += 1
+    return r
+
+
+@nb.njit(cache=True, inline="always")
 def _bits_top(words, summary, top_word):
     """Highest set bit at or below summary word ``top_word`` (−1 if none)."""
     w1 = top_word
     while w1 >= 0:
         sw = summary[w1]
         if sw != 0:
-            hi = 63
-            while (sw >> np.uint64(hi)) & np.uint64(1) == 0:
-                hi -= 1
-            w0 = w1 * 64 + hi
-            word = words[w0]
-            b = 63
-            while (word >> np.uint64(b)) & np.uint64(1) == 0:
-                b -= 1
-            return w0 * 64 + b
+            w0 = w1 * 64 + _msb(sw)
+            return w0 * 64 + _msb(words[w0])
         w1 -= 1
     return -1
 
