@@ -110,6 +110,11 @@ def test_caps_queue_and_warming():
     assert [warm.decide(pm(0, 100), w).reason for _ in range(2)] == ["wins", "replica_cap"]
     q = controller(bw=25e9, max_queue_bytes_per_source=150 * BLOCK_BYTES)
     assert [q.decide(pm(0, 100), AdmissionContext(block_bytes=BLOCK_BYTES, replica=f"r{i}")).reason for i in range(2)] == ["wins", "queue_full"]
+    # an idle source takes one load even when it alone is larger than the cap: the cap bounds waiting, not size
+    big = controller(bw=25e9, max_queue_bytes_per_source=50 * BLOCK_BYTES)
+    first = big.decide(pm(0, 100), AdmissionContext(block_bytes=BLOCK_BYTES, replica="a"))
+    assert first.loads and first.load_bytes > 50 * BLOCK_BYTES
+    assert big.decide(pm(0, 100), AdmissionContext(block_bytes=BLOCK_BYTES, replica="b")).reason == "queue_full"
 
 
 class AdmissionMachine(RuleBasedStateMachine):

@@ -262,8 +262,9 @@ class AdmissionController:
         if self._source_loads.get(ctx.source, 0) >= cfg.max_loads_per_source:
             return refuse("source_cap")
         load_bytes = best_k * ctx.block_bytes
-        if self.queued_bytes(ctx.source) + load_bytes > cfg.max_queue_bytes_per_source:
-            return refuse("queue_full")
+        queued = self.queued_bytes(ctx.source)
+        if queued > 0 and queued + load_bytes > cfg.max_queue_bytes_per_source:
+            return refuse("queue_full")  # an idle source always takes one load, however large: the cap bounds waiting, not size
         if self.ramp is not None and not self.ramp.admit():
             return refuse("ramp_share")
         if not breaker.allow():
