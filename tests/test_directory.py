@@ -219,3 +219,33 @@ def test_restart_clients_reconnect_and_report_misses_meanwhile(redis_server):
     assert d.match_prefix("t", KEYS[:4]) == 0, "nothing stale is served after the restart"
     assert d.publish("t", [Entry(k, "n", 1) for k in KEYS[:2]]) == 2, "the client reconnects and reloads its scripts"
     assert d.match_prefix("t", KEYS[:4]) == 2
+
+
+# the testing kit's contract, run on both backends (a third-party directory subclasses it the same way)
+from kvpolicy.testing import DirectoryContract, contract_test  # noqa: E402
+
+
+class _InMemoryContract(DirectoryContract):
+    def make_directory(self, max_keys):
+        return InMemoryDirectory(max_keys_per_tenant=max_keys)
+
+
+TestInMemoryDirectoryContract = contract_test(_InMemoryContract, max_examples=20)
+
+
+@pytest.fixture(autouse=False)
+def _redis_for_contract(redis_url):
+    _RedisContract.url = redis_url
+    yield
+
+
+class _RedisContract(DirectoryContract):
+    url = None
+
+    def make_directory(self, max_keys):
+        return redis_dir(self.url, max_keys_per_tenant=max_keys)
+
+
+@pytest.mark.usefixtures("_redis_for_contract")
+class TestRedisDirectoryContract(contract_test(_RedisContract, max_examples=15)):
+    pass

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .contracts import AdmissionContract, BlockIndexContract, ContractViolation, EvictionPolicyContract, PublishFilterContract
+from .contracts import (
+    AdmissionContract, BlockIndexContract, ContractViolation, DirectoryContract, EvictionPolicyContract, PublishFilterContract,
+)
 from .differential import Divergence, first_divergence
 from .strategies import block_sizes, capacities, latency_distributions, link_figures, namespaces, prefix_traces, token_sequences
 
@@ -37,6 +39,7 @@ __all__ = [
     "AdmissionContract",
     "BlockIndexContract",
     "ContractViolation",
+    "DirectoryContract",
     "Divergence",
     "EvictionPolicyContract",
     "PublishFilterContract",

@@ -292,3 +292,71 @@ class BlockIndexContract(RuleBasedStateMachine):
         while want < len(keys) and keys[want] in self.present:
             want += 1
         _require(got == want, "prefix-semantics", f"match_prefix returned {got}, the leading run of present keys is {want}")
+
+
+class DirectoryContract(RuleBasedStateMachine):
+    """A shared directory behaves like the in-memory reference: same answers to
+    publish / match / evict / lease / release / clear_holder, same contents after
+    every step, tenants never see each other (``make_directory(max_keys)`` must
+    return an empty directory bounded to ``max_keys`` keys per tenant)."""
+
+    MAX_KEYS = 6
+
+    def make_directory(self, max_keys: int) -> Any:
+        raise NotImplementedError("subclass DirectoryContract and implement make_directory(max_keys) -> Directory")
+
+    def __init__(self) -> None:
+        from ..directory import InMemoryDirectory
+
+        super().__init__()
+        self.ref = InMemoryDirectory(max_keys_per_tenant=self.MAX_KEYS)
+        self.sut = self.make_directory(self.MAX_KEYS)
+        self.leases: list[tuple[Any, Any]] = []
+
+    @staticmethod
+    def _keys(start: int, n: int) -> list[bytes]:
+        return [bytes([(7 * i + 3) % 10]) * 16 for i in range(start, start + n)]
+
+    def _same(self, op: str, a: Any, b: Any) -> None:
+        _require(a == b, f"{op}-agrees", f"{op}: reference answered {a!r}, this directory {b!r}")
+
+    @rule(start=st.integers(0, 9), n=st.integers(1, 4), holder=st.sampled_from(["n1", "n2"]), tenant=st.sampled_from(["a", "b"]))
+    def publish(self, start: int, n: int, holder: str, tenant: str) -> None:
+        from ..directory import Entry
+
+        ents = [Entry(k, holder, 64) for k in self._keys(start, n)]
+        self._same("publish", self.ref.publish(tenant, ents), self.sut.publish(tenant, ents))
+
+    @rule(start=st.integers(0, 9), n=st.integers(1, 6), tenant=st.sampled_from(["a", "b"]))
+    def match(self, start: int, n: int, tenant: str) -> None:
+        ks = self._keys(start, n)
+        self._same("match_prefix", self.ref.match_prefix(tenant, ks), self.sut.match_prefix(tenant, ks))
+
+    @rule(start=st.integers(0, 9), n=st.integers(1, 3), holder=st.sampled_from([None, "n1", "n2"]), force=st.booleans())
+    def evict(self, start: int, n: int, holder: Any, force: bool) -> None:
+        ks = self._keys(start, n)
+        self._same("evict", self.ref.evict("a", ks, holder=holder, force=force), self.sut.evict("a", ks, holder=holder, force=force))
+
+    @rule(start=st.integers(0, 9), n=st.integers(1, 3))
+    def lease(self, start: int, n: int) -> None:
+        ks = self._keys(start, n)
+        self.leases.append((self.ref.lease("a", ks, 3600.0), self.sut.lease("a", ks, 3600.0)))
+
+    @precondition(lambda self: bool(self.leases))
+    @rule()
+    def release(self) -> None:
+        a, b = self.leases.pop(0)
+        self.ref.release(a)
+        self.sut.release(b)
+
+    @rule(holder=st.sampled_from(["n1", "n2"]))
+    def clear(self, holder: str) -> None:
+        self._same("clear_holder", self.ref.clear_holder("a", holder), self.sut.clear_holder("a", holder))
+
+    @invariant()
+    def same_contents(self) -> None:
+        for t in ("a", "b"):
+            self._same(f"keys({t})", self.ref.keys(t), self.sut.keys(t))
+        keys = self.sut.keys("a")
+        leased = sum(1 for k in keys if self.ref.leased("a", k))
+        _require(len(keys) - leased <= self.MAX_KEYS, "bounded", f"{len(keys)} keys ({leased} leased) exceed the bound of {self.MAX_KEYS}")
