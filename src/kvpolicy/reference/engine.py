@@ -205,13 +205,13 @@ class ReferenceEngine:
                 peer = self.peers[next(i for i, r in enumerate(m.remote_blocks) if r)]
                 decision = self.controller.decide(m, AdmissionContext(block_bytes=self.block_bytes, replica=self.replica, source=peer.name))
                 if decision.loads:
-                    k = decision.load_blocks
-                    want = keys[L:L + k]
+                    n_load = decision.load_blocks
+                    want = keys[L:L + n_load]
                     try:
                         t = self.load_remote(peer, want, keys[L - 1] if L else None, decision.soft_timeout_s or 5.0)
                         timings.update(t)
                         status = "ok"
-                        loaded = k
+                        loaded = n_load
                         pinned = pinned + want
                         self.counts["loads_ok"] += 1
                     except TimeoutError:

@@ -162,7 +162,7 @@ def run_profile(target: Any, lengths: Sequence[int], concurrency: Sequence[int] 
     for L in lengths:
         step(f"kv bytes at {L} tokens")
         kv.append(int(target.kv_bytes(L)))
-    rows: dict[int, dict[str, list[float]]] = {c: {} for c in conc}
+    rows: dict[int, dict[int, dict[str, list[float]]]] = {c: {} for c in conc}
     for c in conc:
         rounds = repeats if c == 1 else max(2, math.ceil(repeats / c))
         for L in lengths:

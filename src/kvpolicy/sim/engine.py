@@ -182,9 +182,27 @@ def apply_spike(trace: Any, spike: Spike) -> Any:
 
 
 class _Req:
+    """One request's state through its life in the simulator."""
+
     __slots__ = ("i", "attempt", "first_arrival_s", "replica", "local", "found", "load", "load_id", "load_start_s", "load_groups",
                  "status", "reused", "not_loaded", "not_loaded_reason", "predicted_s", "load_s", "queue_enter_s", "prefill_s",
                  "pinned", "stall_s", "load_attempted", "decision")
+    replica: Any  # the _Replica serving it
+    local: int  # leading blocks found in the local cache
+    found: int  # remote blocks found after them
+    load: int  # remote blocks being (or having been) loaded
+    load_id: int | None
+    load_start_s: float
+    load_groups: list[tuple[Any, list[int]]]
+    status: tuple[str, float, float]  # (load status, transfer seconds, stage seconds)
+    reused: int  # blocks not prefilled (local + loaded)
+    not_loaded: int
+    not_loaded_reason: Any
+    predicted_s: float | None
+    load_s: float | None
+    queue_enter_s: float
+    prefill_s: float
+    decision: Any
 
     def __init__(self, i: int, t: float) -> None:
         self.i = i
