@@ -21,6 +21,14 @@ def _plt() -> Any:
     return plt
 
 
+def save_figure(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay out, write (PNG, 110 dpi) and close a figure; returns its path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def analyze_figures(report: dict[str, Any], trace: Any, distances: np.ndarray, out_dir: str | Path) -> list[Path]:
     """MRC, reuse-distance CDF and bytes over time. Returns the written paths."""
     plt = _plt()
@@ -38,10 +46,7 @@ def analyze_figures(report: dict[str, Any], trace: Any, distances: np.ndarray, o
     ax.set_ylabel("token hit ratio (share of prefill avoided)")
     ax.set_title("LRU hit-ratio curve (1 - miss ratio), prefix rule")
     ax.legend()
-    fig.tight_layout()
-    paths.append(out / "mrc.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save_figure(plt, fig, out / "mrc.png"))
 
     d = np.sort(distances[distances >= 0]) * block_gib
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -51,10 +56,7 @@ def analyze_figures(report: dict[str, Any], trace: Any, distances: np.ndarray, o
     ax.set_xlabel("reuse distance (GiB of distinct KV between two uses)")
     ax.set_ylabel("CDF of re-references")
     ax.set_title("Reuse distance")
-    fig.tight_layout()
-    paths.append(out / "reuse_distance_cdf.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save_figure(plt, fig, out / "reuse_distance_cdf.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     t = trace.arrival_s
@@ -66,8 +68,5 @@ def analyze_figures(report: dict[str, Any], trace: Any, distances: np.ndarray, o
     ax.set_ylabel("Gbit/s")
     ax.set_title("KV bytes over time (1-minute bins)")
     ax.legend()
-    fig.tight_layout()
-    paths.append(out / "bytes_over_time.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save_figure(plt, fig, out / "bytes_over_time.png"))
     return paths

@@ -233,7 +233,7 @@ def render(report: dict[str, Any]) -> str:
 def figure(report: dict[str, Any], out_dir: Any) -> Any:
     from pathlib import Path
 
-    from ..plots import _plt
+    from ..plots import _plt, save_figure
 
     plt = _plt()
     out = Path(out_dir)
@@ -252,8 +252,4 @@ def figure(report: dict[str, Any], out_dir: Any) -> Any:
     ax.set_ylabel("ms")
     ax.set_title("measured profile (reference engine)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / "profile.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, out / "profile.png")

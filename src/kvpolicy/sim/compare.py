@@ -139,7 +139,7 @@ def figures(report: dict[str, Any], raw: dict[tuple[str, str], SimResult], out_d
     """TTFT CDFs, bytes over time and miss reasons per scenario (PNG)."""
     import numpy as np
 
-    from ..plots import _plt
+    from ..plots import _plt, save_figure
 
     plt = _plt()
     out = Path(out_dir)
@@ -156,10 +156,7 @@ def figures(report: dict[str, Any], raw: dict[tuple[str, str], SimResult], out_d
         ax.set_ylabel("CDF of requests")
         ax.set_title(f"{s}: time to first token")
         ax.legend()
-        fig.tight_layout()
-        paths.append(out / f"{s}_ttft_cdf.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(save_figure(plt, fig, out / f"{s}_ttft_cdf.png"))
 
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for k in keys:
@@ -173,10 +170,7 @@ def figures(report: dict[str, Any], raw: dict[tuple[str, str], SimResult], out_d
         ax.set_ylabel("Gbit/s read + written (1-minute bins)")
         ax.set_title(f"{s}: bytes on the network")
         ax.legend()
-        fig.tight_layout()
-        paths.append(out / f"{s}_bytes_over_time.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(save_figure(plt, fig, out / f"{s}_bytes_over_time.png"))
 
         fig, ax = plt.subplots(figsize=(8, 4.5))
         cats = ["local_hit", "remote_hit", "miss_never_published", "miss_evicted", "miss_declined", "miss_transfer_error", "miss_timeout", "tail"]
@@ -190,8 +184,5 @@ def figures(report: dict[str, Any], raw: dict[tuple[str, str], SimResult], out_d
         ax.set_title(f"{s}: where prompt tokens came from")
         ax.legend(fontsize=7, loc="upper right")
         plt.setp(ax.get_xticklabels(), rotation=20)
-        fig.tight_layout()
-        paths.append(out / f"{s}_miss_reasons.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(save_figure(plt, fig, out / f"{s}_miss_reasons.png"))
     return paths
