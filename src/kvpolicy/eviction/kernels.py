@@ -52,7 +52,7 @@ INF_USE = np.int32(2**31 - 1)  # next use of a block never referenced again (int
 
 
 @nb.njit(cache=True)
-def lru_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
+def lru_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
     prev = np.full(n_ids, NIL, np.int32)  # toward the least recent end
     nxt = np.full(n_ids, NIL, np.int32)  # toward the most recent end
     res = np.zeros(n_ids, np.bool_)
@@ -67,8 +67,11 @@ def lru_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
         while j < e and res[ids[j]]:
             j += 1
         h = j - s
-        for k in range(s, s + min(h, matchable[r])):
-            hits[k] = True
+        if j > s:  # hits: the run, at most floor((T − 1) / B) blocks
+            t = max(tokens[r] - 1, 0)
+            m = t >> shift if shift >= 0 else t // bsz
+            for k in range(s, s + min(j - s, m)):
+                hits[k] = True
         # the run moves to the most recent end, deepest first, root last
         for k in range(j - 1, s - 1, -1):
             x = ids[k]
@@ -133,7 +136,7 @@ def _in_run(v, ids, s, j):
 
 
 @nb.njit(cache=True)
-def fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
+def fifo_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
     link = np.full(2 * n_ids, NIL, np.int32)  # interleaved per block: prev (older), next (newer)
     res = np.zeros(n_ids, np.bool_)
     fam = np.zeros(2 * n_ids, np.int32)  # interleaved per block: resident children, parent
@@ -148,8 +151,11 @@ def fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
         j = s
         while j < e and res[ids[j]]:
             j += 1
-        for k in range(s, s + min(j - s, matchable[r])):
-            hits[k] = True
+        if j > s:  # hits: the run, at most floor((T − 1) / B) blocks
+            t = max(tokens[r] - 1, 0)
+            m = t >> shift if shift >= 0 else t // bsz
+            for k in range(s, s + min(j - s, m)):
+                hits[k] = True
         npinned = j - s
         while j < e:
             x = ids[j]
@@ -195,7 +201,7 @@ def fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
 
 
 @nb.njit(cache=True)
-def sieve_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
+def sieve_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
     prev = np.full(n_ids, NIL, np.int32)  # toward older
     nxt = np.full(n_ids, NIL, np.int32)  # toward newer
     res = np.zeros(n_ids, np.bool_)
@@ -216,8 +222,11 @@ def sieve_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
             visited[ids[j]] = True
             pin[ids[j]] = r
             j += 1
-        for k in range(s, s + min(j - s, matchable[r])):
-            hits[k] = True
+        if j > s:  # hits: the run, at most floor((T − 1) / B) blocks
+            t = max(tokens[r] - 1, 0)
+            m = t >> shift if shift >= 0 else t // bsz
+            for k in range(s, s + min(j - s, m)):
+                hits[k] = True
         npinned = j - s
         while j < e:
             x = ids[j]
@@ -274,7 +283,7 @@ S_Q, M_Q, G_Q = 0, 1, 2
 
 
 @nb.njit(cache=True)
-def s3fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, small_fraction):
+def s3fifo_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, small_fraction):
     n = n_ids
     st = np.full(3 * n + 12, NIL, np.int32)
     st[3 * n + 8 :] = 0
@@ -296,8 +305,11 @@ def s3fifo_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, small_frac
                 cand[st[3 * (x) + 2]] -= 1
             meta[4 * (x) + 1] = r
             j += 1
-        for k in range(s, s + min(j - s, matchable[r])):
-            hits[k] = True
+        if j > s:  # hits: the run, at most floor((T − 1) / B) blocks
+            t = max(tokens[r] - 1, 0)
+            m = t >> shift if shift >= 0 else t // bsz
+            for k in range(s, s + min(j - s, m)):
+                hits[k] = True
         run_end = j
         npinned = j - s
         while j < e:
@@ -492,7 +504,7 @@ T1, T2, B1, B2 = 0, 1, 2, 3
 
 
 @nb.njit(cache=True)
-def arc_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
+def arc_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
     n = n_ids
     st = np.full(3 * n + 12, NIL, np.int32)
     st[3 * n + 8 :] = 0
@@ -540,8 +552,11 @@ def arc_kernel(offsets, ids, matchable, cap, n_ids, hits, victims):
             st[3 * n + 8 + _L] += 1
             meta[4 * (x) + 1] = r  # pinned: no longer a candidate
             j += 1
-        for k in range(s, s + min(j - s, matchable[r])):
-            hits[k] = True
+        if j > s:  # hits: the run, at most floor((T − 1) / B) blocks
+            t = max(tokens[r] - 1, 0)
+            m = t >> shift if shift >= 0 else t // bsz
+            for k in range(s, s + min(j - s, m)):
+                hits[k] = True
         npinned = j - s
         while j < e:
             x = ids[j]
@@ -847,7 +862,7 @@ def _bits_top(words, summary, top_word):
 
 
 @nb.njit(cache=True)
-def belady_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, next_use, bypass):
+def belady_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, next_use, bypass):
     """MIN over candidates keyed (−next use, −depth, seq).
 
     Finite next uses are request indices: one bucket per index (entries chained
@@ -887,8 +902,11 @@ def belady_kernel(offsets, ids, matchable, cap, n_ids, hits, victims, next_use, 
             meta[8 * (x) + 4] += 1  # re-prioritised; pinned now, so not a candidate
             meta[8 * (x) + 2] = r
             j += 1
-        for k in range(s, s + min(j - s, matchable[r])):
-            hits[k] = True
+        if j > s:  # hits: the run, at most floor((T − 1) / B) blocks
+            t = max(tokens[r] - 1, 0)
+            m = t >> shift if shift >= 0 else t // bsz
+            for k in range(s, s + min(j - s, m)):
+                hits[k] = True
         npinned = j - s
         while j < e:
             x = ids[j]
@@ -1062,21 +1080,23 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
     off = trace.block_offsets
     ids = trace.block_ids
     n_ids = max(int(ids.max()) + 1 if ids.size else 1, 1)
-    matchable = np.ascontiguousarray(trace.matchable_blocks, dtype=np.int64)
+    tokens = np.ascontiguousarray(trace.input_tokens, dtype=np.int64)
+    bsz = int(trace.block_size_tokens)
+    shift = bsz.bit_length() - 1 if bsz & (bsz - 1) == 0 else -1  # a shift instead of a division for powers of two
     hits = np.zeros(ids.size, dtype=np.bool_)
     victims = np.empty(ids.size + 1, dtype=np.int64)
     if policy == "lru":
-        nv = lru_kernel(off, ids, matchable, capacity_blocks, n_ids, hits, victims)
+        nv = lru_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims)
     elif policy == "fifo":
-        nv = fifo_kernel(off, ids, matchable, capacity_blocks, n_ids, hits, victims)
+        nv = fifo_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims)
     elif policy == "sieve":
-        nv = sieve_kernel(off, ids, matchable, capacity_blocks, n_ids, hits, victims)
+        nv = sieve_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims)
     elif policy == "s3fifo":
-        nv = s3fifo_kernel(off, ids, matchable, capacity_blocks, n_ids, hits, victims, small_fraction)
+        nv = s3fifo_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims, small_fraction)
     elif policy == "arc":
-        nv = arc_kernel(off, ids, matchable, capacity_blocks, n_ids, hits, victims)
+        nv = arc_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims)
     else:
         nu32 = _next_use_i32(trace)
-        nv = belady_kernel(off, ids, matchable, capacity_blocks, n_ids, hits, victims, nu32, policy == "belady-bypass")
+        nv = belady_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims, nu32, policy == "belady-bypass")
     name = policy
     return ReplayResult(name, capacity_blocks, hits, victims[:nv], trace.block_size_tokens, trace.total_input_tokens)
