@@ -137,12 +137,16 @@ def _in_run(v, ids, s, j):
 
 @nb.njit(cache=True)
 def fifo_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
-    link = np.full(2 * n_ids, NIL, np.int32)  # interleaved per block: prev (older), next (newer)
+    # In replay FIFO only ever leaves from the oldest end (evicted, or rotated to
+    # the newest end when it is not evictable), so the queue is a ring of ``cap``
+    # slots read in order, not a linked list: only the per-block records are
+    # random accesses.
+    ring_n = max(cap, 1)
+    ring = np.empty(ring_n, np.int32)
+    qh = 0  # slot of the oldest block
     res = np.zeros(n_ids, np.bool_)
     fam = np.zeros(2 * n_ids, np.int32)  # interleaved per block: resident children, parent
     fam[1::2] = NIL
-    head = NIL  # oldest
-    tail = NIL  # newest
     size = 0
     nv = 0
     for r in range(offsets.size - 1):
@@ -162,37 +166,34 @@ def fifo_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
             if size >= cap:
                 if size - npinned < 1:
                     break
-                v = head
+                v = ring[qh]
                 # not evictable (a resident child, or pinned = in this request's run ids[s:j]): rotate to the newest end
-                while fam[2 * (v)] > 0 or _in_run(v, ids, s, j):
-                    head = link[2 * (v) + 1]
-                    link[2 * (head)] = NIL
-                    link[2 * (v)] = tail
-                    link[2 * (v) + 1] = NIL
-                    link[2 * (tail) + 1] = v
-                    tail = v
-                    v = head
-                head = link[2 * (v) + 1]
-                if head != NIL:
-                    link[2 * (head)] = NIL
-                else:
-                    tail = NIL
+                while fam[2 * v] > 0 or _in_run(v, ids, s, j):
+                    qt = qh + size
+                    if qt >= ring_n:
+                        qt -= ring_n
+                    ring[qt] = v
+                    qh += 1
+                    if qh == ring_n:
+                        qh = 0
+                    v = ring[qh]
+                qh += 1
+                if qh == ring_n:
+                    qh = 0
                 res[v] = False
                 size -= 1
-                if fam[2 * (v) + 1] != NIL:
-                    fam[2 * (fam[2 * (v) + 1])] -= 1
+                pv = fam[2 * v + 1]
+                if pv != NIL:
+                    fam[2 * pv] -= 1
                 victims[nv] = v
                 nv += 1
             if j > s:  # a chain id always has the same parent: written once, kept
-                fam[2 * (x) + 1] = ids[j - 1]
-                fam[2 * (ids[j - 1])] += 1
-            link[2 * (x)] = tail
-            link[2 * (x) + 1] = NIL
-            if tail != NIL:
-                link[2 * (tail) + 1] = x
-            else:
-                head = x
-            tail = x
+                fam[2 * x + 1] = ids[j - 1]
+                fam[2 * ids[j - 1]] += 1
+            qt = qh + size
+            if qt >= ring_n:
+                qt -= ring_n
+            ring[qt] = x
             res[x] = True
             size += 1
             npinned += 1
@@ -202,16 +203,19 @@ def fifo_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
 
 @nb.njit(cache=True)
 def sieve_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
-    prev = np.full(n_ids, NIL, np.int32)  # toward older
-    nxt = np.full(n_ids, NIL, np.int32)  # toward newer
+    # SIEVE's queue in insertion order as an array with holes: blocks only leave at
+    # the hand, so a removed slot just becomes a hole; the array is compacted when
+    # it fills (every ~cap inserts, amortised O(1)). The hand walks the array in
+    # order and only the per-block record is a random access.
+    qn = 2 * max(cap, 1) + 2
+    q = np.empty(qn, np.int32)
+    lo = 0  # at or before the oldest live slot
+    hi = 0  # the next slot to fill
+    hand = -1  # slot of the hand; -1: start from the oldest
     res = np.zeros(n_ids, np.bool_)
-    children = np.zeros(n_ids, np.int32)
-    pin = np.full(n_ids, -1, np.int32)
-    parent = np.full(n_ids, NIL, np.int32)
-    visited = np.zeros(n_ids, np.bool_)
-    head = NIL  # oldest
-    tail = NIL  # newest
-    hand = NIL
+    meta = np.zeros(4 * n_ids, np.int32)  # interleaved per block: resident children, pin (request), parent, visited
+    meta[1::4] = -1
+    meta[2::4] = NIL
     size = 0
     nv = 0
     for r in range(offsets.size - 1):
@@ -219,8 +223,9 @@ def sieve_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
         e = offsets[r + 1]
         j = s
         while j < e and res[ids[j]]:
-            visited[ids[j]] = True
-            pin[ids[j]] = r
+            x = ids[j]
+            meta[4 * x + 3] = 1
+            meta[4 * x + 1] = r
             j += 1
         if j > s:  # hits: the run, at most floor((T − 1) / B) blocks
             t = max(tokens[r] - 1, 0)
@@ -233,45 +238,57 @@ def sieve_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
             if size >= cap:
                 if size - npinned < 1:
                     break
-                k = hand if hand != NIL else head
+                if hand < 0:
+                    while q[lo] == NIL:
+                        lo += 1
+                    pos = lo
+                else:
+                    pos = hand
                 while True:
-                    if children[k] == 0 and pin[k] != r and not visited[k]:
+                    k = q[pos]
+                    if meta[4 * k] == 0 and meta[4 * k + 1] != r and meta[4 * k + 3] == 0:
                         break
-                    visited[k] = False
-                    k = nxt[k]
-                    if k == NIL:
-                        k = head
-                hand = nxt[k]
-                p = prev[k]
-                n = nxt[k]
-                if p != NIL:
-                    nxt[p] = n
-                else:
-                    head = n
-                if n != NIL:
-                    prev[n] = p
-                else:
-                    tail = p
+                    meta[4 * k + 3] = 0
+                    pos += 1
+                    while pos < hi and q[pos] == NIL:
+                        pos += 1
+                    if pos == hi:  # past the newest: back to the oldest
+                        while q[lo] == NIL:
+                            lo += 1
+                        pos = lo
+                q[pos] = NIL
+                hp = pos + 1  # the hand stays on the next newer block, if any
+                while hp < hi and q[hp] == NIL:
+                    hp += 1
+                hand = hp if hp < hi else -1
                 res[k] = False
                 size -= 1
-                if parent[k] != NIL:
-                    children[parent[k]] -= 1
+                pk = meta[4 * k + 2]
+                if pk != NIL:
+                    meta[4 * pk] -= 1
                 victims[nv] = k
                 nv += 1
             if j > s:  # a chain id always has the same parent: written once, kept
-                parent[x] = ids[j - 1]
-                children[ids[j - 1]] += 1
-            visited[x] = False
-            prev[x] = tail
-            nxt[x] = NIL
-            if tail != NIL:
-                nxt[tail] = x
-            else:
-                head = x
-            tail = x
+                meta[4 * x + 2] = ids[j - 1]
+                meta[4 * ids[j - 1]] += 1
+            meta[4 * x + 3] = 0
+            if hi == qn:  # compact: drop the holes, keep the order and the hand
+                m = 0
+                nh = -1
+                for i in range(lo, hi):
+                    if i == hand:
+                        nh = m
+                    if q[i] != NIL:
+                        q[m] = q[i]
+                        m += 1
+                lo = 0
+                hi = m
+                hand = nh
+            q[hi] = x
+            hi += 1
             res[x] = True
             size += 1
-            pin[x] = r
+            meta[4 * x + 1] = r
             npinned += 1
             j += 1
     return nv
