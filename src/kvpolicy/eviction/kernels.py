@@ -35,20 +35,17 @@ NIL = -1
 INF_USE = np.int32(2**31 - 1)  # next use of a block never referenced again (int32 sentinel)
 
 
-# ----------------------------------------------------------------------------- lists
+# ----------------------------------------------------------------------------- layout
 
-
-# Packed lists for the multi-list kernels: every array argument of a helper costs
-# reference-count traffic per call, so all list state lives in one int64 array
-#   st[0:n] prev · st[n:2n] next · st[2n:3n] list of id (NIL: none)
-#   st[3n+L] head · st[3n+4+L] tail · st[3n+8+L] length      (up to 4 lists)
+# What made these fast (each measured A/B in one process, docs/benchmarks.md):
+# list code written inline (an array argument to a helper costs reference-count
+# traffic per call: 5x on LRU); a block's fields interleaved in one record so a
+# block costs one cache line, as small as it can be (16 bytes: a million blocks
+# fit in L3); and a queue that only loses its oldest entry kept as an array read
+# in order (FIFO, SIEVE, S3-FIFO) instead of a linked list.
 
 
 # ----------------------------------------------------------------------------- LRU / FIFO / SIEVE
-
-
-# Single-list kernels keep head/tail in scalars and the list code inline: through
-# the shared helpers (head/tail in one-element arrays) they ran 5x slower.
 
 
 @nb.njit(cache=True)
@@ -488,13 +485,16 @@ T1, T2, B1, B2 = 0, 1, 2, 3
 
 @nb.njit(cache=True)
 def arc_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
-    n = n_ids
-    st = np.full(3 * n + 12, NIL, np.int32)
-    st[3 * n + 8 :] = 0
-    # per-block metadata interleaved — children, pin, freq, parent — so one cache line serves them all
-    meta = np.zeros(4 * n_ids, np.int32)
-    meta[1::4] = -1
-    meta[3::4] = NIL
+    # one 32-byte record per block, so a block's list links and metadata share a cache line:
+    #   prev, next, list (NIL: none), resident children, pin (request), unused, parent, unused
+    rec = np.zeros(8 * n_ids, np.int32)
+    rec[0::8] = NIL
+    rec[1::8] = NIL
+    rec[2::8] = NIL
+    rec[4::8] = -1
+    rec[6::8] = NIL
+    ht = np.full(12, NIL, np.int64)  # head[L] · tail[4 + L] · length[8 + L]
+    ht[8:] = 0
     cand = np.zeros(2, np.int64)
     p = 0.0
     c = cap
@@ -502,38 +502,38 @@ def arc_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
     for r in range(offsets.size - 1):
         s, e = offsets[r], offsets[r + 1]
         j = s
-        while j < e and (st[3 * (ids[j]) + 2] == T1 or st[3 * (ids[j]) + 2] == T2):
+        while j < e and (rec[8 * ids[j] + 2] == T1 or rec[8 * ids[j] + 2] == T2):
             x = ids[j]
-            was = meta[4 * (x)] == 0 and meta[4 * (x) + 1] != r
+            was = rec[8 * x + 3] == 0 and rec[8 * x + 4] != r
             if was:
-                cand[st[3 * (x) + 2]] -= 1
+                cand[rec[8 * x + 2]] -= 1
             _x = x
-            _L = st[3 * (_x) + 2]
-            _p = st[3 * _x]
-            _q = st[3 * (_x) + 1]
+            _L = rec[8 * _x + 2]
+            _p = rec[8 * _x]
+            _q = rec[8 * _x + 1]
             if _p != NIL:
-                st[3 * (_p) + 1] = _q
+                rec[8 * _p + 1] = _q
             else:
-                st[3 * n + _L] = _q
+                ht[_L] = _q
             if _q != NIL:
-                st[3 * _q] = _p
+                rec[8 * _q] = _p
             else:
-                st[3 * n + 4 + _L] = _p
-            st[3 * (_x) + 2] = NIL
-            st[3 * n + 8 + _L] -= 1
+                ht[4 + _L] = _p
+            rec[8 * _x + 2] = NIL
+            ht[8 + _L] -= 1
             _L = T2
             _x = x
-            _t = st[3 * n + 4 + _L]
-            st[3 * (_x) + 2] = _L
-            st[3 * _x] = _t
-            st[3 * (_x) + 1] = NIL
+            _t = ht[4 + _L]
+            rec[8 * _x + 2] = _L
+            rec[8 * _x] = _t
+            rec[8 * _x + 1] = NIL
             if _t != NIL:
-                st[3 * (_t) + 1] = _x
+                rec[8 * _t + 1] = _x
             else:
-                st[3 * n + _L] = _x
-            st[3 * n + 4 + _L] = _x
-            st[3 * n + 8 + _L] += 1
-            meta[4 * (x) + 1] = r  # pinned: no longer a candidate
+                ht[_L] = _x
+            ht[4 + _L] = _x
+            ht[8 + _L] += 1
+            rec[8 * x + 4] = r  # pinned: no longer a candidate
             j += 1
         if j > s:  # hits: the run, at most floor((T − 1) / B) blocks
             t = max(tokens[r] - 1, 0)
@@ -544,199 +544,199 @@ def arc_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
         while j < e:
             x = ids[j]
             adapted = False
-            used = st[3 * n + 8 + T1] + st[3 * n + 8 + T2]
+            used = ht[8 + T1] + ht[8 + T2]
             if used + 1 > cap:
                 if used - npinned < 1:
                     break
                 # adapt p on a ghost hit (ARC's case II/III), before REPLACE
-                if st[3 * (x) + 2] == B1:
-                    p = min(float(c), p + max(st[3 * n + 8 + B2] / st[3 * n + 8 + B1], 1.0))
+                if rec[8 * x + 2] == B1:
+                    p = min(float(c), p + max(ht[8 + B2] / ht[8 + B1], 1.0))
                     adapted = True
-                elif st[3 * (x) + 2] == B2:
-                    p = max(0.0, p - max(st[3 * n + 8 + B1] / st[3 * n + 8 + B2], 1.0))
+                elif rec[8 * x + 2] == B2:
+                    p = max(0.0, p - max(ht[8 + B1] / ht[8 + B2], 1.0))
                     adapted = True
-                in_b2 = st[3 * (x) + 2] == B2
-                from_t1 = cand[0] > 0 and (st[3 * n + 8 + T1] > p or (in_b2 and st[3 * n + 8 + T1] == p) or cand[1] == 0)
+                in_b2 = rec[8 * x + 2] == B2
+                from_t1 = cand[0] > 0 and (ht[8 + T1] > p or (in_b2 and ht[8 + T1] == p) or cand[1] == 0)
                 q = T1 if from_t1 else T2
-                t = st[3 * n + q]
-                while not (meta[4 * (t)] == 0 and meta[4 * (t) + 1] != r):
+                t = ht[q]
+                while not (rec[8 * t + 3] == 0 and rec[8 * t + 4] != r):
                     _x = t
-                    _L = st[3 * (_x) + 2]
-                    _p = st[3 * _x]
-                    _q = st[3 * (_x) + 1]
+                    _L = rec[8 * _x + 2]
+                    _p = rec[8 * _x]
+                    _q = rec[8 * _x + 1]
                     if _p != NIL:
-                        st[3 * (_p) + 1] = _q
+                        rec[8 * _p + 1] = _q
                     else:
-                        st[3 * n + _L] = _q
+                        ht[_L] = _q
                     if _q != NIL:
-                        st[3 * _q] = _p
+                        rec[8 * _q] = _p
                     else:
-                        st[3 * n + 4 + _L] = _p
-                    st[3 * (_x) + 2] = NIL
-                    st[3 * n + 8 + _L] -= 1
+                        ht[4 + _L] = _p
+                    rec[8 * _x + 2] = NIL
+                    ht[8 + _L] -= 1
                     _L = q
                     _x = t
-                    _t = st[3 * n + 4 + _L]
-                    st[3 * (_x) + 2] = _L
-                    st[3 * _x] = _t
-                    st[3 * (_x) + 1] = NIL
+                    _t = ht[4 + _L]
+                    rec[8 * _x + 2] = _L
+                    rec[8 * _x] = _t
+                    rec[8 * _x + 1] = NIL
                     if _t != NIL:
-                        st[3 * (_t) + 1] = _x
+                        rec[8 * _t + 1] = _x
                     else:
-                        st[3 * n + _L] = _x
-                    st[3 * n + 4 + _L] = _x
-                    st[3 * n + 8 + _L] += 1
-                    t = st[3 * n + q]
+                        ht[_L] = _x
+                    ht[4 + _L] = _x
+                    ht[8 + _L] += 1
+                    t = ht[q]
                 cand[q] -= 1
                 _x = t
-                _L = st[3 * (_x) + 2]
-                _p = st[3 * _x]
-                _q = st[3 * (_x) + 1]
+                _L = rec[8 * _x + 2]
+                _p = rec[8 * _x]
+                _q = rec[8 * _x + 1]
                 if _p != NIL:
-                    st[3 * (_p) + 1] = _q
+                    rec[8 * _p + 1] = _q
                 else:
-                    st[3 * n + _L] = _q
+                    ht[_L] = _q
                 if _q != NIL:
-                    st[3 * _q] = _p
+                    rec[8 * _q] = _p
                 else:
-                    st[3 * n + 4 + _L] = _p
-                st[3 * (_x) + 2] = NIL
-                st[3 * n + 8 + _L] -= 1
-                pp = meta[4 * (t) + 3]
+                    ht[4 + _L] = _p
+                rec[8 * _x + 2] = NIL
+                ht[8 + _L] -= 1
+                pp = rec[8 * t + 6]
                 if pp != NIL:
-                    meta[4 * (pp)] -= 1
-                    if meta[4 * (pp)] == 0 and meta[4 * (pp) + 1] != r:
-                        cand[st[3 * (pp) + 2]] += 1
+                    rec[8 * pp + 3] -= 1
+                    if rec[8 * pp + 3] == 0 and rec[8 * pp + 4] != r:
+                        cand[rec[8 * pp + 2]] += 1
                 _L = B1 if q == T1 else B2
                 _x = t
-                _t = st[3 * n + 4 + _L]
-                st[3 * (_x) + 2] = _L
-                st[3 * _x] = _t
-                st[3 * (_x) + 1] = NIL
+                _t = ht[4 + _L]
+                rec[8 * _x + 2] = _L
+                rec[8 * _x] = _t
+                rec[8 * _x + 1] = NIL
                 if _t != NIL:
-                    st[3 * (_t) + 1] = _x
+                    rec[8 * _t + 1] = _x
                 else:
-                    st[3 * n + _L] = _x
-                st[3 * n + 4 + _L] = _x
-                st[3 * n + 8 + _L] += 1
-                while st[3 * n + 8 + B1] > c:
-                    _x = st[3 * n + B1]
-                    _L = st[3 * (_x) + 2]
-                    _p = st[3 * _x]
-                    _q = st[3 * (_x) + 1]
+                    ht[_L] = _x
+                ht[4 + _L] = _x
+                ht[8 + _L] += 1
+                while ht[8 + B1] > c:
+                    _x = ht[B1]
+                    _L = rec[8 * _x + 2]
+                    _p = rec[8 * _x]
+                    _q = rec[8 * _x + 1]
                     if _p != NIL:
-                        st[3 * (_p) + 1] = _q
+                        rec[8 * _p + 1] = _q
                     else:
-                        st[3 * n + _L] = _q
+                        ht[_L] = _q
                     if _q != NIL:
-                        st[3 * _q] = _p
+                        rec[8 * _q] = _p
                     else:
-                        st[3 * n + 4 + _L] = _p
-                    st[3 * (_x) + 2] = NIL
-                    st[3 * n + 8 + _L] -= 1
-                while st[3 * n + 8 + B2] > c:
-                    _x = st[3 * n + B2]
-                    _L = st[3 * (_x) + 2]
-                    _p = st[3 * _x]
-                    _q = st[3 * (_x) + 1]
+                        ht[4 + _L] = _p
+                    rec[8 * _x + 2] = NIL
+                    ht[8 + _L] -= 1
+                while ht[8 + B2] > c:
+                    _x = ht[B2]
+                    _L = rec[8 * _x + 2]
+                    _p = rec[8 * _x]
+                    _q = rec[8 * _x + 1]
                     if _p != NIL:
-                        st[3 * (_p) + 1] = _q
+                        rec[8 * _p + 1] = _q
                     else:
-                        st[3 * n + _L] = _q
+                        ht[_L] = _q
                     if _q != NIL:
-                        st[3 * _q] = _p
+                        rec[8 * _q] = _p
                     else:
-                        st[3 * n + 4 + _L] = _p
-                    st[3 * (_x) + 2] = NIL
-                    st[3 * n + 8 + _L] -= 1
+                        ht[4 + _L] = _p
+                    rec[8 * _x + 2] = NIL
+                    ht[8 + _L] -= 1
                 victims[nv] = t
                 nv += 1
             if not adapted:
-                if st[3 * (x) + 2] == B1:
-                    p = min(float(c), p + max(st[3 * n + 8 + B2] / st[3 * n + 8 + B1], 1.0))
-                elif st[3 * (x) + 2] == B2:
-                    p = max(0.0, p - max(st[3 * n + 8 + B1] / st[3 * n + 8 + B2], 1.0))
+                if rec[8 * x + 2] == B1:
+                    p = min(float(c), p + max(ht[8 + B2] / ht[8 + B1], 1.0))
+                elif rec[8 * x + 2] == B2:
+                    p = max(0.0, p - max(ht[8 + B1] / ht[8 + B2], 1.0))
             if j > s:  # a chain id always has the same parent: written once, kept
-                meta[4 * (x) + 3] = ids[j - 1]
-                meta[4 * (ids[j - 1])] += 1
-            if st[3 * (x) + 2] == B1 or st[3 * (x) + 2] == B2:
+                rec[8 * x + 6] = ids[j - 1]
+                rec[8 * ids[j - 1] + 3] += 1
+            if rec[8 * x + 2] == B1 or rec[8 * x + 2] == B2:
                 _x = x
-                _L = st[3 * (_x) + 2]
-                _p = st[3 * _x]
-                _q = st[3 * (_x) + 1]
+                _L = rec[8 * _x + 2]
+                _p = rec[8 * _x]
+                _q = rec[8 * _x + 1]
                 if _p != NIL:
-                    st[3 * (_p) + 1] = _q
+                    rec[8 * _p + 1] = _q
                 else:
-                    st[3 * n + _L] = _q
+                    ht[_L] = _q
                 if _q != NIL:
-                    st[3 * _q] = _p
+                    rec[8 * _q] = _p
                 else:
-                    st[3 * n + 4 + _L] = _p
-                st[3 * (_x) + 2] = NIL
-                st[3 * n + 8 + _L] -= 1
+                    ht[4 + _L] = _p
+                rec[8 * _x + 2] = NIL
+                ht[8 + _L] -= 1
                 _L = T2
                 _x = x
-                _t = st[3 * n + 4 + _L]
-                st[3 * (_x) + 2] = _L
-                st[3 * _x] = _t
-                st[3 * (_x) + 1] = NIL
+                _t = ht[4 + _L]
+                rec[8 * _x + 2] = _L
+                rec[8 * _x] = _t
+                rec[8 * _x + 1] = NIL
                 if _t != NIL:
-                    st[3 * (_t) + 1] = _x
+                    rec[8 * _t + 1] = _x
                 else:
-                    st[3 * n + _L] = _x
-                st[3 * n + 4 + _L] = _x
-                st[3 * n + 8 + _L] += 1
+                    ht[_L] = _x
+                ht[4 + _L] = _x
+                ht[8 + _L] += 1
             else:
-                if st[3 * n + 8 + T1] + st[3 * n + 8 + B1] >= c and st[3 * n + 8 + B1] > 0:
-                    _x = st[3 * n + B1]
-                    _L = st[3 * (_x) + 2]
-                    _p = st[3 * _x]
-                    _q = st[3 * (_x) + 1]
+                if ht[8 + T1] + ht[8 + B1] >= c and ht[8 + B1] > 0:
+                    _x = ht[B1]
+                    _L = rec[8 * _x + 2]
+                    _p = rec[8 * _x]
+                    _q = rec[8 * _x + 1]
                     if _p != NIL:
-                        st[3 * (_p) + 1] = _q
+                        rec[8 * _p + 1] = _q
                     else:
-                        st[3 * n + _L] = _q
+                        ht[_L] = _q
                     if _q != NIL:
-                        st[3 * _q] = _p
+                        rec[8 * _q] = _p
                     else:
-                        st[3 * n + 4 + _L] = _p
-                    st[3 * (_x) + 2] = NIL
-                    st[3 * n + 8 + _L] -= 1
-                elif st[3 * n + 8 + T1] + st[3 * n + 8 + T2] + st[3 * n + 8 + B1] + st[3 * n + 8 + B2] >= 2 * c and st[3 * n + 8 + B2] > 0:
-                    _x = st[3 * n + B2]
-                    _L = st[3 * (_x) + 2]
-                    _p = st[3 * _x]
-                    _q = st[3 * (_x) + 1]
+                        ht[4 + _L] = _p
+                    rec[8 * _x + 2] = NIL
+                    ht[8 + _L] -= 1
+                elif ht[8 + T1] + ht[8 + T2] + ht[8 + B1] + ht[8 + B2] >= 2 * c and ht[8 + B2] > 0:
+                    _x = ht[B2]
+                    _L = rec[8 * _x + 2]
+                    _p = rec[8 * _x]
+                    _q = rec[8 * _x + 1]
                     if _p != NIL:
-                        st[3 * (_p) + 1] = _q
+                        rec[8 * _p + 1] = _q
                     else:
-                        st[3 * n + _L] = _q
+                        ht[_L] = _q
                     if _q != NIL:
-                        st[3 * _q] = _p
+                        rec[8 * _q] = _p
                     else:
-                        st[3 * n + 4 + _L] = _p
-                    st[3 * (_x) + 2] = NIL
-                    st[3 * n + 8 + _L] -= 1
+                        ht[4 + _L] = _p
+                    rec[8 * _x + 2] = NIL
+                    ht[8 + _L] -= 1
                 _L = T1
                 _x = x
-                _t = st[3 * n + 4 + _L]
-                st[3 * (_x) + 2] = _L
-                st[3 * _x] = _t
-                st[3 * (_x) + 1] = NIL
+                _t = ht[4 + _L]
+                rec[8 * _x + 2] = _L
+                rec[8 * _x] = _t
+                rec[8 * _x + 1] = NIL
                 if _t != NIL:
-                    st[3 * (_t) + 1] = _x
+                    rec[8 * _t + 1] = _x
                 else:
-                    st[3 * n + _L] = _x
-                st[3 * n + 4 + _L] = _x
-                st[3 * n + 8 + _L] += 1
-            meta[4 * (x) + 1] = r
+                    ht[_L] = _x
+                ht[4 + _L] = _x
+                ht[8 + _L] += 1
+            rec[8 * x + 4] = r
             npinned += 1
             j += 1
         for k in range(s, j):
             x = ids[k]
-            if meta[4 * (x)] == 0:
-                cand[st[3 * (x) + 2]] += 1
-            meta[4 * (x) + 1] = -1
+            if rec[8 * x + 3] == 0:
+                cand[rec[8 * x + 2]] += 1
+            rec[8 * x + 4] = -1
     return nv
 
 
