@@ -743,68 +743,56 @@ def arc_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
 # ----------------------------------------------------------------------------- Belady
 
 
-# The heap is one float64 array of 5-field records (key0, key1, key2, id, version):
-# helpers taking one array instead of five cost a fifth of the reference-count
-# traffic per call. Ints are exact in float64 below 2**53.
-_HF = 5
+# The heap is one int64 array of (key, payload) pairs: key = (2**31 − 1 − depth) << 32 | seq
+# orders by depth (deepest first), then seq (oldest first) in one comparison;
+# payload = id << 32 | version. Depth and seq are below 2**31 (int32 positions).
 
 
 @nb.njit(cache=True, inline="always")
-def _hless(h, i, j):
-    a = i * _HF
-    b = j * _HF
-    if h[a] != h[b]:
-        return h[a] < h[b]
-    if h[a + 1] != h[b + 1]:
-        return h[a + 1] < h[b + 1]
-    return h[a + 2] < h[b + 2]
-
-
-@nb.njit(cache=True, inline="always")
-def _hswap(h, i, j):
-    a = i * _HF
-    b = j * _HF
-    for f in range(_HF):
-        h[a + f], h[b + f] = h[b + f], h[a + f]
-
-
-@nb.njit(cache=True, inline="always")
-def _hpush(h, n, k0, k1, k2, x, ver):
+def _hpush(h, n, key, payload):
     i = n
-    a = i * _HF
-    h[a] = k0
-    h[a + 1] = k1
-    h[a + 2] = k2
-    h[a + 3] = x
-    h[a + 4] = ver
-    while i > 0:
-        par = (i - 1) // 2
-        if not _hless(h, i, par):
+    while i > 0:  # sift up: move parents down until the key fits
+        par = (i - 1) >> 1
+        if h[2 * par] <= key:
             break
-        _hswap(h, i, par)
+        h[2 * i] = h[2 * par]
+        h[2 * i + 1] = h[2 * par + 1]
         i = par
+    h[2 * i] = key
+    h[2 * i + 1] = payload
     return n + 1
 
 
 @nb.njit(cache=True, inline="always")
 def _hpop(h, n):
     n -= 1
-    for f in range(_HF):
-        h[f] = h[n * _HF + f]
+    key = h[2 * n]
+    payload = h[2 * n + 1]
     i = 0
-    while True:
-        left = 2 * i + 1
-        right = left + 1
-        m = i
-        if left < n and _hless(h, left, m):
-            m = left
-        if right < n and _hless(h, right, m):
-            m = right
-        if m == i:
+    while True:  # sift down the last entry from the root
+        m = 2 * i + 1
+        if m >= n:
             break
-        _hswap(h, i, m)
+        if m + 1 < n and h[2 * (m + 1)] < h[2 * m]:
+            m += 1
+        if key <= h[2 * m]:
+            break
+        h[2 * i] = h[2 * m]
+        h[2 * i + 1] = h[2 * m + 1]
         i = m
+    h[2 * i] = key
+    h[2 * i + 1] = payload
     return n
+
+
+@nb.njit(cache=True, inline="always")
+def _hkey(depth, seq):
+    return ((np.int64(2**31 - 1) - depth) << 32) | seq
+
+
+@nb.njit(cache=True, inline="always")
+def _hpayload(x, ver):
+    return (np.int64(x) << 32) | (np.int64(ver) & 0xFFFFFFFF)
 
 
 @nb.njit(cache=True, inline="always")
@@ -868,9 +856,9 @@ def belady_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, n
     pool = np.empty(3 * pool_cap, np.int32)  # interleaved entries: block id, version, next entry in the bucket
     n_pool = 0
     free = NIL
-    # never used again: heap of (−depth, seq, id, version) in one float64 array
+    # never used again: heap of (depth/seq key, id/version payload) pairs
     hmax = ids.size * 2 + 16
-    h = np.empty(hmax * _HF, np.float64)
+    h = np.empty(2 * hmax, np.int64)
     n = 0
     used = 0
     nseq = 0
@@ -899,8 +887,8 @@ def belady_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, n
                 # the victim: never-used-again candidates first (deepest, oldest), else the furthest finite next use
                 t = NIL
                 while n > 0:
-                    c = np.int64(h[2])
-                    if np.int64(h[3]) == meta[8 * (c) + 4] and meta[8 * (c) + 0] and meta[8 * (c) + 1] == 0 and meta[8 * (c) + 2] != r:
+                    c = h[1] >> 32
+                    if (h[1] & 0xFFFFFFFF) == (np.int64(meta[8 * (c) + 4]) & 0xFFFFFFFF) and meta[8 * (c) + 0] and meta[8 * (c) + 1] == 0 and meta[8 * (c) + 2] != r:
                         t = c
                         break
                     n = _hpop(h, n)
@@ -947,7 +935,7 @@ def belady_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, n
                     if meta[8 * (pp) + 1] == 0 and meta[8 * (pp) + 2] != r:
                         meta[8 * (pp) + 4] += 1
                         if meta[8 * (pp) + 7] == INF_USE:
-                            n = _hpush(h, n, -meta[8 * (pp) + 6], meta[8 * (pp) + 5], pp, meta[8 * (pp) + 4], 0.0)
+                            n = _hpush(h, n, _hkey(meta[8 * (pp) + 6], meta[8 * (pp) + 5]), _hpayload(pp, meta[8 * (pp) + 4]))
                         else:
                             key = meta[8 * (pp) + 7]
                             if free != NIL:
@@ -987,7 +975,7 @@ def belady_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, n
             if meta[8 * (x) + 1] == 0:
                 meta[8 * (x) + 4] += 1
                 if meta[8 * (x) + 7] == INF_USE:
-                    n = _hpush(h, n, -meta[8 * (x) + 6], meta[8 * (x) + 5], x, meta[8 * (x) + 4], 0.0)
+                    n = _hpush(h, n, _hkey(meta[8 * (x) + 6], meta[8 * (x) + 5]), _hpayload(x, meta[8 * (x) + 4]))
                 else:
                     key = meta[8 * (x) + 7]
                     if free != NIL:
@@ -1008,15 +996,14 @@ def belady_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, n
         if n > hmax - 2 * (e - s) - 16:  # compact stale heap entries
             m = 0
             for i in range(n):
-                c = np.int64(h[i * _HF + 2])
-                if np.int64(h[i * _HF + 3]) == meta[8 * (c) + 4] and meta[8 * (c) + 0]:
-                    for f in range(_HF):
-                        h[m * _HF + f] = h[i * _HF + f]
+                c = h[2 * i + 1] >> 32
+                if (h[2 * i + 1] & 0xFFFFFFFF) == (np.int64(meta[8 * (c) + 4]) & 0xFFFFFFFF) and meta[8 * (c) + 0]:
+                    h[2 * m] = h[2 * i]
+                    h[2 * m + 1] = h[2 * i + 1]
                     m += 1
             n = 0
             for i in range(m):
-                k0, k1, xx, vv = h[i * _HF], h[i * _HF + 1], h[i * _HF + 2], h[i * _HF + 3]
-                n = _hpush(h, n, k0, k1, xx, vv, 0.0)
+                n = _hpush(h, n, h[2 * i], h[2 * i + 1])
     return nv
 
 
@@ -1081,6 +1068,8 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
     elif policy == "arc":
         nv = arc_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims)
     else:
+        if ids.size >= 2**31 - 1:
+            raise ConfigError("trace", f"the Belady kernel replays fewer than 2**31 block references, got {ids.size:,}; use replay()")
         nu32 = _next_use_i32(trace)
         nv = belady_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims, nu32, policy == "belady-bypass")
     name = policy
