@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 
-def best_of(fn: Callable[[], Any], repeats: int = 7, warmup: int = 2) -> float:
-    """Median seconds of ``repeats`` runs after ``warmup`` runs (Numba compiles on the first)."""
+def timings(fn: Callable[[], Any], repeats: int = 7, warmup: int = 2) -> list[float]:
+    """Seconds of each of ``repeats`` runs after ``warmup`` runs (Numba compiles on the first)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -19,7 +19,12 @@ def best_of(fn: Callable[[], Any], repeats: int = 7, warmup: int = 2) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def best_of(fn: Callable[[], Any], repeats: int = 7, warmup: int = 2) -> float:
+    """Median seconds of ``repeats`` runs after ``warmup`` runs."""
+    return statistics.median(timings(fn, repeats, warmup))
 
 
 def write_json(name: str, payload: dict[str, Any], out: str | None) -> Path:

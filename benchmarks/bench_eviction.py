@@ -1,7 +1,9 @@
 """Eviction speed and quality, each against a baseline in the same run.
 
 Speed: 10M accesses over ~1M distinct ids (each access its own one-block
-request), capacity = 1/10 of the distinct ids; targets LRU, FIFO, SIEVE ≥ 15M
+request), capacity = 1/10 of the distinct ids; the rate is the median of
+``--repeats`` timed runs, their min-max printed beside it (a shared machine's
+noise shows there, not in the rate); targets LRU, FIFO, SIEVE ≥ 15M
 accesses/s, ARC and S3-FIFO ≥ 8M, Belady ≥ 5M; the id remap reported apart.
 If ``libcachesim`` is installed (``pip install kvpolicy[bench]``; GPL, benchmark
 only) its LRU, FIFO, SIEVE, S3-FIFO and ARC run on the same accesses: miss
@@ -23,7 +25,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import best_of, print_table, write_json
+import statistics
+
+from _common import print_table, timings, write_json
 from bench_reuse import TRACE, skewed_stream
 
 from kvpolicy.eviction.bench import compare, render
@@ -68,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accesses", type=int, default=10_000_000)
     ap.add_argument("--ids", type=int, default=1_000_000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per policy (the median is the rate; min-max shows the machine's noise)")
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -88,17 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     res["speed"] = []
     for p in KERNEL_POLICIES:
         r = replay_kernel(tr, p, cap)
-        dt = best_of(lambda p=p: replay_kernel(tr, p, cap), repeats=3, warmup=0)  # median of 3 after the run above
+        ts = timings(lambda p=p: replay_kernel(tr, p, cap), repeats=args.repeats, warmup=0)  # after the run above
+        dt = statistics.median(ts)
         rate = args.accesses / dt
         miss = 1 - r.block_hit_ratio()
         lc = lcs.get(p)
         lc_txt = f"{lc[0]:.6f}" if lc else "-"
         ratio = f"{lc[1] / dt:.2f}x" if lc else "-"
-        rows.append([p, f"{dt:.2f}", f"{rate / 1e6:.1f}", f"{TARGETS[p] / 1e6:.0f}", "met" if rate >= TARGETS[p] else "MISSED", f"{miss:.6f}", lc_txt, ratio])
-        res["speed"].append({"policy": p, "seconds": dt, "accesses_per_s": rate, "target": TARGETS[p], "miss_ratio": miss,
+        rows.append([p, f"{dt:.2f}", f"{min(ts):.2f}-{max(ts):.2f}", f"{rate / 1e6:.1f}", f"{TARGETS[p] / 1e6:.0f}", "met" if rate >= TARGETS[p] else "MISSED", f"{miss:.6f}", lc_txt, ratio])
+        res["speed"].append({"policy": p, "seconds": dt, "runs_s": ts, "accesses_per_s": rate, "target": TARGETS[p], "miss_ratio": miss,
                              "libcachesim_miss_ratio": lc[0] if lc else None, "libcachesim_seconds": lc[1] if lc else None})
     print(f"{args.accesses:,} accesses over {distinct:,} distinct ids, capacity {cap:,} blocks; id remap {t_remap:.2f} s (not counted)\n")
-    print_table(["policy", "seconds", "M acc/s", "target", "", "miss ratio", "libCacheSim miss", "libCacheSim s / ours"], rows)
+    print_table(["policy", "median s", "min-max s", "M acc/s", "target", "", "miss ratio", "libCacheSim miss", "libCacheSim s / ours"], rows)
     if lcs:
         for p in ("lru", "fifo"):
             ours = next(x for x in res["speed"] if x["policy"] == p)["miss_ratio"]

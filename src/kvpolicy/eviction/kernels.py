@@ -27,12 +27,39 @@ from typing import Any
 
 import numba as nb
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from ..errors import ConfigError
 from .replay import ReplayResult
 
 NIL = -1
 INF_USE = np.int32(2**31 - 1)  # next use of a block never referenced again (int32 sentinel)
+
+
+@intrinsic
+def _prefetch(typingctx, arr, idx):  # pragma: no cover - compiled
+    """A hint that ``arr[idx]`` will be read soon (LLVM's prefetch; never faults)."""
+    if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        i32 = ir.IntType(32)
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])  # read, high locality, data
+        return context.get_dummy_value()
+
+    return types.void(arr, idx), codegen
+
+
+PREFETCH_AHEAD = 16  # block references ahead whose record is prefetched
 
 
 # ----------------------------------------------------------------------------- layout
@@ -60,6 +87,11 @@ def lru_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
     for r in range(offsets.size - 1):
         s = offsets[r]
         e = offsets[r + 1]
+        if s + PREFETCH_AHEAD < ids.size:
+            y = ids[s + PREFETCH_AHEAD]
+            _prefetch(res, y)
+            _prefetch(prev, y)
+            _prefetch(nxt, y)
         j = s
         while j < e and res[ids[j]]:
             j += 1
@@ -149,6 +181,10 @@ def fifo_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
     for r in range(offsets.size - 1):
         s = offsets[r]
         e = offsets[r + 1]
+        if s + PREFETCH_AHEAD < ids.size:
+            y = ids[s + PREFETCH_AHEAD]
+            _prefetch(res, y)
+            _prefetch(fam, 2 * y)
         j = s
         while j < e and res[ids[j]]:
             j += 1
@@ -218,6 +254,10 @@ def sieve_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
     for r in range(offsets.size - 1):
         s = offsets[r]
         e = offsets[r + 1]
+        if s + PREFETCH_AHEAD < ids.size:
+            y = ids[s + PREFETCH_AHEAD]
+            _prefetch(res, y)
+            _prefetch(meta, 4 * y)
         j = s
         while j < e and res[ids[j]]:
             x = ids[j]
@@ -331,6 +371,8 @@ def s3fifo_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, s
     nv = 0
     for r in range(offsets.size - 1):
         s, e = offsets[r], offsets[r + 1]
+        if s + PREFETCH_AHEAD < ids.size:
+            _prefetch(meta, 4 * ids[s + PREFETCH_AHEAD])
         j = s
         while j < e:
             x = ids[j]
@@ -501,6 +543,8 @@ def arc_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
     nv = 0
     for r in range(offsets.size - 1):
         s, e = offsets[r], offsets[r + 1]
+        if s + PREFETCH_AHEAD < ids.size:
+            _prefetch(rec, 8 * ids[s + PREFETCH_AHEAD])
         j = s
         while j < e and (rec[8 * ids[j] + 2] == T1 or rec[8 * ids[j] + 2] == T2):
             x = ids[j]
@@ -866,6 +910,8 @@ def belady_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, n
     for r in range(n_req):
         s = offsets[r]
         e = offsets[r + 1]
+        if s + PREFETCH_AHEAD < ids.size:
+            _prefetch(meta, 8 * ids[s + PREFETCH_AHEAD])
         j = s
         while j < e and meta[8 * (ids[j]) + 0]:
             x = ids[j]
