@@ -60,6 +60,7 @@ def _prefetch(typingctx, arr, idx):  # pragma: no cover - compiled
 
 
 PREFETCH_AHEAD = 16  # block references ahead whose record is prefetched
+QUEUE_AHEAD = 4  # queue entries ahead of the oldest whose record is prefetched
 
 
 # ----------------------------------------------------------------------------- layout
@@ -89,6 +90,11 @@ def lru_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
         e = offsets[r + 1]
         if s + PREFETCH_AHEAD < ids.size:
             y = ids[s + PREFETCH_AHEAD]
+            _prefetch(res, y)
+            _prefetch(prev, y)
+            _prefetch(nxt, y)
+        if head != NIL and nxt[head] != NIL:  # the victim after the next one
+            y = nxt[head]
             _prefetch(res, y)
             _prefetch(prev, y)
             _prefetch(nxt, y)
@@ -185,6 +191,11 @@ def fifo_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
             y = ids[s + PREFETCH_AHEAD]
             _prefetch(res, y)
             _prefetch(fam, 2 * y)
+        if size > QUEUE_AHEAD:  # the records the oldest end will reach next
+            qt = qh + QUEUE_AHEAD
+            y = ring[qt - ring_n if qt >= ring_n else qt]
+            _prefetch(fam, 2 * y)
+            _prefetch(res, y)
         j = s
         while j < e and res[ids[j]]:
             j += 1
@@ -373,6 +384,15 @@ def s3fifo_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, s
         s, e = offsets[r], offsets[r + 1]
         if s + PREFETCH_AHEAD < ids.size:
             _prefetch(meta, 4 * ids[s + PREFETCH_AHEAD])
+        # and the records the queues will reach next: S's and M's oldest few, the ghost's
+        if sn > QUEUE_AHEAD:
+            qt = sh + QUEUE_AHEAD
+            _prefetch(meta, 4 * sq[qt - rn if qt >= rn else qt])
+        if mn > QUEUE_AHEAD:
+            qt = mh + QUEUE_AHEAD
+            _prefetch(meta, 4 * mq[qt - rn if qt >= rn else qt])
+        if gh + QUEUE_AHEAD < ge:
+            _prefetch(meta, 4 * gq[2 * (gh + QUEUE_AHEAD)])
         j = s
         while j < e:
             x = ids[j]
