@@ -932,6 +932,10 @@ def belady_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, n
         e = offsets[r + 1]
         if s + PREFETCH_AHEAD < ids.size:
             _prefetch(meta, 8 * ids[s + PREFETCH_AHEAD])
+            y = next_use[s + PREFETCH_AHEAD]
+            if y != INF_USE:  # the bucket that block will be pushed into
+                _prefetch(bhead, y)
+                _prefetch(words, y >> 6)
         j = s
         while j < e and meta[8 * (ids[j]) + 0]:
             x = ids[j]
