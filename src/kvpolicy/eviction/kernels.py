@@ -573,6 +573,12 @@ def arc_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
         s, e = offsets[r], offsets[r + 1]
         if s + PREFETCH_AHEAD < ids.size:
             _prefetch(rec, 8 * ids[s + PREFETCH_AHEAD])
+        if s + PREFETCH_AHEAD // 2 < ids.size:  # its record arrived: prefetch its list neighbours (unlinked on a hit)
+            y = ids[s + PREFETCH_AHEAD // 2]
+            if rec[8 * y] != NIL:
+                _prefetch(rec, 8 * rec[8 * y])
+            if rec[8 * y + 1] != NIL:
+                _prefetch(rec, 8 * rec[8 * y + 1])
         j = s
         while j < e and (rec[8 * ids[j] + 2] == T1 or rec[8 * ids[j] + 2] == T2):
             x = ids[j]
