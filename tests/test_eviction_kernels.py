@@ -43,3 +43,18 @@ def test_kernel_errors():
         replay_kernel(tr, "lfu", 2)
     with pytest.raises(ConfigError, match="capacity_blocks"):
         replay_kernel(tr, "lru", -1)
+    with pytest.raises(ConfigError, match="fewer than 67,108,864 blocks"):
+        replay_kernel(tr, "s3fifo", 2**26)
+
+
+@pytest.mark.parametrize("policy", KERNEL_POLICIES)
+def test_kernel_on_queues_that_wrap_and_compact(policy):
+    # long enough that FIFO's ring wraps many times, SIEVE's array and S3-FIFO's
+    # ghost compact many times and the prefetch reaches past the end of the trace
+    rng = np.random.default_rng(7)
+    ids = first_appearance_ids((300 * rng.random(6000) ** 2).astype(np.int64))
+    tr = flat_trace(ids)
+    for cap in (1, 7, 40):
+        online = replay(tr, policy, cap, record_victims=True)
+        kernel = replay_kernel(tr, policy, cap)
+        assert np.array_equal(online.hits, kernel.hits) and online.victims == kernel.victims.tolist()
