@@ -8,6 +8,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from strategies_prefix import flat_trace, prefix_traces
 from kvpolicy.analysis import PrefixMRC, stack_distances
+from kvpolicy.clock import ManualClock
 from kvpolicy.errors import CapacityError, ConfigError, OracleRequiredError
 from kvpolicy.eviction import ALL_POLICIES, BeladyPolicy, PolicyCache, TraceOracle, make_policy, replay
 from kvpolicy.traces import first_appearance_ids, generate, preset
@@ -170,3 +171,32 @@ def test_facade_too_large_and_empty():
     c["a"] = "ab"
     c["b"] = "cd"  # evicts a
     assert "a" not in c and c["b"] == "cd" and c.currsize == 2
+
+
+@settings(max_examples=40, deadline=None)
+@given(prefix_traces(max_requests=30), st.integers(1, 14))
+def test_reuse_distance_without_its_corrections_is_lru(tr, cap):
+    # aging = boost = 0 and a C_effective nothing exceeds: only the LRU backbone is left
+    rd = replay(tr, "reuse-distance", cap, record_victims=True, aging=0.0, boost=0.0, effective_bytes=10**18)
+    lru = replay(tr, "lru", cap, record_victims=True)
+    assert np.array_equal(rd.hits, lru.hits) and rd.victims == lru.victims
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 15), st.booleans()), min_size=1, max_size=120), st.integers(1, 6))
+def test_reuse_distance_evicts_doomed_blocks_first(ops, c_eff):
+    # a block whose expected reuse distance exceeds C_effective goes before any block that can still hit
+    clock = ManualClock()
+    pol = make_policy("reuse-distance", 6, clock=clock, effective_bytes=c_eff)
+    for key, access in ops:
+        clock.advance(1.0)
+        if key in pol:
+            if access:
+                pol.on_access(key)
+            continue
+        if pol.used_bytes + 1 > pol.capacity_bytes:
+            cands = [n for n in pol.nodes.values() if n.is_candidate]
+            doomed = {n.key for n in cands if pol.doomed(n)}
+            victim = pol.victims(1)[0]
+            assert not doomed or victim in doomed
+        pol.on_insert(key, 1)
