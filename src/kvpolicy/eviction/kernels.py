@@ -171,6 +171,17 @@ def lru_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
 
 
 @nb.njit(cache=True, inline="always")
+def _ring_rotate(ring, head, count, n):
+    """Move a ring's oldest entry to its newest end (also when the ring is full); the new head."""
+    t = head + count
+    if t >= n:
+        t -= n
+    ring[t] = ring[head]
+    head += 1
+    return 0 if head == n else head
+
+
+@nb.njit(cache=True, inline="always")
 def _in_run(v, ids, s, j):
     for k in range(s, j):
         if ids[k] == v:
@@ -221,13 +232,7 @@ def fifo_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
                 v = ring[qh]
                 # not evictable (a resident child, or pinned = in this request's run ids[s:j]): rotate to the newest end
                 while fam[2 * v] > 0 or _in_run(v, ids, s, j):
-                    qt = qh + size
-                    if qt >= ring_n:
-                        qt -= ring_n
-                    ring[qt] = v
-                    qh += 1
-                    if qh == ring_n:
-                        qh = 0
+                    qh = _ring_rotate(ring, qh, size, ring_n)
                     v = ring[qh]
                 qh += 1
                 if qh == ring_n:
@@ -460,13 +465,7 @@ def s3fifo_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, s
                         if meta[a + 3] & 3 == 0:
                             break
                         meta[a + 3] -= 1
-                    qt = mh + mn  # rotate M
-                    if qt >= rn:
-                        qt -= rn
-                    mq[qt] = t
-                    mh += 1
-                    if mh == rn:
-                        mh = 0
+                    mh = _ring_rotate(mq, mh, mn, rn)
                 # t is the oldest block of S (use_small) or of M
                 pk = meta[a + 3]
                 q = (pk >> 2) & 3
