@@ -171,6 +171,13 @@ def lru_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
 
 
 @nb.njit(cache=True, inline="always")
+def _ring_push(ring, head, count, n, x):
+    """Write x at a ring's newest end (the caller counts it)."""
+    t = head + count
+    ring[t - n if t >= n else t] = x
+
+
+@nb.njit(cache=True, inline="always")
 def _ring_rotate(ring, head, count, n):
     """Move a ring's oldest entry to its newest end (also when the ring is full); the new head."""
     t = head + count
@@ -247,10 +254,7 @@ def fifo_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
             if j > s:  # a chain id always has the same parent: written once, kept
                 fam[2 * x + 1] = ids[j - 1]
                 fam[2 * ids[j - 1]] += 1
-            qt = qh + size
-            if qt >= ring_n:
-                qt -= ring_n
-            ring[qt] = x
+            _ring_push(ring, qh, size, ring_n, x)
             res[x] = True
             size += 1
             npinned += 1
@@ -449,10 +453,7 @@ def s3fifo_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, s
                             if f > 1:
                                 f = 0
                             meta[a + 3] = (pk & ~15) | (M_Q << 2) | f
-                            qt = mh + mn
-                            if qt >= rn:
-                                qt -= rn
-                            mq[qt] = t
+                            _ring_push(mq, mh, mn, rn, t)
                             mn += 1
                             if is_c:
                                 cand[1] += 1
@@ -522,17 +523,11 @@ def s3fifo_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, s
             pk = meta[a + 3] & ~15  # freq 0, keep the version
             if (meta[a + 3] >> 2) & 3 == G_Q:  # a ghost hit goes to M; its ghost entry goes stale
                 glive -= 1
-                qt = mh + mn
-                if qt >= rn:
-                    qt -= rn
-                mq[qt] = x
+                _ring_push(mq, mh, mn, rn, x)
                 mn += 1
                 meta[a + 3] = pk | (M_Q << 2)
             else:
-                qt = sh + sn
-                if qt >= rn:
-                    qt -= rn
-                sq[qt] = x
+                _ring_push(sq, sh, sn, rn, x)
                 sn += 1
                 meta[a + 3] = pk | (S_Q << 2)
             meta[a + 1] = r
