@@ -78,7 +78,9 @@ QUEUE_AHEAD = 4  # queue entries ahead of the oldest whose record is prefetched
 # 5x on LRU); a block's fields interleaved in one record so a block costs one
 # cache line, 16 bytes where they fit; and a queue that only loses its oldest
 # entry kept as an array read in order (FIFO, SIEVE, S3-FIFO) instead of a
-# linked list.
+# linked list. ARC's list code is written out at each use on purpose: the same
+# kernel through two inline helpers (unlink, append) measured 0.84x (A/B), while
+# the small ring helpers below cost nothing measurable.
 
 
 # ----------------------------------------------------------------------------- LRU / FIFO / SIEVE
