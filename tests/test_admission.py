@@ -154,16 +154,22 @@ TestAdmissionMachine = AdmissionMachine.TestCase
 TestAdmissionMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 
 
-def test_failed_block_and_everything_after_it_are_never_used():
+def test_partial_use_keeps_what_arrived_before_a_failure_or_timeout():
     c = controller(bw=25e9)
     d = c.decide(pm(0, 100), ctx)
     r = c.record(LoadOutcome(d.load_id, "failed", ok_blocks=37))
     assert r.usable_blocks == 37 and r.recompute_blocks == d.load_blocks - 37
     d = c.decide(pm(0, 100), ctx)
-    assert c.record(LoadOutcome(d.load_id, "timeout", ok_blocks=50)).usable_blocks == 0
+    r = c.record(LoadOutcome(d.load_id, "timeout", ok_blocks=50))
+    assert r.usable_blocks == 50 and r.recompute_blocks == d.load_blocks - 50
+    d = c.decide(pm(0, 100), ctx)
+    assert c.record(LoadOutcome(d.load_id, "incompatible", ok_blocks=50)).usable_blocks == 0
+    d = c.decide(pm(0, 100), ctx)
     with pytest.raises(ConfigError, match="ok_blocks"):
-        d = c.decide(pm(0, 100), ctx)
         c.record(LoadOutcome(d.load_id, "ok", ok_blocks=d.load_blocks + 1))
+    assert c.loads_in_flight() == 1, "a refused outcome changes nothing: the load is still in flight"
+    c.record(LoadOutcome(d.load_id, "ok", ok_blocks=d.load_blocks))
+    assert c.loads_in_flight() == 0
 
 
 def test_failure_policy_fail_raises():
@@ -351,7 +357,7 @@ def test_a_source_judged_slow_is_probed_and_the_model_recovers():
 
 def test_no_probe_when_disabled_or_never_loaded():
     c, clock = _slow_then_recovered(None)
-    clock.advance(10_000)
+    clock.advance(200)  # within the model's memory (two 300 s windows): no probe ever
     assert c.decide(pm(0, 100), ctx).reason == "slower_than_recompute"
     fresh = controller(bw=1.0)  # a hopeless link, never loaded: nothing to re-measure
     fresh.clock.advance(10_000)

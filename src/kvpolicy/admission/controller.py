@@ -1,17 +1,28 @@
 """The admission controller: load remote blocks only when that wins.
 
 For a request whose leading ``L`` blocks are local and the next ``R`` are found
-remotely, load the first ``k ≤ R`` remote blocks only if
+remotely, the decision is a **split plan** over the first ``k ≤ R`` of them:
+compute blocks ``[L, L+s)`` on the GPU while blocks ``[L+s, L+k)`` load, the two
+meeting in the middle (compute while loading — Cake, arXiv 2410.03065), then
+prefill the rest. A load range is taken only if it is ready before recompute
+would have produced it:
 
-    p95(T_remote(k)) + T_interference(k) < margin × p50(T_recompute(k))
+    p95(T_remote(k−s)) + T_interference(k−s) < margin × (W + p50(T_recompute(L → L+k)))
 
-where ``T_recompute(k)`` is dispatch plus prefilling exactly those k blocks after
-the L local ones. Among the k that win, the one with the largest margin of
-victory is loaded; the rest of the prompt is recomputed (partial loads are
-normal). Candidates are ``k ∈ {1, 2, 4, …} ∪ {R}``: the model's benefit is convex
-in k (prefill is convex, every remote term linear), so this set is enough to
-guarantee that a faster link or a longer shared prefix never turns a load into a
-recompute, and a slower link never turns a recompute into a load.
+``W`` is the wait for a prefill slot the engine reports (``ctx.queue_wait_s``,
+0 by default) and ``T_recompute(L → L+k)`` dispatch plus prefilling those k
+blocks after the L local ones; with ``s = 0`` this is the brief's rule exactly.
+``T_remote`` sees the path: the bytes ahead of the load on its source and the
+receiving NIC (``ctx.path_backlog_bytes``, ``ctx.path_flows_bytes``), reads and
+writes from every replica. Among the plans that win, the one with the largest
+margin of victory is taken; ``s`` balances the two sides
+(``W + T_compute(s) ≈ T_remote(k−s)``). Without ``compute_while_loading``
+(engines that cannot overlap them) ``s = 0``. Candidates are
+``k ∈ {1, 2, 4, …} ∪ {R}``: the model's benefit is convex in k (prefill is
+convex, every remote term linear), so a faster link or a longer shared prefix
+never turns a load into a recompute, and a slower link never turns a recompute
+into a load. Under the model a plan's predicted time is never above
+recompute-only's (``s = k``, no load, is always a candidate).
 
 Guard rails, checked after the inequality: the source's circuit breaker
 (``source_unhealthy``), concurrent loads per replica (``replica_cap``; lower
@@ -25,6 +36,7 @@ back; ``fail`` raises :class:`~kvpolicy.errors.RemoteLoadError`.
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any, Literal
 
 import attrs
@@ -49,6 +61,7 @@ def _pos_int(inst: Any, a: attrs.Attribute, v: Any) -> None:
 
 @attrs.frozen
 class AdmissionConfig:
+    #: a load must be ready within margin × the recompute time (p95 against p50: "markedly below")
     margin: float = 0.8
     max_loads_per_replica: int = attrs.field(default=4, validator=_pos_int)
     max_loads_per_source: int = attrs.field(default=32, validator=_pos_int)
@@ -60,10 +73,13 @@ class AdmissionConfig:
     #: anyway (a probe, still under every guard rail and the soft timeout) so the model
     #: sees the link as it is now; None: never probe
     probe_interval_s: float | None = 30.0
+    #: plan splits: the engine computes the leading blocks of a load range while the rest
+    #: loads (from the back), meeting in the middle; False for engines that cannot overlap them
+    compute_while_loading: bool = False
 
     def __attrs_post_init__(self) -> None:
-        if not 0 < self.margin <= 1.5:
-            raise ConfigError("margin", f"must be in (0, 1.5], got {self.margin}")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or not 0 < self.margin <= 1:
+            raise ConfigError("margin", f"must be in (0, 1], got {self.margin!r}")
         if not self.max_queue_bytes_per_source > 0:
             raise ConfigError("max_queue_bytes_per_source", "must be positive")
         if not self.timeout_factor > 0:
@@ -74,20 +90,44 @@ class AdmissionConfig:
             raise ConfigError("failure_policy", f"must be 'recompute' or 'fail', got {self.failure_policy!r}")
 
 
+def _finite_nonneg(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
+
+
 @attrs.frozen
 class AdmissionContext:
+    """What the engine knows about one request's situation when it asks."""
+
     block_bytes: int
     replica: str = "replica-0"
     source: str = "pool"
     active_decodes: int = 0
     warming: bool = False
     request_class: str = "default"
+    #: bytes queued ahead on the load's path in FIFO order (a storage node's or transport's backlog
+    #: figure: reads *and* writes from every replica, in that direction); None: unknown
+    path_backlog_bytes: float | None = None
+    #: remaining bytes of each flow sharing the path's bottleneck link fairly (a transport that
+    #: tracks its flows); each delays a load of S bytes by at most min(r, S)
+    path_flows_bytes: tuple[float, ...] = ()
+    #: the wait before this request's prefill can start (the engine's scheduler queue), seconds
+    queue_wait_s: float = 0.0
 
     def __attrs_post_init__(self) -> None:
         if isinstance(self.block_bytes, bool) or not isinstance(self.block_bytes, int) or self.block_bytes <= 0:
             raise ConfigError("block_bytes", f"must be a positive int, got {self.block_bytes!r}")
-        if self.active_decodes < 0:
-            raise ConfigError("active_decodes", "must be non-negative")
+        if isinstance(self.active_decodes, bool) or not isinstance(self.active_decodes, int) or self.active_decodes < 0:
+            raise ConfigError("active_decodes", f"must be a non-negative int, got {self.active_decodes!r}")
+        if self.path_backlog_bytes is not None and not _finite_nonneg(self.path_backlog_bytes):
+            raise ConfigError("path_backlog_bytes", f"must be finite and >= 0 or None, got {self.path_backlog_bytes!r}")
+        if not all(_finite_nonneg(r) for r in self.path_flows_bytes):
+            raise ConfigError("path_flows_bytes", "every flow's remaining bytes must be finite and >= 0")
+        if not _finite_nonneg(self.queue_wait_s):
+            raise ConfigError("queue_wait_s", f"must be finite and >= 0, got {self.queue_wait_s!r}")
+
+    @property
+    def knows_path(self) -> bool:
+        return self.path_backlog_bytes is not None or bool(self.path_flows_bytes)
 
 
 @attrs.frozen
@@ -109,10 +149,20 @@ class Decision:
     source: str = "pool"
     replica: str = "replica-0"
     load_bytes: int = 0
+    #: compute-while-loading: blocks [L, L+split_blocks) are prefilled while [L+split_blocks, L+load_blocks)
+    #: load (from the back); 0 = load the whole range
+    split_blocks: int = 0
+    #: bytes ahead on the path the prediction used (fed back with the outcome)
+    queue_bytes: float = 0.0
 
     @property
     def loads(self) -> bool:
         return self.action == "load"
+
+    @property
+    def loaded_range(self) -> tuple[int, int]:
+        """Block indexes [start, end) of the prompt that this decision loads."""
+        return (self.local_blocks + self.split_blocks, self.local_blocks + self.load_blocks) if self.loads else (0, 0)
 
 
 @attrs.frozen
@@ -121,17 +171,23 @@ class LoadOutcome:
 
     load_id: int
     status: Literal["ok", "failed", "timeout", "incompatible"]
-    ok_blocks: int  # leading blocks loaded and installed intact
+    #: blocks that arrived intact before the load ended, in transfer order (the range's leading
+    #: blocks; its trailing ones for a split plan, which loads from the back)
+    ok_blocks: int
     lookup_s: float | None = None
+    #: for "ok": the transfer's duration; for "timeout": how long it ran before it was given up
     transfer_s: float | None = None
     stage_s: float | None = None
     install_s: float | None = None
     stall_s: float | None = None  # observed interference, if the engine measures it
+    #: bytes actually moved, when the load ended early (a split plan's compute caught up); None: all of it
+    bytes_delivered: float | None = None
 
 
 @attrs.frozen
 class LoadResult:
-    usable_blocks: int  # leading remote blocks that may be used; everything after is recomputed
+    #: blocks that may be used (partial use: whatever arrived intact before the end, in transfer order)
+    usable_blocks: int
     recompute_blocks: int
     status: str
 
@@ -189,57 +245,105 @@ class AdmissionController:
 
     # ------------------------------------------------------------------ decide
 
-    def evaluate(self, local_blocks: int, remote_blocks: int, k: int, block_size_tokens: int, ctx: AdmissionContext) -> dict[str, float]:
-        """Every predicted term for loading k of the remote blocks (no side effects)."""
-        load_bytes = k * ctx.block_bytes
-        queue = self.queued_bytes(ctx.source)
+    def path_queue_bytes(self, ctx: AdmissionContext, load_bytes: float) -> float:
+        """Bytes ahead of a load of ``load_bytes`` on its path: what the engine reports
+        (every byte in that direction, any replica, reads and writes) or, when it reports
+        nothing, this controller's own admitted loads still in flight on the source."""
+        if ctx.knows_path:
+            return self.model.path_queue_bytes(load_bytes, ctx.path_backlog_bytes, ctx.path_flows_bytes)
+        return self.queued_bytes(ctx.source)
+
+    def _plan(self, L: int, k: int, Bt: int, ctx: AdmissionContext, c95: Any, c50: Any) -> tuple[int, float, float, float]:
+        """(split s, plan seconds, recompute seconds, benefit) for the load extent k."""
+        start = L * Bt
+        W = ctx.queue_wait_s
+        spread = 1 + max(ctx.active_decodes, 0)
+        bb = ctx.block_bytes
+        recompute = W + c50.recompute(start, start + k * Bt)
+
+        def remote(n: int) -> float:
+            if n <= 0:
+                return 0.0
+            S = n * bb
+            return c95.remote(S, n, self.path_queue_bytes(ctx, S)) + c50.interference_s_per_byte * S * spread
+
+        def plan(s_: int) -> float:
+            front = W + c50.recompute(start, start + s_ * Bt) if s_ > 0 else 0.0
+            return max(front, remote(k - s_))
+
+        if not self.config.compute_while_loading:
+            p = plan(0)
+            return 0, p, recompute, self.config.margin * recompute - p
+        lo, hi = 0, k  # smallest s with front(s) >= remote(k - s): the two sides meet there
+        while lo < hi:
+            mid = (lo + hi) // 2
+            front = W + c50.recompute(start, start + mid * Bt) if mid > 0 else 0.0
+            if front >= remote(k - mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        best_s, best_p = lo, plan(lo) if lo < k else math.inf
+        if lo > 0 and plan(lo - 1) < best_p:
+            best_s, best_p = lo - 1, plan(lo - 1)
+        return best_s, best_p, recompute, self.config.margin * recompute - best_p
+
+    def evaluate(self, local_blocks: int, remote_blocks: int, k: int, block_size_tokens: int, ctx: AdmissionContext,
+                 split_blocks: int = 0) -> dict[str, float]:
+        """Every predicted term for loading blocks [L+split, L+k) of the remote run (no side effects)."""
+        n = k - split_blocks
+        load_bytes = n * ctx.block_bytes
+        queue = self.path_queue_bytes(ctx, load_bytes)
         start = local_blocks * block_size_tokens
         end = start + k * block_size_tokens
         out: dict[str, float] = {}
-        for tag, c in (("p95", self.model.coefficients(0.95)), ("p50", self.model.coefficients(0.5))):
+        for tag, c in (("p95", self.model.coefficients(0.95, ctx.source)), ("p50", self.model.coefficients(0.5, ctx.source))):
             out[f"lookup_{tag}_s"] = c.lookup_s
             out[f"queue_{tag}_s"] = queue * c.s_per_byte
             out[f"transfer_{tag}_s"] = c.transfer_overhead_s + c.s_per_byte * load_bytes if load_bytes > 0 else 0.0
             out[f"stage_{tag}_s"] = c.stage_s_per_byte * load_bytes
-            out[f"install_{tag}_s"] = c.install_s_per_block * k
-            out[f"t_remote_{tag}_s"] = c.remote(load_bytes, k, queue)
-        c50 = self.model.coefficients(0.5)
+            out[f"install_{tag}_s"] = c.install_s_per_block * n
+            out[f"t_remote_{tag}_s"] = c.remote(load_bytes, n, queue)
+        c50 = self.model.coefficients(0.5, ctx.source)
+        out["queue_bytes"] = queue
+        out["queue_wait_s"] = ctx.queue_wait_s
         out["dispatch_p50_s"] = c50.dispatch_s
         out["prefill_p50_s"] = c50.recompute(start, end) - c50.dispatch_s
         out["t_recompute_p50_s"] = c50.recompute(start, end)
+        out["t_front_p50_s"] = c50.recompute(start, start + split_blocks * block_size_tokens) if split_blocks else 0.0
         out["interference_s"] = c50.interference_s_per_byte * load_bytes * (1 + max(ctx.active_decodes, 0))
         out["b_eff_p50_bytes_per_s"] = 1.0 / c50.s_per_byte if c50.s_per_byte > 0 else float("inf")
-        out["benefit_s"] = self.config.margin * out["t_recompute_p50_s"] - out["t_remote_p95_s"] - out["interference_s"]
+        W = ctx.queue_wait_s
+        out["t_plan_s"] = max(W + out["t_front_p50_s"] if split_blocks else 0.0, out["t_remote_p95_s"] + out["interference_s"])
+        out["t_recompute_only_s"] = W + out["t_recompute_p50_s"]
+        out["benefit_s"] = self.config.margin * out["t_recompute_only_s"] - out["t_plan_s"]
         return out
 
     def decide(self, match: PrefixMatch, ctx: AdmissionContext) -> Decision:
         if not isinstance(match, PrefixMatch):
             raise ConfigError("match", "must be a kvpolicy.matching.PrefixMatch")
+        if not isinstance(ctx, AdmissionContext):
+            raise ConfigError("ctx", "must be a kvpolicy.admission.AdmissionContext")
         L = match.local_blocks
         R = match.remote_total_blocks
         no_load: Action = "local_only" if L > 0 else "recompute"
         if R == 0:
             return Decision(no_load, "no_remote_blocks", L, 0, 0, None, None, None, None, {}, source=ctx.source, replica=ctx.replica)
-        # benefit(k) in closed form from cached coefficients; full terms for the winner only
-        c95 = self.model.coefficients(0.95)
-        c50 = self.model.coefficients(0.5)
-        queue = self.queued_bytes(ctx.source)
+        c95 = self.model.coefficients(0.95, ctx.source)
+        c50 = self.model.coefficients(0.5, ctx.source)
         Bt = match.block_size_tokens
-        start = L * Bt
-        margin = self.config.margin
-        spread = 1 + max(ctx.active_decodes, 0)
-        best_k, best_benefit = 1, -float("inf")
+        best_k, best_s, best_benefit = 1, 0, -math.inf
         k = 1
         while True:
             kk = min(k, R)
-            S = kk * ctx.block_bytes
-            benefit = margin * c50.recompute(start, start + kk * Bt) - c95.remote(S, kk, queue) - c50.interference_s_per_byte * S * spread
+            s_, _, _, benefit = self._plan(L, kk, Bt, ctx, c95, c50)
             if benefit > best_benefit:
-                best_k, best_benefit = kk, benefit
+                best_k, best_s, best_benefit = kk, s_, benefit
             if kk == R:
                 break
             k *= 2
-        best = self.evaluate(L, R, best_k, Bt, ctx)
+        if best_s >= best_k:  # nothing left to load: the plan is to compute it all
+            best_s = 0
+        best = self.evaluate(L, R, best_k, Bt, ctx, best_s)
 
         def refuse(reason: str) -> Decision:
             return Decision(no_load, reason, L, R, 0, best["t_remote_p50_s"], best["t_remote_p95_s"], best["t_recompute_p50_s"],
@@ -261,26 +365,26 @@ class AdmissionController:
             return refuse("replica_cap")
         if self._source_loads.get(ctx.source, 0) >= cfg.max_loads_per_source:
             return refuse("source_cap")
-        load_bytes = best_k * ctx.block_bytes
-        queued = self.queued_bytes(ctx.source)
+        load_bytes = (best_k - best_s) * ctx.block_bytes
+        queued = best["queue_bytes"]
         if queued > 0 and queued + load_bytes > cfg.max_queue_bytes_per_source:
-            return refuse("queue_full")  # an idle source always takes one load, however large: the cap bounds waiting, not size
+            return refuse("queue_full")  # an idle path always takes one load, however large: the cap bounds waiting, not size
         if self.ramp is not None and not self.ramp.admit():
             return refuse("ramp_share")
         if not breaker.allow():
             return refuse("source_unhealthy")
         load_id = next(self._ids)
-        self._last_load_s[ctx.source] = self.clock.now_s()
+        now = self.clock.now_s()
+        self._last_load_s[ctx.source] = now
         d = Decision(
             "load", reason, L, R, best_k, best["t_remote_p50_s"], best["t_remote_p95_s"], best["t_recompute_p50_s"], best["interference_s"],
-            best, soft_timeout_s=cfg.timeout_factor * best["t_recompute_p50_s"], load_id=load_id, source=ctx.source,
-            replica=ctx.replica, load_bytes=load_bytes,
+            best, soft_timeout_s=cfg.timeout_factor * best["t_recompute_only_s"], load_id=load_id, source=ctx.source,
+            replica=ctx.replica, load_bytes=load_bytes, split_blocks=best_s, queue_bytes=queued,
         )
         self._inflight[load_id] = d
         self._replica_loads[ctx.replica] = self._replica_loads.get(ctx.replica, 0) + 1
         self._source_loads[ctx.source] = self._source_loads.get(ctx.source, 0) + 1
         self._source_bytes[ctx.source] = self._source_bytes.get(ctx.source, 0.0) + load_bytes
-        now = self.clock.now_s()
         self._busy_until[ctx.source] = max(self._busy_until.get(ctx.source, now), now) + load_bytes * c50.s_per_byte
         return d
 
@@ -304,28 +408,38 @@ class AdmissionController:
 
     def record(self, outcome: LoadOutcome) -> LoadResult:
         """Feed a load's outcome: releases its slot, updates the breaker and the model."""
-        d = self._release(outcome.load_id)
-        if not 0 <= outcome.ok_blocks <= d.load_blocks:
-            raise ConfigError("ok_blocks", f"{outcome.ok_blocks} outside [0, {d.load_blocks}] for load {outcome.load_id}")
+        d = self._inflight.get(outcome.load_id)
+        if d is None:
+            raise ConfigError("load_id", f"{outcome.load_id} is not an admitted load in flight (already recorded or cancelled?)")
+        n = d.load_blocks - d.split_blocks
+        if isinstance(outcome.ok_blocks, bool) or not isinstance(outcome.ok_blocks, int) or not 0 <= outcome.ok_blocks <= n:
+            raise ConfigError("ok_blocks", f"{outcome.ok_blocks!r} outside [0, {n}] for load {outcome.load_id}")
+        if outcome.status not in ("ok", "failed", "timeout", "incompatible"):
+            raise ConfigError("status", f"unknown load status {outcome.status!r}")
+        for name in ("lookup_s", "transfer_s", "stage_s", "install_s", "stall_s", "bytes_delivered"):
+            v = getattr(outcome, name)
+            if v is not None and not _finite_nonneg(v):
+                raise ConfigError(name, f"must be finite and >= 0 or None, got {v!r}")
+        self._release(outcome.load_id)  # validated first: a bad outcome changes nothing
         breaker = self.breaker(d.source)
+        moved = d.load_bytes if outcome.bytes_delivered is None else min(outcome.bytes_delivered, d.load_bytes)
         if outcome.status == "ok":
             breaker.record_success()
-            self.model.observe_load(bytes_loaded=d.load_bytes, n_blocks=d.load_blocks, lookup_s=outcome.lookup_s,
-                                    transfer_s=outcome.transfer_s, stage_s=outcome.stage_s, install_s=outcome.install_s)
+            self.model.observe_load(bytes_loaded=moved, n_blocks=outcome.ok_blocks, lookup_s=outcome.lookup_s,
+                                    transfer_s=outcome.transfer_s, stage_s=outcome.stage_s, install_s=outcome.install_s, source=d.source,
+                                    backlog_bytes=d.queue_bytes)
             if outcome.stall_s is not None:
-                self.model.observe_interference(d.load_bytes, outcome.stall_s)
-            usable = outcome.ok_blocks
+                self.model.observe_interference(moved, outcome.stall_s)
         elif outcome.status in ("failed", "timeout"):
             breaker.record_failure()
-            usable = 0 if outcome.status == "timeout" else outcome.ok_blocks
-        elif outcome.status == "incompatible":
-            breaker.release()
-            usable = 0
+            if outcome.status == "timeout" and outcome.transfer_s is not None:  # a timeout is data: at least this long
+                self.model.observe_timeout(bytes_loaded=d.load_bytes, elapsed_s=outcome.transfer_s, source=d.source, backlog_bytes=d.queue_bytes)
         else:
-            raise ConfigError("status", f"unknown load status {outcome.status!r}")
+            breaker.release()
+        usable = 0 if outcome.status == "incompatible" else outcome.ok_blocks  # partial use: what arrived intact is kept
         if outcome.status != "ok" and self.config.failure_policy == "fail":
             raise RemoteLoadError(f"remote load {outcome.load_id} from {d.source!r} ended with {outcome.status!r} (failure_policy='fail')")
-        return LoadResult(usable_blocks=usable, recompute_blocks=d.load_blocks - usable, status=outcome.status)
+        return LoadResult(usable_blocks=usable, recompute_blocks=n - usable, status=outcome.status)
 
     def check_timeout(self, load_id: int, elapsed_s: float) -> bool:
         """Has this load overrun its soft timeout (abandon it for recompute)?"""

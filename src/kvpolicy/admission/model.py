@@ -13,7 +13,19 @@ its observations once it has ``min_samples`` of them, the prior before that.
   ``1/β`` is the useful bandwidth B_eff under the contention the transfers saw,
   α the per-transfer overhead. Linear in S, so the controller's benefit is convex
   in the number of blocks loaded.
-* Queue: ``T_queue = bytes in flight ahead on the same source × β_q``.
+* Queue: ``T_queue = β_q × Q(S)``, Q the bytes ahead of a load of S bytes on its
+  path — every byte in that direction on the source's egress and the receiving
+  NIC, reads and writes from every replica, as the transport reports it:
+  ``Q(S) = backlog + Σ_i min(r_i, S)`` over the flows r_i sharing the bottleneck
+  fairly (exact for processor sharing: each competing flow delays S by at most
+  its own remaining bytes). Transfers are fitted on ``S + Q``, so B_eff is the
+  link's rate, not the contention it happened to see.
+* Per source: a source with enough observations of its own uses its own fit (a
+  degraded node is slow, not the whole pool); the others use the global one.
+* A timeout is data: a load that timed out after ``e`` seconds is a sample of at
+  least ``e``. It is recorded, and it raises that source's p95 at once: a floor
+  ``β ≥ (e − α)/(S + Q)`` that holds until a faster load on that source is
+  observed or ``window_s`` passes.
 * Stage (copy through CPU memory when the path is not direct): ``β_stage · S``,
   a second leg with its own prior and observations.
 * Install: per block. Dispatch: per request.
@@ -89,11 +101,14 @@ class TransferModel:
         self.min_samples = min_samples
         self._make = make_hist
         self.buckets: dict[int, tuple[Any, Any]] = {}  # log2 size → (times, sizes)
-        self._fit: dict[float, tuple[float, float]] = {}
+        self._fit: dict[float, tuple[tuple[int, ...], tuple[float, float]]] = {}
 
     def observe(self, size_bytes: float, seconds: float) -> None:
-        if size_bytes <= 0:
+        """One transfer of ``size_bytes`` (its own bytes plus the backlog ahead of it) in ``seconds``."""
+        if not size_bytes > 0 or not math.isfinite(size_bytes):
             return
+        if not seconds >= 0 or not math.isfinite(seconds):
+            raise ConfigError("transfer_s", f"must be finite and >= 0, got {seconds!r}")
         b = int(math.log2(size_bytes))
         if b not in self.buckets:
             self.buckets[b] = (self._make(), self._make())
@@ -104,9 +119,10 @@ class TransferModel:
 
     def coefficients(self, q: float) -> tuple[float, float]:
         """(α_q seconds, β_q seconds per byte)."""
-        fit = self._fit.get(q)
-        if fit is not None:
-            return fit
+        sig = tuple(t.count for t, _ in self.buckets.values())  # windowed histograms age: a stale fit must not outlive its data
+        hit = self._fit.get(q)
+        if hit is not None and hit[0] == sig:
+            return hit[1]
         pts = [(s.quantile(0.5), t.quantile(q)) for t, s in self.buckets.values() if t.count >= self.min_samples]
         factor = self.prior.prior_p95_factor if q > 0.5 else 1.0
         alpha0 = self.prior.transfer_overhead_s * factor
@@ -122,12 +138,16 @@ class TransferModel:
             x = np.asarray([p[0] for p in pts], dtype=np.float64)
             y = np.asarray([p[1] for p in pts], dtype=np.float64)
             fit = _nnls_line(x, y)
-        self._fit[q] = fit
+        self._fit[q] = (sig, fit)
         return fit
 
     def seconds(self, size_bytes: float, q: float) -> float:
         a, b = self.coefficients(q)
         return a + b * size_bytes if size_bytes > 0 else 0.0
+
+    def fitted(self) -> bool:
+        """Has some size bucket enough observations to replace the prior?"""
+        return any(t.count >= self.min_samples for t, _ in self.buckets.values())
 
     def bandwidth_bytes_per_s(self, q: float = 0.5) -> float:
         _, b = self.coefficients(q)
@@ -203,9 +223,15 @@ class LatencyModel:
         self.stage_per_byte = _Term(1.0 / prior.stage_bytes_per_s if prior.stage_bytes_per_s else 0.0, f, min_samples, make())
         self.prefill_ratio = _Term(1.0, 1.0, min_samples, make())
         self.interference_per_byte = _Term(prior.interference_s_per_byte, 1.0, min_samples, make())
+        self._make = make
+        self.min_samples = min_samples
         self.transfer = TransferModel(prior, min_samples, make)
+        #: per-source transfer fits (used once a source has enough observations of its own)
+        self.source_transfer: dict[str, TransferModel] = {}
+        #: per-source p95 floors from timeouts: (recorded at s, seconds per byte)
+        self.timeout_floors: dict[str, list[tuple[float, float]]] = {}
         self.version = 0
-        self._snap: dict[float, tuple[Any, Coefficients]] = {}
+        self._snap: dict[tuple[float, str | None], tuple[Any, Coefficients]] = {}
 
     def _now(self) -> float:
         if self.clock is None:
@@ -217,36 +243,91 @@ class LatencyModel:
     def _epoch(self) -> int:
         return -1 if self.window_s is None else int(self._now() // self.window_s)
 
-    def coefficients(self, q: float) -> Coefficients:
-        """All terms at quantile q (cached until the next observation or window rotation)."""
+    def transfer_for(self, source: str | None) -> TransferModel:
+        """The source's own fit once it has enough observations, else the global one."""
+        if source is not None:
+            m = self.source_transfer.get(source)
+            if m is not None and m.fitted():
+                return m
+        return self.transfer
+
+    def _floor(self, source: str | None) -> float:
+        floors = self.timeout_floors.get(source) if source is not None else None
+        if not floors:
+            return 0.0
+        horizon = self.window_s if self.window_s is not None else 300.0
+        now = self._now()
+        floors[:] = [f for f in floors if now - f[0] <= horizon]
+        return max((b for _, b in floors), default=0.0)
+
+    def coefficients(self, q: float, source: str | None = None) -> Coefficients:
+        """All terms at quantile q, for loads from ``source`` (cached until the next
+        observation or window rotation)."""
         key = (self.version, self._epoch())
-        hit = self._snap.get(q)
+        hit = self._snap.get((q, source))
         if hit is not None and hit[0] == key:
             return hit[1]
-        alpha, beta = self.transfer.coefficients(q)
+        alpha, beta = self.transfer_for(source).coefficients(q)
+        if q > 0.5:
+            beta = max(beta, self._floor(source))
         c = Coefficients(
             lookup_s=self.lookup.q(q), transfer_overhead_s=alpha, s_per_byte=beta, stage_s_per_byte=self.stage_per_byte.q(q),
             install_s_per_block=self.install_per_block.q(q), dispatch_s=self.dispatch.q(q), prefill_ratio=self.prefill_ratio.q(q),
             prefill_b_s_per_token=self.prefill.b_s_per_token, prefill_c_s_per_token2=self.prefill.c_s_per_token2,
             interference_s_per_byte=self.interference_per_byte.q(0.5),
         )
-        self._snap[q] = (key, c)  # type: ignore[assignment]
+        self._snap[(q, source)] = (key, c)
         return c
 
     # ---------------------------------------------------------------- observe
 
+    def _source_model(self, source: str) -> TransferModel:
+        m = self.source_transfer.get(source)
+        if m is None:
+            m = self.source_transfer[source] = TransferModel(self.prior, self.min_samples, self._make)
+        return m
+
     def observe_load(self, *, bytes_loaded: float, n_blocks: int, lookup_s: float | None = None, transfer_s: float | None = None,
-                     stage_s: float | None = None, install_s: float | None = None) -> None:
-        """Feed one completed remote load's measured components."""
+                     stage_s: float | None = None, install_s: float | None = None, source: str | None = None,
+                     backlog_bytes: float = 0.0) -> None:
+        """Feed one completed remote load's measured components (``backlog_bytes``: the
+        bytes ahead of it on its path when it started, see :meth:`path_queue_bytes`)."""
         self.version += 1
         if lookup_s is not None:
             self.lookup.hist.record(lookup_s)
         if transfer_s is not None and bytes_loaded > 0:
-            self.transfer.observe(bytes_loaded, transfer_s)
+            x = bytes_loaded + max(backlog_bytes, 0.0)
+            self.transfer.observe(x, transfer_s)
+            if source is not None:
+                self._source_model(source).observe(x, transfer_s)
+                floors = self.timeout_floors.get(source)
+                if floors:  # a load faster than a floor proves the link is no longer that slow
+                    seen = max(transfer_s - self.prior.transfer_overhead_s, 0.0) / x
+                    floors[:] = [f for f in floors if f[1] <= seen]
         if stage_s is not None and bytes_loaded > 0:
             self.stage_per_byte.hist.record(stage_s / bytes_loaded)
         if install_s is not None and n_blocks > 0:
             self.install_per_block.hist.record(install_s / n_blocks)
+
+    def observe_timeout(self, *, bytes_loaded: float, elapsed_s: float, source: str | None = None, backlog_bytes: float = 0.0) -> None:
+        """A load that had not finished after ``elapsed_s``: a sample of at least that long.
+
+        Recorded as a transfer of ``elapsed_s`` (a lower bound, so the fit moves
+        towards the truth), and, for its source, an immediate p95 floor of
+        ``(elapsed − α)/(S + Q)`` seconds per byte — a run of timeouts can never
+        leave the model believing "fast"."""
+        if not elapsed_s >= 0 or not math.isfinite(elapsed_s):
+            raise ConfigError("elapsed_s", f"must be finite and >= 0, got {elapsed_s!r}")
+        if not bytes_loaded > 0:
+            return
+        self.version += 1
+        x = bytes_loaded + max(backlog_bytes, 0.0)
+        self.transfer.observe(x, elapsed_s)
+        if source is not None:
+            self._source_model(source).observe(x, elapsed_s)
+            beta = max(elapsed_s - self.prior.transfer_overhead_s, 0.0) / x
+            if beta > 0:
+                self.timeout_floors.setdefault(source, []).append((self._now(), beta))
 
     def observe_prefill(self, tokens_before: int, tokens_computed: int, seconds: float, dispatch_s: float | None = None) -> None:
         """Feed a measured prefill of ``tokens_computed`` tokens after ``tokens_before`` cached ones."""
@@ -276,12 +357,12 @@ class LatencyModel:
             return 0.0
         return max(float(self.prefill(end_tokens)) - float(self.prefill(start_tokens)), 0.0)
 
-    def t_remote(self, load_bytes: float, n_blocks: int, queue_bytes: float, q: float) -> dict[str, float]:
-        beta = self.transfer.coefficients(q)[1]
+    def t_remote(self, load_bytes: float, n_blocks: int, queue_bytes: float, q: float, source: str | None = None) -> dict[str, float]:
+        c = self.coefficients(q, source)
         return {
             "lookup_s": self.lookup.q(q),
-            "queue_s": queue_bytes * beta,
-            "transfer_s": self.transfer.seconds(load_bytes, q),
+            "queue_s": queue_bytes * c.s_per_byte,
+            "transfer_s": c.transfer_overhead_s + c.s_per_byte * load_bytes if load_bytes > 0 else 0.0,
             "stage_s": self.stage_per_byte.q(q) * load_bytes,
             "install_s": self.install_per_block.q(q) * n_blocks,
         }
@@ -291,6 +372,15 @@ class LatencyModel:
             "dispatch_s": self.dispatch.q(q),
             "prefill_s": self.prefill_seconds(start_tokens, end_tokens) * self.prefill_ratio.q(q),
         }
+
+    @staticmethod
+    def path_queue_bytes(size_bytes: float, backlog_bytes: float | None, flows_bytes: Any) -> float:
+        """Bytes ahead of a transfer of ``size_bytes`` on its path: a FIFO backlog plus, for
+        each flow sharing the bottleneck fairly, at most that flow's remaining bytes."""
+        q = backlog_bytes or 0.0
+        for r in flows_bytes:
+            q += r if r < size_bytes else size_bytes
+        return q
 
     def t_interference(self, load_bytes: float, active_decodes: int) -> float:
         return self.interference_per_byte.q(0.5) * load_bytes * (1 + max(active_decodes, 0))
