@@ -44,6 +44,7 @@ def check_conservation(res, trace):
     assert np.all(np.isfinite(res.ttft_s)) and np.all(res.ttft_s >= 0)
     assert sum(res.node_bytes_out) == sum(res.replica_bytes_in) == res.bytes_sent
     assert res.bytes_read <= res.bytes_sent
+    assert res.bytes_read + res.bytes_unused == res.bytes_sent, "every byte sent is either used or counted as unused"
     assert res.loads == res.loads_ok + res.loads_failed + res.loads_timeout
     led = res.ledger
     assert led.total_requests == len(trace)

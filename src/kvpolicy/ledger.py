@@ -12,6 +12,7 @@ or ``miss`` (no reuse) — and its prompt tokens are split, exactly, into:
 | ``miss_evicted`` | it was published, then evicted (tier and age kept) |
 | ``miss_incompatible`` / ``miss_transfer_error`` / ``miss_timeout`` | found but not loaded |
 | ``miss_declined`` | found, but admission judged the load slower than recompute (or a guard rail refused) |
+| ``split_recompute`` | found, and recomputed on purpose while the rest of the range loaded (compute while loading: the plan's split) |
 | ``tail`` | the partial last block and the last token: always recomputed |
 
 so the categories add up to the requests, the tokens and the bytes recorded. A
@@ -66,7 +67,7 @@ from .errors import ConfigError
 REQUEST_CATEGORIES = ("local_hit", "remote_hit", "partial_hit", "miss")
 TOKEN_CATEGORIES = (
     "local_hit", "remote_hit", "miss_never_published", "miss_evicted", "miss_incompatible",
-    "miss_transfer_error", "miss_timeout", "miss_declined", "tail",
+    "miss_transfer_error", "miss_timeout", "miss_declined", "split_recompute", "tail",
 )
 DISTRIBUTIONS = ("cold_prefill", "local_hit", "remote_hit", "fallback_recompute")
 NotLoaded = Literal["declined", "incompatible", "transfer_error", "timeout"]
@@ -94,14 +95,16 @@ class RequestRecord:
     predicted_recompute_s: float | None = None  # of the blocks that were loaded (from the Decision)
     load_attempted: bool = False
     stall_s: float | None = None
+    #: blocks found remotely and recomputed while the rest of the range loaded (the plan's split)
+    split_blocks: int = 0
 
     def __attrs_post_init__(self) -> None:
         B = self.block_size_tokens
         if B <= 0 or self.prompt_tokens < 0:
             raise ConfigError("prompt_tokens", "prompt_tokens must be >= 0 and block_size_tokens > 0")
         matchable = max(self.prompt_tokens - 1, 0) // B
-        used = self.local_blocks + self.remote_loaded_blocks + self.remote_not_loaded_blocks
-        if min(self.local_blocks, self.remote_loaded_blocks, self.remote_not_loaded_blocks) < 0 or used > matchable:
+        used = self.local_blocks + self.remote_loaded_blocks + self.remote_not_loaded_blocks + self.split_blocks
+        if min(self.local_blocks, self.remote_loaded_blocks, self.remote_not_loaded_blocks, self.split_blocks) < 0 or used > matchable:
             raise ConfigError("local_blocks", f"local + remote blocks ({used}) exceed the {matchable} matchable blocks of a {self.prompt_tokens}-token prompt")
         if len(self.missing_keys) > matchable - used:
             raise ConfigError("missing_keys", f"{len(self.missing_keys)} keys for {matchable - used} unmatched blocks")
@@ -272,7 +275,8 @@ class Ledger:
         tok["remote_hit"] += remote_b * B
         if not_loaded:
             tok["miss_" + r.not_loaded_reason] += not_loaded * B  # type: ignore[operator]
-        rest = matchable - local_b - remote_b - not_loaded
+        tok["split_recompute"] += r.split_blocks * B
+        rest = matchable - local_b - remote_b - not_loaded - r.split_blocks
         evicted = 0
         if r.missing_keys:
             pub = self.pub

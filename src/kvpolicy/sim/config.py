@@ -60,8 +60,14 @@ class ClusterConfig:
     decode_weight: float = attrs.field(default=0.05, validator=_nonneg)
     #: a new replica counts as warming for at most this long (or until its warmup plan says it is ready)
     warmup_window_s: float = attrs.field(default=60.0, validator=_pos)
+    #: how publishes share links with loads: "fair" (default: what engines do — their background
+    #: writes are ordinary TCP/RDMA flows that share the NIC) or "background" (a lower class that
+    #: only uses what loads leave, as with a QoS/traffic class for write-back)
+    publish_priority: str = "fair"
 
     def __attrs_post_init__(self) -> None:
+        if self.publish_priority not in ("fair", "background"):
+            raise ConfigError("publish_priority", f"must be 'fair' or 'background', got {self.publish_priority!r}")
         if self.router not in ROUTERS:
             raise ConfigError("router", f"must be one of {ROUTERS}, got {self.router!r}")
         if self.stage_bytes_per_s is not None:

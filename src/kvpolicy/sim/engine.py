@@ -18,12 +18,23 @@ A request's life::
            ── cache computed blocks locally, publish what the filter allows ── DECODE
            (blocks pinned while output is generated) ── DECODE_DONE (unpin)
 
-Network: a transfer occupies its storage node's link and the replica's NIC from
-``max(ready, both links free)`` for ``overhead + bytes / min(bandwidths)``
-(degradation windows scale a node's bandwidth); reads and writes share a node's
-link. A staging leg through CPU memory adds ``bytes / stage_bandwidth``;
-installing adds a per-block time. Failures are drawn from a hash of (seed,
-request, attempt, node), so every policy set sees the same failures.
+Network (:mod:`kvpolicy.sim.network`): every link has a capacity per direction —
+a storage node's egress and ingress, a replica NIC's ingress and egress, and
+optionally a replica's staging copy through CPU memory. A read is a flow over
+(node egress, replica ingress[, staging]); a write over (replica egress, node
+ingress). Concurrent flows share each link max-min fairly, recomputed whenever
+a flow starts or ends or a degradation window opens or closes; a flow starts
+moving bytes ``transfer_overhead_s`` after it is issued. Publishes run in the
+same class as loads (``publish_priority="fair"``, what engines do: their
+background writes share the NIC like any TCP/RDMA flow) or below them
+(``"background"``). Failures are drawn from a hash of (seed, request, attempt,
+node), so every policy set sees the same failures; a failed transfer delivers a
+drawn share of its blocks intact first; a hung one delivers nothing until the
+transport or the policy gives up.
+Compute while loading (policy sets with ``compute_while_loading``): the request
+takes its prefill slot while its load runs; the GPU prefills the range from the
+front while the load delivers it from the back, and they meet where they cross
+(the load is then cut); the rest of the prompt follows.
 Interference: a load of S bytes steals ``interference_s_per_byte × S`` of GPU
 time from the receiving replica (the next prefill starts that much later) and
 from each of its active decodes; the sum is reported as ``stall_s``.
@@ -51,9 +62,10 @@ from ..publish import PublishRequest, make_filter
 from ..publish_sim import block_recompute_s
 from ..warmup import WarmupConfig, hot_prefixes_from_trace, plan_warmup
 from .config import ClusterConfig, Degrade, ScaleOut, Spike
+from .network import Flow, FlowNetwork, Link
 from .policysets import PolicySet
 
-ARRIVE, LOAD_DONE, PREFILL_DONE, DECODE_DONE, WRITE_DONE, WARM_DONE, SCALE_OUT, READY = range(8)
+ARRIVE, LOAD_DONE, PREFILL_DONE, DECODE_DONE, WRITE_DONE, WARM_DONE, SCALE_OUT, READY, NET, TIMER, MEET, CAPACITY, SAMPLE = range(13)
 STATIC_ROUTERS = ("round-robin", "random", "prefix-affinity")
 MAX_RETRIES = 3
 _M64 = (1 << 64) - 1
@@ -186,7 +198,8 @@ class _Req:
 
     __slots__ = ("i", "attempt", "first_arrival_s", "replica", "local", "found", "load", "load_id", "load_start_s", "load_groups",
                  "status", "reused", "not_loaded", "not_loaded_reason", "predicted_s", "load_s", "queue_enter_s", "prefill_s",
-                 "pinned", "stall_s", "load_attempted", "decision")
+                 "pinned", "stall_s", "load_attempted", "decision", "xfer", "split", "cake", "slot_s", "meet_ver", "queued_tokens",
+                 "queued_pred_s", "job_end_s")
     replica: Any  # the _Replica serving it
     local: int  # leading blocks found in the local cache
     found: int  # remote blocks found after them
@@ -203,6 +216,13 @@ class _Req:
     queue_enter_s: float
     prefill_s: float
     decision: Any
+    xfer: _Load | None  # the load in flight (or last ended)
+    split: int  # compute while loading: front blocks recomputed although found remotely
+    cake: bool  # this request computes while it loads
+    slot_s: float  # when its GPU job started
+    queued_tokens: int
+    queued_pred_s: float
+    job_end_s: float
 
     def __init__(self, i: int, t: float) -> None:
         self.i = i
@@ -211,13 +231,57 @@ class _Req:
         self.pinned: list[int] = []
         self.load_attempted = False
         self.stall_s = 0.0
+        self.xfer = None
+        self.split = 0
+        self.cake = False
+        self.meet_ver = 0
+        self.job_end_s = 0.0
+
+
+class _Load:
+    """One multi-node read in flight: a flow per storage node holding a part of the range."""
+
+    __slots__ = ("groups", "flows", "fails", "hung", "left", "t0", "reverse", "status", "ended", "end_s", "on_end", "payload", "rep",
+                 "recorded")
+
+    def __init__(self, rep: Any, groups: list[tuple[Any, list[int]]], t0: float, reverse: bool, on_end: Any, payload: Any) -> None:
+        self.rep = rep
+        self.groups = groups
+        self.flows: list[Flow | None] = []
+        self.fails: list[bool] = []
+        self.hung = False
+        self.left = 0
+        self.t0 = t0
+        self.reverse = reverse
+        self.status = "ok"
+        self.ended = False
+        self.end_s = t0
+        self.on_end = on_end
+        self.payload = payload
+        self.recorded = False
+
+    def arrived_blocks(self, block_bytes: int) -> int:
+        """Blocks usable now, in transfer order: leading ones (forward) or trailing ones (reverse)."""
+        order = range(len(self.groups) - 1, -1, -1) if self.reverse else range(len(self.groups))
+        n = 0
+        for j in order:
+            f = self.flows[j]
+            size = len(self.groups[j][1])
+            got = 0 if f is None else min(int((f.done_bytes() + 1e-6) // block_bytes), size)
+            n += got
+            if got < size:
+                break
+        return n
+
+    def delivered_bytes(self) -> float:
+        return sum(f.done_bytes() for f in self.flows if f is not None)
 
 
 class _Replica:
-    __slots__ = ("idx", "name", "cache", "index", "free_slots", "queue", "load_tokens", "active", "decode_tokens", "in_free_s", "out_free_s",
-                 "debt_s", "warming_until_s", "bytes_in")
+    __slots__ = ("idx", "name", "cache", "index", "free_slots", "queue", "load_tokens", "active", "decode_tokens", "inn", "out", "stage",
+                 "debt_s", "warming_until_s", "bytes_in", "queued_s", "running")
 
-    def __init__(self, idx: int, cache: Any, slots: int) -> None:
+    def __init__(self, idx: int, cache: Any, slots: int, inn: Link, out: Link, stage: Link | None) -> None:
         self.idx = idx
         self.name = f"replica-{idx}"
         self.cache = cache
@@ -227,21 +291,25 @@ class _Replica:
         self.load_tokens = 0
         self.active = 0
         self.decode_tokens = 0
-        self.in_free_s = 0.0
-        self.out_free_s = 0.0
+        self.inn = inn
+        self.out = out
+        self.stage = stage
         self.debt_s = 0.0
         self.warming_until_s = -1.0
         self.bytes_in = 0
+        self.queued_s = 0.0  # predicted GPU seconds of the requests waiting for a slot
+        self.running: set[_Req] = set()
 
 
 class _Node:
-    __slots__ = ("idx", "name", "policy", "free_s", "windows", "bytes_out", "bytes_in")
+    __slots__ = ("idx", "name", "policy", "out", "inn", "windows", "bytes_out", "bytes_in")
 
-    def __init__(self, idx: int, policy: Any) -> None:
+    def __init__(self, idx: int, policy: Any, out: Link, inn: Link) -> None:
         self.idx = idx
         self.name = f"node-{idx}"
         self.policy = policy
-        self.free_s = 0.0
+        self.out = out
+        self.inn = inn
         self.windows: list[Degrade] = []
         self.bytes_out = 0
         self.bytes_in = 0
@@ -277,6 +345,10 @@ class SimResult:
     completed: np.ndarray
     #: the replica that served each request (its last attempt)
     routes: np.ndarray
+    #: bytes that crossed the network but were not used (a load cut where compute caught up, a failed tail)
+    bytes_unused: int = 0
+    #: per link: (sample times s, utilisation 0..1, flows on it) — the physical cause of a queue
+    link_series: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = attrs.field(factory=dict)
 
     def quantile_ms(self, q: float) -> float:
         return float(np.quantile(self.ttft_s, q) * 1e3) if self.ttft_s.size else float("nan")
@@ -301,6 +373,7 @@ class SimResult:
             "retries": self.retries,
             "warmup_bytes": self.warmup_bytes,
             "stall_s": self.stall_s,
+            "bytes_unused": self.bytes_unused,
             "replicas_final": self.replicas_final,
             "ledger": {"requests": led["requests"], "tokens": led["tokens"], "bytes": led["bytes"], "flows": flows,
                        "distributions": {k: v["ttft_s"] for k, v in led["distributions"].items()}},
@@ -338,11 +411,19 @@ class Simulator:
                 routes = self.static_routes()
                 if routes is not None:  # a local cache's Belady ranks by the next use on *that* replica
                     self._local_oracles = _replica_oracles(self.p, routes, self._oracle)
+        self.net = FlowNetwork()
+        self._net_wake = math.inf
+        self.write_priority = 1 if cluster.publish_priority == "background" else 0
         self.replicas: list[_Replica] = [self._new_replica(i) for i in range(cluster.replicas)]
-        self.nodes = [_Node(j, self._policy(ps.pool_eviction, cluster.pool_capacity_bytes_per_node)) for j in range(cluster.storage_nodes)]
+        self.nodes = [_Node(j, self._policy(ps.pool_eviction, cluster.pool_capacity_bytes_per_node),
+                            self.net.add_link(f"node-{j}.out", cluster.node_bandwidth_bytes_per_s),
+                            self.net.add_link(f"node-{j}.in", cluster.node_bandwidth_bytes_per_s)) for j in range(cluster.storage_nodes)]
         for e in events:
             if isinstance(e, Degrade):
                 self.nodes[e.node].windows.append(e)
+        self.cake_in_slot: set[_Req] = set()
+        self.bytes_unused = 0
+        self._series: dict[str, tuple[list[float], list[float], list[float]]] = {}
         self.where: dict[int, _Node] = {}
         self.pool_index = _DictIndex(self.where, "pool")
         self.writing: set[int] = set()
@@ -353,11 +434,14 @@ class Simulator:
         self.filter = self._make_filter()
         self.controller: AdmissionController | None = None
         if ps.load == "admission":
-            bw = min(cluster.node_bandwidth_bytes_per_s, cluster.replica_bandwidth_bytes_per_s)
+            # the prior is the deployment's own figures: the path's slowest link (the staging copy is a
+            # link of the path, pipelined with the network leg)
+            bw = min(cluster.node_bandwidth_bytes_per_s, cluster.replica_bandwidth_bytes_per_s, cluster.stage_bytes_per_s or math.inf)
             prior = LinkPrior(bandwidth_bytes_per_s=max(bw, 1e-3), lookup_s=cluster.lookup_s, transfer_overhead_s=cluster.transfer_overhead_s,
-                              stage_bytes_per_s=cluster.stage_bytes_per_s, install_s_per_block=cluster.install_s_per_block,
+                              stage_bytes_per_s=None, install_s_per_block=cluster.install_s_per_block,
                               dispatch_s=cluster.dispatch_s, interference_s_per_byte=cluster.interference_s_per_byte)
-            self.controller = AdmissionController(LatencyModel(prior, cluster.prefill), AdmissionConfig(), clock=self.clock)
+            self.controller = AdmissionController(LatencyModel(prior, cluster.prefill),
+                                                  AdmissionConfig(compute_while_loading=ps.compute_while_loading), clock=self.clock)
         self._rr = 0
         self._seq = 0
         self.heap: list[tuple[float, int, int, Any]] = []
@@ -388,7 +472,11 @@ class Simulator:
             cache = make_policy("belady", self.c.local_capacity_bytes, clock=self.clock, oracle=oracle)
         else:
             cache = self._policy(self.ps.local_eviction, self.c.local_capacity_bytes)
-        return _Replica(idx, cache, self.c.prefill_slots)
+        c = self.c
+        net = self.net
+        stage = net.add_link(f"replica-{idx}.stage", c.stage_bytes_per_s) if c.stage_bytes_per_s else None
+        return _Replica(idx, cache, c.prefill_slots, net.add_link(f"replica-{idx}.in", c.replica_bandwidth_bytes_per_s),
+                        net.add_link(f"replica-{idx}.out", c.replica_bandwidth_bytes_per_s), stage)
 
     def _make_filter(self) -> Any:
         spec = self.ps.publish
@@ -431,10 +519,16 @@ class Simulator:
         for e in self.events:
             if isinstance(e, ScaleOut):
                 self._push(e.t_s, SCALE_OUT, e)
+            elif isinstance(e, Degrade):
+                self._push(e.t1_s, CAPACITY, self.nodes[e.node])
+                self._push(e.t2_s, CAPACITY, self.nodes[e.node])
+        t_first, t_end = p.arrival_s[0], p.arrival_s[-1]
+        self._sample_s = max((t_end - t_first) / 200.0, 1e-3)
+        self._push(t_first, SAMPLE, None)
         heap = self.heap
         clock = self.clock
         handlers = (self._arrive, self._load_done, self._prefill_done, self._decode_done, self._write_done, self._warm_done, self._scale_out,
-                    self._ready)
+                    self._ready, self._net_event, self._timer, self._meet, self._capacity, self._sample)
         while heap:
             t, _, kind, obj = heapq.heappop(heap)
             clock.t = t
@@ -448,7 +542,8 @@ class Simulator:
             loads_ok=self.loads_ok, loads_failed=self.loads_failed, loads_timeout=self.loads_timeout, retries=self.retries,
             warmup_bytes=self.warmup_bytes, stall_s=self.stall_s, makespan_s=self.t_last - t0, replicas_final=len(self.replicas), ledger=self.ledger,
             node_bytes_out=tuple(n.bytes_out for n in self.nodes), replica_bytes_in=tuple(r.bytes_in for r in self.replicas),
-            completed=self.completed.copy(), routes=self.routes.copy(),
+            completed=self.completed.copy(), routes=self.routes.copy(), bytes_unused=self.bytes_unused,
+            link_series={k: (np.asarray(a), np.asarray(b), np.asarray(c)) for k, (a, b, c) in self._series.items()},
         )
 
     # ------------------------------------------------------------------ routing
@@ -536,43 +631,121 @@ class Simulator:
                 out.append((n, [k]))
         return out
 
-    def _plan_read(self, rep: _Replica, groups: list[tuple[_Node, list[int]]], t0: float, req_i: int, attempt: int,
-                   commit: bool) -> tuple[float, str, float, float]:
-        """(end time, status, transfer seconds, stage seconds) of reading ``groups`` into ``rep`` from t0.
+    def _begin_read(self, rep: _Replica, groups: list[tuple[_Node, list[int]]], t0: float, req_i: int, attempt: int, *,
+                    reverse: bool, on_end: Any, payload: Any) -> _Load:
+        """Start reading ``groups`` into ``rep`` at t0: one flow per storage node, in parallel.
 
-        The transfer seconds are the time bytes were moving (the sum of the legs' own
-        durations): waiting for a busy link is the queue term, which the admission
-        model predicts from the bytes ahead on the source — counting it again in
-        B_eff would charge every queue twice."""
+        Each node's draw (seed, request, attempt, node) decides whether its transfer
+        hangs (delivers nothing until a timeout) or fails after a drawn share of its
+        blocks arrived intact. ``on_end(load, t)`` runs once when every flow has ended
+        or a timeout (transport or policy) gives up on the rest."""
         c = self.c
-        t_rep = max(t0, rep.in_free_s)
-        status = "ok"
-        total = 0
-        moving = 0.0
+        bb = self.block_bytes
+        load = _Load(rep, groups, t0, reverse, on_end, payload)
         for node, ks in groups:
-            nbytes = len(ks) * self.block_bytes
-            factor, fail = node.state(t0, c.failure_rate)
-            bw = min(c.node_bandwidth_bytes_per_s * factor, c.replica_bandwidth_bytes_per_s)
-            start = max(t_rep, node.free_s)
-            end = start + c.transfer_overhead_s + (nbytes / bw if bw > 0 else math.inf)
-            if end - t0 > c.transport_timeout_s or (c.timeout_rate and _unit(self.seed, req_i, attempt, node.idx, 2) < c.timeout_rate):
-                end = t0 + c.transport_timeout_s  # no answer: the transport gives up (a policy timeout may fire first)
-                status = "timeout"
-            elif _unit(self.seed, req_i, attempt, node.idx, 1) < fail:
-                status = "failed"
-            if commit:
-                node.free_s = max(node.free_s, end)
-                node.bytes_out += nbytes
-                rep.in_free_s = max(rep.in_free_s, end)
-                rep.bytes_in += nbytes
-                self.bytes_sent += nbytes
-            t_rep = end
-            total += nbytes
-            moving += end - start
-            if status != "ok":
-                return end, status, moving, 0.0
-        stage = total / c.stage_bytes_per_s if c.stage_bytes_per_s else 0.0
-        return t_rep + stage, status, moving, stage
+            _, fail = node.state(t0, c.failure_rate)
+            if c.timeout_rate and _unit(self.seed, req_i, attempt, node.idx, 2) < c.timeout_rate:
+                load.flows.append(None)
+                load.fails.append(False)
+                load.hung = True
+                continue
+            failed = _unit(self.seed, req_i, attempt, node.idx, 1) < fail
+            n = len(ks)
+            if failed:  # blocks before the failure arrive intact
+                n = int(_unit(self.seed, req_i, attempt, node.idx, 3) * len(ks))
+            path = (node.out, rep.inn) if rep.stage is None else (node.out, rep.inn, rep.stage)
+            now = self.clock.t  # issued at t0 (after the directory lookup): it moves bytes from t0 + overhead
+            f = self.net.start(now, path, n * bb, latency_s=max(t0 - now, 0.0) + c.transfer_overhead_s, payload=(load, node),
+                               on_done=self._read_flow_end)
+            load.flows.append(f)
+            load.fails.append(failed)
+            load.left += 1
+        self._push(t0 + c.transport_timeout_s, TIMER, (load, "timeout"))
+        self._net_changed()
+        return load
+
+    def _account_read(self, node: _Node, rep: _Replica, nbytes: float) -> None:
+        nb = int(round(nbytes))
+        node.bytes_out += nb
+        rep.bytes_in += nb
+        self.bytes_sent += nb
+
+    def _read_flow_end(self, f: Flow, t: float) -> None:
+        load, node = f.payload
+        self._account_read(node, load.rep, f.size_bytes)
+        load.left -= 1
+        if load.left == 0 and not load.hung and not load.ended:
+            self._end_load(load, t, "failed" if any(load.fails) else "ok")
+
+    def _end_load(self, load: _Load, t: float, status: str) -> None:
+        """Stop whatever still moves (counting what it delivered) and report the load's end."""
+        load.ended = True
+        load.end_s = t
+        load.status = status
+        for f, (node, _) in zip(load.flows, load.groups):
+            if f is not None and f.alive:
+                self._account_read(node, load.rep, self.net.cancel(t, f))
+        self._net_changed()
+        load.on_end(load, t)
+
+    def _timer(self, item: tuple[Any, str], t: float) -> None:
+        obj, kind = item
+        if kind == "write":
+            f: Flow = obj
+            if f.alive:  # the write never lands
+                self.net.cancel(t, f)
+                self.writing.difference_update(f.payload[1])
+                self._net_changed()
+            return
+        load: _Load = obj
+        if not load.ended:
+            self._end_load(load, t, "timeout")
+
+    def _net_changed(self) -> None:
+        """After any change to the network: wake up at its next event; re-plan meeting points."""
+        for req in list(self.cake_in_slot):
+            self._cake_schedule(req, self.net.t)
+        nxt = self.net.next_event_s()
+        if nxt < math.inf:
+            self._push(nxt, NET, self.net.version)
+
+    def _net_event(self, version: int, t: float) -> None:
+        if version != self.net.version:
+            return  # a newer wake-up exists
+        self.net.advance(t)
+        self._net_changed()
+
+    def _capacity(self, node: _Node, t: float) -> None:
+        """A degradation window opens or closes on a node: both directions of its port change."""
+        factor, _ = node.state(t, self.c.failure_rate)
+        self.net.set_capacity(t, node.out, self.c.node_bandwidth_bytes_per_s * factor)
+        self.net.set_capacity(t, node.inn, self.c.node_bandwidth_bytes_per_s * factor)
+        self._net_changed()
+
+    def _sample(self, _: Any, t: float) -> None:
+        """Per-link utilisation and flows, for the report's plot of where queues come from."""
+        for name, (ts, util, nflows) in self.net.link_state().items():
+            series = self._series.get(name)
+            if series is None:
+                series = self._series[name] = ([], [], [])
+            series[0].append(t)
+            series[1].append(util)
+            series[2].append(nflows)
+        if t < self.p.arrival_s[-1] or self.heap:
+            self._push(t + self._sample_s, SAMPLE, None)
+
+    def _predict_read_s(self, rep: _Replica, groups: list[tuple[_Node, list[int]]]) -> float:
+        """Seconds a read issued now would take if the flows now on its links stayed (the oracle's view)."""
+        c = self.c
+        worst = 0.0
+        for node, ks in groups:
+            rate = math.inf
+            for link in ((node.out, rep.inn) if rep.stage is None else (node.out, rep.inn, rep.stage)):
+                rate = min(rate, link.capacity_bytes_per_s / (self.net.flow_count(link) + 1))
+            if rate <= 0:
+                return math.inf
+            worst = max(worst, c.transfer_overhead_s + len(ks) * self.block_bytes / rate)
+        return worst
 
     # ------------------------------------------------------------------ events
 
@@ -605,6 +778,9 @@ class Simulator:
         req.local = L
         req.found = R
         req.load = 0
+        req.split = 0
+        req.cake = False
+        req.xfer = None
         req.not_loaded = 0
         req.not_loaded_reason = None
         req.predicted_s = None
@@ -612,6 +788,7 @@ class Simulator:
         req.decision = None
         t0 = t + (self.c.lookup_s if ps.uses_pool else 0.0)
         k = 0
+        s_ = 0
         if R:
             load = ps.load
             if load == "always":
@@ -620,16 +797,18 @@ class Simulator:
                 k = R if R * self.B >= ps.min_load_tokens else 0
             elif load == "admission":
                 assert self.controller is not None
-                src = self.where[keys[L]].name
-                ctx = AdmissionContext(block_bytes=self.block_bytes, replica=rep.name, source=src, active_decodes=rep.active,
-                                       warming=t < rep.warming_until_s)
+                src = self.where[keys[L]]
+                ctx = AdmissionContext(block_bytes=self.block_bytes, replica=rep.name, source=src.name, active_decodes=rep.active,
+                                       warming=t < rep.warming_until_s, path_flows_bytes=self._path_flows(rep, src, R * self.block_bytes),
+                                       queue_wait_s=self._queue_wait_s(rep, t))
                 d = self.controller.decide(pm, ctx)
                 req.decision = d
                 k = d.load_blocks
+                s_ = d.split_blocks
                 if k:
                     req.predicted_s = d.t_recompute_p50_s
             elif load == "oracle":
-                k = self._oracle_k(rep, keys, L, R, t0, req)
+                k = self._oracle_k(rep, keys, L, R, req)
         if k < R:
             req.not_loaded = R - k
             req.not_loaded_reason = "declined"
@@ -640,80 +819,130 @@ class Simulator:
             else:
                 self._enqueue(rep, req, t, L)
             return
-        # start the load
+        # start the load of blocks [L+s, L+k)
         req.load = k
+        req.split = s_
         req.load_attempted = True
-        req.load_start_s = t
-        ks = keys[L:L + k]
-        groups = self._groups(ks)
+        req.load_start_s = t0
+        groups = self._groups(keys[L + s_:L + k])
         req.load_groups = groups
         for node, gk in groups:
             pol = node.policy
             for key in gk:
                 pol.on_access(key)
                 pol.pin(key)  # a lease: not evicted under the reader
-        end, status, xfer_s, stage_s = self._plan_read(rep, groups, t0, i, req.attempt, commit=True)
-        if status == "ok":
-            end += self.c.install_s_per_block * k
+        if req.predicted_s is None:
+            req.predicted_s = self.c.dispatch_s + self.c.prefill_s(L * self.B, (L + k) * self.B) - self.c.prefill.a_s
+        self.loads += 1
+        if ps.compute_while_loading:
+            # compute while loading: the load runs from the back; the request queues for its slot now
+            req.cake = True
+            req.xfer = self._begin_read(rep, groups, t0, i, req.attempt, reverse=True, on_end=self._cake_load_end, payload=req)
+            req.reused = L
+            self._push(t0, READY, req)
+            return
+        req.xfer = self._begin_read(rep, groups, t0, i, req.attempt, reverse=False, on_end=self._req_load_end, payload=req)
         limit = math.inf
         if ps.timeout == "admission" and req.decision is not None and req.decision.soft_timeout_s is not None:
             limit = req.decision.soft_timeout_s
         elif ps.timeout == "sglang":
             limit = 1.0 + 0.25 * k * self.B / 1024
-        if end - t > limit and status == "ok":
-            status, end = "timeout", t + limit
-        req.status = (status, xfer_s, stage_s)
-        if req.predicted_s is None:
-            req.predicted_s = self.c.dispatch_s + self.c.prefill_s(L * self.B, (L + k) * self.B) - self.c.prefill.a_s
-        self.loads += 1
-        self._push(end, LOAD_DONE, req)
+        if limit < self.c.transport_timeout_s:
+            self._push(t + limit, TIMER, (req.xfer, "timeout"))
 
-    def _oracle_k(self, rep: _Replica, keys: list[int], L: int, R: int, t0: float, req: _Req) -> int:
-        """Hindsight: the k whose real load (this link state, this failure draw) beats recomputing most."""
+    def _path_flows(self, rep: _Replica, node: _Node, size_bytes: float) -> tuple[float, ...]:
+        """What a transport reports of the path: the remaining bytes of the flows on its busier
+        end (the source's egress or this replica's ingress) that a load would share with."""
+        prio = 0 if self.write_priority else None  # background writes do not delay a load
+        best: list[float] = []
+        best_q = -1.0
+        for link in (node.out, rep.inn):
+            flows = self.net.flows_on(link, prio)
+            q = sum(r if r < size_bytes else size_bytes for r in flows)
+            if q > best_q:
+                best, best_q = flows, q
+        return tuple(best)
+
+    def _queue_wait_s(self, rep: _Replica, t: float) -> float:
+        """What the replica's scheduler knows: predicted seconds before a new prefill could start."""
+        slots = self.c.prefill_slots
+        if rep.free_slots > 0 and not rep.queue:
+            return 0.0
+        running = min((max(r.job_end_s - t, 0.0) for r in rep.running), default=0.0)
+        return running + rep.queued_s / slots
+
+    def _oracle_k(self, rep: _Replica, keys: list[int], L: int, R: int, req: _Req) -> int:
+        """Hindsight on its own draws (failure, hang), foresight of the links as they are now:
+        the k whose load beats recomputing most."""
+        c = self.c
+        for node, _ in self._groups(keys[L:L + R]):
+            _, fail = node.state(self.clock.t, c.failure_rate)
+            if (c.timeout_rate and _unit(self.seed, req.i, req.attempt, node.idx, 2) < c.timeout_rate) or \
+                    _unit(self.seed, req.i, req.attempt, node.idx, 1) < fail:
+                return 0  # it knows this load would not deliver
         best_k, best = 0, 0.0
         k = 1
-        c = self.c
         while True:
             kk = min(k, R)
-            end, status, _, _ = self._plan_read(rep, self._groups(keys[L:L + kk]), t0, req.i, req.attempt, commit=False)
-            if status == "ok":
-                gain = c.prefill_s(L * self.B, (L + kk) * self.B) - c.prefill.a_s - (end + c.install_s_per_block * kk - t0)
-                if gain > best:
-                    best_k, best = kk, gain
+            took = c.lookup_s + self._predict_read_s(rep, self._groups(keys[L:L + kk])) + c.install_s_per_block * kk
+            gain = c.prefill_s(L * self.B, (L + kk) * self.B) - c.prefill.a_s - took
+            if gain > best:
+                best_k, best = kk, gain
             if kk == R:
                 return best_k
             k *= 2
 
-    def _load_done(self, req: _Req, t: float) -> None:
-        rep: _Replica = req.replica
-        status, xfer_s, stage_s = req.status
-        k = req.load
+    def _req_load_end(self, load: _Load, t: float) -> None:
+        req: _Req = load.payload
+        end = t + (self.c.install_s_per_block * req.load if load.status == "ok" else 0.0)
+        self._push(end, LOAD_DONE, req)
+
+    def _release_leases(self, req: _Req) -> None:
         for node, gk in req.load_groups:
             pol = node.policy
             for key in gk:
                 pol.unpin(key)
-        nbytes = k * self.block_bytes
+        req.load_groups = []
+
+    def _charge_interference(self, rep: _Replica, req: _Req, nbytes: float) -> float:
         stall = self.c.interference_s_per_byte * nbytes
-        usable = 0
-        if self.controller is not None and req.decision is not None:
-            out = LoadOutcome(load_id=req.decision.load_id, status=status, ok_blocks=k if status == "ok" else 0,
-                              lookup_s=self.c.lookup_s, transfer_s=xfer_s if status == "ok" else None,
-                              stage_s=stage_s if status == "ok" and self.c.stage_bytes_per_s else None,
-                              install_s=self.c.install_s_per_block * k if status == "ok" else None, stall_s=stall if status == "ok" else None)
-            usable = self.controller.record(out).usable_blocks
-        elif status == "ok":
-            usable = k
+        rep.debt_s += stall
+        total_stall = stall * (1 + rep.active)
+        self.stall_s += total_stall
+        req.stall_s += total_stall
+        return stall
+
+    def _record_outcome(self, req: _Req, load: _Load, status: str, ok_blocks: int, t: float) -> int:
+        """Tell the controller how the load went (once); returns the usable blocks."""
+        load.recorded = True
         if status == "ok":
             self.loads_ok += 1
         elif status == "timeout":
             self.loads_timeout += 1
         else:
             self.loads_failed += 1
-        # interference: the transfer moved bytes into this replica whatever its outcome
-        rep.debt_s += stall
-        total_stall = stall * (1 + rep.active)
-        self.stall_s += total_stall
-        req.stall_s += total_stall
+        delivered = load.delivered_bytes()
+        stall = self._charge_interference(req.replica, req, delivered)
+        if self.controller is None or req.decision is None:
+            return ok_blocks
+        n = req.load - req.split
+        out = LoadOutcome(load_id=req.decision.load_id, status=status, ok_blocks=min(ok_blocks, n), lookup_s=self.c.lookup_s,
+                          transfer_s=t - load.t0, install_s=self.c.install_s_per_block * ok_blocks if status == "ok" else None,
+                          stall_s=stall if status == "ok" else None, bytes_delivered=delivered)
+        return self.controller.record(out).usable_blocks
+
+    def _load_done(self, req: _Req, t: float) -> None:
+        rep: _Replica = req.replica
+        load = req.xfer
+        assert load is not None
+        status = load.status
+        self._release_leases(req)
+        arrived = load.arrived_blocks(self.block_bytes)
+        k = req.load
+        usable = self._record_outcome(req, load, status, arrived, t)
+        if self.controller is None or req.decision is None:
+            usable = k if status == "ok" else 0  # the baselines use a load whole or not at all
+        self.bytes_unused += max(int(load.delivered_bytes()) - usable * self.block_bytes, 0)
         keys = self.p.keys[req.i]
         L = req.local
         if usable:
@@ -721,6 +950,10 @@ class Simulator:
             self.bytes_read += usable * self.block_bytes
             for key in keys[L:L + usable]:
                 self.ledger.record_read(key)
+            if usable < k:
+                req.not_loaded += k - usable
+                req.not_loaded_reason = "timeout" if status == "timeout" else "transfer_error"
+                req.load = usable
             self._install(rep, req, keys, L, L + usable)
             self._enqueue(rep, req, t, L + usable)
             return
@@ -735,6 +968,130 @@ class Simulator:
         req.not_loaded_reason = "timeout" if status == "timeout" else "transfer_error"
         req.load = 0
         self._enqueue(rep, req, t, L)
+
+    # ---------------------------------------------------------------- compute while loading
+
+    def _front_s(self, L: int, j: int) -> float:
+        """GPU seconds to prefill blocks [L, L+j) with [0, L) cached (dispatch and fixed term included)."""
+        if j <= 0:
+            return 0.0
+        c = self.c
+        return c.dispatch_s + c.prefill_s(L * self.B, (L + j) * self.B)
+
+    def _tail_s(self, req: _Req, front_blocks: int, extent_blocks: int) -> float:
+        """GPU seconds for the rest of the prompt after blocks [0, L + extent), given the front computed."""
+        c = self.c
+        start = (req.local + extent_blocks) * self.B
+        T = self.p.input_tokens[req.i]
+        rest = c.prefill_s(start, T) - c.prefill.a_s
+        return rest + (c.dispatch_s + c.prefill.a_s if front_blocks == 0 else 0.0)
+
+    def _arrival_s(self, load: _Load, m: int, now: float) -> float:
+        """When the trailing m blocks of a reverse load will all have arrived, at today's rates."""
+        bb = self.block_bytes
+        when = now
+        for j in range(len(load.groups) - 1, -1, -1):
+            if m <= 0:
+                break
+            size = len(load.groups[j][1])
+            need = min(size, m) * bb
+            m -= size
+            f = load.flows[j]
+            if f is None:
+                return math.inf
+            done = f.done_bytes()
+            if done + 1e-6 >= need:
+                continue
+            if not f.alive or f.size_bytes + 1e-6 < need:
+                return math.inf  # ended short (failed) or cut: these blocks will not come
+            rate = f.rate_bytes_per_s
+            if rate <= 0:  # not moving (yet): re-planned when the rates change
+                return math.inf
+            when = max(when, now + (need - done) / rate)
+        return when
+
+    def _cake_schedule(self, req: _Req, now: float) -> None:
+        """Plan the meeting point: the front j minimising max(slot + front(j), arrival of the last k−j)."""
+        load = req.xfer
+        assert load is not None
+        L, K, s_ = req.local, req.load, req.split
+        t_s = req.slot_s
+
+        def meet(j: int) -> float:
+            return max(t_s + self._front_s(L, j), self._arrival_s(load, K - j, now))
+
+        lo, hi = s_, K
+        while lo < hi:  # the first j where the front is no earlier than the arrivals
+            mid = (lo + hi) // 2
+            if t_s + self._front_s(L, mid) >= self._arrival_s(load, K - mid, now):
+                hi = mid
+            else:
+                lo = mid + 1
+        best = meet(lo)
+        if lo > s_:
+            best = min(best, meet(lo - 1))
+        req.meet_ver += 1
+        req.job_end_s = best + self._tail_s(req, K, K)
+        self._push(max(best, now), MEET, (req, req.meet_ver))
+
+    def _cake_load_end(self, load: _Load, t: float) -> None:
+        req: _Req = load.payload
+        if req in self.cake_in_slot:
+            self._cake_schedule(req, t)
+        elif not load.recorded:  # still waiting for its slot: the outcome is known now
+            self._cake_record(req, load, t)
+
+    def _cake_record(self, req: _Req, load: _Load, t: float) -> int:
+        status = load.status
+        if status == "ok" and load.hung:
+            status = "timeout"
+        m = load.arrived_blocks(self.block_bytes)
+        self._release_leases(req)
+        return self._record_outcome(req, load, status, m, t)
+
+    def _meet(self, item: tuple[_Req, int], t: float) -> None:
+        req, ver = item
+        if ver != req.meet_ver or req not in self.cake_in_slot:
+            return
+        load = req.xfer
+        assert load is not None
+        L, K = req.local, req.load
+        m = min(load.arrived_blocks(self.block_bytes), K - req.split)
+        j = K - m
+        if req.slot_s + self._front_s(L, j) > t + 1e-9:
+            self._cake_schedule(req, t)  # rates moved under the plan
+            return
+        self.cake_in_slot.discard(req)
+        if not load.ended:
+            self._end_load(load, t, "failed" if any(load.fails) else "timeout" if load.hung else "ok")
+        if not load.recorded:
+            self._cake_record(req, load, t)
+        self._cake_finish(req, m, t)
+
+    def _cake_finish(self, req: _Req, m: int, t_front_done: float) -> None:
+        """The range is covered: m blocks loaded from the back, the rest of it computed; the tail follows."""
+        rep: _Replica = req.replica
+        load = req.xfer
+        assert load is not None
+        K = req.load
+        j = K - m
+        keys = self.p.keys[req.i]
+        L = req.local
+        for key in keys[L + j:L + K]:
+            self.ledger.record_read(key)
+        self.bytes_read += m * self.block_bytes
+        self.bytes_unused += max(int(load.delivered_bytes()) - m * self.block_bytes, 0)
+        if m:
+            req.load_s = load.end_s - req.load_start_s if load.ended else t_front_done - req.load_start_s
+        tail = self._tail_s(req, j, K)
+        busy = (t_front_done - req.slot_s) + tail
+        req.prefill_s = busy
+        self.gpu_prefill_s += busy
+        req.job_end_s = t_front_done + tail
+        # the ledger's view: the front [L, L+j) was found remotely and recomputed (the split), m blocks loaded
+        req.split = j
+        req.load = m
+        self._push(t_front_done + tail, PREFILL_DONE, req)
 
     def _install(self, rep: _Replica, req: _Req, keys: list[int], start: int, end: int) -> int:
         """Insert keys[start:end] into the local cache (pinned for this request). Returns how many fit."""
@@ -772,7 +1129,12 @@ class Simulator:
         req.reused = reused_blocks
         req.queue_enter_s = t
         rep.queue.append(req)
-        rep.load_tokens += self.p.input_tokens[req.i] - reused_blocks * self.B
+        T = self.p.input_tokens[req.i]
+        expect = reused_blocks + (req.load - req.split if req.cake else 0)  # what it expects to skip
+        req.queued_tokens = T - expect * self.B
+        req.queued_pred_s = self.c.dispatch_s + self.c.prefill_s(expect * self.B, T)
+        rep.load_tokens += req.queued_tokens
+        rep.queued_s += req.queued_pred_s
         self._start(rep, t)
 
     def _start(self, rep: _Replica, t: float) -> None:
@@ -780,11 +1142,24 @@ class Simulator:
         while rep.free_slots > 0 and rep.queue:
             req = rep.queue.popleft()
             rep.free_slots -= 1
+            rep.queued_s = max(rep.queued_s - req.queued_pred_s, 0.0)
+            rep.running.add(req)
+            debt, rep.debt_s = rep.debt_s, 0.0
+            load = req.xfer
+            if req.cake and load is not None:
+                req.slot_s = t + debt
+                if not load.ended:  # the GPU prefills the range from the front while it loads from the back
+                    self.cake_in_slot.add(req)
+                    self._cake_schedule(req, t)
+                    continue
+                m = min(load.arrived_blocks(self.block_bytes), req.load - req.split)
+                self._cake_finish(req, m, req.slot_s + self._front_s(req.local, req.load - m))
+                continue
             T = self.p.input_tokens[req.i]
             dur = c.dispatch_s + c.prefill_s(req.reused * self.B, T)
             req.prefill_s = dur
             self.gpu_prefill_s += dur
-            debt, rep.debt_s = rep.debt_s, 0.0
+            req.job_end_s = t + dur + debt
             self._push(t + dur + debt, PREFILL_DONE, req)
 
     def _ready(self, req: _Req, t: float) -> None:
@@ -795,22 +1170,23 @@ class Simulator:
         rep: _Replica = req.replica
         i = req.i
         rep.free_slots += 1
+        rep.running.discard(req)
         T = p.input_tokens[i]
-        rep.load_tokens -= T - req.reused * self.B
+        rep.load_tokens -= req.queued_tokens
         self.ttft[i] = t - req.first_arrival_s
         self.completed[i] += 1
         self.t_last = max(self.t_last, t)
         keys = p.keys[i]
         self._install(rep, req, keys, req.reused, len(keys))
         m = p.matchable[i]
-        used = req.local + req.load + req.not_loaded
+        used = req.local + req.split + req.load + req.not_loaded
         cls = p.request_class[i] if p.request_class else "default"
         rec = RequestRecord(
             prompt_tokens=T, block_size_tokens=self.B, local_blocks=req.local, remote_loaded_blocks=req.load,
             remote_not_loaded_blocks=req.not_loaded, not_loaded_reason=req.not_loaded_reason if req.not_loaded else None,
             missing_keys=tuple(keys[used:m]), request_class=cls, arrival_s=req.first_arrival_s, ttft_s=t - req.first_arrival_s,
             prefill_s=req.prefill_s, load_s=req.load_s, queue_s=None, predicted_recompute_s=req.predicted_s if req.load else None,
-            load_attempted=req.load_attempted, stall_s=req.stall_s if self.ps.uses_pool else None,
+            load_attempted=req.load_attempted, stall_s=req.stall_s if self.ps.uses_pool else None, split_blocks=req.split,
         )
         self.ledger.record(rec)
         self._publish(rep, req, keys, t)
@@ -872,20 +1248,16 @@ class Simulator:
         cls = p.request_class[i] if p.request_class else "default"
         for node, todo in batches.items():
             nbytes = len(todo) * self.block_bytes
-            factor, _ = node.state(t, c.failure_rate)
-            bw = min(c.node_bandwidth_bytes_per_s * factor, c.replica_bandwidth_bytes_per_s)
-            start = max(t, rep.out_free_s, node.free_s)
-            end = start + c.transfer_overhead_s + (nbytes / bw if bw > 0 else math.inf)
-            if end - t > c.transport_timeout_s:  # the write never lands
-                end = t + c.transport_timeout_s
-                node.free_s = max(node.free_s, end)
-                rep.out_free_s = max(rep.out_free_s, end)
-                continue
-            node.free_s = end
-            rep.out_free_s = end
-            node.bytes_in += nbytes
             writing.update(todo)
-            self._push(end, WRITE_DONE, (node, todo, keys, cls))
+            f = self.net.start(t, (rep.out, node.inn), nbytes, priority=self.write_priority, latency_s=c.transfer_overhead_s,
+                               payload=(node, todo, keys, cls), on_done=self._write_flow_end)
+            self._push(t + c.transport_timeout_s, TIMER, (f, "write"))  # a write still moving then never lands
+        self._net_changed()
+
+    def _write_flow_end(self, f: Flow, t: float) -> None:
+        node = f.payload[0]
+        node.bytes_in += int(f.size_bytes)
+        self._push(t, WRITE_DONE, f.payload)
 
     def _write_done(self, item: tuple[_Node, list[int], list[int], str], t: float) -> None:
         node, todo, chain, cls = item
@@ -937,6 +1309,12 @@ class Simulator:
         for load in plan.schedule:
             self._push(t + load.start_s, WARM_DONE, ("start", new[load.replica], chains[load.prefix]))
 
+    def _warm_load_end(self, load: _Load, t: float) -> None:
+        rep, chain, have = load.payload
+        if load.status != "ok":
+            self.bytes_unused += int(load.delivered_bytes())
+        self._push(t, WARM_DONE, ("end" if load.status == "ok" else load.status, rep, chain, have))
+
     def _warm_done(self, item: tuple, t: float) -> None:
         phase, rep, chain = item[:3]
         if phase == "start":
@@ -945,10 +1323,9 @@ class Simulator:
             if run <= have:
                 return
             ks = list(chain[have:run])
-            groups = self._groups(ks)
-            end, status, _, _ = self._plan_read(rep, groups, t, -1 - rep.idx, len(ks) + have, commit=True)
             self.loads += 1
-            self._push(end, WARM_DONE, ("end" if status == "ok" else status, rep, chain[:run], have))
+            self._begin_read(rep, self._groups(ks), t, -1 - rep.idx, len(ks) + have, reverse=False, on_end=self._warm_load_end,
+                             payload=(rep, chain[:run], have))
             return
         if phase != "end":
             if phase == "timeout":

@@ -44,7 +44,7 @@ _EPS_BYTES = 1e-6
 class Link:
     """One direction of a port: a storage node's egress, a NIC's ingress, a staging copy."""
 
-    __slots__ = ("name", "capacity_bytes_per_s", "bytes_carried", "_rem", "_n")
+    __slots__ = ("name", "capacity_bytes_per_s", "bytes_carried", "flows", "_rem", "_n")
 
     def __init__(self, name: str, capacity_bytes_per_s: float) -> None:
         if not capacity_bytes_per_s >= 0 or math.isinf(capacity_bytes_per_s):
@@ -52,6 +52,7 @@ class Link:
         self.name = name
         self.capacity_bytes_per_s = float(capacity_bytes_per_s)
         self.bytes_carried = 0.0
+        self.flows = 0  # flows moving bytes on it now
         self._rem = 0.0
         self._n = 0
 
@@ -181,6 +182,7 @@ class FlowNetwork:
         if g is not None:
             for link in g.links:
                 link.bytes_carried += done
+                link.flows -= 1
             g.count -= 1
             if g.count == 0:
                 self._drop(g)
@@ -204,8 +206,9 @@ class FlowNetwork:
             if not g.heap:
                 continue
             f = g.heap[0][2]
-            left = g.heap[0][0] - (g.served + g.rate * (self.t - g.t))
-            if left <= _EPS_BYTES + 1e-9 * f.size_bytes:
+            self._sync(g)
+            left = g.heap[0][0] - g.served
+            if self._due(g, g.heap[0][0], f):
                 when = self.t
             elif g.rate > 0:
                 when = self.t + left / g.rate
@@ -229,7 +232,7 @@ class FlowNetwork:
             changed = True
         for g in list(self._groups.values()):
             heap = g.heap
-            while heap and (not heap[0][2].alive or heap[0][0] <= g.served + _EPS_BYTES + 1e-9 * heap[0][2].size_bytes):
+            while heap and (not heap[0][2].alive or self._due(g, heap[0][0], heap[0][2])):
                 _, _, f = heapq.heappop(heap)
                 if not f.alive:
                     continue
@@ -239,6 +242,7 @@ class FlowNetwork:
                 g.count -= 1
                 for link in g.links:
                     link.bytes_carried += f.size_bytes
+                    link.flows -= 1
                 finished.append(f)
                 changed = True
             if g.count == 0:
@@ -264,10 +268,30 @@ class FlowNetwork:
                 out.append(f.size_bytes)
         return out
 
+    def flow_count(self, link: Link) -> int:
+        return link.flows
+
+    def link_state(self) -> dict[str, tuple[float, float, int]]:
+        """Per link now: (capacity bytes/s, utilisation 0..1, flows on it)."""
+        used: dict[int, float] = {}
+        for g in self._groups.values():
+            for link in g.links:
+                used[id(link)] = used.get(id(link), 0.0) + g.rate * g.count
+        out = {}
+        for name, link in self.links.items():
+            cap = link.capacity_bytes_per_s
+            out[name] = (cap, min(used.get(id(link), 0.0) / cap, 1.0) if cap > 0 else (1.0 if link.flows else 0.0), link.flows)
+        return out
+
     def active_flows(self) -> int:
         return sum(g.count for g in self._groups.values()) + sum(1 for p in self._pending if p[2].alive)
 
     # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _due(g: _Group, target: float, f: Flow) -> bool:
+        left = target - g.served
+        return left <= _EPS_BYTES + 1e-9 * f.size_bytes or (g.rate > 0 and left / g.rate <= 1e-9)
 
     def _sync(self, g: _Group) -> None:
         if g.t != self.t:
@@ -293,6 +317,8 @@ class FlowNetwork:
         f.target = g.served + f.size_bytes
         heapq.heappush(g.heap, (f.target, f.fid, f))
         g.count += 1
+        for link in links:
+            link.flows += 1
 
     def _drop(self, g: _Group) -> None:
         self._groups.pop((tuple(id(x) for x in g.links), g.priority), None)

@@ -41,6 +41,8 @@ class PolicySet:
     failure: Failure = "recompute"
     warmup: bool = False
     uses_pool: bool = True
+    #: prefill the leading blocks of a load range while the rest loads from the back (Cake)
+    compute_while_loading: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.load not in ("admission", "always", "min-tokens", "never", "oracle"):
@@ -49,11 +51,13 @@ class PolicySet:
             raise ConfigError("timeout", f"unknown timeout rule {self.timeout!r}")
         if self.failure not in ("recompute", "fail"):
             raise ConfigError("failure", f"must be 'recompute' or 'fail', got {self.failure!r}")
+        if self.compute_while_loading and self.load != "admission":
+            raise ConfigError("compute_while_loading", "needs load='admission' (the split comes from the controller's plan)")
 
 
 PRESETS: dict[str, PolicySet] = {
     "kvpolicy": PolicySet("kvpolicy", local_eviction="reuse-distance", pool_eviction="reuse-distance", publish="reuse-aware",
-                          load="admission", timeout="admission", failure="recompute", warmup=True),
+                          load="admission", timeout="admission", failure="recompute", warmup=True, compute_while_loading=True),
     "vllm-like": PolicySet("vllm-like", publish="all", load="always", timeout="none", failure="fail"),
     "sglang-like": PolicySet("sglang-like", publish="threshold-2", load="min-tokens", min_load_tokens=256, timeout="sglang", failure="recompute"),
     "lmcache-like": PolicySet("lmcache-like", publish="all", load="always", timeout="none", failure="recompute"),
@@ -72,4 +76,5 @@ def policy_set(name: str) -> PolicySet:
 
 def recompute_twin(ps: PolicySet) -> PolicySet:
     """The same local eviction with no pool at all (for the empty-pool equivalence)."""
-    return attrs.evolve(ps, name=f"{ps.name}/recompute", publish="never", load="never", uses_pool=False, warmup=False)
+    return attrs.evolve(ps, name=f"{ps.name}/recompute", publish="never", load="never", uses_pool=False, warmup=False,
+                        compute_while_loading=False)
