@@ -149,8 +149,9 @@ class Decision:
     source: str = "pool"
     replica: str = "replica-0"
     load_bytes: int = 0
-    #: compute-while-loading: blocks [L, L+split_blocks) are prefilled while [L+split_blocks, L+load_blocks)
-    #: load (from the back); 0 = load the whole range
+    #: compute while loading: the engine requests blocks [L, L+load_blocks) from the back and prefills
+    #: from the front; they are predicted to meet here (blocks [L, L+split_blocks) computed, the rest
+    #: loaded). 0 = a plain load of the whole range
     split_blocks: int = 0
     #: bytes ahead on the path the prediction used (fed back with the outcome)
     queue_bytes: float = 0.0
@@ -159,10 +160,6 @@ class Decision:
     def loads(self) -> bool:
         return self.action == "load"
 
-    @property
-    def loaded_range(self) -> tuple[int, int]:
-        """Block indexes [start, end) of the prompt that this decision loads."""
-        return (self.local_blocks + self.split_blocks, self.local_blocks + self.load_blocks) if self.loads else (0, 0)
 
 
 @attrs.frozen
@@ -172,7 +169,7 @@ class LoadOutcome:
     load_id: int
     status: Literal["ok", "failed", "timeout", "incompatible"]
     #: blocks that arrived intact before the load ended, in transfer order (the range's leading
-    #: blocks; its trailing ones for a split plan, which loads from the back)
+    #: blocks; its trailing ones when computing while loading, which loads from the back)
     ok_blocks: int
     lookup_s: float | None = None
     #: for "ok": the transfer's duration; for "timeout": how long it ran before it was given up
@@ -365,7 +362,7 @@ class AdmissionController:
             return refuse("replica_cap")
         if self._source_loads.get(ctx.source, 0) >= cfg.max_loads_per_source:
             return refuse("source_cap")
-        load_bytes = (best_k - best_s) * ctx.block_bytes
+        load_bytes = best_k * ctx.block_bytes  # requested (a split plan is cut where compute meets it)
         queued = best["queue_bytes"]
         if queued > 0 and queued + load_bytes > cfg.max_queue_bytes_per_source:
             return refuse("queue_full")  # an idle path always takes one load, however large: the cap bounds waiting, not size
@@ -411,7 +408,7 @@ class AdmissionController:
         d = self._inflight.get(outcome.load_id)
         if d is None:
             raise ConfigError("load_id", f"{outcome.load_id} is not an admitted load in flight (already recorded or cancelled?)")
-        n = d.load_blocks - d.split_blocks
+        n = d.load_blocks
         if isinstance(outcome.ok_blocks, bool) or not isinstance(outcome.ok_blocks, int) or not 0 <= outcome.ok_blocks <= n:
             raise ConfigError("ok_blocks", f"{outcome.ok_blocks!r} outside [0, {n}] for load {outcome.load_id}")
         if outcome.status not in ("ok", "failed", "timeout", "incompatible"):

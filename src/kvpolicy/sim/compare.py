@@ -79,23 +79,24 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
     def add(scenario: str, what: str, ok: bool, detail: str) -> None:
         out.append({"scenario": scenario, "check": what, "ok": bool(ok), "detail": detail})
 
+    baselines = ("vllm-like", "sglang-like", "lmcache-like")
     for s in scen:
-        kv, rc, vl = by.get((s, "kvpolicy")), by.get((s, "recompute-only")), by.get((s, "vllm-like"))
-        if s in ("degraded", "scale-out") and kv and rc:
+        kv, rc = by.get((s, "kvpolicy")), by.get((s, "recompute-only"))
+        if kv and rc:
             add(s, "kvpolicy p95 TTFT <= recompute-only", kv["ttft_p95_ms"] <= rc["ttft_p95_ms"],
                 f"{kv['ttft_p95_ms']:.0f} ms vs {rc['ttft_p95_ms']:.0f} ms")
-        if s in ("degraded", "scale-out") and kv and vl:
-            add(s, "kvpolicy p95 TTFT < vllm-like", kv["ttft_p95_ms"] < vl["ttft_p95_ms"], f"{kv['ttft_p95_ms']:.0f} ms vs {vl['ttft_p95_ms']:.0f} ms")
-        if s == "steady" and kv:
-            base = [r for (ss, p), r in by.items() if ss == s and p not in ("kvpolicy", "oracle", "recompute-only")]
-            if base:
-                best = max(base, key=lambda r: r["gpu_saved_s"])
-                share = kv["gpu_saved_s"] / best["gpu_saved_s"] if best["gpu_saved_s"] > 0 else float("inf")
-                add(s, f"kvpolicy saves >= 90% of the best baseline's GPU seconds ({best['policy']})", share >= 0.9,
-                    f"{kv['gpu_saved_s']:.0f} s vs {best['gpu_saved_s']:.0f} s ({share:.0%})")
-                add(s, f"kvpolicy writes fewer bytes than {best['policy']}", kv["bytes_written"] < best["bytes_written"],
-                    f"{kv['bytes_written'] / 2**30:,.0f} GiB vs {best['bytes_written'] / 2**30:,.0f} GiB")
+        for name in baselines:
+            b = by.get((s, name))
+            if kv and b:
+                add(s, f"kvpolicy p95 TTFT <= {name}", kv["ttft_p95_ms"] <= b["ttft_p95_ms"], f"{kv['ttft_p95_ms']:.0f} ms vs {b['ttft_p95_ms']:.0f} ms")
         orc = by.get((s, "oracle"))
+        if s == "steady" and kv and orc:
+            share = kv["gpu_saved_s"] / orc["gpu_saved_s"] if orc["gpu_saved_s"] > 0 else float("inf")
+            add(s, "kvpolicy saves >= 60% of the oracle's GPU seconds", share >= 0.6,
+                f"{kv['gpu_saved_s']:,.0f} s vs {orc['gpu_saved_s']:,.0f} s ({share:.0%})")
+        if kv and kv["loads"]:
+            tmo = kv["loads_timeout"] / kv["loads"]
+            add(s, "kvpolicy: timed-out loads < 5% of admitted loads", tmo < 0.05, f"{kv['loads_timeout']:,} of {kv['loads']:,} ({tmo:.1%})")
         if orc:  # the oracle loads iff it wins on time, with hindsight: its bound is on TTFT, not on GPU seconds
             better = [f"{p} {r['ttft_p95_ms']:.0f} ms" for (ss, p), r in by.items() if ss == s and p != "oracle" and r["ttft_p95_ms"] < orc["ttft_p95_ms"]]
             add(s, "oracle p95 TTFT bounds every policy set", not better,

@@ -267,7 +267,7 @@ class _Load:
         for j in order:
             f = self.flows[j]
             size = len(self.groups[j][1])
-            got = 0 if f is None else min(int((f.done_bytes() + 1e-6) // block_bytes), size)
+            got = 0 if f is None else min(int((f.done_bytes() + 1.0) // block_bytes), size)  # 1 byte of float slack
             n += got
             if got < size:
                 break
@@ -824,7 +824,9 @@ class Simulator:
         req.split = s_
         req.load_attempted = True
         req.load_start_s = t0
-        groups = self._groups(keys[L + s_:L + k])
+        # computing while loading, the whole range is requested from the back and cut where the GPU's
+        # front meets it (s is only the controller's prediction of that point)
+        groups = self._groups(keys[L:L + k])
         req.load_groups = groups
         for node, gk in groups:
             pol = node.policy
@@ -925,9 +927,9 @@ class Simulator:
         stall = self._charge_interference(req.replica, req, delivered)
         if self.controller is None or req.decision is None:
             return ok_blocks
-        n = req.load - req.split
+        n = req.load
         out = LoadOutcome(load_id=req.decision.load_id, status=status, ok_blocks=min(ok_blocks, n), lookup_s=self.c.lookup_s,
-                          transfer_s=t - load.t0, install_s=self.c.install_s_per_block * ok_blocks if status == "ok" else None,
+                          transfer_s=(load.end_s if load.ended else t) - load.t0, install_s=self.c.install_s_per_block * ok_blocks if status == "ok" else None,
                           stall_s=stall if status == "ok" else None, bytes_delivered=delivered)
         return self.controller.record(out).usable_blocks
 
@@ -1000,9 +1002,9 @@ class Simulator:
             if f is None:
                 return math.inf
             done = f.done_bytes()
-            if done + 1e-6 >= need:
+            if done + 1.0 >= need:
                 continue
-            if not f.alive or f.size_bytes + 1e-6 < need:
+            if not f.alive or f.size_bytes + 1.0 < need:
                 return math.inf  # ended short (failed) or cut: these blocks will not come
             rate = f.rate_bytes_per_s
             if rate <= 0:  # not moving (yet): re-planned when the rates change
@@ -1010,11 +1012,12 @@ class Simulator:
             when = max(when, now + (need - done) / rate)
         return when
 
-    def _cake_schedule(self, req: _Req, now: float) -> None:
+    def _cake_schedule(self, req: _Req, now: float) -> float:
         """Plan the meeting point: the front j minimising max(slot + front(j), arrival of the last k−j)."""
         load = req.xfer
         assert load is not None
-        L, K, s_ = req.local, req.load, req.split
+        L, K = req.local, req.load
+        s_ = 0
         t_s = req.slot_s
 
         def meet(j: int) -> float:
@@ -1032,7 +1035,9 @@ class Simulator:
             best = min(best, meet(lo - 1))
         req.meet_ver += 1
         req.job_end_s = best + self._tail_s(req, K, K)
-        self._push(max(best, now), MEET, (req, req.meet_ver))
+        when = max(best, now)
+        self._push(when, MEET, (req, req.meet_ver))
+        return when
 
     def _cake_load_end(self, load: _Load, t: float) -> None:
         req: _Req = load.payload
@@ -1056,10 +1061,13 @@ class Simulator:
         load = req.xfer
         assert load is not None
         L, K = req.local, req.load
-        m = min(load.arrived_blocks(self.block_bytes), K - req.split)
+        m = min(load.arrived_blocks(self.block_bytes), K)
         j = K - m
-        if req.slot_s + self._front_s(L, j) > t + 1e-9:
-            self._cake_schedule(req, t)  # rates moved under the plan
+        front_done = req.slot_s + self._front_s(L, j)
+        if front_done > t + 1e-9:  # the front has not reached what arrived: re-plan
+            if self._cake_schedule(req, t) <= t:  # no later point to wait for: the front decides
+                req.meet_ver += 1
+                self._push(front_done, MEET, (req, req.meet_ver))
             return
         self.cake_in_slot.discard(req)
         if not load.ended:
@@ -1152,7 +1160,7 @@ class Simulator:
                     self.cake_in_slot.add(req)
                     self._cake_schedule(req, t)
                     continue
-                m = min(load.arrived_blocks(self.block_bytes), req.load - req.split)
+                m = min(load.arrived_blocks(self.block_bytes), req.load)
                 self._cake_finish(req, m, req.slot_s + self._front_s(req.local, req.load - m))
                 continue
             T = self.p.input_tokens[req.i]
