@@ -273,8 +273,8 @@ class _Load:
                 break
         return n
 
-    def delivered_bytes(self) -> float:
-        return sum(f.done_bytes() for f in self.flows if f is not None)
+    def delivered_bytes(self) -> int:
+        return sum(int(round(f.done_bytes())) for f in self.flows if f is not None)
 
 
 class _Replica:
@@ -944,7 +944,7 @@ class Simulator:
         usable = self._record_outcome(req, load, status, arrived, t)
         if self.controller is None or req.decision is None:
             usable = k if status == "ok" else 0  # the baselines use a load whole or not at all
-        self.bytes_unused += max(int(load.delivered_bytes()) - usable * self.block_bytes, 0)
+        self.bytes_unused += max(load.delivered_bytes() - usable * self.block_bytes, 0)
         keys = self.p.keys[req.i]
         L = req.local
         if usable:
@@ -1088,7 +1088,7 @@ class Simulator:
         for key in keys[L + j:L + K]:
             self.ledger.record_read(key)
         self.bytes_read += m * self.block_bytes
-        self.bytes_unused += max(int(load.delivered_bytes()) - m * self.block_bytes, 0)
+        self.bytes_unused += max(load.delivered_bytes() - m * self.block_bytes, 0)
         if m:
             req.load_s = load.end_s - req.load_start_s if load.ended else t_front_done - req.load_start_s
         tail = self._tail_s(req, j, K)
@@ -1320,7 +1320,7 @@ class Simulator:
     def _warm_load_end(self, load: _Load, t: float) -> None:
         rep, chain, have = load.payload
         if load.status != "ok":
-            self.bytes_unused += int(load.delivered_bytes())
+            self.bytes_unused += load.delivered_bytes()
         self._push(t, WARM_DONE, ("end" if load.status == "ok" else load.status, rep, chain, have))
 
     def _warm_done(self, item: tuple, t: float) -> None:
