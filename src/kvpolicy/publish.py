@@ -31,8 +31,19 @@ With ĉ the decayed count including this request::
     P(reuse)   = 1 − exp(−rate × lifetime_s)                if the block was seen before
                = P(a new block is seen again | bucket)      on its first sighting
     value      = P(reuse) × cross_replica_share × recompute_s(depth)
-    cost       = block_bytes / write_bytes_per_s + index_s + eviction_s
-    publish iff value > cost                                (the leading run that passes)
+    cost       = t_write × ρ/(1 − ρ) + index_s + eviction_s,   t_write = block_bytes / write_bytes_per_s
+
+ρ is the recent utilisation of the write's path (``PublishRequest.write_path_utilisation``,
+measured by the engine): a write on a shared link costs the delay it imposes
+on the traffic it shares the link with — t_write × ρ/(1 − ρ), the M/M/1 delay
+a job of length t_write adds to a queue at load ρ (capped at ρ = 0.99). When ρ
+is unknown the cost is the full t_write (a busy-link assumption: conservative).
+    publish the leading run n maximising Σ_{j<n} (value_j − cost)
+
+Publishing is prefix-closed (a block is useless remotely without its prefix), so
+a deep block worth publishing carries the shallow blocks it needs even when each
+of those alone would not pay; the run stops where everything after it is worth
+less, in total, than it costs.
 
 The first-sighting probability is **learned**, per bucket of how much of the
 request was itself reused (quarters of its blocks: a mid-session request reuses
@@ -74,8 +85,14 @@ class PublishRequest:
     boundary_tokens: int | None = None
     replica: str = "replica-0"
     reused_blocks: int = 0  # leading blocks this request itself found (local or remote)
+    #: recent utilisation (0..1) of the links a write would cross (the replica's egress, the pool's
+    #: ingress), as the engine measures it; None: unknown (a write then costs its full link time)
+    write_path_utilisation: float | None = None
 
     def __attrs_post_init__(self) -> None:
+        u = self.write_path_utilisation
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 <= u <= 1):
+            raise ConfigError("write_path_utilisation", f"must be in [0, 1] or None, got {u!r}")
         if self.block_size_tokens <= 0 or self.num_tokens < 0:
             raise ConfigError("num_tokens", "num_tokens must be >= 0 and block_size_tokens > 0")
         if self.data_class not in DATA_CLASSES:
@@ -271,7 +288,9 @@ class ReuseAwarePublish:
             raise ConfigError("buckets", "buckets and origin_capacity must be positive")
         self.block_bytes = block_bytes
         self.recompute_s = recompute_s
-        self.cost_s = block_bytes / write_bytes_per_s + index_s + eviction_s
+        self.write_s = block_bytes / write_bytes_per_s
+        self.fixed_cost_s = index_s + eviction_s
+        self.cost_s = self.write_s + self.fixed_cost_s  # the cost when the path's utilisation is unknown
         self.lifetime_s = lifetime_s
         self.half_life_s = half_life_s
         self.cross = cross_replica_share
@@ -309,21 +328,38 @@ class ReuseAwarePublish:
     def values(self, request: PublishRequest, keys: Sequence[Hashable]) -> list[float]:
         """Expected value − cost of publishing each leading block (seconds)."""
         p_first = self.first_sighting_probability(request)
+        cost = self.write_cost_s(request)
         out = []
         for depth, key in enumerate(keys):
             c = self.sketch.estimate(key, request.time_s)
             p = 1.0 - math.exp(-max(c - 1.0, 0.0) / self.half_life_s * self.lifetime_s) if c > 1.5 else p_first
-            out.append(p * self.cross * self.recompute_s(depth) - self.cost_s)
+            out.append(p * self.cross * self.recompute_s(depth) - cost)
         return out
 
+    def write_cost_s(self, request: PublishRequest) -> float:
+        """Seconds one block's write costs: the delay it imposes on its path, plus index and eviction."""
+        rho = request.write_path_utilisation
+        if rho is None:
+            return self.cost_s
+        rho = min(rho, 0.99)
+        return self.write_s * rho / (1.0 - rho) + self.fixed_cost_s
+
     def publishable(self, request: PublishRequest, keys: Sequence[Hashable]) -> int:
+        """The leading run with the largest total value: publishing is prefix-closed, so a deep block
+        worth publishing carries the cheap shallow blocks it needs (a run is cut only where what
+        follows is worth less, in total, than it costs)."""
         _check(request, keys)
-        n = 0
-        for v in self.values(request, keys):
-            if v <= 0:
-                break
-            n += 1
-        return n
+        return best_prefix(self.values(request, keys))
+
+
+def best_prefix(values: Sequence[float]) -> int:
+    """n maximising sum(values[:n]) (0 when no leading run is worth its cost; the shortest on ties)."""
+    best_n, best, acc = 0, 0.0, 0.0
+    for j, v in enumerate(values):
+        acc += v
+        if acc > best + 1e-15:
+            best_n, best = j + 1, acc
+    return best_n
 
 
 class AllOf:

@@ -4,7 +4,10 @@ For a request whose leading ``L`` blocks are local and the next ``R`` are found
 remotely, the decision is a **split plan** over the first ``k ≤ R`` of them:
 compute blocks ``[L, L+s)`` on the GPU while blocks ``[L+s, L+k)`` load, the two
 meeting in the middle (compute while loading — Cake, arXiv 2410.03065), then
-prefill the rest. A load range is taken only if it is ready before recompute
+prefill the rest. A plain load (``s = 0``) that wins is preferred — it leaves
+the GPU alone; a split is the fallback for ranges a plain load cannot win, and
+a plain load that runs past its p95 prediction turns into one
+(``Decision.compute_after_s``). A load range is taken only if it is ready before recompute
 would have produced it:
 
     p95(T_remote(k−s)) + T_interference(k−s) < margin × (W + p50(T_recompute(L → L+k)))
@@ -155,6 +158,10 @@ class Decision:
     split_blocks: int = 0
     #: bytes ahead on the path the prediction used (fed back with the outcome)
     queue_bytes: float = 0.0
+    #: compute while loading: if the load has not finished this many seconds after it started, start
+    #: prefilling from the front while it goes on from the back (0 for a split plan: at once; the p95
+    #: prediction for a plain load — a late load then costs at most what recompute would). None: off
+    compute_after_s: float | None = None
 
     @property
     def loads(self) -> bool:
@@ -250,7 +257,20 @@ class AdmissionController:
             return self.model.path_queue_bytes(load_bytes, ctx.path_backlog_bytes, ctx.path_flows_bytes)
         return self.queued_bytes(ctx.source)
 
-    def _plan(self, L: int, k: int, Bt: int, ctx: AdmissionContext, c95: Any, c50: Any) -> tuple[int, float, float, float]:
+    def _best_plan(self, L: int, R: int, Bt: int, ctx: AdmissionContext, c95: Any, c50: Any, *, split: bool) -> tuple[int, int, float]:
+        """(k, s, benefit) of the best plan over k in {1, 2, 4, ...} and R."""
+        best_k, best_s, best_benefit = 1, 0, -math.inf
+        k = 1
+        while True:
+            kk = min(k, R)
+            s_, _, _, benefit = self._plan(L, kk, Bt, ctx, c95, c50, split=split)
+            if benefit > best_benefit:
+                best_k, best_s, best_benefit = kk, s_, benefit
+            if kk == R:
+                return best_k, best_s, best_benefit
+            k *= 2
+
+    def _plan(self, L: int, k: int, Bt: int, ctx: AdmissionContext, c95: Any, c50: Any, *, split: bool) -> tuple[int, float, float, float]:
         """(split s, plan seconds, recompute seconds, benefit) for the load extent k."""
         start = L * Bt
         W = ctx.queue_wait_s
@@ -268,7 +288,7 @@ class AdmissionController:
             front = W + c50.recompute(start, start + s_ * Bt) if s_ > 0 else 0.0
             return max(front, remote(k - s_))
 
-        if not self.config.compute_while_loading:
+        if not split:
             p = plan(0)
             return 0, p, recompute, self.config.margin * recompute - p
         lo, hi = 0, k  # smallest s with front(s) >= remote(k - s): the two sides meet there
@@ -328,16 +348,13 @@ class AdmissionController:
         c95 = self.model.coefficients(0.95, ctx.source)
         c50 = self.model.coefficients(0.5, ctx.source)
         Bt = match.block_size_tokens
-        best_k, best_s, best_benefit = 1, 0, -math.inf
-        k = 1
-        while True:
-            kk = min(k, R)
-            s_, _, _, benefit = self._plan(L, kk, Bt, ctx, c95, c50)
-            if benefit > best_benefit:
-                best_k, best_s, best_benefit = kk, s_, benefit
-            if kk == R:
-                break
-            k *= 2
+        # plain loads first: among the plans that win, the one that leaves the GPU alone saves the most
+        # GPU seconds; a split (compute while loading) is the fallback for ranges a plain load cannot win
+        best_k, best_s, best_benefit = self._best_plan(L, R, Bt, ctx, c95, c50, split=False)
+        if best_benefit <= 0 and self.config.compute_while_loading:
+            k2, s2, b2 = self._best_plan(L, R, Bt, ctx, c95, c50, split=True)
+            if b2 > best_benefit:
+                best_k, best_s, best_benefit = k2, s2, b2
         if best_s >= best_k:  # nothing left to load: the plan is to compute it all
             best_s = 0
         best = self.evaluate(L, R, best_k, Bt, ctx, best_s)
@@ -377,6 +394,7 @@ class AdmissionController:
             "load", reason, L, R, best_k, best["t_remote_p50_s"], best["t_remote_p95_s"], best["t_recompute_p50_s"], best["interference_s"],
             best, soft_timeout_s=cfg.timeout_factor * best["t_recompute_only_s"], load_id=load_id, source=ctx.source,
             replica=ctx.replica, load_bytes=load_bytes, split_blocks=best_s, queue_bytes=queued,
+            compute_after_s=(0.0 if best_s else best["t_plan_s"]) if cfg.compute_while_loading else None,
         )
         self._inflight[load_id] = d
         self._replica_loads[ctx.replica] = self._replica_loads.get(ctx.replica, 0) + 1

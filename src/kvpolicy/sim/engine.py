@@ -199,7 +199,7 @@ class _Req:
     __slots__ = ("i", "attempt", "first_arrival_s", "replica", "local", "found", "load", "load_id", "load_start_s", "load_groups",
                  "status", "reused", "not_loaded", "not_loaded_reason", "predicted_s", "load_s", "queue_enter_s", "prefill_s",
                  "pinned", "stall_s", "load_attempted", "decision", "xfer", "split", "cake", "slot_s", "meet_ver", "queued_tokens",
-                 "queued_pred_s", "job_end_s")
+                 "queued_pred_s", "job_end_s", "waiting")
     replica: Any  # the _Replica serving it
     local: int  # leading blocks found in the local cache
     found: int  # remote blocks found after them
@@ -236,6 +236,7 @@ class _Req:
         self.cake = False
         self.meet_ver = 0
         self.job_end_s = 0.0
+        self.waiting = False  # a plain load (compute while loading) not yet queued for its slot
 
 
 class _Load:
@@ -424,6 +425,7 @@ class Simulator:
         self.cake_in_slot: set[_Req] = set()
         self.bytes_unused = 0
         self._series: dict[str, tuple[list[float], list[float], list[float]]] = {}
+        self._util: dict[str, float] = {}
         self.where: dict[int, _Node] = {}
         self.pool_index = _DictIndex(self.where, "pool")
         self.writing: set[int] = set()
@@ -690,6 +692,12 @@ class Simulator:
 
     def _timer(self, item: tuple[Any, str], t: float) -> None:
         obj, kind = item
+        if kind == "switch":  # a plain load ran past its p95 prediction: compute from the front while it goes on
+            req: _Req = obj
+            if req.waiting:
+                req.waiting = False
+                self._enqueue(req.replica, req, t, req.local)
+            return
         if kind == "write":
             f: Flow = obj
             if f.alive:  # the write never lands
@@ -724,13 +732,15 @@ class Simulator:
 
     def _sample(self, _: Any, t: float) -> None:
         """Per-link utilisation and flows, for the report's plot of where queues come from."""
-        for name, (ts, util, nflows) in self.net.link_state().items():
+        for name, (_, util, nflows) in self.net.link_state().items():
             series = self._series.get(name)
             if series is None:
                 series = self._series[name] = ([], [], [])
             series[0].append(t)
             series[1].append(util)
             series[2].append(nflows)
+            recent = series[1][-4:]  # what an engine's NIC counters give: the recent mean
+            self._util[name] = sum(recent) / len(recent)
         if t < self.p.arrival_s[-1] or self.heap:
             self._push(t + self._sample_s, SAMPLE, None)
 
@@ -780,6 +790,7 @@ class Simulator:
         req.load = 0
         req.split = 0
         req.cake = False
+        req.waiting = False
         req.xfer = None
         req.not_loaded = 0
         req.not_loaded_reason = None
@@ -837,11 +848,17 @@ class Simulator:
             req.predicted_s = self.c.dispatch_s + self.c.prefill_s(L * self.B, (L + k) * self.B) - self.c.prefill.a_s
         self.loads += 1
         if ps.compute_while_loading:
-            # compute while loading: the load runs from the back; the request queues for its slot now
+            # the load runs from the back; a split plan queues for its prefill slot now (the GPU computes
+            # the front meanwhile), a plain load waits for its bytes until its p95 prediction has passed
             req.cake = True
             req.xfer = self._begin_read(rep, groups, t0, i, req.attempt, reverse=True, on_end=self._cake_load_end, payload=req)
             req.reused = L
-            self._push(t0, READY, req)
+            after = req.decision.compute_after_s if req.decision is not None else 0.0
+            if not after:
+                self._push(t0, READY, req)
+            else:
+                req.waiting = True
+                self._push(t0 + after, TIMER, (req, "switch"))
             return
         req.xfer = self._begin_read(rep, groups, t0, i, req.attempt, reverse=False, on_end=self._req_load_end, payload=req)
         limit = math.inf
@@ -1043,8 +1060,12 @@ class Simulator:
         req: _Req = load.payload
         if req in self.cake_in_slot:
             self._cake_schedule(req, t)
-        elif not load.recorded:  # still waiting for its slot: the outcome is known now
+            return
+        if not load.recorded:  # not computing yet: the outcome is known now
             self._cake_record(req, load, t)
+        if req.waiting:  # a plain load that ended in time: now it queues, its bytes already here
+            req.waiting = False
+            self._enqueue(req.replica, req, t + self.c.install_s_per_block * load.arrived_blocks(self.block_bytes), req.local)
 
     def _cake_record(self, req: _Req, load: _Load, t: float) -> int:
         status = load.status
@@ -1223,9 +1244,12 @@ class Simulator:
             n = self._oracle_pub[i]
         else:
             f = self.filter
+            util = self._util
+            pool_in = sum(util.get(n.inn.name, 0.0) for n in self.nodes) / len(self.nodes)
             preq = PublishRequest(request_id=(i, req.attempt), num_tokens=p.input_tokens[i], block_size_tokens=self.B, time_s=t,
                                   tenant=p.tenant[i] if p.tenant else "default", boundary_tokens=p.boundary[i] if p.boundary else None,
-                                  replica=rep.name, reused_blocks=req.local + req.load)
+                                  replica=rep.name, reused_blocks=req.local + req.load,
+                                  write_path_utilisation=max(util.get(rep.out.name, 0.0), pool_in))
             f.observe(preq, keys)
             n = f.publishable(preq, keys)
         if n <= 0:
