@@ -362,3 +362,98 @@ def test_no_probe_when_disabled_or_never_loaded():
     fresh = controller(bw=1.0)  # a hopeless link, never loaded: nothing to re-measure
     fresh.clock.advance(10_000)
     assert fresh.decide(pm(0, 100), ctx).reason == "slower_than_recompute"
+
+
+# ---------------------------------------------------------------- path-aware, timeouts as data, split plans
+
+
+def test_the_queue_term_sees_every_byte_on_the_path():
+    c = controller(bw=5e9)
+    alone = c.decide(pm(0, 40), ctx)
+    assert alone.loads and alone.terms["queue_bytes"] == 0
+    c.record(LoadOutcome(alone.load_id, "ok", alone.load_blocks, transfer_s=alone.load_bytes / 5e9))
+    # another replica's traffic (reads and writes) the controller never admitted: a FIFO backlog of 20 GB
+    busy = c.decide(pm(0, 40), AdmissionContext(block_bytes=BLOCK_BYTES, path_backlog_bytes=20e9))
+    assert not busy.loads and busy.reason == "slower_than_recompute"
+    assert busy.terms["queue_bytes"] == 20e9 and busy.terms["queue_p95_s"] > 20e9 / 5e9
+    # flows sharing the link fairly delay a load of S bytes by at most min(r, S) each
+    S = 4 * BLOCK_BYTES
+    q = c.path_queue_bytes(AdmissionContext(block_bytes=BLOCK_BYTES, path_flows_bytes=(1.0, S / 2, 10 * S)), S)
+    assert q == pytest.approx(1.0 + S / 2 + S)
+
+
+def test_a_timeout_raises_its_sources_p95_at_once_and_only_its_own():
+    c = controller(bw=5e9)
+    a = AdmissionContext(block_bytes=BLOCK_BYTES, source="node-a")
+    b = AdmissionContext(block_bytes=BLOCK_BYTES, source="node-b")
+    d = c.decide(pm(0, 40), a)
+    assert d.loads
+    before = c.model.coefficients(0.95, "node-a").s_per_byte
+    c.record(LoadOutcome(d.load_id, "timeout", 0, transfer_s=50 * d.load_bytes / 5e9))  # a single run-away load
+    assert c.model.coefficients(0.95, "node-a").s_per_byte >= 30 * before, "one timeout moves p95 at once (50x the link time; prior p95 is 1.5x)"
+    assert c.decide(pm(0, 40), a).reason == "slower_than_recompute"
+    assert c.decide(pm(0, 40), b).loads, "another source is not judged by node-a's timeout"
+    # a later load that proves the link fast again lifts the floor
+    c.clock.advance(31.0)
+    probe = c.decide(pm(0, 40), a)
+    assert probe.reason == "probe"
+    c.record(LoadOutcome(probe.load_id, "ok", probe.load_blocks, transfer_s=probe.load_bytes / 5e9))
+    assert c.model.coefficients(0.95, "node-a").s_per_byte < 2 * before
+
+
+def test_a_per_source_fit_learns_a_slow_node_without_condemning_the_pool():
+    c = controller(bw=5e9)
+    slow = AdmissionContext(block_bytes=BLOCK_BYTES, source="slow", replica="r1")
+    fast = AdmissionContext(block_bytes=BLOCK_BYTES, source="fast", replica="r2")
+    for _ in range(25):
+        for cx, bw in ((slow, 0.05e9), (fast, 5e9)):
+            d = c.decide(pm(0, 40), cx)
+            if d.loads:
+                c.record(LoadOutcome(d.load_id, "ok", d.load_blocks, transfer_s=d.load_bytes / bw))
+    assert c.decide(pm(0, 40), slow).reason == "slower_than_recompute"
+    assert c.decide(pm(0, 40), fast).loads
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.floats(0.05e9, 50e9), st.integers(0, 200), st.integers(1, 400), st.floats(0.0, 2.0), st.integers(0, 64),
+    st.floats(0.0, 30e9), st.booleans(), st.floats(0.3, 1.0),
+)
+def test_a_plans_predicted_time_is_never_above_recompute_only(bw, local, remote, wait_s, decodes, backlog, cwl, margin):
+    c = controller(bw=bw, compute_while_loading=cwl, margin=margin)
+    cx = AdmissionContext(block_bytes=BLOCK_BYTES, active_decodes=decodes, path_backlog_bytes=backlog, queue_wait_s=wait_s)
+    d = c.decide(pm(local, remote), cx)
+    t = d.terms
+    assert d.plan_s <= t["t_recompute_only_s"] + 1e-12
+    if d.loads:
+        assert t["t_plan_s"] < margin * t["t_recompute_only_s"], "a load is taken only when it wins by the margin"
+        assert 0 <= d.split_blocks < d.load_blocks <= remote
+        assert d.compute_after_s is not None if cwl else d.compute_after_s is None
+    if not cwl:
+        assert d.split_blocks == 0
+
+
+def test_split_is_the_fallback_when_a_plain_load_cannot_win():
+    # a link too slow for a plain load of the range to beat recompute, fast enough to cover its far end
+    plain = controller(bw=1.5e9).decide(pm(0, 64), ctx)
+    assert not plain.loads
+    c = controller(bw=1.5e9, compute_while_loading=True)
+    d = c.decide(pm(0, 64), ctx)
+    assert d.loads and d.split_blocks > 0 and d.compute_after_s == 0.0
+    assert d.terms["t_plan_s"] < d.terms["t_recompute_only_s"]
+    # where a plain load wins, the GPU is left alone
+    fast = controller(bw=25e9, compute_while_loading=True).decide(pm(0, 64), ctx)
+    assert fast.loads and fast.split_blocks == 0 and fast.compute_after_s == pytest.approx(fast.terms["t_plan_s"])
+
+
+def test_a_prefill_queue_makes_loading_free_and_bad_context_is_refused():
+    slow = controller(bw=0.4e9)
+    assert not slow.decide(pm(0, 64), ctx).loads
+    assert slow.decide(pm(0, 64), AdmissionContext(block_bytes=BLOCK_BYTES, queue_wait_s=5.0)).loads, \
+        "the bytes arrive while the request waits for its prefill slot"
+    for field, kw in (("active_decodes", dict(active_decodes=float("nan"))), ("path_backlog_bytes", dict(path_backlog_bytes=-1.0)),
+                      ("path_flows_bytes", dict(path_flows_bytes=(float("inf"),))), ("queue_wait_s", dict(queue_wait_s=float("nan")))):
+        with pytest.raises(ConfigError, match=field):
+            AdmissionContext(block_bytes=BLOCK_BYTES, **kw)
+    with pytest.raises(ConfigError, match="margin"):
+        AdmissionConfig(margin=1.2)

@@ -249,3 +249,57 @@ def test_cli_compare_bad_input(capsys, tmp_path):
     assert "bogus" in capsys.readouterr().err
     assert main(["compare", "--node-gbps", "-1", "--no-progress"]) == 2
     assert "--node-gbps" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the flow network and compute while loading
+
+
+def test_a_hung_load_costs_kvpolicy_little_it_computes_while_waiting(trace, prepared):
+    """Every transfer hangs: the baselines wait for the transport's timeout, kvpolicy's plain loads
+    turn into compute-while-loading at their p95 prediction, and a timeout's evidence stops further loads."""
+    c = cluster(trace, timeout_rate=1.0, transport_timeout_s=5.0)
+    rc = run(prepared, c, "recompute-only")
+    lm = run(prepared, c, "lmcache-like")
+    kv = run(prepared, c, "kvpolicy")
+    check_conservation(kv, trace)
+    assert kv.bytes_read == 0 and lm.bytes_read == 0
+    assert kv.quantile_ms(0.95) <= rc.quantile_ms(0.95) * 1.05 < lm.quantile_ms(0.95)
+    assert kv.loads < lm.loads / 3, "timeouts are data: the model stops believing in the source"
+
+
+def test_compute_while_loading_meets_the_load_in_the_middle(trace, prepared):
+    """On a link too slow for a plain load to win, kvpolicy splits: part of each found range is
+    recomputed (split_recompute), the rest arrives; loads are cut where compute meets them."""
+    c = cluster(trace, node_bandwidth_bytes_per_s=0.05e9, replica_bandwidth_bytes_per_s=0.05e9)
+    sim = Simulator(prepared, c, policy_set("kvpolicy"))
+    sim.seed_pool(prepared.keys)
+    kv = sim.run()
+    check_conservation(kv, trace)
+    tok = kv.ledger.tokens
+    assert tok["split_recompute"] > 0 and tok["remote_hit"] > 0
+    assert kv.bytes_unused > 0, "a load cut where compute met it moved bytes it did not need"
+    plain = Simulator(prepared, c, attrs.evolve(policy_set("kvpolicy"), compute_while_loading=False))
+    plain.seed_pool(prepared.keys)
+    pl = plain.run()
+    assert pl.ledger.tokens["split_recompute"] == 0
+    assert kv.ledger.tokens["remote_hit"] > pl.ledger.tokens["remote_hit"], "splitting uses the link where a plain load cannot win"
+
+
+def test_interference_is_charged_to_the_receiving_replica(trace, prepared):
+    c = cluster(trace)
+    res = run(prepared, c, "lmcache-like")
+    assert res.stall_s > 0
+    quiet = run(prepared, attrs.evolve(c, interference_s_per_byte=0.0), "lmcache-like")
+    assert quiet.stall_s == 0
+    assert quiet.ttft_s.sum() < res.ttft_s.sum(), "stolen GPU time delays prefills"
+
+
+def test_background_publishes_leave_loads_alone(trace, prepared):
+    fair = run(prepared, cluster(trace), "vllm-like")
+    bg = run(prepared, cluster(trace, publish_priority="background"), "vllm-like")
+    check_conservation(bg, trace)
+    assert bg.bytes_written > 0
+    with pytest.raises(ConfigError, match="publish_priority"):
+        cluster(trace, publish_priority="urgent")
+    assert fair.link_series and all(len(v[0]) == len(v[1]) == len(v[2]) for v in fair.link_series.values())
+    assert all(0.0 <= u <= 1.0 for v in fair.link_series.values() for u in v[1])

@@ -167,6 +167,14 @@ class Decision:
     def loads(self) -> bool:
         return self.action == "load"
 
+    @property
+    def plan_s(self) -> float | None:
+        """Predicted seconds until the found range is ready under what was decided (the split plan
+        if it loads, recompute otherwise); None when nothing remote was found."""
+        if not self.terms:
+            return None
+        return self.terms["t_plan_s"] if self.loads else self.terms["t_recompute_only_s"]
+
 
 
 @attrs.frozen

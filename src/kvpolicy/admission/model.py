@@ -20,8 +20,9 @@ its observations once it has ``min_samples`` of them, the prior before that.
   fairly (exact for processor sharing: each competing flow delays S by at most
   its own remaining bytes). Transfers are fitted on ``S + Q``, so B_eff is the
   link's rate, not the contention it happened to see.
-* Per source: a source with enough observations of its own uses its own fit (a
-  degraded node is slow, not the whole pool); the others use the global one.
+* Per source: a source with enough observations of its own (a quarter of
+  ``min_samples``, at least 3) uses its own fit — a degraded node is slow, not
+  the whole pool; the others use the pool-wide one.
 * A timeout is data: a load that timed out after ``e`` seconds is a sample of at
   least ``e``. It is recorded, and it raises that source's p95 at once: a floor
   ``β ≥ (e − α)/(S + Q)`` that holds until a faster load on that source is
@@ -284,7 +285,9 @@ class LatencyModel:
     def _source_model(self, source: str) -> TransferModel:
         m = self.source_transfer.get(source)
         if m is None:
-            m = self.source_transfer[source] = TransferModel(self.prior, self.min_samples, self._make)
+            # a source's own fit takes over after a quarter of the samples the pool-wide fit needs: one bad
+            # source must not hold every other source on the (polluted) pool-wide fit for long
+            m = self.source_transfer[source] = TransferModel(self.prior, max(self.min_samples // 4, 3), self._make)
         return m
 
     def observe_load(self, *, bytes_loaded: float, n_blocks: int, lookup_s: float | None = None, transfer_s: float | None = None,
