@@ -221,7 +221,7 @@ class AdmissionController:
         self._source_loads: dict[str, int] = {}
         self._source_bytes: dict[str, float] = {}
         self._last_load_s: dict[str, float] = {}
-        self._busy_until: dict[str, float] = {}
+        self._busy_until: dict[str, tuple[float, float]] = {}  # source -> (since s, bytes ahead then)
         if getattr(model, "clock", None) is None:
             model.clock = self.clock
 
@@ -249,11 +249,13 @@ class AdmissionController:
         inflight = self._source_bytes.get(source, 0.0)
         if inflight <= 0:
             return 0.0
-        busy = self._busy_until.get(source)
-        s_per_byte = self.model.coefficients(0.5).s_per_byte
-        if busy is None or s_per_byte <= 0:
+        mark = self._busy_until.get(source)
+        if mark is None:
             return inflight
-        return min(max(busy - self.clock.now_s(), 0.0) / s_per_byte, inflight)
+        since, backlog = mark
+        s_per_byte = self.model.coefficients(0.5, source).s_per_byte
+        drained = (self.clock.now_s() - since) / s_per_byte if s_per_byte > 0 else 0.0
+        return min(max(backlog - drained, 0.0), inflight)
 
     # ------------------------------------------------------------------ decide
 
@@ -407,8 +409,9 @@ class AdmissionController:
         self._inflight[load_id] = d
         self._replica_loads[ctx.replica] = self._replica_loads.get(ctx.replica, 0) + 1
         self._source_loads[ctx.source] = self._source_loads.get(ctx.source, 0) + 1
+        ahead = self.queued_bytes(ctx.source)  # before this load joins: what is still draining
         self._source_bytes[ctx.source] = self._source_bytes.get(ctx.source, 0.0) + load_bytes
-        self._busy_until[ctx.source] = max(self._busy_until.get(ctx.source, now), now) + load_bytes * c50.s_per_byte
+        self._busy_until[ctx.source] = (now, ahead + load_bytes)
         return d
 
     # ------------------------------------------------------------------ outcomes
