@@ -42,7 +42,7 @@ def compare(trace: Any, cluster: ClusterConfig, *, scenarios: list[str] | None =
             step(f"{s} / {name}")
             res = Simulator(prep, sc.cluster, policy_set(name), events=sc.events, seed=seed).run()
             raw[(s, name)] = res
-            row = {"scenario": s, **res.row()}
+            row = {"scenario": s, **res.row(), "busiest_link": _busiest_link(res)}
             rows.append(row)
         base = next(r for r in rows if r["policy"] == "recompute-only")
         for r in rows:
@@ -58,7 +58,63 @@ def compare(trace: Any, cluster: ClusterConfig, *, scenarios: list[str] | None =
         "runs": runs,
     }
     report["checks"] = checks(report)
+    report["verdicts"] = verdicts(report)
     return report, raw
+
+
+def _busiest_link(res: SimResult) -> dict[str, Any] | None:
+    """The link with the highest mean utilisation over the run (where a queue comes from)."""
+    best = None
+    for name, (_, util, flows) in res.link_series.items():
+        if util.size:
+            sat = float((util >= 0.95).mean())
+            key = (sat, float(util.mean()))
+            if best is None or key > best["_key"]:
+                best = {"_key": key, "link": name, "saturated_share": sat, "mean_utilisation": float(util.mean()), "peak_flows": int(flows.max())}
+    if best is not None:
+        del best["_key"]
+    return best
+
+
+MISS_NAMES = {"miss_never_published": "never published", "miss_evicted": "evicted from the pool", "miss_declined": "declined by admission",
+              "miss_transfer_error": "failed transfers", "miss_timeout": "timed-out transfers", "split_recompute": "recomputed while loading"}
+
+#: policy sets whose rules differ only in what the run may never exercise
+SAME_RULES = {frozenset(("vllm-like", "lmcache-like")): "they differ only in failure handling (vllm-like fails the request and the client "
+              "retries; lmcache-like recomputes), and no transfer failed"}
+
+
+def verdicts(report: dict[str, Any]) -> list[str]:
+    """One line per scenario: who wins p95 and GPU seconds, and why."""
+    out = []
+    scen = sorted({r["scenario"] for r in report["runs"]}, key=lambda s: SCENARIOS.index(s))
+    for s in scen:
+        rows = [r for r in report["runs"] if r["scenario"] == s and r["policy"] != "oracle"]
+        if not rows:
+            continue
+        p95 = min(rows, key=lambda r: r["ttft_p95_ms"])
+        gpu = max(rows, key=lambda r: r["gpu_saved_s"])
+        worst = max(rows, key=lambda r: r["ttft_p95_ms"])
+        tok = worst["ledger"]["tokens"]
+        miss = max(MISS_NAMES, key=lambda k: tok.get(k, 0))
+        tot = max(sum(tok.values()), 1)
+        link = worst.get("busiest_link")
+        why = f"its largest loss is {MISS_NAMES[miss]} ({tok.get(miss, 0) / tot:.0%} of prompt tokens)"
+        if link and link["saturated_share"] > 0:
+            why += (f"; its busiest link, {link['link']}, was saturated {link['saturated_share']:.0%} of the time "
+                    f"(up to {link['peak_flows']} flows at once)")
+        line = (f"{s}: p95 TTFT -> {p95['policy']} ({p95['ttft_p95_ms']:,.0f} ms); GPU seconds -> {gpu['policy']} "
+                f"({gpu['gpu_saved_s']:,.0f} s saved, {gpu['gpu_saved_share'] or 0:.0%}); slowest p95 {worst['policy']} "
+                f"({worst['ttft_p95_ms']:,.0f} ms): {why}")
+        for pair, reason in SAME_RULES.items():
+            a, b = sorted(pair)
+            ra = next((r for r in rows if r["policy"] == a), None)
+            rb = next((r for r in rows if r["policy"] == b), None)
+            if ra and rb and ra["ttft_p95_ms"] == rb["ttft_p95_ms"] and ra["gpu_prefill_s"] == rb["gpu_prefill_s"] \
+                    and ra["loads_failed"] == rb["loads_failed"] == 0:
+                line += f"; {a} = {b} here: {reason}"
+        out.append(line)
+    return out
 
 
 def _cluster_dict(c: ClusterConfig) -> dict[str, Any]:
@@ -131,8 +187,26 @@ def render(report: dict[str, Any]) -> str:
         lines += ["", "targets"]
         for ch in report["checks"]:
             lines.append(f"  {'PASS' if ch['ok'] else 'MISS'}  {ch['scenario']:>9}: {ch['check']} — {ch['detail']}")
-    lines += ["", "saved = GPU prefill seconds saved against recompute-only; E[benefit] = seconds saved per second of traffic (ledger);",
-              "misses are shares of all prompt tokens (the rest: local hits, remote hits, the partial tail)"]
+    if report.get("verdicts"):
+        lines += ["", "verdict"] + [f"  {v}" for v in report["verdicts"]]
+    lines += [
+        "",
+        "legend",
+        "  p50/p95/p99 ms  time to first token over every request (queueing, loading, prefill)",
+        "  req/s           requests finished per second of simulated time",
+        "  GPU s           GPU seconds spent in prefill (including what was recomputed while a load ran)",
+        "  saved           GPU s saved against recompute-only on the same trace and physics (always run)",
+        "  read / written  GiB loaded from / published to the shared pool (warmup loads count as read)",
+        "  peak15 Gb/s     the worst 15-minute window of all bytes moved (reads + writes + warmup), in Gbit/s",
+        "  loads ok/fail/tmo  remote loads started, and how they ended (a load cut where compute met it is ok)",
+        "  E[benefit]      the ledger's sum over request classes of h_remote x (T_recompute - T_remote) - P_stall - P_write",
+        "                  - P_eviction, in GPU seconds saved per second of traffic ('-' when a term is unknown)",
+        "  misses          shares of all prompt tokens never published / evicted / declined / failed or timed out",
+        "                  (the rest: local hits, remote hits, recomputed while loading, the partial tail)",
+        "",
+        "how far to trust these numbers: the network model against real transfers, docs/sim.md#validation "
+        "(python benchmarks/bench_sim_vs_real.py)",
+    ]
     return "\n".join(lines)
 
 
@@ -186,4 +260,30 @@ def figures(report: dict[str, Any], raw: dict[tuple[str, str], SimResult], out_d
         ax.legend(fontsize=7, loc="upper right")
         plt.setp(ax.get_xticklabels(), rotation=20)
         paths.append(save_figure(plt, fig, out / f"{s}_miss_reasons.png"))
+
+        # where a queue comes from: per-link utilisation and flows over time for the slowest set
+        # (and for any set whose p95 is more than 10x recompute-only's)
+        rc = next((r for r in rows if r["policy"] == "recompute-only"), None)
+        networked = [r for r in rows if r["bytes_read"] + r["bytes_written"] > 0]
+        if not networked:
+            continue
+        worst = max(networked, key=lambda r: r["ttft_p95_ms"])
+        show = {worst["policy"]} | {r["policy"] for r in networked if rc and r["ttft_p95_ms"] > 10 * rc["ttft_p95_ms"]}
+        for name in sorted(show):
+            res = raw[(s, name)]
+            if not res.link_series:
+                continue
+            busiest = sorted(res.link_series, key=lambda k: -float(res.link_series[k][1].mean()))[:6]
+            fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+            for k in busiest:
+                t, util, flows = res.link_series[k]
+                a1.plot((t - t[0]) / 60, util * 100, label=k)
+                a2.plot((t - t[0]) / 60, flows, label=k)
+            a1.set_ylabel("utilisation %")
+            a2.set_ylabel("flows on the link")
+            a2.set_xlabel("minute")
+            a1.set_title(f"{s} / {name}: the busiest links (p95 TTFT {worst['ttft_p95_ms']:,.0f} ms)" if name == worst["policy"]
+                         else f"{s} / {name}: the busiest links")
+            a1.legend(fontsize=7)
+            paths.append(save_figure(plt, fig, out / f"{s}_{name}_links.png"))
     return paths

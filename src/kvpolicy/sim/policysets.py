@@ -2,17 +2,38 @@
 
 | preset | local eviction | publish | remote load | timeout | on failure |
 |---|---|---|---|---|---|
-| ``kvpolicy`` | reuse-distance | reuse-aware (expected re-reads × recompute saved > write cost) | admission controller (p95 remote < margin × p50 recompute, caps, breaker) | the controller's soft timeout | recompute |
+| ``kvpolicy`` | reuse-distance | reuse-aware (expected re-reads × recompute saved > write cost) | admission controller (p95 remote < margin × p50 recompute, path-aware, caps, breaker); compute while loading as the fallback | none needed: a late load turns into compute-while-loading at its p95 | recompute (partial use) |
 | ``vllm-like`` | LRU, tail block first | every finished full block | always when present | none (transport only) | fail: the client retries |
 | ``sglang-like`` | LRU over radix leaves | hit count ≥ 2 (write_through_selective) | prefetch if ≥ 256 tokens | 1 s + 0.25 s per 1024 tokens | recompute |
 | ``lmcache-like`` | LRU | everything | always (``min_retrieve_tokens=0``) | none (transport only) | recompute |
 | ``recompute-only`` | LRU | nothing | never | — | — |
 | ``oracle`` | Belady (offline) | blocks used again later | iff it wins, with hindsight | — | — |
 
-Baselines follow their documented behaviour, never their code. kvpolicy alone
-warms new replicas (the warmup planner), routes repeating requests away from a
-replica that is still warming, and moves writes off a storage node whose breaker
-is open.
+Baselines follow their documented behaviour, never their code. What each one
+follows, in the engines' current releases:
+
+* ``vllm-like`` — vLLM 0.33.0. Eviction: ``vllm/v1/core/kv_cache_utils.py``
+  ``FreeKVCacheBlockQueue`` (the least recently used free block first; among
+  blocks freed together, the tail of the chain first). Publishing and loading:
+  the KV connector seam ``vllm/distributed/kv_transfer/kv_connector/v1/base.py``
+  (``get_num_new_matched_tokens`` loads every matched token) as the offloading
+  connector uses it (``.../v1/offloading_connector.py``: stores every finished
+  full block). Failure: ``vllm/config/kv_transfer.py`` ``kv_load_failure_policy``
+  — default ``"fail"`` (the request finishes with an error; the client resubmits).
+* ``sglang-like`` — SGLang 0.5.23 HiCache. Publishing:
+  ``sglang/srt/mem_cache/unified_radix_cache.py`` ``write_through_threshold`` =
+  2 under ``--hicache-write-policy write_through_selective`` (the default policy
+  of ``sglang/srt/mem_cache/hybrid_cache/hybrid_cache_controller.py``). Loading:
+  the controller's ``prefetch_threshold`` = 256 tokens and its timeout
+  ``prefetch_timeout_base`` = 1 s + ``prefetch_timeout_per_ki_token`` = 0.25 s;
+  a prefetch that misses its deadline is dropped and the tokens recomputed.
+* ``lmcache-like`` — LMCache 0.5.6, ``lmcache/v1/config.py``: stores every full
+  chunk (``save_unfull_chunk`` = False: no partial chunk), retrieves every hit
+  (``min_retrieve_tokens`` = 0), and recomputes what it could not retrieve.
+
+kvpolicy alone warms new replicas (the warmup planner), routes repeating
+requests away from a replica that is still warming, moves writes off a storage
+node whose breaker is open, and computes while it loads.
 """
 
 from __future__ import annotations
@@ -56,6 +77,7 @@ class PolicySet:
 
 
 PRESETS: dict[str, PolicySet] = {
+    # every rule below: see the module docstring for the upstream file or option it follows
     "kvpolicy": PolicySet("kvpolicy", local_eviction="reuse-distance", pool_eviction="reuse-distance", publish="reuse-aware",
                           load="admission", timeout="admission", failure="recompute", warmup=True, compute_while_loading=True),
     "vllm-like": PolicySet("vllm-like", publish="all", load="always", timeout="none", failure="fail"),
