@@ -198,7 +198,7 @@ def render(report: dict[str, Any]) -> str:
         "  saved           GPU s saved against recompute-only on the same trace and physics (always run)",
         "  read / written  GiB loaded from / published to the shared pool (warmup loads count as read)",
         "  peak15 Gb/s     the worst 15-minute window of all bytes moved (reads + writes + warmup), in Gbit/s",
-        "  loads ok/fail/tmo  remote loads started, and how they ended (a load cut where compute met it is ok)",
+        "  loads ok/fail/tmo  requests' remote loads, and how they ended (a load cut where compute met it is ok; warmup loads: --json)",
         "  E[benefit]      the ledger's sum over request classes of h_remote x (T_recompute - T_remote) - P_stall - P_write",
         "                  - P_eviction, in GPU seconds saved per second of traffic ('-' when a term is unknown)",
         "  misses          shares of all prompt tokens never published / evicted / declined / failed or timed out",

@@ -280,7 +280,7 @@ class _Load:
 
 class _Replica:
     __slots__ = ("idx", "name", "cache", "index", "free_slots", "queue", "load_tokens", "active", "decode_tokens", "inn", "out", "stage",
-                 "debt_s", "warming_until_s", "bytes_in", "queued_s", "running")
+                 "debt_s", "warming_until_s", "bytes_in", "queued_s", "running", "warm_left")
 
     def __init__(self, idx: int, cache: Any, slots: int, inn: Link, out: Link, stage: Link | None) -> None:
         self.idx = idx
@@ -297,6 +297,7 @@ class _Replica:
         self.stage = stage
         self.debt_s = 0.0
         self.warming_until_s = -1.0
+        self.warm_left = 0  # warmup loads planned for it and not yet ended
         self.bytes_in = 0
         self.queued_s = 0.0  # predicted GPU seconds of the requests waiting for a slot
         self.running: set[_Req] = set()
@@ -348,6 +349,8 @@ class SimResult:
     routes: np.ndarray
     #: bytes that crossed the network but were not used (a load cut where compute caught up, a failed tail)
     bytes_unused: int = 0
+    #: warmup loads (the warmup planner's, not admitted requests' loads): started / ok / failed / timed out
+    warm_loads: tuple[int, int, int, int] = (0, 0, 0, 0)
     #: per link: (sample times s, utilisation 0..1, flows on it) — the physical cause of a queue
     link_series: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = attrs.field(factory=dict)
 
@@ -375,6 +378,7 @@ class SimResult:
             "warmup_bytes": self.warmup_bytes,
             "stall_s": self.stall_s,
             "bytes_unused": self.bytes_unused,
+            "warm_loads": dict(zip(("started", "ok", "failed", "timeout"), self.warm_loads)),
             "replicas_final": self.replicas_final,
             "ledger": {"requests": led["requests"], "tokens": led["tokens"], "bytes": led["bytes"], "flows": flows,
                        "distributions": {k: v["ttft_s"] for k, v in led["distributions"].items()}},
@@ -454,6 +458,7 @@ class Simulator:
         self.loads = self.loads_ok = self.loads_failed = self.loads_timeout = self.retries = 0
         self.stall_s = 0.0
         self.warmup_bytes = 0
+        self.warm_loads = self.warm_loads_ok = self.warm_loads_failed = self.warm_loads_timeout = 0
         n = len(trace)
         self.ttft = np.full(n, np.nan)
         self.completed = np.zeros(n, dtype=np.int64)
@@ -545,6 +550,7 @@ class Simulator:
             warmup_bytes=self.warmup_bytes, stall_s=self.stall_s, makespan_s=self.t_last - t0, replicas_final=len(self.replicas), ledger=self.ledger,
             node_bytes_out=tuple(n.bytes_out for n in self.nodes), replica_bytes_in=tuple(r.bytes_in for r in self.replicas),
             completed=self.completed.copy(), routes=self.routes.copy(), bytes_unused=self.bytes_unused,
+            warm_loads=(self.warm_loads, self.warm_loads_ok, self.warm_loads_failed, self.warm_loads_timeout),
             link_series={k: (np.asarray(a), np.asarray(b), np.asarray(c)) for k, (a, b, c) in self._series.items()},
         )
 
@@ -634,7 +640,7 @@ class Simulator:
         return out
 
     def _begin_read(self, rep: _Replica, groups: list[tuple[_Node, list[int]]], t0: float, req_i: int, attempt: int, *,
-                    reverse: bool, on_end: Any, payload: Any) -> _Load:
+                    reverse: bool, on_end: Any, payload: Any, priority: int = 0) -> _Load:
         """Start reading ``groups`` into ``rep`` at t0: one flow per storage node, in parallel.
 
         Each node's draw (seed, request, attempt, node) decides whether its transfer
@@ -658,7 +664,7 @@ class Simulator:
             path = (node.out, rep.inn) if rep.stage is None else (node.out, rep.inn, rep.stage)
             now = self.clock.t  # issued at t0 (after the directory lookup): it moves bytes from t0 + overhead
             f = self.net.start(now, path, n * bb, latency_s=max(t0 - now, 0.0) + c.transfer_overhead_s, payload=(load, node),
-                               on_done=self._read_flow_end)
+                               on_done=self._read_flow_end, priority=priority)
             load.flows.append(f)
             load.fails.append(failed)
             load.left += 1
@@ -872,11 +878,10 @@ class Simulator:
     def _path_flows(self, rep: _Replica, node: _Node, size_bytes: float) -> tuple[float, ...]:
         """What a transport reports of the path: the remaining bytes of the flows on its busier
         end (the source's egress or this replica's ingress) that a load would share with."""
-        prio = 0 if self.write_priority else None  # background writes do not delay a load
         best: list[float] = []
         best_q = -1.0
         for link in (node.out, rep.inn):
-            flows = self.net.flows_on(link, prio)
+            flows = self.net.flows_on(link, 0)  # a load is foreground: background flows (warmup, background writes) never delay it
             q = sum(r if r < size_bytes else size_bytes for r in flows)
             if q > best_q:
                 best, best_q = flows, q
@@ -1339,13 +1344,21 @@ class Simulator:
             ready = plan.ready_at_s.get(j)
             r.warming_until_s = t + (ready if ready is not None else c.warmup_window_s)
         for load in plan.schedule:
+            new[load.replica].warm_left += 1
             self._push(t + load.start_s, WARM_DONE, ("start", new[load.replica], chains[load.prefix]))
+
+    def _warm_step_done(self, rep: _Replica, t: float) -> None:
+        """Readiness is what the replica holds, not a predicted time: once its last planned warmup
+        load has ended (whatever happened to it), it serves repeating requests like any other."""
+        rep.warm_left -= 1
+        if rep.warm_left <= 0:
+            rep.warming_until_s = min(rep.warming_until_s, t)
 
     def _warm_load_end(self, load: _Load, t: float) -> None:
         rep, chain, have = load.payload
-        if load.status != "ok":
-            self.bytes_unused += load.delivered_bytes()
-        self._push(t, WARM_DONE, ("end" if load.status == "ok" else load.status, rep, chain, have))
+        got = load.arrived_blocks(self.block_bytes)  # a warm load that ran out of time still keeps its leading blocks
+        self.bytes_unused += max(load.delivered_bytes() - got * self.block_bytes, 0)
+        self._push(t, WARM_DONE, (load.status, rep, chain[:have + got], have))
 
     def _warm_done(self, item: tuple, t: float) -> None:
         phase, rep, chain = item[:3]
@@ -1353,19 +1366,21 @@ class Simulator:
             run = self.pool_index.match_prefix(list(chain))  # only what the pool holds can be warmed
             have = rep.index.match_prefix(list(chain))
             if run <= have:
+                self._warm_step_done(rep, t)
                 return
             ks = list(chain[have:run])
-            self.loads += 1
+            self.warm_loads += 1
+            # warming is bulk work in the background class: it takes only what serving traffic leaves
             self._begin_read(rep, self._groups(ks), t, -1 - rep.idx, len(ks) + have, reverse=False, on_end=self._warm_load_end,
-                             payload=(rep, chain[:run], have))
+                             payload=(rep, chain[:run], have), priority=1)
             return
-        if phase != "end":
-            if phase == "timeout":
-                self.loads_timeout += 1
-            else:
-                self.loads_failed += 1
-            return
-        self.loads_ok += 1
+        self._warm_step_done(rep, t)
+        if phase == "ok":
+            self.warm_loads_ok += 1
+        elif phase == "timeout":
+            self.warm_loads_timeout += 1
+        else:
+            self.warm_loads_failed += 1
         cache = rep.cache
         bb = self.block_bytes
         sent = (len(chain) - item[3]) * bb if len(item) > 3 else 0  # type: ignore[misc]
