@@ -457,3 +457,14 @@ def test_a_prefill_queue_makes_loading_free_and_bad_context_is_refused():
             AdmissionContext(block_bytes=BLOCK_BYTES, **kw)
     with pytest.raises(ConfigError, match="margin"):
         AdmissionConfig(margin=1.2)
+
+
+def test_recomputing_in_front_of_a_queue_costs_the_queue_too():
+    """Every GPU second a recompute takes is a second for each request queued behind it."""
+    slow = controller(bw=1.0e9)
+    alone = slow.decide(pm(0, 64), ctx)
+    assert not alone.loads
+    busy = slow.decide(pm(0, 64), AdmissionContext(block_bytes=BLOCK_BYTES, prefill_queue_requests=3))
+    assert busy.loads and busy.terms["t_recompute_only_s"] == pytest.approx(4 * busy.terms["t_recompute_p50_s"])
+    with pytest.raises(ConfigError, match="prefill_queue_requests"):
+        AdmissionContext(block_bytes=BLOCK_BYTES, prefill_queue_requests=-1)

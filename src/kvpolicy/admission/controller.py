@@ -115,6 +115,10 @@ class AdmissionContext:
     path_flows_bytes: tuple[float, ...] = ()
     #: the wait before this request's prefill can start (the engine's scheduler queue), seconds
     queue_wait_s: float = 0.0
+    #: requests waiting for a prefill slot on this replica now: every GPU second this request's
+    #: recompute takes is a second each of the requests queued behind it waits (their expected
+    #: number: as many as wait now). The mirror of T_interference, which a load steals
+    prefill_queue_requests: int = 0
 
     def __attrs_post_init__(self) -> None:
         if isinstance(self.block_bytes, bool) or not isinstance(self.block_bytes, int) or self.block_bytes <= 0:
@@ -127,6 +131,9 @@ class AdmissionContext:
             raise ConfigError("path_flows_bytes", "every flow's remaining bytes must be finite and >= 0")
         if not _finite_nonneg(self.queue_wait_s):
             raise ConfigError("queue_wait_s", f"must be finite and >= 0, got {self.queue_wait_s!r}")
+        n = self.prefill_queue_requests
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError("prefill_queue_requests", f"must be a non-negative int, got {n!r}")
 
     @property
     def knows_path(self) -> bool:
@@ -286,7 +293,9 @@ class AdmissionController:
         W = ctx.queue_wait_s
         spread = 1 + max(ctx.active_decodes, 0)
         bb = ctx.block_bytes
-        recompute = W + c50.recompute(start, start + k * Bt)
+        behind = ctx.prefill_queue_requests  # each waits one second per GPU second this request computes
+        full = c50.recompute(start, start + k * Bt)
+        recompute = W + full * (1 + behind)
 
         def remote(n: int) -> float:
             if n <= 0:
@@ -295,8 +304,10 @@ class AdmissionController:
             return c95.remote(S, n, self.path_queue_bytes(ctx, S)) + c50.interference_s_per_byte * S * spread
 
         def plan(s_: int) -> float:
-            front = W + c50.recompute(start, start + s_ * Bt) if s_ > 0 else 0.0
-            return max(front, remote(k - s_))
+            if s_ <= 0:
+                return remote(k)
+            front = c50.recompute(start, start + s_ * Bt)
+            return max(W + front, remote(k - s_)) + behind * front
 
         if not split:
             p = plan(0)
@@ -340,8 +351,11 @@ class AdmissionController:
         out["interference_s"] = c50.interference_s_per_byte * load_bytes * (1 + max(ctx.active_decodes, 0))
         out["b_eff_p50_bytes_per_s"] = 1.0 / c50.s_per_byte if c50.s_per_byte > 0 else float("inf")
         W = ctx.queue_wait_s
-        out["t_plan_s"] = max(W + out["t_front_p50_s"] if split_blocks else 0.0, out["t_remote_p95_s"] + out["interference_s"])
-        out["t_recompute_only_s"] = W + out["t_recompute_p50_s"]
+        behind = ctx.prefill_queue_requests
+        front = out["t_front_p50_s"]
+        out["prefill_queue_requests"] = behind
+        out["t_plan_s"] = max(W + front if split_blocks else 0.0, out["t_remote_p95_s"] + out["interference_s"]) + behind * front
+        out["t_recompute_only_s"] = W + out["t_recompute_p50_s"] * (1 + behind)
         out["benefit_s"] = self.config.margin * out["t_recompute_only_s"] - out["t_plan_s"]
         return out
 

@@ -817,7 +817,7 @@ class Simulator:
                 src = self.where[keys[L]]
                 ctx = AdmissionContext(block_bytes=self.block_bytes, replica=rep.name, source=src.name, active_decodes=rep.active,
                                        warming=t < rep.warming_until_s, path_flows_bytes=self._path_flows(rep, src, R * self.block_bytes),
-                                       queue_wait_s=self._queue_wait_s(rep, t))
+                                       queue_wait_s=self._queue_wait_s(rep, t), prefill_queue_requests=len(rep.queue))
                 d = self.controller.decide(pm, ctx)
                 req.decision = d
                 k = d.load_blocks
