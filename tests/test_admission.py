@@ -468,3 +468,17 @@ def test_recomputing_in_front_of_a_queue_costs_the_queue_too():
     assert busy.loads and busy.terms["t_recompute_only_s"] == pytest.approx(4 * busy.terms["t_recompute_p50_s"])
     with pytest.raises(ConfigError, match="prefill_queue_requests"):
         AdmissionContext(block_bytes=BLOCK_BYTES, prefill_queue_requests=-1)
+
+
+def test_interference_with_active_decodes_can_turn_a_win_into_a_recompute():
+    """T_interference is the GPU time a load steals from the decodes running on the receiver."""
+    prior = LinkPrior(bandwidth_bytes_per_s=25e9, interference_s_per_byte=1e-10)  # 0.1 s of stall per GB moved, per request
+    c = AdmissionController(LatencyModel(prior, PREFILL), AdmissionConfig(), clock=ManualClock())
+    quiet = c.decide(pm(0, 64), ctx)
+    assert quiet.loads
+    c.record(LoadOutcome(quiet.load_id, "ok", quiet.load_blocks, transfer_s=quiet.load_bytes / 25e9))
+    busy = c.decide(pm(0, 64), AdmissionContext(block_bytes=BLOCK_BYTES, active_decodes=50))
+    assert not busy.loads and busy.reason == "slower_than_recompute"
+    # the best candidate's interference alone exceeds what recompute would cost: 0.1 s/GB x 51 requests
+    assert busy.terms["interference_s"] > busy.terms["t_recompute_only_s"]
+    assert busy.terms["t_remote_p95_s"] < busy.terms["t_recompute_p50_s"], "without interference this load would win"

@@ -211,6 +211,40 @@ class LoadResult:
     status: str
 
 
+class _Sides:
+    """The two sides of a plan for one request: the GPU's front and the link's far end (seconds).
+
+        front(s)          = T_dispatch + T_prefill(L → L+s)                         (p50)
+        remote(n)         = T_remote(n blocks, with the path's queue) + T_interference   (p95)
+        plan(k, s)        = max(W + front(s), remote(k − s)) + behind × front(s)
+        recompute_only(k) = W + front(k) × (1 + behind)
+
+    ``behind``: requests queued for this replica's prefill — each waits a second per GPU second
+    this request computes."""
+
+    def __init__(self, ctl: AdmissionController, start_tokens: int, Bt: int, ctx: AdmissionContext, c95: Any, c50: Any) -> None:
+        self.ctl, self.start, self.Bt, self.ctx, self.c95, self.c50 = ctl, start_tokens, Bt, ctx, c95, c50
+        self.spread = 1 + max(ctx.active_decodes, 0)
+
+    def front(self, s: int) -> float:
+        return self.c50.recompute(self.start, self.start + s * self.Bt) if s > 0 else 0.0
+
+    def remote(self, n: int) -> float:
+        if n <= 0:
+            return 0.0
+        S = n * self.ctx.block_bytes
+        return self.c95.remote(S, n, self.ctl.path_queue_bytes(self.ctx, S)) + self.c50.interference_s_per_byte * S * self.spread
+
+    def plan(self, k: int, s: int) -> float:
+        if s <= 0:
+            return self.remote(k)
+        f = self.front(s)
+        return max(self.ctx.queue_wait_s + f, self.remote(k - s)) + self.ctx.prefill_queue_requests * f
+
+    def recompute_only(self, k: int) -> float:
+        return self.ctx.queue_wait_s + self.front(k) * (1 + self.ctx.prefill_queue_requests)
+
+
 class AdmissionController:
     def __init__(self, model: LatencyModel, config: AdmissionConfig | None = None, *, clock: Clock | None = None,
                  ramp: RampController | None = None, breaker_factory: Any = None) -> None:
@@ -287,42 +321,28 @@ class AdmissionController:
                 return best_k, best_s, best_benefit
             k *= 2
 
+    def _sides(self, L: int, Bt: int, ctx: AdmissionContext, c95: Any, c50: Any) -> _Sides:
+        return _Sides(self, L * Bt, Bt, ctx, c95, c50)
+
     def _plan(self, L: int, k: int, Bt: int, ctx: AdmissionContext, c95: Any, c50: Any, *, split: bool) -> tuple[int, float, float, float]:
         """(split s, plan seconds, recompute seconds, benefit) for the load extent k."""
-        start = L * Bt
-        W = ctx.queue_wait_s
-        spread = 1 + max(ctx.active_decodes, 0)
-        bb = ctx.block_bytes
-        behind = ctx.prefill_queue_requests  # each waits one second per GPU second this request computes
-        full = c50.recompute(start, start + k * Bt)
-        recompute = W + full * (1 + behind)
-
-        def remote(n: int) -> float:
-            if n <= 0:
-                return 0.0
-            S = n * bb
-            return c95.remote(S, n, self.path_queue_bytes(ctx, S)) + c50.interference_s_per_byte * S * spread
-
-        def plan(s_: int) -> float:
-            if s_ <= 0:
-                return remote(k)
-            front = c50.recompute(start, start + s_ * Bt)
-            return max(W + front, remote(k - s_)) + behind * front
-
+        sides = self._sides(L, Bt, ctx, c95, c50)
+        recompute = sides.recompute_only(k)
         if not split:
-            p = plan(0)
+            p = sides.plan(k, 0)
             return 0, p, recompute, self.config.margin * recompute - p
+        W = ctx.queue_wait_s
         lo, hi = 0, k  # smallest s with front(s) >= remote(k - s): the two sides meet there
         while lo < hi:
             mid = (lo + hi) // 2
-            front = W + c50.recompute(start, start + mid * Bt) if mid > 0 else 0.0
-            if front >= remote(k - mid):
+            front = W + sides.front(mid) if mid > 0 else 0.0
+            if front >= sides.remote(k - mid):
                 hi = mid
             else:
                 lo = mid + 1
-        best_s, best_p = lo, plan(lo) if lo < k else math.inf
-        if lo > 0 and plan(lo - 1) < best_p:
-            best_s, best_p = lo - 1, plan(lo - 1)
+        best_s, best_p = lo, sides.plan(k, lo) if lo < k else math.inf
+        if lo > 0 and sides.plan(k, lo - 1) < best_p:
+            best_s, best_p = lo - 1, sides.plan(k, lo - 1)
         return best_s, best_p, recompute, self.config.margin * recompute - best_p
 
     def evaluate(self, local_blocks: int, remote_blocks: int, k: int, block_size_tokens: int, ctx: AdmissionContext,
@@ -350,12 +370,10 @@ class AdmissionController:
         out["t_front_p50_s"] = c50.recompute(start, start + split_blocks * block_size_tokens) if split_blocks else 0.0
         out["interference_s"] = c50.interference_s_per_byte * load_bytes * (1 + max(ctx.active_decodes, 0))
         out["b_eff_p50_bytes_per_s"] = 1.0 / c50.s_per_byte if c50.s_per_byte > 0 else float("inf")
-        W = ctx.queue_wait_s
-        behind = ctx.prefill_queue_requests
-        front = out["t_front_p50_s"]
-        out["prefill_queue_requests"] = behind
-        out["t_plan_s"] = max(W + front if split_blocks else 0.0, out["t_remote_p95_s"] + out["interference_s"]) + behind * front
-        out["t_recompute_only_s"] = W + out["t_recompute_p50_s"] * (1 + behind)
+        sides = self._sides(local_blocks, block_size_tokens, ctx, self.model.coefficients(0.95, ctx.source), c50)
+        out["prefill_queue_requests"] = ctx.prefill_queue_requests
+        out["t_plan_s"] = sides.plan(k, split_blocks)
+        out["t_recompute_only_s"] = sides.recompute_only(k)
         out["benefit_s"] = self.config.margin * out["t_recompute_only_s"] - out["t_plan_s"]
         return out
 
