@@ -70,7 +70,8 @@ class ReferenceEngine:
     def __init__(self, config: ModelConfig | None = None, *, block_size_tokens: int = 16, capacity_blocks: int = 2048, tenant: str = "default",
                  adapter: tuple[str, str] | None = None, eviction: EvictionPolicy | None = None, peers: Sequence[PeerClient] = (),
                  controller: AdmissionController | None = None, publish_filter: Any = None, ledger: Ledger | None = None,
-                 replica: str = "replica-0", serve: bool = False, hasher: BlockHasher | None = None) -> None:
+                 replica: str = "replica-0", serve: bool = False, hasher: BlockHasher | None = None,
+                 publish_to: PeerClient | None = None) -> None:
         self.config = config or ModelConfig()
         if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks <= 0:
             raise ConfigError("capacity_blocks", f"must be a positive int, got {capacity_blocks!r}")
@@ -97,9 +98,32 @@ class ReferenceEngine:
         self.store = BlockStore(self.namespace.digest)
         self.server = BlockServer(self.store) if serve else None
         self.local_index = _LocalIndex(self)
+        #: a shared block server to publish into (in the background, as engines write back), besides the own store
+        self.publish_to = publish_to
+        self._outbox: Any = None
+        if publish_to is not None:
+            import queue
+            import threading
+
+            self._outbox = queue.Queue()
+            threading.Thread(target=self._publisher, daemon=True).start()
         self.counts = {"loads_ok": 0, "loads_failed": 0, "loads_timeout": 0, "corrupt_refused": 0, "evicted_blocks": 0}
 
     # ------------------------------------------------------------------ cache
+
+    def _publisher(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            keys, payloads = item
+            self.publish_to.put(keys, payloads, 30.0)  # type: ignore[union-attr]
+            self._outbox.task_done()
+
+    def flush_publishes(self) -> None:
+        """Wait until every background publish has been sent."""
+        if self._outbox is not None:
+            self._outbox.join()
 
     def allocated_kv_bytes(self) -> int:
         """Bytes of KV the paged cache holds right now (blocks in use × bytes per block)."""
@@ -258,9 +282,14 @@ class ReferenceEngine:
             req = PublishRequest(request_id=request_id if request_id is not None else id(toks), num_tokens=T, block_size_tokens=B,
                                  boundary_tokens=boundary_tokens, replica=self.replica, reused_blocks=reused)
             self.filter.observe(req, cached)
+            fresh = []
             for key in cached[: self.filter.publishable(req, cached)]:
                 if key not in self.store.blocks:
-                    self.store.put(key, self.payload(key))
+                    payload = self.payload(key)
+                    self.store.put(key, payload)
+                    fresh.append((key, payload))
+            if fresh and self._outbox is not None:
+                self._outbox.put(([k for k, _ in fresh], [p for _, p in fresh]))
         timings["ttft_s"] = time.perf_counter() - t_start
         if self.ledger is not None:
             not_loaded = R - loaded

@@ -18,7 +18,7 @@ from .model import ModelConfig
 
 
 def _serve(conn: Any, config: ModelConfig, block_size_tokens: int, capacity_blocks: int, publish: str, name: str,
-           peer: tuple[tuple[str, int], bytes] | None, opts: dict[str, float]) -> None:
+           peer: tuple[tuple[str, int], bytes] | None, opts: dict[str, Any]) -> None:
     from ..admission import AdmissionConfig, AdmissionController, CircuitBreaker, LatencyModel, LinkPrior
     from ..ledger import Ledger
     from ..publish import make_filter
@@ -27,13 +27,18 @@ def _serve(conn: Any, config: ModelConfig, block_size_tokens: int, capacity_bloc
     from .transport import PeerClient
 
     peers = [PeerClient(peer[0], peer[1], name="peer")] if peer else []
+    # a shared block server (a pool node): this replica loads from it and publishes into it
+    publish_to = PeerClient(peer[0], peer[1], name="publish") if peer and opts.get("shared") else None
     controller = None
     if peer:
-        model = LatencyModel(LinkPrior(bandwidth_bytes_per_s=opts["link_bytes_per_s"]), DEFAULT_PREFILL, min_samples=3, window_s=opts["window_s"])
+        prefill = opts.get("prefill") or DEFAULT_PREFILL
+        model = LatencyModel(LinkPrior(bandwidth_bytes_per_s=opts["link_bytes_per_s"], **opts.get("prior", {})), prefill, min_samples=3,
+                             window_s=opts["window_s"])
         controller = AdmissionController(model, AdmissionConfig(probe_interval_s=opts["probe_interval_s"]),
                                          breaker_factory=lambda: CircuitBreaker(failure_threshold=3, open_s=opts["breaker_open_s"]))
     eng = ReferenceEngine(config, block_size_tokens=block_size_tokens, capacity_blocks=capacity_blocks, serve=True, replica=name,
-                          publish_filter=make_filter(publish), peers=peers, controller=controller, ledger=Ledger(config.geometry().bytes_per_token))
+                          publish_filter=make_filter(publish), peers=peers, controller=controller, ledger=Ledger(config.geometry().bytes_per_token),
+                          publish_to=publish_to)
     assert eng.server is not None
     conn.send(("ready", eng.server.address, eng.namespace.digest))
     while True:
@@ -48,7 +53,11 @@ def _serve(conn: Any, config: ModelConfig, block_size_tokens: int, capacity_bloc
                 controller.model.observe_prefill((r.local_blocks + r.loaded_blocks) * block_size_tokens, r.computed_tokens, r.timings["prefill_s"])
             conn.send({"published_blocks": len(eng.store.blocks), "local_blocks": r.local_blocks, "remote_found": r.remote_found,
                        "loaded_blocks": r.loaded_blocks, "load_status": r.load_status, "reason": r.decision.reason if r.decision else None,
-                       "ttft_ms": r.timings["ttft_s"] * 1e3})
+                       "ttft_ms": r.timings["ttft_s"] * 1e3, "prefill_ms": r.timings["prefill_s"] * 1e3,
+                       "load_bytes": r.timings.get("bytes", 0.0)})
+        elif cmd == "flush":
+            eng.flush_publishes()
+            conn.send(True)
         elif cmd == "faults":
             for k, v in arg.items():
                 setattr(eng.server.faults, k, v)
@@ -76,13 +85,18 @@ class PeerReplica:
     @classmethod
     def start(cls, config: ModelConfig | None = None, *, block_size_tokens: int = 16, capacity_blocks: int = 4096,
               publish: str = "all", name: str = "replica", peer: PeerReplica | None = None, link_bytes_per_s: float = 1e9,
-              breaker_open_s: float = 10.0, window_s: float = 300.0, probe_interval_s: float = 30.0, timeout_s: float = 60.0) -> PeerReplica:
+              breaker_open_s: float = 10.0, window_s: float = 300.0, probe_interval_s: float = 30.0, timeout_s: float = 60.0,
+              shared: tuple[tuple[str, int], bytes] | None = None, prefill: Any = None, prior: dict[str, float] | None = None) -> PeerReplica:
         """Spawn a replica process. With ``peer``, it loads from that replica through its
-        admission controller (prior: ``link_bytes_per_s``), corrected by live measurements."""
+        admission controller (prior: ``link_bytes_per_s``), corrected by live measurements.
+        With ``shared`` (a block server's address and namespace digest) instead, it loads from that
+        server and publishes into it in the background — replicas sharing a pool node; ``prefill``
+        (a PrefillModel) and ``prior`` (LinkPrior fields) configure its admission model."""
         ctx = mp.get_context("spawn")
         a, b = ctx.Pipe()
-        peer_arg = (peer.address, peer.namespace_digest) if peer is not None else None
-        opts = {"link_bytes_per_s": link_bytes_per_s, "breaker_open_s": breaker_open_s, "window_s": window_s, "probe_interval_s": probe_interval_s}
+        peer_arg = (peer.address, peer.namespace_digest) if peer is not None else shared
+        opts = {"link_bytes_per_s": link_bytes_per_s, "breaker_open_s": breaker_open_s, "window_s": window_s, "probe_interval_s": probe_interval_s,
+                "shared": shared is not None, "prefill": prefill, "prior": prior or {}}
         proc = ctx.Process(target=_serve, args=(b, config or ModelConfig(), block_size_tokens, capacity_blocks, publish, name, peer_arg, opts),
                            daemon=True)
         proc.start()
@@ -103,6 +117,10 @@ class PeerReplica:
     def reset(self) -> None:
         """Drop the replica's local cache (other traffic evicted it)."""
         self._ask("reset")
+
+    def flush(self) -> None:
+        """Wait until the replica's background publishes have reached the shared server."""
+        self._ask("flush")
 
     def ledger(self) -> dict[str, Any]:
         return self._ask("ledger")

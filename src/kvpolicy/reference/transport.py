@@ -5,6 +5,11 @@ payloads`` (the header lists payload sizes). Requests::
 
     {"op": "match", "namespace": <hex>, "keys": [<hex>, ...]}            -> {"n": leading keys held}
     {"op": "get",   "namespace": <hex>, "keys": [<hex>, ...]}            -> {"blocks": [{"key", "nbytes", "checksum"}...]} + payloads
+    {"op": "put",   "namespace": <hex>, "blocks": [{"key", "nbytes", "checksum"}...]} + payloads -> {"stored": n}
+
+``put`` is how a replica publishes into a shared block server (a pool node):
+the server checks every block's checksum and refuses the whole message on a
+mismatch.
 
 A block's payload is its K and V for every layer (``layers × 2 × B × Hkv × D``
 elements of the model dtype); its checksum is BLAKE2b-128 over the namespace
@@ -111,6 +116,13 @@ class _Handler(socketserver.BaseRequestHandler):
             if req.get("namespace") != store.namespace_digest.hex():
                 send_msg(sock, {"n": 0, "blocks": [], "error": "namespace"})
                 continue
+            if req.get("op") == "put":
+                try:
+                    stored = _receive_put(sock, store, req)
+                except (ConnectionError, OSError, ValueError, KeyError, TypeError):
+                    return
+                send_msg(sock, {"stored": stored} if stored >= 0 else {"stored": 0, "error": "checksum"})
+                continue
             with store.lock:
                 if req.get("op") == "match":
                     n = 0
@@ -133,6 +145,21 @@ class _Handler(socketserver.BaseRequestHandler):
                 send_msg(sock, {"blocks": meta}, payloads)  # type: ignore[arg-type]
             except OSError:  # the reader gave up (timeout) and closed: nothing to do
                 return
+
+
+def _receive_put(sock: socket.socket, store: BlockStore, req: dict[str, Any]) -> int:
+    """Read a put's payloads; store them if every checksum holds (returns how many), else -1."""
+    meta = req["blocks"]
+    sizes = [int(m["nbytes"]) for m in meta]
+    if any(n < 0 or n > 1 << 30 for n in sizes):
+        raise ValueError("block size out of range")
+    payloads = [bytes(_recv_exact(sock, n)) for n in sizes]
+    keys = [bytes.fromhex(m["key"]) for m in meta]
+    if any(checksum(store.namespace_digest, k, p) != m["checksum"] for k, p, m in zip(keys, payloads, meta)):
+        return -1
+    for k, p in zip(keys, payloads):
+        store.put(k, p)
+    return len(keys)
 
 
 class _TCPServer(socketserver.ThreadingTCPServer):
@@ -248,6 +275,19 @@ class PeerClient:
                 off += n
             t2 = time.perf_counter()
         return FetchResult(tuple(out), self.last_lookup_s, t1 - t0, t2 - t1, total)
+
+    def put(self, keys: Sequence[bytes], payloads: Sequence[bytes], timeout_s: float) -> int:
+        """Publish blocks to the peer's store (a shared block server); returns how many it stored."""
+        meta = [{"key": k.hex(), "nbytes": len(p), "checksum": checksum(self.namespace_digest, k, p)} for k, p in zip(keys, payloads)]
+        with self.lock:
+            try:
+                s = self._conn(timeout_s)
+                send_msg(s, {"op": "put", "namespace": self.namespace_digest.hex(), "blocks": meta}, payloads)
+                hdr = recv_header(s)
+            except (OSError, ConnectionError, ValueError):
+                self._reset()
+                return 0
+        return int(hdr.get("stored", 0))
 
     def close(self) -> None:
         with self.lock:
