@@ -30,13 +30,17 @@ REQUIRED_COLUMNS = ("prefix_tokens", "kv_bytes", "cold_prefill_ms", "local_hit_t
 
 @attrs.frozen
 class PrefillModel:
-    """``T_prefill(T) = a_s + b_s_per_token·T + c_s_per_token2·T²`` (seconds)."""
+    """``T_prefill(T) = a_s + b_s_per_token·T + c_s_per_token2·T²`` (seconds), and for a prefill
+    of tokens [start, end) with [0, start) already cached: ``a + b·(end − start) + c·(end² − start²)
+    + d_s_per_cached_token·start`` — d is what reading the cached prefix costs the engine (gathering
+    its KV; 0 for engines that attend to cached pages in place), measured from local-hit rows."""
 
     a_s: float
     b_s_per_token: float
     c_s_per_token2: float
     rms_rel_error: float
     max_rel_error: float
+    d_s_per_cached_token: float = 0.0
 
     def __call__(self, tokens: float | np.ndarray) -> float | np.ndarray:
         t = np.asarray(tokens, dtype=np.float64)
@@ -111,7 +115,14 @@ class MeasuredProfile:
         return float(slope)
 
     def prefill_model(self) -> PrefillModel:
-        return fit_prefill(self.prefix_tokens, self.cold_prefill_ms / 1e3)
+        """The cold-prefill fit, plus the cost per cached token: the slope of local-hit TTFT over
+        the cached prefix (least squares, clipped at 0), with one row or more."""
+        m = fit_prefill(self.prefix_tokens, self.cold_prefill_ms / 1e3)
+        hit = self.local_hit_ttft_ms / 1e3
+        if len(self) >= 2 and np.all(np.isfinite(hit)):
+            d = float(np.polyfit(self.prefix_tokens.astype(np.float64), hit, 1)[0])
+            m = attrs.evolve(m, d_s_per_cached_token=max(d, 0.0))
+        return m
 
     def to_csv(self) -> str:
         buf = io.StringIO()
