@@ -89,3 +89,19 @@ def test_malformed_profiles_name_the_line(text, line, what):
 def test_missing_file(tmp_path):
     with pytest.raises(ProfileFormatError, match="no such file"):
         read_profile(tmp_path / "nope.csv")
+
+
+def test_prefill_model_learns_what_reading_a_cached_prefix_costs():
+    from kvpolicy.profile import MeasuredProfile
+
+    L = np.array([1024, 2048, 4096, 8192])
+    cold = 1e3 * (0.01 + 5e-5 * L + 1e-9 * L * L)
+    hit = 1e3 * (0.004 + 2e-6 * L)  # the engine gathers cached KV: 2 us per cached token
+    m = MeasuredProfile(prefix_tokens=L, kv_bytes=L * 512.0, cold_prefill_ms=cold, local_hit_ttft_ms=hit).prefill_model()
+    assert m.d_s_per_cached_token == pytest.approx(2e-6, rel=1e-6)
+    flat = MeasuredProfile(prefix_tokens=L, kv_bytes=L * 512.0, cold_prefill_ms=cold, local_hit_ttft_ms=np.full(4, 5.0)).prefill_model()
+    assert flat.d_s_per_cached_token == pytest.approx(0.0, abs=1e-15)
+    from kvpolicy.sim import ClusterConfig
+
+    c = ClusterConfig(bytes_per_token=512, prefill=m)
+    assert c.prefill_s(4096, 4096 + 16) - ClusterConfig(bytes_per_token=512, prefill=flat).prefill_s(4096, 4096 + 16) == pytest.approx(2e-6 * 4096)

@@ -171,3 +171,39 @@ def test_profile_runs_and_its_csv_reads_back():
         assert col in back.extra
     assert {r["concurrency"] for r in report["rows"]} == {1, 2}
     assert all(r["samples"] >= 2 for r in report["rows"])
+
+
+def test_replicas_share_a_block_server_publishing_into_it_and_loading_from_it():
+    """A pool node: replica A publishes into the server in the background, replica B loads what A computed."""
+    from kvpolicy.reference.transport import BlockServer, BlockStore, checksum
+
+    store = BlockStore(CFG.namespace(B).digest)
+    server = BlockServer(store)
+    shared = (tuple(server.address), store.namespace_digest)
+    a = PeerReplica.start(CFG, block_size_tokens=B, capacity_blocks=512, name="a", shared=shared, link_bytes_per_s=1e9)
+    b = PeerReplica.start(CFG, block_size_tokens=B, capacity_blocks=512, name="b", shared=shared, link_bytes_per_s=1e9)
+    try:
+        first = a.prefill(SYSTEM)
+        assert first["loaded_blocks"] == 0
+        a.flush()
+        assert len(store.blocks) == 20, "every full block went to the shared server"
+        got = b.prefill(SYSTEM + [7, 8, 9])
+        assert got["loaded_blocks"] == 20 and got["load_status"] == "ok" and got["load_bytes"] > 0
+        # a put whose checksum does not match the payload is refused whole
+        client = PeerClient(server.address, store.namespace_digest)
+        key, payload = bytes(16), b"\x01" * 64
+        assert client.put([key], [payload], 5.0) == 1 and store.blocks[key] == payload
+        import socket as _s
+
+        from kvpolicy.reference.transport import recv_header, send_msg
+
+        with _s.create_connection(server.address, timeout=5.0) as sock:
+            meta = [{"key": (b"\x02" * 16).hex(), "nbytes": 64, "checksum": checksum(store.namespace_digest, b"\x02" * 16, b"\x03" * 64)}]
+            send_msg(sock, {"op": "put", "namespace": store.namespace_digest.hex(), "blocks": meta}, [b"\x04" * 64])
+            assert recv_header(sock)["stored"] == 0
+        assert b"\x02" * 16 not in store.blocks
+        client.close()
+    finally:
+        a.close()
+        b.close()
+        server.close()
