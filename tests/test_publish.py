@@ -118,14 +118,34 @@ def test_reuse_aware_keeps_unique_tails_out_and_publishes_reuse():
         keys = [10_000 + 10 * i + j for j in range(3)]
         r = req(i, 3, t=i)
         f.observe(r, keys)
+    assert f.first_sighting_probability(req(999, 3)) == 0.5, "no window has closed yet: no evidence, the prior"
+    f.observe(req(998, 3, t=1000.0), [90_000, 90_001, 90_002])  # every earlier window has closed now
     assert f.first_sighting_probability(req(999, 3)) < 0.05
     fresh = [1, 2, 3]
-    r = req(1000, 3, t=400.0)
+    r = req(1000, 3, t=1400.0)
     f.observe(r, fresh)
     assert f.publishable(r, fresh) == 0  # seen once: not yet
-    r2 = req(1001, 3, t=410.0)
+    r2 = req(1001, 3, t=1410.0)
     f.observe(r2, fresh)
     assert f.publishable(r2, fresh) == 3  # re-used soon after: worth the write
+
+
+def test_reuse_aware_counts_a_block_only_once_its_window_has_closed():
+    """'Not seen again yet' is not 'never seen again': a block re-read late in its window counts as reused."""
+    f = reuse_aware(lifetime_s=100.0)
+    for i in range(50):
+        f.observe(req(i, 2, t=float(i)), [1000 + 2 * i, 1001 + 2 * i])
+    for i in range(50):  # each chain is read again 90 s after it was made: inside its 100 s window
+        f.observe(req(100 + i, 2, t=90.0 + i), [1000 + 2 * i, 1001 + 2 * i])
+    f.observe(req(999, 1, t=500.0), [7])
+    assert f.first_sighting_probability(req(5000, 2)) > 0.9
+    late = reuse_aware(lifetime_s=100.0)
+    for i in range(50):
+        late.observe(req(i, 2, t=float(i)), [1000 + 2 * i, 1001 + 2 * i])
+    for i in range(50):  # read again only after the window: not reuse within the lifetime
+        late.observe(req(100 + i, 2, t=200.0 + i), [1000 + 2 * i, 1001 + 2 * i])
+    late.observe(req(999, 1, t=500.0), [7])
+    assert late.first_sighting_probability(req(5000, 2)) < 0.1
 
 
 @given(st.lists(st.tuples(st.floats(0, 5), st.integers(0, 8)), min_size=1, max_size=40))

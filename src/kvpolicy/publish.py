@@ -48,7 +48,10 @@ less, in total, than it costs.
 The first-sighting probability is **learned**, per bucket of how much of the
 request was itself reused (quarters of its blocks: a mid-session request reuses
 most of its prompt): of the new blocks such requests created, the share that was
-seen again (Laplace-smoothed). It lets a live session's newest turn be published
+seen again within ``lifetime_s`` (Laplace-smoothed). A block is counted only
+once its ``lifetime_s`` window has closed — until then "not seen again yet" is
+not evidence of "never" (counting it early biases every trace's start towards
+p ≈ 0); before any window has closed the estimate is the prior, ½. It lets a live session's newest turn be published
 before the next turn needs it, and keeps unique tails out. Origins are tracked for
 the newest ``origin_capacity`` new blocks (memory bound).
 
@@ -298,7 +301,7 @@ class ReuseAwarePublish:
         self._dedup = _Dedup()
         self.created = [0.0] * buckets
         self.seen_again = [0.0] * buckets
-        self._origin: OrderedDict[Hashable, int] = OrderedDict()
+        self._origin: OrderedDict[Hashable, list[Any]] = OrderedDict()  # key -> [bucket, first seen s, seen again]
         self._origin_capacity = origin_capacity
 
     def _bucket(self, request: PublishRequest) -> int:
@@ -313,17 +316,28 @@ class ReuseAwarePublish:
         _check(request, keys)
         b = self._bucket(request)
         t = request.time_s
+        origin = self._origin
         for key in self._dedup.new_keys(request.request_id, keys):
-            if self.sketch.estimate(key, t) < 0.5:  # first sighting: remember which kind of request made it
-                self.created[b] += 1
-                self._origin[key] = b
-                if len(self._origin) > self._origin_capacity:
-                    self._origin.popitem(last=False)
+            if self.sketch.estimate(key, t) < 0.5:  # first sighting: remember which kind of request made it, and when
+                origin[key] = [b, t, 0]
+                if len(origin) > self._origin_capacity:
+                    self._mature(*origin.popitem(last=False)[1])
             else:
-                ob = self._origin.pop(key, None)
-                if ob is not None:
-                    self.seen_again[ob] += 1
+                o = origin.get(key)
+                if o is not None:
+                    o[2] = 1  # seen again within its window: counted when the window closes
             self.sketch.add(key, t)
+        # a block's outcome is known only once its window has passed: counting it earlier would read
+        # "not seen again yet" as "never seen again" (a censoring bias that starts every trace at p ≈ 0)
+        while origin:
+            first = next(iter(origin.values()))
+            if t - first[1] < self.lifetime_s:
+                break
+            self._mature(*origin.popitem(last=False)[1])
+
+    def _mature(self, bucket: int, _t: float, seen: int) -> None:
+        self.created[bucket] += 1
+        self.seen_again[bucket] += seen
 
     def values(self, request: PublishRequest, keys: Sequence[Hashable]) -> list[float]:
         """Expected value − cost of publishing each leading block (seconds)."""

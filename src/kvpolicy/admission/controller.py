@@ -423,8 +423,8 @@ class AdmissionController:
             return refuse("source_cap")
         load_bytes = best_k * ctx.block_bytes  # requested (a split plan is cut where compute meets it)
         queued = best["queue_bytes"]
-        if queued > 0 and queued + load_bytes > cfg.max_queue_bytes_per_source:
-            return refuse("queue_full")  # an idle path always takes one load, however large: the cap bounds waiting, not size
+        if queued > cfg.max_queue_bytes_per_source:
+            return refuse("queue_full")  # the cap bounds the bytes a load would wait behind, never its own size
         if self.ramp is not None and not self.ramp.admit():
             return refuse("ramp_share")
         if not breaker.allow():
