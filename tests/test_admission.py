@@ -108,13 +108,16 @@ def test_caps_queue_and_warming():
     warm = controller(bw=25e9, warming_max_loads_per_replica=1)
     w = AdmissionContext(block_bytes=BLOCK_BYTES, warming=True)
     assert [warm.decide(pm(0, 100), w).reason for _ in range(2)] == ["wins", "replica_cap"]
+    # the cap bounds the bytes a load would wait behind, never its own size
     q = controller(bw=25e9, max_queue_bytes_per_source=150 * BLOCK_BYTES)
-    assert [q.decide(pm(0, 100), AdmissionContext(block_bytes=BLOCK_BYTES, replica=f"r{i}")).reason for i in range(2)] == ["wins", "queue_full"]
-    # an idle source takes one load even when it alone is larger than the cap: the cap bounds waiting, not size
+    reasons = [q.decide(pm(0, 100), AdmissionContext(block_bytes=BLOCK_BYTES, replica=f"r{i}")).reason for i in range(3)]
+    assert reasons == ["wins", "wins", "queue_full"], "100 blocks ahead: under the cap; 200 ahead: over it"
     big = controller(bw=25e9, max_queue_bytes_per_source=50 * BLOCK_BYTES)
     first = big.decide(pm(0, 100), AdmissionContext(block_bytes=BLOCK_BYTES, replica="a"))
-    assert first.loads and first.load_bytes > 50 * BLOCK_BYTES
+    assert first.loads and first.load_bytes > 50 * BLOCK_BYTES, "a load larger than the cap still goes"
     assert big.decide(pm(0, 100), AdmissionContext(block_bytes=BLOCK_BYTES, replica="b")).reason == "queue_full"
+    path = big.decide(pm(0, 100), AdmissionContext(block_bytes=BLOCK_BYTES, replica="c", path_backlog_bytes=20 * BLOCK_BYTES))
+    assert path.loads, "what the path reports (20 blocks ahead) is under the cap"
 
 
 class AdmissionMachine(RuleBasedStateMachine):
