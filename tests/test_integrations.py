@@ -13,7 +13,8 @@ from kvpolicy.integrations.lmcache import StorePolicyAdapter
 from kvpolicy.integrations.sglang import PriorityStrategy
 from kvpolicy.integrations.vllm_connector import VllmConnectorPolicy
 from kvpolicy.integrations.vllm_events import (
-    AllBlocksCleared, BlockRemoved, BlockStored, EventFormatError, KVEventIngestor, ZmqEventSubscriber, decode_batch, decode_event, encode_batch,
+    AllBlocksCleared, BlockRemoved, BlockStored, EventFormatError, KVEventIngestor, ReplayClient, ZmqEventSubscriber, decode_batch, decode_event,
+    encode_batch, extra_keys_for,
 )
 from kvpolicy.keys import BlockHasher, Namespace, vllm_block_hashes
 from kvpolicy.profile import PrefillModel
@@ -38,25 +39,34 @@ def ingestor(d=None, **kw):
 # --------------------------------------------------------------------------- wire format
 
 
-def test_batch_round_trip_has_vllm_shape():
+def test_batch_round_trip_has_the_engines_map_shape():
     ev, _ = stored(PROMPT)
     payload = encode_batch(12.5, [ev, BlockRemoved(ev.block_hashes[-1:], "GPU"), AllBlocksCleared()], data_parallel_rank=0)
     import msgpack
 
     raw = msgpack.unpackb(payload)
     assert raw[0] == 12.5 and raw[2] == 0
-    assert raw[1][0][0] == "BlockStored" and raw[1][1][0] == "BlockRemoved" and raw[1][2] == ["AllBlocksCleared"]
+    assert raw[1][0]["type"] == "BlockStored" and raw[1][1]["type"] == "BlockRemoved" and raw[1][2] == {"type": "AllBlocksCleared"}
+    assert "group_idx" not in raw[1][0], "fields at their default are omitted, as msgspec's omit_defaults does"
     ts, events, rank = decode_batch(payload)
     assert [decode_event(e, i) for i, e in enumerate(events)] == [ev, BlockRemoved(ev.block_hashes[-1:], "GPU"), AllBlocksCleared()]
+    # the older tagged-array form still decodes
+    legacy = ["BlockStored", list(ev.block_hashes), None, list(ev.token_ids), B, None, "GPU"]
+    assert decode_event(legacy) == ev
 
 
 @pytest.mark.parametrize("raw,field", [
-    (["Nope"], "events[0]"),
+    (["Nope"], "events[0].type"),
+    ({"type": "Nope"}, "events[0].type"),
     ([], "events[0]"),
     (["BlockStored", [b"x"], None, [1, 2], 0], "events[0].block_size"),
-    (["BlockStored", [b"x"], None, [1, 2, 3], 2], "events[0]"),
+    (["BlockStored", [b"x"], None, [1, 2, 3], 1], "events[0]"),
     (["BlockStored", [1.5], None, [1, 2], 2], "events[0].block_hashes"),
-    (["BlockRemoved"], "events[0]"),
+    ({"type": "BlockStored", "block_hashes": [1 << 64], "token_ids": [1, 2], "block_size": 2}, "events[0].block_hashes"),
+    ({"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 2], "block_size": 2, "extra_keys": [None, None]}, "events[0].extra_keys"),
+    ({"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 2], "block_size": 2, "group_idx": "0"}, "events[0].group_idx"),
+    ({"type": "BlockStored", "block_hashes": [1], "block_size": 2}, "events[0].token_ids"),
+    (["BlockRemoved"], "events[0].block_hashes"),
 ])
 def test_malformed_events_name_the_field(raw, field):
     with pytest.raises(EventFormatError) as e:
@@ -241,3 +251,233 @@ def test_lmcache_store_policy_publishes_only_what_the_filter_allows():
     assert ad.select_delete_targets(keys, ["LocalCPUBackend"]) == {}
     with pytest.raises(ConfigError):
         StorePolicyAdapter(object())
+
+
+# --------------------------------------------------------------------------- ground truth: batches encoded by vLLM 0.33 and SGLang 0.5.23
+
+import base64  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+COMPAT = Path(__file__).resolve().parents[2] / "shared" / "compat" / "engine_kv_events.json"
+
+
+def engine_cases():
+    if not COMPAT.exists():
+        pytest.skip(f"{COMPAT} not found (the engines' ground truth lives beside the project)")
+    return {c["name"]: c for c in json.loads(COMPAT.read_text())["cases"]}
+
+
+def ingest_case(name, d=None):
+    c = engine_cases()[name]
+    d = d or InMemoryDirectory()
+    ing = ingestor(d)
+    payload = base64.b64decode(c["payload_b64"])
+    _, events, _ = decode_batch(payload)
+    assert ing.ingest(payload) == len(events), "every event the engine wrote decodes"
+    assert ing.counts["malformed_events"] == ing.counts["malformed_frames"] == 0
+    return c, d, ing
+
+
+def first_store(c):
+    return next(e for e in c["decoded"][1] if e["type"] == "BlockStored")
+
+
+def holders(d, keys):
+    return [sorted(e.holder for e in row) for row in d.lookup("acme", keys)]
+
+
+def test_every_engine_batch_decodes_field_for_field():
+    for name, c in engine_cases().items():
+        _, events, rank = decode_batch(base64.b64decode(c["payload_b64"]))
+        assert rank == c["decoded"][2]
+        for i, (raw, plain) in enumerate(zip(events, c["decoded"][1])):
+            ev = decode_event(raw, i)
+            assert type(ev).__name__ == plain["type"], name
+            for field, value in plain.items():
+                if field in ("type", "block_hashes", "parent_block_hash"):
+                    continue
+                got = getattr(ev, field)
+                want = tuple(tuple(x) if isinstance(x, list) else x for x in value) if isinstance(value, list) else value
+                assert got == want, f"{name}: {field}"
+
+
+def test_vllm_int_hashes_store_the_requests_keys():
+    c, d, ing = ingest_case("stored-int-hashes-default")
+    toks = first_store(c)["token_ids"]
+    keys = list(HASHER.hash_blocks(toks))
+    assert d.match_prefix("acme", keys) == 3
+    assert holders(d, keys) == [["pod-1/gpu/g0"]] * 3
+    assert ing.key_of(first_store(c)["block_hashes"][1]) == keys[1]
+
+
+def test_vllm_bytes_hashes_chain_across_events():
+    c, d, ing = ingest_case("stored-bytes-hashes-chained")
+    toks = [t for e in c["decoded"][1] for t in e["token_ids"]]
+    assert d.match_prefix("acme", list(HASHER.hash_blocks(toks))) == 3
+    assert ing.counts["orphans"] == 0
+
+
+def test_lora_and_salt_extra_keys_separate_blocks_that_share_tokens():
+    c, d, _ = ingest_case("stored-lora-salt-extra-keys")
+    toks = first_store(c)["token_ids"]
+    mine = list(HASHER.hash_blocks(toks, extra_keys=extra_keys_for(2, lora_name="sql-adapter", cache_salt="tenant-salt")))
+    assert d.match_prefix("acme", mine) == 2, "a request with the same adapter and salt finds them"
+    assert d.match_prefix("acme", list(HASHER.hash_blocks(toks))) == 0, "a plain request never does"
+    assert d.match_prefix("acme", list(HASHER.hash_blocks(toks, extra_keys=extra_keys_for(2, lora_name="sql-adapter")))) == 0, "nor one without the salt"
+
+
+def test_a_gpu_removal_leaves_the_cpu_copy():
+    c, d, ing = ingest_case("stored-cpu-tier-and-removed-gpu")
+    keys = list(HASHER.hash_blocks(first_store(c)["token_ids"]))
+    assert d.match_prefix("acme", keys) == 3
+    assert holders(d, keys) == [["pod-1/cpu/g0"]] * 3
+    assert ing.refused["unknown_removed"] == 3, "the GPU copies were never reported stored: counted, and nothing else removed"
+
+
+def test_a_sliding_window_groups_removal_keeps_the_full_attention_group():
+    c, d, _ = ingest_case("hybrid-sliding-window-group")
+    keys = list(HASHER.hash_blocks(first_store(c)["token_ids"]))
+    assert d.match_prefix("acme", keys) == 3
+    assert holders(d, keys) == [["pod-1/gpu/g0"], ["pod-1/gpu/g0", "pod-1/gpu/g1"], ["pod-1/gpu/g0", "pod-1/gpu/g1"]]
+
+
+def test_all_blocks_cleared_empties_this_engine_only():
+    d = InMemoryDirectory()
+    _, d, _ = ingest_case("stored-int-hashes-default", d)
+    other = KVEventIngestor(d, "acme", HASHER, holder="pod-2", bytes_per_token=2048)
+    ev, _ = stored(PROMPT)
+    other.apply(ev)
+    c = engine_cases()["all-cleared"]
+    ing = ingestor(d)
+    ing.apply(decode_event(first_store(engine_cases()["stored-int-hashes-default"])))
+    ing.ingest(base64.b64decode(c["payload_b64"]))
+    toks = first_store(engine_cases()["stored-int-hashes-default"])["token_ids"]
+    assert d.match_prefix("acme", list(HASHER.hash_blocks(PROMPT))) == 4, "pod-2's blocks stay"
+    assert all(h == [] or all(not x.startswith("pod-1/") for x in h) for h in holders(d, list(HASHER.hash_blocks(toks))))
+
+
+def test_sglang_salt_tiers_and_clear():
+    c = engine_cases()["stored-and-removed"]
+    d = InMemoryDirectory()
+    ing = ingestor(d)
+    events = [decode_event(e, i) for i, e in enumerate(decode_batch(base64.b64decode(c["payload_b64"]))[1])]
+    for ev in events[:-1]:  # everything before the final AllBlocksCleared
+        ing.apply(ev)
+    toks = events[0].token_ids
+    keys = list(HASHER.hash_blocks(toks, extra_keys=extra_keys_for(3, cache_salt="tenant-salt")))
+    assert d.match_prefix("acme", keys) == 2, "SGLang's cache_salt is folded into the chain's first block; block 3 left the GPU"
+    assert holders(d, keys) == [["pod-1/cpu/g0", "pod-1/gpu/g0"], ["pod-1/gpu/g0"], []], "CPU_PINNED is the CPU tier; the copy keeps the salted key"
+    assert d.match_prefix("acme", list(HASHER.hash_blocks(toks))) == 0, "an unsalted request finds nothing"
+    ing.apply(events[-1])
+    assert d.match_prefix("acme", keys) == 0
+
+
+def test_partial_and_tier_only_events():
+    d = InMemoryDirectory()
+    ing = ingestor(d)
+    hashes = (11, 12, 13)
+    ing.apply(BlockStored(hashes, None, tuple(PROMPT[: 2 * B + 5]), B, None, "GPU"))  # the third block is partial
+    assert ing.refused["partial_block"] == 1 and ing.key_of(13) is None
+    keys = list(HASHER.hash_blocks(PROMPT))
+    assert d.match_prefix("acme", keys) == 2
+    ing.apply(BlockStored((11, 12, 99), None, (), 0, None, "STORAGE"))  # tier-only placeholder: no tokens, block_size 0
+    assert holders(d, keys)[:2] == [["pod-1/gpu/g0", "pod-1/storage/g0"]] * 2
+    assert ing.refused["unknown_tier_only"] == 1
+
+
+def test_int_hashes_are_verified_through_the_low_64_bits():
+    ing = ingestor(verify_algo="sha256")
+    ev, raw = stored(PROMPT[: 2 * B], as_int=True)
+    ing.apply(ev)
+    assert ing.counts["verified_blocks"] == 2 and ing.counts["mismatched"] == 0
+    nxt = vllm_block_hashes(PROMPT[2 * B: 3 * B], B, parent=raw[-1])
+    ing.apply(BlockStored((int.from_bytes(nxt[0][-8:], "big"),), ev.block_hashes[-1], tuple(PROMPT[2 * B: 3 * B]), B))
+    assert ing.counts["verified_blocks"] == 3, "a child of a verified int-hash parent is verified through the parent's full hash"
+    forged = BlockStored((12345,), None, tuple(range(5000, 5000 + B)), B)
+    ing.apply(forged)
+    assert ing.counts["mismatched"] == 1 and ing.key_of(12345) is None
+
+
+def test_engine_payloads_over_a_real_pub_socket_with_restart_and_replay():
+    zmq = pytest.importorskip("zmq")
+    cases = engine_cases()
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    router = ctx.socket(zmq.ROUTER)
+    rport = router.bind_to_random_port("tcp://127.0.0.1")
+    d = InMemoryDirectory()
+    ing = ingestor(d)
+    sub = ZmqEventSubscriber(ing, f"tcp://127.0.0.1:{port}", topic="kv", replay_endpoint=f"tcp://127.0.0.1:{rport}")
+    stop = threading.Event()
+    th = threading.Thread(target=sub.run, args=(stop,), daemon=True)
+    history = {}
+
+    def send(seq, name, record=True):
+        payload = base64.b64decode(cases[name]["payload_b64"])
+        if record:
+            history[seq] = payload
+        pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload])
+
+    def serve_replay():  # the engine's replay socket: [id, b"", start] -> [id, b"", topic, seq, payload]..., then seq -1
+        while not stop.is_set():
+            if router.poll(20):
+                ident, _, start = router.recv_multipart()
+                for seq in sorted(history):
+                    if seq >= int.from_bytes(start, "big"):
+                        router.send_multipart([ident, b"", b"kv", seq.to_bytes(8, "big"), history[seq]])
+                router.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    rt = threading.Thread(target=serve_replay, daemon=True)
+    th.start()
+    rt.start()
+    try:
+        deadline = time.time() + 10
+        while ing.counts["batches"] == 0 and time.time() < deadline:
+            pub.send_multipart([b"kv", (0).to_bytes(8, "big"), encode_batch(0.0, [])])
+            time.sleep(0.05)
+        history[2] = base64.b64decode(cases["stored-int-hashes-default"]["payload_b64"])  # published while we were not listening
+        send(3, "stored-cpu-tier-and-removed-gpu")
+        deadline = time.time() + 10
+        while ing.counts["stored_blocks"] < 6 and time.time() < deadline:
+            time.sleep(0.02)
+        toks = first_store(cases["stored-int-hashes-default"])["token_ids"]
+        keys = list(HASHER.hash_blocks(toks))
+        assert holders(d, keys) == [["pod-1/cpu/g0"]] * 3, "the replayed GPU store, then the CPU store and the GPU removal"
+        assert ing.counts["missed_batches"] == 1, "seq 1 was never published: only what the replay could not refill is missed"
+        send(0, "stored-lora-salt-extra-keys")  # the sequence went back: the engine restarted
+        deadline = time.time() + 10
+        while ing.counts["restarts"] == 0 and time.time() < deadline:
+            time.sleep(0.02)
+        assert ing.counts["restarts"] == 1
+        assert d.match_prefix("acme", keys) == 0, "a restarted engine's old entries are gone"
+        salted = list(HASHER.hash_blocks(toks[: 2 * B], extra_keys=extra_keys_for(2, lora_name="sql-adapter", cache_salt="tenant-salt")))
+        assert d.match_prefix("acme", salted) == 2
+    finally:
+        stop.set()
+        th.join(timeout=5)
+        rt.join(timeout=5)
+        sub.close()
+        pub.close(linger=0)
+        router.close(linger=0)
+
+
+def test_one_subscriber_per_data_parallel_rank():
+    pytest.importorskip("zmq")
+    d = InMemoryDirectory()
+    subs = ZmqEventSubscriber.for_ranks(lambda r: KVEventIngestor(d, "acme", HASHER, holder=f"pod-1-dp{r}", bytes_per_token=2048),
+                                        "127.0.0.1", 15557, 3)
+    try:
+        assert [s.ingestor.holder for s in subs] == ["pod-1-dp0", "pod-1-dp1", "pod-1-dp2"]
+    finally:
+        for s in subs:
+            s.close()
+    with pytest.raises(ConfigError, match="ranks"):
+        ZmqEventSubscriber.for_ranks(lambda r: None, "127.0.0.1", 15557, 0)
+
+
+def test_the_events_example_in_the_docs_runs_as_written():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    block = doc.split("## KV events from vLLM")[1].split("```python")[1].split("```")[0]
+    exec(compile(block, "docs/integrations.md", "exec"), {})
