@@ -175,43 +175,101 @@ def test_real_zmq_socket_on_loopback():
 
 
 class FakeRequest:
-    def __init__(self, rid, tokens):
+    def __init__(self, rid, tokens, cache_salt=None, lora_name=None):
         self.request_id = rid
         self.prompt_token_ids = tokens
+        self.cache_salt = cache_salt
+        self.lora_request = type("LoRARequest", (), {"lora_name": lora_name})() if lora_name else None
 
 
-def controller(clock=None):
+class FakeBlocks:  # vLLM's KVCacheBlocks: get_block_ids() -> one list of physical ids per group
+    def __init__(self, ids):
+        self.ids = list(ids)
+
+    def get_block_ids(self):
+        return (self.ids,)
+
+
+class FakeOutput:  # vLLM's KVConnectorOutput
+    def __init__(self, finished_recving=(), invalid_block_ids=(), failed_recving=()):
+        self.finished_recving = set(finished_recving)
+        self.invalid_block_ids = set(invalid_block_ids)
+        self.failed_recving = set(failed_recving)
+
+
+def controller(clock=None, **cfg):
+    from kvpolicy.admission import AdmissionConfig
+
     prefill = PrefillModel(a_s=0.0, b_s_per_token=1e-4, c_s_per_token2=0.0, rms_rel_error=0.0, max_rel_error=0.0)
-    return AdmissionController(LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), prefill), clock=clock or ManualClock())
+    return AdmissionController(LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), prefill), AdmissionConfig(**cfg), clock=clock or ManualClock())
 
 
-def test_vllm_connector_helper_answers_from_the_controller():
+def connector_setup(**cfg):
     d = InMemoryDirectory()
     prompt = list(range(50, 50 + 64 * B + 5))
     keys = list(HASHER.hash_blocks(prompt))
     d.publish("acme", [Entry(k, "pool", 2048 * B) for k in keys[:40]])
-    helper = VllmConnectorPolicy(HASHER, d.index("acme"), controller(), ThresholdPublish(1), bytes_per_token=2048)
+    return VllmConnectorPolicy(HASHER, d.index("acme"), controller(**cfg), ThresholdPublish(1), bytes_per_token=2048), prompt
+
+
+def test_get_num_new_matched_tokens_is_pure_however_often_vllm_asks():
+    helper, prompt = connector_setup(max_loads_per_replica=2)
     req = FakeRequest("r1", prompt)
-    n, async_load = helper.get_num_new_matched_tokens(req, num_computed_tokens=8 * B)
-    assert async_load is False
+    answers = [helper.get_num_new_matched_tokens(req, num_computed_tokens=8 * B) for _ in range(5)]
+    assert len(set(answers)) == 1 and answers[0][1] is False
+    n = answers[0][0]
     assert n % B == 0 and 0 < n <= 32 * B, "loads only remote blocks after the 8 local ones, whole blocks"
-    assert helper.load_finished("r1", transfer_s=0.001) == n // B
-    delay, params = helper.request_finished(req, block_ids=list(range(64)))
-    assert delay is False and params == {"kvpolicy_publish_blocks": 64}
-    # a failed load feeds the breaker; the leading blocks before the first failed one stay usable
-    req2 = FakeRequest("r2", prompt)
-    n2, _ = helper.get_num_new_matched_tokens(req2, 0)
-    assert n2 > 0
-    usable = helper.load_failed("r2", failed_block_ids={105}, first_block_id=100)
-    assert usable == 5
+    assert helper.controller.loads_in_flight() == 0, "asking takes no slot"
+    for i in range(3):  # other requests are not starved by the repeated asks
+        assert helper.get_num_new_matched_tokens(FakeRequest(f"o{i}", prompt), 0)[0] > 0
+
+
+def test_the_slot_is_taken_after_allocation_and_released_on_every_path():
+    helper, prompt = connector_setup(max_loads_per_replica=2)
+    reqs = [FakeRequest(f"r{i}", prompt) for i in range(4)]
+    # 1. loaded and reported finished
+    n, _ = helper.get_num_new_matched_tokens(reqs[0], 8 * B)
+    assert helper.update_state_after_alloc(reqs[0], FakeBlocks(range(100, 200)), n) == n // B
+    meta = helper.build_connector_meta(None)
+    assert meta["loads"]["r0"]["start_block"] == 8 and meta["loads"]["r0"]["block_ids"] == list(range(108, 108 + n // B))
+    assert helper.build_connector_meta(None) == {"loads": {}, "stores": {}}, "each step's metadata is new"
+    assert helper.controller.loads_in_flight() == 1
+    helper.update_connector_output(FakeOutput(finished_recving={"r0"}))
+    assert helper.controller.loads_in_flight() == 0
+    # 2. trimmed by the scheduler to 3 blocks, then zeroed for another request
+    n1, _ = helper.get_num_new_matched_tokens(reqs[1], 0)
+    assert helper.update_state_after_alloc(reqs[1], FakeBlocks(range(500, 600)), 3 * B) == 3
+    assert helper.build_connector_meta()["loads"]["r1"]["blocks"] == 3
+    helper.get_num_new_matched_tokens(reqs[2], 0)
+    assert helper.update_state_after_alloc(reqs[2], FakeBlocks(range(10)), 0) == 0
+    assert helper.controller.loads_in_flight() == 1
+    # 3. a failed block: the leading blocks before it stay usable; the breaker hears of it
+    helper.update_connector_output(FakeOutput(invalid_block_ids={501}))
+    assert helper.controller.loads_in_flight() == 0
     assert helper.controller.breaker("pool")._failures
+    # 4. the request ends before its load was reported: the slot is released all the same
+    n3, _ = helper.get_num_new_matched_tokens(reqs[3], 0)
+    helper.update_state_after_alloc(reqs[3], FakeBlocks(range(100)), n3)
+    assert helper.controller.loads_in_flight() == 1
+    delay, params = helper.request_finished(reqs[3], block_ids=list(range(64)))
+    assert delay is False and params is None, "the publish verdict goes to the worker, not into the API response"
+    assert helper.controller.loads_in_flight() == 0
+    assert helper.build_connector_meta()["stores"] == {"r3": 64}
     with pytest.raises(ConfigError):
-        helper.load_finished("nope", transfer_s=0.1)
+        helper.load_finished("nope")
 
 
-def test_vllm_connector_helper_recomputes_when_nothing_remote():
+def test_vllm_connector_helper_recomputes_when_nothing_remote_and_keys_follow_salt_and_lora():
     helper = VllmConnectorPolicy(HASHER, InMemoryDirectory().index("acme"), controller(), PublishAll(), bytes_per_token=2048)
     assert helper.get_num_new_matched_tokens(FakeRequest("r", PROMPT), 0) == (0, False)
+    d = InMemoryDirectory()
+    prompt = list(range(50, 50 + 8 * B))
+    salted = list(HASHER.hash_blocks(prompt, extra_keys=extra_keys_for(8, lora_name="a1", cache_salt="s")))
+    d.publish("acme", [Entry(k, "pool", 2048 * B) for k in salted])
+    h = VllmConnectorPolicy(HASHER, d.index("acme"), controller(), PublishAll(), bytes_per_token=2048)
+    assert h.get_num_new_matched_tokens(FakeRequest("a", prompt, cache_salt="s", lora_name="a1"), 0)[0] > 0
+    assert h.get_num_new_matched_tokens(FakeRequest("b", prompt), 0)[0] == 0, "a request without the adapter and salt never loads them"
+    assert h.get_num_new_matched_tokens(FakeRequest("c", prompt, cache_salt="", lora_name="a1"), 0)[0] == 0, "an empty salt is no salt"
 
 
 class TreeNode:  # the fields SGLang's radix TreeNode has

@@ -54,7 +54,8 @@ from .ramp import RampController
 
 Action = Literal["local_only", "load", "recompute"]
 FailurePolicy = Literal["recompute", "fail"]
-REASONS = ("wins", "probe", "no_remote_blocks", "slower_than_recompute", "source_unhealthy", "replica_cap", "source_cap", "queue_full", "ramp_share")
+REASONS = ("wins", "probe", "no_remote_blocks", "slower_than_recompute", "source_unhealthy", "replica_cap", "source_cap", "queue_full", "ramp_share",
+           "trimmed_to_zero")
 
 
 def _pos_int(inst: Any, a: attrs.Attribute, v: Any) -> None:
@@ -378,6 +379,15 @@ class AdmissionController:
         return out
 
     def decide(self, match: PrefixMatch, ctx: AdmissionContext) -> Decision:
+        """Propose and admit in one step: a load decision holds its slots until :meth:`record` or :meth:`cancel`."""
+        d = self.propose(match, ctx)
+        return self.admit(d, ctx) if d.loads else d
+
+    def propose(self, match: PrefixMatch, ctx: AdmissionContext) -> Decision:
+        """What :meth:`decide` would answer now, **without side effects**: no slot is taken, no
+        half-open probe reserved, no ramp credit spent — so an engine may ask as often as it likes
+        (vLLM calls ``get_num_new_matched_tokens`` several times for one request). A load proposal
+        has ``load_id=None``; :meth:`admit` takes its slots."""
         if not isinstance(match, PrefixMatch):
             raise ConfigError("match", "must be a kvpolicy.matching.PrefixMatch")
         if not isinstance(ctx, AdmissionContext):
@@ -412,32 +422,58 @@ class AdmissionController:
             if probe is None or last is None or self.clock.now_s() - last < probe:
                 return refuse("slower_than_recompute")
             reason = "probe"  # the model only knows the past: look at the link again
-        breaker = self.breaker(ctx.source)
-        if breaker.state == "open":
-            return refuse("source_unhealthy")
+        refusal = self._guard_rails(ctx, best["queue_bytes"])
+        if refusal is not None:
+            return refuse(refusal)
+        cfg = self.config
+        return Decision(
+            "load", reason, L, R, best_k, best["t_remote_p50_s"], best["t_remote_p95_s"], best["t_recompute_p50_s"], best["interference_s"],
+            best, soft_timeout_s=cfg.timeout_factor * best["t_recompute_only_s"], load_id=None, source=ctx.source,
+            replica=ctx.replica, load_bytes=best_k * ctx.block_bytes,  # requested (a split plan is cut where compute meets it)
+            split_blocks=best_s, queue_bytes=best["queue_bytes"],
+            compute_after_s=(0.0 if best_s else best["t_plan_s"]) if cfg.compute_while_loading else None,
+        )
+
+    def _guard_rails(self, ctx: AdmissionContext, queued: float) -> str | None:
+        """The refusal reason of the first guard rail a load would hit now (pure)."""
+        if self.breaker(ctx.source).state == "open":
+            return "source_unhealthy"
         cfg = self.config
         cap = cfg.warming_max_loads_per_replica if ctx.warming else cfg.max_loads_per_replica
         if self._replica_loads.get(ctx.replica, 0) >= cap:
-            return refuse("replica_cap")
+            return "replica_cap"
         if self._source_loads.get(ctx.source, 0) >= cfg.max_loads_per_source:
-            return refuse("source_cap")
-        load_bytes = best_k * ctx.block_bytes  # requested (a split plan is cut where compute meets it)
-        queued = best["queue_bytes"]
+            return "source_cap"
         if queued > cfg.max_queue_bytes_per_source:
-            return refuse("queue_full")  # the cap bounds the bytes a load would wait behind, never its own size
-        if self.ramp is not None and not self.ramp.admit():
-            return refuse("ramp_share")
-        if not breaker.allow():
-            return refuse("source_unhealthy")
+            return "queue_full"  # the cap bounds the bytes a load would wait behind, never its own size
+        return None
+
+    def admit(self, proposal: Decision, ctx: AdmissionContext, load_blocks: int | None = None) -> Decision:
+        """Take the slots of a load :meth:`propose` returned (and that the engine now starts), at most
+        ``load_blocks`` of it when the engine trimmed it (vLLM may allocate fewer blocks than asked).
+        Guard rails are checked again — another request may have taken the last slot meanwhile — and
+        a refusal comes back as a decision that does not load. Each admitted load is released by
+        :meth:`record` or :meth:`cancel`, exactly once."""
+        if not isinstance(proposal, Decision) or not proposal.loads or proposal.load_id is not None:
+            raise ConfigError("proposal", "must be a load decision from propose() that was not admitted yet")
+        k = proposal.load_blocks if load_blocks is None else load_blocks
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= proposal.load_blocks:
+            raise ConfigError("load_blocks", f"must be an int in [0, {proposal.load_blocks}], got {load_blocks!r}")
+        no_load: Action = "local_only" if proposal.local_blocks > 0 else "recompute"
+        if k == 0:
+            return attrs.evolve(proposal, action=no_load, reason="trimmed_to_zero", load_blocks=0, load_bytes=0, split_blocks=0)
+        refusal = self._guard_rails(ctx, self.path_queue_bytes(ctx, k * ctx.block_bytes))
+        if refusal is None and self.ramp is not None and not self.ramp.admit():
+            refusal = "ramp_share"
+        if refusal is None and not self.breaker(ctx.source).allow():
+            refusal = "source_unhealthy"
+        if refusal is not None:
+            return attrs.evolve(proposal, action=no_load, reason=refusal, load_blocks=0, load_bytes=0, split_blocks=0)
         load_id = next(self._ids)
         now = self.clock.now_s()
         self._last_load_s[ctx.source] = now
-        d = Decision(
-            "load", reason, L, R, best_k, best["t_remote_p50_s"], best["t_remote_p95_s"], best["t_recompute_p50_s"], best["interference_s"],
-            best, soft_timeout_s=cfg.timeout_factor * best["t_recompute_only_s"], load_id=load_id, source=ctx.source,
-            replica=ctx.replica, load_bytes=load_bytes, split_blocks=best_s, queue_bytes=queued,
-            compute_after_s=(0.0 if best_s else best["t_plan_s"]) if cfg.compute_while_loading else None,
-        )
+        load_bytes = k * ctx.block_bytes
+        d = attrs.evolve(proposal, load_id=load_id, load_blocks=k, load_bytes=load_bytes, split_blocks=min(proposal.split_blocks, k - 1))
         self._inflight[load_id] = d
         self._replica_loads[ctx.replica] = self._replica_loads.get(ctx.replica, 0) + 1
         self._source_loads[ctx.source] = self._source_loads.get(ctx.source, 0) + 1

@@ -1,22 +1,37 @@
-"""A helper for authors of vLLM KV connectors (``KVConnectorBase_V1``).
+"""kvpolicy's decisions behind vLLM's KV connector seam (``KVConnectorBase_V1``).
 
 kvpolicy does not import vLLM. A connector keeps a :class:`VllmConnectorPolicy`
-and forwards three of its scheduler/worker hooks to it:
+and forwards its scheduler-side hooks to it, in the order vLLM 0.33's scheduler
+calls them (``vllm/v1/core/sched/scheduler.py``):
 
-* ``get_num_new_matched_tokens(request, num_computed_tokens)`` → ``(tokens, False)``:
-  how many tokens *beyond* the locally computed ones to load. The helper keys the
-  prompt, matches the remote index after the local blocks, asks the
-  :class:`~kvpolicy.admission.AdmissionController`, and answers the admitted
-  ``load_blocks × B`` (0 = recompute); the decision is kept per request id.
-* ``request_finished(request, block_ids)`` → ``(False, {"kvpolicy_publish_blocks": n})``:
-  the publish filter's verdict on how many leading full blocks to store.
-* ``get_block_ids_with_load_errors()`` on the worker: report them with
-  :meth:`VllmConnectorPolicy.load_failed` (the breaker and the ledger learn of it);
-  successful loads with :meth:`VllmConnectorPolicy.load_finished` (the latency
-  model learns the measured times).
+1. ``get_num_new_matched_tokens(request, num_computed_tokens)`` — possibly several
+   times for one request (a request that does not fit this step is asked again
+   next step). It must be **side-effect free**: the helper keys the prompt (with
+   the request's LoRA and ``cache_salt`` folded in as vLLM folds them), matches
+   the remote index after the local blocks and asks the controller for a
+   :meth:`~kvpolicy.admission.AdmissionController.propose` — no slot is taken.
+   Answer: ``(load_blocks × B, False)``; 0 = recompute.
+2. ``update_state_after_alloc(request, blocks, num_external_tokens)`` — the
+   scheduler allocated blocks; ``num_external_tokens`` may be *trimmed* or zeroed
+   (a partial local tail, a cap). Only now is the load admitted
+   (:meth:`~kvpolicy.admission.AdmissionController.admit`, at most the trimmed
+   count) and its slot taken; the physical block ids it will fill are remembered.
+3. ``build_connector_meta(scheduler_output)`` — the loads admitted and the store
+   verdicts decided since the last step travel to the worker in the metadata
+   (``{"loads": {req_id: {...}}, "stores": {req_id: n_blocks}}``), which the
+   connector attaches to its own ``KVConnectorMetadata``.
+4. ``update_connector_output(connector_output)`` — the worker's
+   ``finished_recving`` (loads done), ``invalid_block_ids`` (blocks that failed to
+   load: physical ids, mapped back to positions — the leading blocks before the
+   first failed one stay usable) and ``failed_recving`` reach the controller: its
+   breaker and latency model learn, and the slot is released.
+5. ``request_finished(request, block_ids)`` — the publish filter's verdict on how
+   many leading full blocks to store goes into the next metadata (not into the
+   API response); a load still holding a slot is released.
 
-``request`` only needs the attributes vLLM's ``Request`` has: ``request_id``,
-``prompt_token_ids`` (or ``all_token_ids``) and, optionally, ``cache_salt``.
+``request`` only needs what vLLM's ``Request`` has: ``request_id``,
+``prompt_token_ids`` (or ``all_token_ids``), optionally ``cache_salt`` and
+``lora_request`` (with ``lora_name``).
 """
 
 from __future__ import annotations
@@ -28,9 +43,10 @@ from ..admission import AdmissionContext, AdmissionController, LoadOutcome
 from ..errors import ConfigError
 from ..keys import BlockHasher
 from ..ledger import Ledger, RequestRecord
-from ..matching import match
+from ..matching import InMemoryBlockIndex, match
 from ..protocols import BlockIndex
 from ..publish import PublishRequest
+from .vllm_events import extra_keys_for
 
 
 def _tokens(request: Any) -> list[int]:
@@ -42,6 +58,25 @@ def _tokens(request: Any) -> list[int]:
     return list(toks)
 
 
+def _extras(request: Any, n_blocks: int) -> list[Any] | None:
+    lora = getattr(request, "lora_request", None)
+    name = getattr(lora, "lora_name", None) if lora is not None else None
+    salt = getattr(request, "cache_salt", None) or None  # vLLM drops an empty salt
+    if not name and not salt:
+        return None
+    return extra_keys_for(n_blocks, lora_name=name, cache_salt=salt)
+
+
+def _block_ids(blocks: Any) -> list[int]:
+    """The physical block ids of a vLLM ``KVCacheBlocks`` (first group), or of a plain list."""
+    if blocks is None:
+        return []
+    if hasattr(blocks, "get_block_ids"):
+        groups = blocks.get_block_ids()
+        return list(groups[0]) if groups else []
+    return [int(b) for b in blocks]
+
+
 class VllmConnectorPolicy:
     def __init__(self, hasher: BlockHasher, remote: BlockIndex, controller: AdmissionController, publish_filter: Any, *,
                  bytes_per_token: int, replica: str = "replica-0", source: str = "pool", ledger: Ledger | None = None,
@@ -50,6 +85,8 @@ class VllmConnectorPolicy:
             raise ConfigError("hasher", "must be a kvpolicy BlockHasher")
         if not isinstance(controller, AdmissionController):
             raise ConfigError("controller", "must be a kvpolicy AdmissionController")
+        if isinstance(bytes_per_token, bool) or not isinstance(bytes_per_token, int) or bytes_per_token <= 0:
+            raise ConfigError("bytes_per_token", f"must be a positive int, got {bytes_per_token!r}")
         self.hasher = hasher
         self.remote = remote
         self.controller = controller
@@ -61,67 +98,115 @@ class VllmConnectorPolicy:
         self.ledger = ledger
         self.tenant = tenant
         self.active_decodes = 0
-        self._decisions: dict[str, Any] = {}
-        self._keys: dict[str, Any] = {}
+        self._proposals: dict[str, tuple[Any, Any, Any]] = {}  # req -> (proposal, match, keys)
+        self._loads: dict[str, dict[str, Any]] = {}  # req -> admitted load: decision, block ids, ...
+        self._pending_meta: dict[str, dict[str, Any]] = {"loads": {}, "stores": {}}
+
+    def _ctx(self) -> AdmissionContext:
+        return AdmissionContext(block_bytes=self.block_bytes, replica=self.replica, source=self.source, active_decodes=self.active_decodes)
 
     # ---------------------------------------------------------------- scheduler side
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens to load beyond the ``num_computed_tokens`` found locally. Pure: ask as often as you like."""
+        if isinstance(num_computed_tokens, bool) or not isinstance(num_computed_tokens, int) or num_computed_tokens < 0:
+            raise ConfigError("num_computed_tokens", f"must be a non-negative int, got {num_computed_tokens!r}")
         toks = _tokens(request)
-        keys = self.hasher.hash_blocks(toks)
-        rid = str(request.request_id)
-        self._keys[rid] = keys
-        local_blocks = num_computed_tokens // self.B
-        from ..matching import InMemoryBlockIndex
-
-        local = InMemoryBlockIndex(list(keys)[:local_blocks])  # vLLM already found these locally
+        n_blocks = len(toks) // self.B
+        keys = self.hasher.hash_blocks(toks, extra_keys=_extras(request, n_blocks))
+        local = InMemoryBlockIndex(list(keys)[: num_computed_tokens // self.B])  # vLLM already found these locally
         m = match(keys, len(toks), local, self.remote, block_size_tokens=self.B)
-        d = self.controller.decide(m, AdmissionContext(block_bytes=self.block_bytes, replica=self.replica, source=self.source,
-                                                       active_decodes=self.active_decodes))
-        self._decisions[rid] = (d, m)
-        if d.loads:
-            return d.load_blocks * self.B, False
-        return 0, False
+        d = self.controller.propose(m, self._ctx())
+        self._proposals[str(request.request_id)] = (d, m, keys)
+        return (d.load_blocks * self.B, False) if d.loads else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> int:
+        """The scheduler allocated blocks; admit the load (trimmed to ``num_external_tokens``) and take its slot.
+        Returns the blocks admitted (0: recompute)."""
+        rid = str(request.request_id)
+        if rid in self._loads:  # the second call for an async load, after it finished: nothing new
+            return self._loads[rid]["decision"].load_blocks
+        prop = self._proposals.get(rid)
+        n = max(int(num_external_tokens), 0) // self.B
+        if prop is None or not prop[0].loads or n == 0:
+            return 0
+        d, m, keys = prop
+        admitted = self.controller.admit(d, self._ctx(), load_blocks=min(n, d.load_blocks))
+        if not admitted.loads:
+            return 0
+        start = m.local_blocks
+        ids = _block_ids(blocks)
+        self._loads[rid] = {"decision": admitted, "block_ids": ids[start:start + admitted.load_blocks], "start_block": start}
+        self._pending_meta["loads"][rid] = {"load_id": admitted.load_id, "start_block": start, "blocks": admitted.load_blocks,
+                                            "block_ids": ids[start:start + admitted.load_blocks]}
+        return admitted.load_blocks
+
+    def build_connector_meta(self, scheduler_output: Any = None) -> dict[str, Any]:
+        """What the worker side needs this step: the admitted loads and the store verdicts. Resets them."""
+        meta, self._pending_meta = self._pending_meta, {"loads": {}, "stores": {}}
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The worker's report (vLLM's ``KVConnectorOutput``): finished loads, failed block ids, failed requests."""
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        failed_reqs = {str(r) for r in (getattr(connector_output, "failed_recving", None) or ())}
+        done = {str(r) for r in (getattr(connector_output, "finished_recving", None) or ())}
+        for rid in list(self._loads):
+            ids = self._loads[rid]["block_ids"]
+            bad = [j for j, b in enumerate(ids) if b in invalid]
+            if bad or rid in failed_reqs:
+                self.load_failed(rid, ok_blocks=min(bad) if bad else 0)
+            elif rid in done:
+                self.load_finished(rid)
 
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
+        """The publish verdict goes to the worker with the next metadata; a load still holding a slot is released."""
         toks = _tokens(request)
         rid = str(request.request_id)
-        keys = self._keys.pop(rid, None) or self.hasher.hash_blocks(toks)
-        dm = self._decisions.pop(rid, None)
-        reused = dm[1].local_blocks + (dm[0].load_blocks if dm and dm[0].loads else 0) if dm else 0
+        prop = self._proposals.pop(rid, None)
+        keys = prop[2] if prop else self.hasher.hash_blocks(toks, extra_keys=_extras(request, len(toks) // self.B))
+        load = self._loads.pop(rid, None)
+        if load is not None:  # never reported back: the request ended first (aborted, preempted)
+            self.controller.cancel(load["decision"].load_id)
+        loaded = load["decision"].load_blocks if load else 0
+        local = prop[1].local_blocks if prop else 0
         preq = PublishRequest(request_id=rid, num_tokens=len(toks), block_size_tokens=self.B, tenant=self.tenant, replica=self.replica,
-                              reused_blocks=reused)
+                              reused_blocks=local + loaded)
         ks = list(keys)
         self.filter.observe(preq, ks)
-        n = self.filter.publishable(preq, ks)
-        if self.ledger is not None and dm is not None:
-            d, m = dm
+        self._pending_meta["stores"][rid] = self.filter.publishable(preq, ks)
+        if self.ledger is not None and prop is not None:
+            m = prop[1]
+            found = m.remote_total_blocks
             self.ledger.record(RequestRecord(prompt_tokens=len(toks), block_size_tokens=self.B, local_blocks=m.local_blocks,
-                                             remote_loaded_blocks=d.load_blocks if d.loads else 0,
-                                             remote_not_loaded_blocks=m.remote_total_blocks - (d.load_blocks if d.loads else 0),
-                                             not_loaded_reason="declined" if m.remote_total_blocks > (d.load_blocks if d.loads else 0) else None,
-                                             predicted_recompute_s=d.t_recompute_p50_s if d.loads else None))
-        return False, {"kvpolicy_publish_blocks": n}
+                                             remote_loaded_blocks=loaded, remote_not_loaded_blocks=found - loaded,
+                                             not_loaded_reason="declined" if found > loaded else None,
+                                             predicted_recompute_s=prop[0].t_recompute_p50_s if loaded else None))
+        return False, None
 
-    # ---------------------------------------------------------------- worker side
+    # ---------------------------------------------------------------- outcomes (worker reports)
 
-    def load_finished(self, request_id: str, *, transfer_s: float, lookup_s: float | None = None, install_s: float | None = None) -> int:
-        """A load completed intact: returns the usable blocks."""
-        d, _ = self._decision(request_id)
+    def load_finished(self, request_id: str, *, transfer_s: float | None = None, lookup_s: float | None = None,
+                      install_s: float | None = None) -> int:
+        """A load completed intact: releases its slot; returns the usable blocks."""
+        load = self._take(request_id)
+        d = load["decision"]
         return self.controller.record(LoadOutcome(d.load_id, "ok", d.load_blocks, lookup_s=lookup_s, transfer_s=transfer_s,
                                                   install_s=install_s)).usable_blocks
 
-    def load_failed(self, request_id: str, failed_block_ids: set[int], first_block_id: int, *, timeout: bool = False) -> int:
-        """``get_block_ids_with_load_errors`` reported blocks of this request's load:
-        the leading blocks before the first failed one stay usable. Returns them."""
-        d, _ = self._decision(request_id)
-        ok = d.load_blocks
-        for b in failed_block_ids:
-            ok = min(ok, max(int(b) - first_block_id, 0))
-        return self.controller.record(LoadOutcome(d.load_id, "timeout" if timeout else "failed", ok)).usable_blocks
+    def load_failed(self, request_id: str, *, ok_blocks: int = 0, timeout: bool = False, elapsed_s: float | None = None) -> int:
+        """A load failed after its first ``ok_blocks`` arrived intact: releases its slot, feeds the breaker
+        (and, for a timeout with ``elapsed_s``, the model); returns the usable blocks."""
+        load = self._take(request_id)
+        d = load["decision"]
+        return self.controller.record(LoadOutcome(d.load_id, "timeout" if timeout else "failed", min(max(ok_blocks, 0), d.load_blocks),
+                                                  transfer_s=elapsed_s)).usable_blocks
 
-    def _decision(self, request_id: str) -> Any:
-        dm = self._decisions.get(str(request_id))
-        if dm is None or not dm[0].loads:
-            raise ConfigError("request_id", f"{request_id!r} has no admitted load")
-        return dm
+    def loads_in_flight(self) -> int:
+        return len(self._loads)
+
+    def _take(self, request_id: str) -> dict[str, Any]:
+        load = self._loads.pop(str(request_id), None)
+        if load is None:
+            raise ConfigError("request_id", f"{request_id!r} has no admitted load in flight")
+        return load
