@@ -206,3 +206,83 @@ def test_vectorised_cbor_uint_array(values):
 def test_extra_digest_is_canonical():
     assert extra_digest(("img", 1)) == extra_digest(["img", 1])
     assert extra_digest(("img", 1)) != extra_digest(("img", 2))
+
+
+# ---------------------------------------------------------------- the vLLM projection's other cases, from vLLM's documented rules
+# (vllm/v1/core/kv_cache_utils.py: hash_block_tokens, init_none_hash, get_request_block_hasher,
+#  BlockHashListWithBlockSize; vllm/utils/hashing.py), written out here independently of kvpolicy's code
+
+
+def _vllm_reference(tokens, bs, hash_fn, seed, salt=None, lookahead=0):
+    import pickle as _p
+
+    parent = hash_fn(seed)
+    out = []
+    n = (len(tokens) - lookahead) // bs
+    for i in range(n):
+        extra = (("cache_salt", salt),) if (salt and i == 0) else None
+        if lookahead:
+            extra = (extra, *tokens[(i + 1) * bs:(i + 1) * bs + lookahead])
+        parent = hash_fn((parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
+        out.append(parent)
+    return out
+
+
+def _sha_pickle(obj):
+    import hashlib as _h
+    import pickle as _p
+
+    return _h.sha256(_p.dumps(obj, protocol=_p.HIGHEST_PROTOCOL)).digest()
+
+
+def test_vllm_projection_drops_an_empty_salt_and_takes_the_engines_hash_seed():
+    from kvpolicy.keys import vllm_block_hashes
+
+    toks = list(range(7, 7 + 3 * 16))
+    assert vllm_block_hashes(toks, 16, cache_salt="") == vllm_block_hashes(toks, 16)
+    assert vllm_block_hashes(toks, 16, none_hash_seed="1234") == _vllm_reference(toks, 16, _sha_pickle, "1234")
+    assert vllm_block_hashes(toks, 16, none_hash_seed="1234") != vllm_block_hashes(toks, 16)
+
+
+@pytest.mark.parametrize("algo", ["xxhash", "xxhash_cbor"])
+def test_vllm_projection_xxhash_needs_the_seed_and_matches_the_rule(algo):
+    xxhash = pytest.importorskip("xxhash")
+    import pickle as _p
+
+    import cbor2
+
+    from kvpolicy.errors import ConfigError
+    from kvpolicy.keys import vllm_block_hashes
+
+    toks = list(range(100, 100 + 2 * 16 + 5))
+
+    def fn(obj):
+        data = _p.dumps(obj, protocol=_p.HIGHEST_PROTOCOL) if algo == "xxhash" else cbor2.dumps(obj, canonical=True)
+        return xxhash.xxh3_128_digest(data)
+
+    with pytest.raises(ConfigError, match="none_hash_seed"):
+        vllm_block_hashes(toks, 16, algo)
+    assert vllm_block_hashes(toks, 16, algo, none_hash_seed="0", cache_salt="s") == _vllm_reference(toks, 16, fn, "0", salt="s")
+
+
+@pytest.mark.parametrize("lookahead", [1, 3])
+def test_vllm_projection_with_lookahead_tokens(lookahead):
+    from kvpolicy.keys import vllm_block_hashes
+
+    toks = list(range(1, 1 + 3 * 16 + 2))  # 50 tokens: 3 full blocks, the third has 2 tokens after it
+    got = vllm_block_hashes(toks, 16, lookahead_tokens=lookahead)
+    want = _vllm_reference(toks, 16, _sha_pickle, "vllm-none-hash", lookahead=lookahead)
+    assert got == want and len(got) == (3 if lookahead <= 2 else 2), "a block is hashed only once its lookahead tokens exist"
+    assert got[0] != vllm_block_hashes(toks, 16)[0]
+
+
+def test_vllm_group_block_sizes_and_int_hashes():
+    from kvpolicy.errors import ConfigError
+    from kvpolicy.keys import vllm_block_hashes, vllm_group_block_hashes, vllm_int_hash
+
+    toks = list(range(64))
+    h16 = vllm_block_hashes(toks, 16)
+    assert vllm_group_block_hashes(h16, 16, 32) == [h16[1], h16[3]]  # vLLM's own example: B and D
+    with pytest.raises(ConfigError, match="target_block_size"):
+        vllm_group_block_hashes(h16, 16, 24)
+    assert vllm_int_hash(h16[0]) == int.from_bytes(h16[0][-8:], "big") < 2**64

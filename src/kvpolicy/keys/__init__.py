@@ -2,7 +2,7 @@
 
 from .hasher import SCHEMES, BlockHasher, BlockKeys, KeyChain, as_token_array, extra_digest
 from .namespace import DATA_CLASSES, KV_DTYPE_BYTES, SCHEMA_VERSION, Namespace
-from .vllm import VLLM_ALGOS, vllm_block_hashes, vllm_none_hash
+from .vllm import VLLM_ALGOS, vllm_block_hashes, vllm_group_block_hashes, vllm_int_hash, vllm_none_hash
 
 __all__ = [
     "DATA_CLASSES",
@@ -17,5 +17,7 @@ __all__ = [
     "as_token_array",
     "extra_digest",
     "vllm_block_hashes",
+    "vllm_group_block_hashes",
+    "vllm_int_hash",
     "vllm_none_hash",
 ]

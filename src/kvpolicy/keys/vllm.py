@@ -6,7 +6,18 @@ Reproduces ``hash_block_tokens`` chaining exactly: the root is
 ``None`` or a tuple of ``("lora", lora_name, lora_path)`` (every block, when an
 adapter is set) followed by ``("cache_salt", salt)`` (block 0 only).
 ``sha256`` hashes the pickle (highest protocol) of that tuple; ``sha256_cbor``
-hashes its canonical CBOR. Checked against vectors produced by vLLM itself.
+hashes its canonical CBOR; ``xxhash`` / ``xxhash_cbor`` take XXH3-128 of the same
+bytes (the ``xxhash`` package). Checked against vectors produced by vLLM itself.
+
+Also as vLLM does: an empty ``cache_salt`` is no salt; the root seed is
+``PYTHONHASHSEED`` when the engine sets it (``none_hash_seed``) — and for the
+xxhash algorithms vLLM draws a *random* per-process seed otherwise, so their
+projection needs the engine's seed; with ``lookahead_tokens`` L > 0 (EAGLE/MTP
+drafters) block i's extra keys become ``(extra_keys, *the next L tokens)`` and
+a block is hashed only once those tokens exist; a KV-cache group whose block
+size is a multiple of the hash block size uses every m-th hash
+(:func:`vllm_group_block_hashes`); events carry hashes as 64-bit ints by default
+(:func:`vllm_int_hash`).
 """
 
 from __future__ import annotations
@@ -21,9 +32,46 @@ from ..errors import ConfigError
 from . import _sha256, cbor
 from .hasher import as_token_array
 
-VllmAlgo = Literal["sha256", "sha256_cbor"]
-VLLM_ALGOS = ("sha256", "sha256_cbor")
+VllmAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+VLLM_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 NONE_HASH_SEED = "vllm-none-hash"
+_M64 = (1 << 64) - 1
+
+
+def _xxh3_128(data: bytes) -> bytes:
+    try:
+        import xxhash
+    except ImportError:
+        raise ConfigError("algo", "the xxhash algorithms need the xxhash package: pip install xxhash") from None
+    return xxhash.xxh3_128_digest(data)
+
+
+def _slow_fn(algo: str) -> Any:
+    if algo == "sha256":
+        return _sha256_pickle
+    if algo == "sha256_cbor":
+        return _sha256_cbor
+    if algo == "xxhash":
+        return lambda obj: _xxh3_128(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    return lambda obj: _xxh3_128(cbor.dumps(obj))
+
+
+def vllm_int_hash(block_hash: bytes) -> int:
+    """The 64-bit int vLLM's KV events carry by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``): the low 64 bits."""
+    return int.from_bytes(block_hash, "big") & _M64
+
+
+def vllm_group_block_hashes(block_hashes: list[bytes], hash_block_size: int, target_block_size: int) -> list[bytes]:
+    """A group's hashes when its block size is a multiple of the hash block size (vLLM's
+    ``BlockHashListWithBlockSize``): each hash chains over its whole prefix, so the last one
+    inside a larger block is that block's hash."""
+    for name, v in (("hash_block_size", hash_block_size), ("target_block_size", target_block_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigError(name, f"must be a positive int, got {v!r}")
+    if target_block_size % hash_block_size:
+        raise ConfigError("target_block_size", f"must be a multiple of the hash block size {hash_block_size}, got {target_block_size}")
+    m = target_block_size // hash_block_size
+    return [block_hashes[(i + 1) * m - 1] for i in range(len(block_hashes) // m)]
 
 
 _PICKLE_FRAME_MAX = 60_000  # a pickle larger than one 64 KiB frame is laid out differently
@@ -38,11 +86,18 @@ def _sha256_cbor(obj: Any) -> bytes:
     return hashlib.sha256(cbor.dumps(obj)).digest()
 
 
-def vllm_none_hash(algo: VllmAlgo = "sha256", seed: str = NONE_HASH_SEED) -> bytes:
-    """vLLM's chain root for a cryptographic algorithm."""
+def vllm_none_hash(algo: VllmAlgo = "sha256", seed: str | None = NONE_HASH_SEED) -> bytes:
+    """vLLM's chain root: ``hash_fn(seed)``, the seed being the engine's ``PYTHONHASHSEED`` when
+    set, else ``"vllm-none-hash"`` for sha256 — and, for xxhash, a random per-process value that
+    must be given."""
     if algo not in VLLM_ALGOS:
         raise ConfigError("algo", f"must be one of {VLLM_ALGOS}, got {algo!r}")
-    return _sha256_pickle(seed) if algo == "sha256" else _sha256_cbor(seed)
+    if seed is None or (algo.startswith("xxhash") and seed == NONE_HASH_SEED):
+        raise ConfigError("none_hash_seed", f"vLLM seeds {algo} with a random per-process value unless PYTHONHASHSEED is set: "
+                          "pass the engine's PYTHONHASHSEED (and set it on the engine)")
+    if not isinstance(seed, str):
+        raise ConfigError("none_hash_seed", f"must be a string (PYTHONHASHSEED's value), got {seed!r}")
+    return _slow_fn(algo)(seed)
 
 
 def _extra_keys(i: int, cache_salt: str | None, lora_name: str | None, lora_path: str | None) -> tuple | None:
@@ -64,23 +119,46 @@ def vllm_block_hashes(
     *,
     parent: bytes | None = None,
     first_block_index: int = 0,
+    none_hash_seed: str | None = None,
+    lookahead_tokens: int = 0,
 ) -> list[bytes]:
     """Block hashes exactly as vLLM 0.33 computes them (full blocks only).
 
     ``parent``/``first_block_index`` continue an existing chain (the salt goes
-    only on absolute block 0).
+    only on absolute block 0). ``none_hash_seed``: the engine's ``PYTHONHASHSEED``
+    (required for the xxhash algorithms). ``lookahead_tokens``: vLLM's
+    ``num_hash_lookahead_tokens`` (speculative drafters).
     """
     if algo not in VLLM_ALGOS:
         raise ConfigError("algo", f"must be one of {VLLM_ALGOS}, got {algo!r}")
+    if isinstance(lookahead_tokens, bool) or not isinstance(lookahead_tokens, int) or lookahead_tokens < 0:
+        raise ConfigError("lookahead_tokens", f"must be a non-negative int, got {lookahead_tokens!r}")
+    cache_salt = cache_salt or None  # vLLM drops an empty salt (``if request.cache_salt``)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ConfigError("block_size", f"must be a positive int, got {block_size!r}")
     if lora_path is not None and lora_name is None:
         raise ConfigError("lora_path", "given without lora_name")
     toks = as_token_array(tokens)
-    n_blocks = toks.size // block_size
-    h = parent if parent is not None else vllm_none_hash(algo)
+    L = lookahead_tokens
+    n_blocks = max(toks.size - L, 0) // block_size
+    if parent is not None:
+        h = parent
+    else:
+        h = vllm_none_hash(algo, none_hash_seed if none_hash_seed is not None else (None if algo.startswith("xxhash") else NONE_HASH_SEED))
     if n_blocks == 0:
         return []
+    if L or algo.startswith("xxhash"):  # the documented rule, block by block
+        slow = _slow_fn(algo)
+        out: list[bytes] = []
+        tl = toks.tolist()
+        for b in range(n_blocks):
+            ek = _extra_keys(first_block_index + b, cache_salt, lora_name, lora_path)
+            end = (b + 1) * block_size
+            if L:
+                ek = (ek, tl[end]) if L == 1 else (ek, *tl[end:end + L])
+            h = slow((h, tuple(tl[b * block_size:end]), ek))
+            out.append(h)
+        return out
     scheme = 0 if algo == "sha256" else 1
     buf, offsets = _sha256.encode_uints(toks[: n_blocks * block_size], scheme)
     if algo == "sha256":
@@ -94,7 +172,7 @@ def vllm_block_hashes(
     # A pickle larger than one 64 KiB frame is laid out differently: such block
     # sizes (over ~8.5K tokens) take the slow path, as do blocks with extra keys.
     kernel_ok = algo == "sha256_cbor" or block_size * 7 + 128 <= _PICKLE_FRAME_MAX
-    out: list[bytes] = []
+    out = []
     b = 0
     while b < n_blocks:
         ek = _extra_keys(first_block_index + b, cache_salt, lora_name, lora_path)
