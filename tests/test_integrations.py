@@ -9,7 +9,7 @@ from kvpolicy.directory import Entry, InMemoryDirectory
 from kvpolicy.errors import ConfigError
 from kvpolicy.eviction.policies import GDSFPolicy, LFUPolicy, LRUPolicy
 from kvpolicy.eviction.reuse_distance import ReuseDistancePolicy
-from kvpolicy.integrations.lmcache import StorePolicyAdapter
+from kvpolicy.integrations.lmcache import KVPolicyStorePolicyCore, load_config, register
 from kvpolicy.integrations.sglang import PriorityStrategy
 from kvpolicy.integrations.vllm_connector import VllmConnectorPolicy
 from kvpolicy.integrations.vllm_events import (
@@ -298,17 +298,66 @@ def test_sglang_strategy_orders_like_the_kvpolicy_policy():
         PriorityStrategy(object())  # type: ignore[arg-type]
 
 
-def test_lmcache_store_policy_publishes_only_what_the_filter_allows():
-    ad = StorePolicyAdapter(ThresholdPublish(2), chunk_tokens=256)
-    keys = [f"chunk-{i}" for i in range(5)]
-    ad.begin_request("r1", num_tokens=4 * 256 + 10)
-    assert ad.select_store_targets(keys, ["LocalCPUBackend", "RemoteBackend"]) == {}
-    ad.begin_request("r2", num_tokens=4 * 256 + 10)
-    got = ad.select_store_targets(keys, ["LocalCPUBackend", "RemoteBackend"])
-    assert got == {"LocalCPUBackend": keys[:4], "RemoteBackend": keys[:4]}, "full chunks only, prefix-closed"
-    assert ad.select_delete_targets(keys, ["LocalCPUBackend"]) == {}
-    with pytest.raises(ConfigError):
-        StorePolicyAdapter(object())
+class ObjectKey:  # LMCache 0.5.6's lmcache.v1.distributed.api.ObjectKey fields
+    def __init__(self, chunk_hash, model_name="m", kv_rank=0, object_group_id=0, cache_salt=""):
+        self.chunk_hash, self.model_name, self.kv_rank, self.object_group_id, self.cache_salt = chunk_hash, model_name, kv_rank, object_group_id, cache_salt
+
+    def __repr__(self):
+        return f"ObjectKey({self.chunk_hash!r})"
+
+
+class Descriptor:  # lmcache's L2AdapterDescriptor: index + type_name
+    def __init__(self, index, type_name):
+        self.index, self.type_name = index, type_name
+
+
+def test_lmcache_store_policy_publishes_only_what_the_filter_allows(monkeypatch):
+    monkeypatch.setenv("KVPOLICY_LMCACHE_STORE_POLICY", '{"filter": "threshold-2", "adapters": ["redis"]}')
+    pol = KVPolicyStorePolicyCore()  # LMCache constructs it without arguments
+    chain = [ObjectKey(bytes([i]) * 8) for i in range(4)]
+    other = [ObjectKey(bytes([i]) * 8, cache_salt="user-7") for i in range(2)]  # another tenant's chain in the same call
+    adapters = [Descriptor(0, "disk"), Descriptor(1, "redis")]
+    assert pol.select_store_targets(chain + other, adapters) == {}, "seen once: not yet"
+    got = pol.select_store_targets(chain + other, adapters)
+    assert got == {1: chain + other}, "seen twice: stored, only to the configured adapter, keyed by index"
+    assert pol.select_l1_deletions(chain) == []
+    assert pol.stored_keys == 6 and pol.skipped_keys == 6
+
+
+def test_lmcache_store_policy_config_is_validated_and_registers_as_a_real_subclass(monkeypatch):
+    import abc
+    import sys
+    import types
+
+    for bad, field in (('{"filter": "all", "colour": 1}', "KVPOLICY_LMCACHE_STORE_POLICY"), ("[1]", "KVPOLICY_LMCACHE_STORE_POLICY"),
+                       ('{"chunk_tokens": 0}', "KVPOLICY_LMCACHE_STORE_POLICY.chunk_tokens"), ("{nope", "KVPOLICY_LMCACHE_STORE_POLICY")):
+        with pytest.raises(ConfigError) as e:
+            load_config(bad)
+        assert e.value.field == field
+    with pytest.raises(ConfigError, match="lmcache"):
+        register()  # LMCache is not installed here
+
+    class StorePolicy(abc.ABC):  # the shape of lmcache's ABC
+        @abc.abstractmethod
+        def select_store_targets(self, keys, adapters): ...
+
+        @abc.abstractmethod
+        def select_l1_deletions(self, keys): ...
+
+    registry = {}
+    mod = types.ModuleType("lmcache.v1.distributed.storage_controllers.store_policy")
+    mod.StorePolicy = StorePolicy
+    mod.register_store_policy = lambda name, cls: registry.__setitem__(name, cls)
+    for name in ("lmcache", "lmcache.v1", "lmcache.v1.distributed", "lmcache.v1.distributed.storage_controllers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.delenv("KVPOLICY_LMCACHE_STORE_POLICY", raising=False)
+    cls = register()
+    assert registry == {"kvpolicy": cls} and issubclass(cls, StorePolicy)
+    pol = registry["kvpolicy"]()  # create_store_policy(name) calls the class with no arguments
+    keys = [ObjectKey(b"k%d" % i) for i in range(3)]
+    pol.select_store_targets(keys, [Descriptor(0, "disk")])
+    assert pol.select_store_targets(keys, [Descriptor(0, "disk")]) == {0: keys}
 
 
 # --------------------------------------------------------------------------- ground truth: batches encoded by vLLM 0.33 and SGLang 0.5.23

@@ -1,55 +1,151 @@
-"""LMCache: a kvpolicy publish filter as a store policy.
+"""LMCache: a kvpolicy publish filter as an L2 ``StorePolicy``.
 
-LMCache stores a request's KV in chunks (256 tokens by default) keyed by chained
-chunk hashes; a store policy decides which chunks go to which backends. The
-adapter's two methods have the shape of such a policy:
+LMCache 0.5.x's distributed storage manager writes chunks to L1 and asks its
+store policy (``lmcache/v1/distributed/storage_controllers/store_policy.py``) two
+questions:
 
-* ``select_store_targets(keys, backends)`` → ``{backend: [keys to store]}`` — the
-  leading chunks the kvpolicy filter allows go to every given backend; the rest
-  to none (publishing is prefix-closed);
-* ``select_delete_targets(keys, backends)`` → ``{}`` — kvpolicy never asks LMCache
-  to delete on store.
+* ``select_store_targets(keys: list[ObjectKey], adapters: list[L2AdapterDescriptor])
+  -> dict[int, list[ObjectKey]]`` — which of the chunks just written to L1 go to
+  which L2 adapter (by the descriptor's ``index``); a key in no list is not stored;
+* ``select_l1_deletions(keys) -> list[ObjectKey]`` — which keys to drop from L1
+  after a successful L2 store.
 
-The request context the filter needs (token count, tenant, boundary) is given
-once per request with :meth:`StorePolicyAdapter.begin_request`. Nothing from
-LMCache is imported.
+A policy is constructed **without arguments** by name from LMCache's registry
+(``register_store_policy`` / ``create_store_policy``), chosen with
+``--l2-store-policy NAME``. :class:`KVPolicyStorePolicyCore` answers with a
+kvpolicy publish filter: the keys of one call that share a model, KV rank, object
+group and cache salt (the salt is the tenant) are one chain, in the order given;
+the filter sees them as one request of ``len(keys) × chunk_tokens`` tokens and
+allows its leading run — publishing stays prefix-closed.
+
+Configuration comes from ``KVPOLICY_LMCACHE_STORE_POLICY`` (JSON, read at
+construction, since LMCache passes none): ``{"filter": "threshold-2" |
+"reuse-aware" | "all" | "never" | any make_filter spec, "chunk_tokens": 256,
+"bytes_per_token": 131072, "prefill_tokens_per_s": 20000, "adapters": [names or
+indexes], "delete_l1_after_store": false}``.
+
+:func:`register` builds the real subclass of LMCache's ``StorePolicy`` (LMCache
+is imported only then) and registers it as ``"kvpolicy"``. LMCache's registry
+imports only its own modules, so the serving process must call it before
+LMCache builds its storage manager (e.g. from a ``sitecustomize.py``; see
+docs/integrations.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import hashlib
+import itertools
+import json
+import os
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ConfigError
-from ..publish import PublishRequest
+from ..publish import PublishRequest, make_filter
+
+ENV = "KVPOLICY_LMCACHE_STORE_POLICY"
+DEFAULTS: dict[str, Any] = {"filter": "threshold-2", "chunk_tokens": 256, "bytes_per_token": 131072, "prefill_tokens_per_s": 20000.0,
+                            "adapters": None, "delete_l1_after_store": False}
 
 
-class StorePolicyAdapter:
-    def __init__(self, publish_filter: Any, *, chunk_tokens: int = 256) -> None:
+def load_config(raw: str | None = None) -> dict[str, Any]:
+    """The policy's settings: ``raw`` JSON (default: the ``KVPOLICY_LMCACHE_STORE_POLICY`` variable) over the defaults."""
+    text = os.environ.get(ENV) if raw is None else raw
+    cfg = dict(DEFAULTS)
+    if text:
+        try:
+            given = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(ENV, f"not JSON: {e}") from None
+        if not isinstance(given, dict):
+            raise ConfigError(ENV, "must be a JSON object")
+        unknown = set(given) - set(DEFAULTS)
+        if unknown:
+            raise ConfigError(ENV, f"unknown settings {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+        cfg.update(given)
+    for name in ("chunk_tokens", "bytes_per_token"):
+        v = cfg[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"{ENV}.{name}", f"must be a positive int, got {v!r}")
+    v = cfg["prefill_tokens_per_s"]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == float("inf"):
+        raise ConfigError(f"{ENV}.prefill_tokens_per_s", f"must be a finite positive number, got {v!r}")
+    if cfg["adapters"] is not None and not isinstance(cfg["adapters"], list):
+        raise ConfigError(f"{ENV}.adapters", "must be a list of adapter type names or indexes, or null (every adapter)")
+    return cfg
+
+
+class KVPolicyStorePolicyCore:
+    """LMCache's store-policy methods, answered by a kvpolicy publish filter (no LMCache import)."""
+
+    def __init__(self, config: dict[str, Any] | None = None, publish_filter: Any = None) -> None:
+        self.config = load_config(json.dumps(config)) if config is not None else load_config()
+        c = self.config
+        self.chunk_tokens = c["chunk_tokens"]
+        if publish_filter is None:
+            block_bytes = c["bytes_per_token"] * self.chunk_tokens
+            per_block_s = self.chunk_tokens / c["prefill_tokens_per_s"]
+            publish_filter = make_filter(c["filter"], block_bytes=block_bytes, recompute_s=lambda depth: per_block_s)
         if not hasattr(publish_filter, "publishable") or not hasattr(publish_filter, "observe"):
             raise ConfigError("publish_filter", "must implement kvpolicy's PublishFilter (observe, publishable)")
-        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
-            raise ConfigError("chunk_tokens", f"must be a positive int, got {chunk_tokens!r}")
         self.filter = publish_filter
-        self.chunk_tokens = chunk_tokens
-        self._req: PublishRequest | None = None
-        self.stored_chunks = 0
-        self.skipped_chunks = 0
+        self._calls = itertools.count()
+        self.stored_keys = 0
+        self.skipped_keys = 0
 
-    def begin_request(self, request_id: Hashable, num_tokens: int, *, tenant: str = "default", boundary_tokens: int | None = None,
-                      time_s: float = 0.0, reused_chunks: int = 0, data_class: str = "shared") -> None:
-        self._req = PublishRequest(request_id=request_id, num_tokens=num_tokens, block_size_tokens=self.chunk_tokens, time_s=time_s,
-                                   tenant=tenant, boundary_tokens=boundary_tokens, reused_blocks=reused_chunks, data_class=data_class)
+    def _chains(self, keys: Sequence[Any]) -> dict[tuple[Any, ...], list[Any]]:
+        chains: dict[tuple[Any, ...], list[Any]] = {}
+        for k in keys:
+            ident = (getattr(k, "model_name", ""), getattr(k, "kv_rank", 0), getattr(k, "object_group_id", 0), getattr(k, "cache_salt", ""))
+            chains.setdefault(ident, []).append(k)
+        return chains
 
-    def select_store_targets(self, keys: Sequence[Hashable], backends: Sequence[Any]) -> dict[Any, list[Hashable]]:
-        if self._req is None:
-            raise ConfigError("request", "call begin_request(...) before select_store_targets")
-        full = list(keys)[: self._req.full_blocks]  # only full chunks are ever published
-        self.filter.observe(self._req, full)
-        n = self.filter.publishable(self._req, full)
-        self.stored_chunks += n
-        self.skipped_chunks += len(keys) - n
-        return {b: list(full[:n]) for b in backends} if n else {}
+    def _targets(self, adapters: Sequence[Any]) -> list[int]:
+        wanted = self.config["adapters"]
+        out = []
+        for ad in adapters:
+            idx = getattr(ad, "index", None)
+            if idx is None:
+                raise ConfigError("adapters", f"an L2AdapterDescriptor has an index, got {ad!r:.60}")
+            if wanted is None or idx in wanted or getattr(ad, "type_name", None) in wanted:
+                out.append(idx)
+        return out
 
-    def select_delete_targets(self, keys: Sequence[Hashable], backends: Sequence[Any]) -> dict[Any, list[Hashable]]:
-        return {}
+    def select_store_targets(self, keys: list[Any], adapters: list[Any]) -> dict[int, list[Any]]:
+        targets = self._targets(adapters)
+        chosen: list[Any] = []
+        call = next(self._calls)
+        for (model, rank, group, salt), chain in self._chains(keys).items():
+            tenant = salt or "default"
+            req = PublishRequest(request_id=("lmcache", call, model, rank, group, salt), num_tokens=len(chain) * self.chunk_tokens,
+                                 block_size_tokens=self.chunk_tokens, tenant=tenant if _tenant_ok(tenant) else "default")
+            # an ObjectKey is its whole identity: the same chunk hash under another model, rank, group or salt is another block
+            ids = [hashlib.blake2b(repr((getattr(k, "chunk_hash", k), model, rank, group, salt)).encode(), digest_size=16).digest() for k in chain]
+            self.filter.observe(req, ids)
+            n = self.filter.publishable(req, ids)
+            chosen.extend(chain[:n])
+            self.stored_keys += n
+            self.skipped_keys += len(chain) - n
+        if not chosen or not targets:
+            return {}
+        return {i: list(chosen) for i in targets}
+
+    def select_l1_deletions(self, keys: list[Any]) -> list[Any]:
+        return list(keys) if self.config["delete_l1_after_store"] else []
+
+
+def _tenant_ok(t: str) -> bool:
+    from ..directory.base import TENANT_RE
+
+    return bool(TENANT_RE.match(t))
+
+
+def register(name: str = "kvpolicy") -> type:
+    """Register kvpolicy's store policy in LMCache's registry (imports LMCache); returns the class."""
+    try:
+        from lmcache.v1.distributed.storage_controllers.store_policy import StorePolicy, register_store_policy
+    except ImportError:
+        raise ConfigError("lmcache", "LMCache (0.5.x, with lmcache.v1.distributed) is not importable here") from None
+    cls = type("KVPolicyStorePolicy", (KVPolicyStorePolicyCore, StorePolicy), {"__doc__": KVPolicyStorePolicyCore.__doc__})
+    register_store_policy(name, cls)
+    return cls
