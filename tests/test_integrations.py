@@ -292,10 +292,73 @@ def test_sglang_strategy_orders_like_the_kvpolicy_policy():
     lfu = PriorityStrategy(LFUPolicy(1 << 20))
     assert sorted([a, b, c], key=lfu.get_priority) == [b, c, a]
     for pol in (GDSFPolicy(1 << 20), ReuseDistancePolicy(1 << 20)):
-        pr = [PriorityStrategy(pol).get_priority(x) for x in (a, b, c)]
+        strat = PriorityStrategy(pol)
+        pr = [strat.get_priority(x) for x in (a, b, c)]
         assert all(isinstance(p, tuple) for p in pr)
     with pytest.raises(ConfigError):
         PriorityStrategy(object())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="empty"):
+        PriorityStrategy(lru.policy)  # a policy already mirroring a tree cannot serve a second one
+
+
+def test_sglang_strategy_keeps_state_so_reuse_distance_and_gdsf_learn():
+    import gc
+
+    root = TreeNode(None, 0.0)
+    strat = PriorityStrategy(ReuseDistancePolicy(1 << 20))
+    hot = TreeNode(root, 1.0)
+    strat.get_priority(hot)
+    for t in range(2, 12):  # re-read every second, with fresh blocks between
+        TreeNode(root, float(t))
+        hot.hit_count += 1
+        hot.last_access_time = float(t)
+        strat.get_priority(hot)
+    pol = strat.policy
+    node = pol.nodes[strat._mirror[id(hot)].token]
+    assert node.hits == 10 and node.data[1] is not None, "the mirrored node learned a reuse distance across calls"
+    assert pol.first_reuse_interval_s > 0
+    gdsf = PriorityStrategy(GDSFPolicy(1 << 20))
+    leaves = [TreeNode(root, float(i), hits=i) for i in range(5)]
+    before = [gdsf.get_priority(x) for x in leaves]
+    assert gdsf.policy.L == 0.0
+    victim = min(range(5), key=lambda i: before[i])
+    del leaves[victim]  # SGLang evicted it: the node is dropped
+    gc.collect()
+    assert len(gdsf.policy.nodes) == 4, "a dropped TreeNode leaves the mirror"
+    assert gdsf.policy.L == pytest.approx(before[victim][0]), "GDSF's inflation rises to what was evicted"
+
+
+def test_sglang_register_adds_the_policies_to_sglangs_registry_and_cli(monkeypatch):
+    import sys
+    import types
+
+    from kvpolicy.integrations.sglang import register
+
+    with pytest.raises(ConfigError, match="sglang"):
+        register()
+    choices = ["lru", "lfu"]
+    factories = {}
+    mods = {"sglang": types.ModuleType("sglang"), "sglang.srt": types.ModuleType("sglang.srt"),
+            "sglang.srt.arg_groups": types.ModuleType("sglang.srt.arg_groups"),
+            "sglang.srt.arg_groups.choices": types.ModuleType("sglang.srt.arg_groups.choices"),
+            "sglang.srt.mem_cache": types.ModuleType("sglang.srt.mem_cache"),
+            "sglang.srt.mem_cache.utils": types.ModuleType("sglang.srt.mem_cache.utils"),
+            "sglang.srt.mem_cache.evict_policy": types.ModuleType("sglang.srt.mem_cache.evict_policy")}
+    mods["sglang.srt.arg_groups.choices"].add_radix_eviction_policy_choices = choices.extend
+    mods["sglang.srt.mem_cache.utils"]._EVICTION_POLICY_FACTORIES = factories
+    mods["sglang.srt.mem_cache"].utils = mods["sglang.srt.mem_cache.utils"]
+
+    class EvictionStrategy:
+        pass
+
+    mods["sglang.srt.mem_cache.evict_policy"].EvictionStrategy = EvictionStrategy
+    for k, v in mods.items():
+        monkeypatch.setitem(sys.modules, k, v)
+    names = register()
+    assert "kvpolicy-reuse-distance" in names and set(names) <= set(choices) and set(names) <= set(factories)
+    strat = factories["kvpolicy-reuse-distance"]()  # get_eviction_strategy(name, config) calls factory(**config)
+    assert isinstance(strat, EvictionStrategy) and isinstance(strat, PriorityStrategy)
+    assert isinstance(strat.policy, ReuseDistancePolicy)
 
 
 class ObjectKey:  # LMCache 0.5.6's lmcache.v1.distributed.api.ObjectKey fields

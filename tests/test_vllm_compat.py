@@ -36,7 +36,7 @@ def test_continuing_a_chain_equals_from_scratch(tokens, cut_blocks, algo):
 
 def test_vllm_errors():
     with pytest.raises(ConfigError, match="algo"):
-        vllm_block_hashes([1], 1, "xxhash")  # type: ignore[arg-type]
+        vllm_block_hashes([1], 1, "md5")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="block_size"):
         vllm_block_hashes([1], 0)
     with pytest.raises(ConfigError, match="lora_path"):
