@@ -651,3 +651,74 @@ def test_the_events_example_in_the_docs_runs_as_written():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
     block = doc.split("## KV events from vLLM")[1].split("```python")[1].split("```")[0]
     exec(compile(block, "docs/integrations.md", "exec"), {})
+
+
+# --------------------------------------------------------------------------- vLLM CPU offloading CachePolicy
+
+from hypothesis import given as _given  # noqa: E402
+from hypothesis import settings as _settings  # noqa: E402
+from hypothesis import strategies as _st  # noqa: E402
+
+from kvpolicy.integrations.vllm_offload import KVPolicyGDSF, KVPolicyLRU, KVPolicyReuseDistance  # noqa: E402
+
+
+class Chunk:  # vLLM's ChunkStatus: ref_cnt, chunk_id
+    def __init__(self, i):
+        self.chunk_id, self.ref_cnt = i, -1
+
+
+def test_offload_cache_policy_evicts_only_evictable_unprotected_chunks_lru_first():
+    pol = KVPolicyLRU(cache_capacity=8)  # vLLM's factory: policy_cls(cache_capacity=num_chunks)
+    for i in range(5):
+        pol.insert(f"k{i}", Chunk(i), None)
+    assert pol.evict(1, set()) is None, "a chunk still being stored (ref count -1) is never evicted"
+    for i in range(5):
+        pol.mark_evictable(f"k{i}")
+    pol.touch(["k0"], None)
+    pol.mark_non_evictable("k1")  # a load is reading it
+    got = pol.evict(2, protected={"k2"})
+    assert [k for k, _ in got] == ["k3", "k4"], "least recently used first, never the protected or the busy one"
+    assert pol.get("k3") is None and pol.get("k0") is not None
+    assert pol.evict(3, set()) is None and pol.get("k0") is not None, "atomic: nothing changes when n cannot be met"
+    pol.on_request_finished([["k2", "k0"]], insertion_only_keys={"k2"}, reused_keys={"k0"}, req_context=None)
+    assert pol.policy.nodes["k0"].hits == 2 and pol.policy.nodes["k2"].hits == 0, "only real reuse is a hit"
+    pol.remove("k1")
+    pol.clear()
+    assert pol.chunks == {} and not pol.policy.nodes
+
+
+@_settings(max_examples=60, deadline=None)
+@_given(_st.lists(_st.tuples(_st.sampled_from(["insert", "evictable", "busy", "touch", "evict", "remove"]), _st.integers(0, 9),
+                             _st.integers(1, 3)), max_size=60),
+        _st.sampled_from([KVPolicyLRU, KVPolicyGDSF, KVPolicyReuseDistance]))
+def test_offload_cache_policy_never_evicts_what_it_must_not(ops, cls):
+    pol = cls(cache_capacity=10)
+    busy = set()
+    for op, i, n in ops:
+        k = f"k{i}"
+        if op == "insert" and pol.get(k) is None:
+            pol.insert(k, Chunk(i), None)
+            busy.add(k)
+        elif op == "evictable" and pol.get(k) is not None:
+            pol.mark_evictable(k)
+            busy.discard(k)
+        elif op == "busy" and pol.get(k) is not None:
+            pol.mark_non_evictable(k)
+            busy.add(k)
+        elif op == "touch":
+            pol.touch([k], None)
+        elif op == "remove":
+            pol.remove(k)
+            busy.discard(k)
+        elif op == "evict":
+            protected = {k}
+            before = set(pol.chunks)
+            got = pol.evict(n, protected)
+            if got is None:
+                assert set(pol.chunks) == before
+            else:
+                keys = [x for x, _ in got]
+                assert len(keys) == n and not (set(keys) & (busy | protected))
+                assert set(pol.chunks) == before - set(keys)
+        assert set(pol.policy.nodes) == set(pol.chunks)
+        pol.policy.check()

@@ -1,0 +1,169 @@
+"""A kvpolicy eviction policy as vLLM's CPU-offloading ``CachePolicy``.
+
+vLLM 0.33's CPU offloading manager (``vllm/v1/kv_offload/cpu/manager.py``) keeps
+its chunks in a pluggable ``CachePolicy`` (``vllm/v1/kv_offload/cpu/policies/base.py``)
+resolved by name, or loaded out of tree::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"cpu_bytes_to_use": 8000000000,
+        "cache_policy": "KVPolicyReuseDistance",
+        "cache_policy_module_path": "kvpolicy.integrations.vllm_offload"}}'
+
+:class:`KVPolicyReuseDistance` (and :class:`KVPolicyGDSF`, :class:`KVPolicyLRU`)
+answer the policy's calls with a kvpolicy priority policy: ``insert`` /
+``touch`` / ``on_request_finished`` feed it, ``mark_evictable`` /
+``mark_non_evictable`` (a chunk's transfer count going to / from 0) pin and unpin,
+and ``evict(n, protected)`` takes the n lowest-priority evictable chunks outside
+``protected`` — atomically: ``None`` and no change when n cannot be met.
+Chunks are flat here (the offloading manager gives no parent links), so the
+prefix-closure of kvpolicy's resident tree does not apply.
+
+The base class is vLLM's when vLLM is importable, ``object`` otherwise (so the
+module imports, and is tested, without vLLM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
+
+from ..clock import ManualClock
+from ..errors import CapacityError, ConfigError
+from ..eviction.base import PriorityPolicy
+from ..eviction.policies import GDSFPolicy, LRUPolicy
+from ..eviction.reuse_distance import ReuseDistancePolicy
+
+try:  # pragma: no cover - depends on the environment
+    from vllm.v1.kv_offload.cpu.policies.base import CachePolicy as _Base  # type: ignore[import-not-found]
+except ImportError:  # vLLM absent: the same methods on a plain base
+    _Base = object  # type: ignore[assignment,misc]
+
+_UNIT = 1  # every chunk weighs one unit of the policy's capacity
+
+
+class _KVPolicyCachePolicy(_Base):  # type: ignore[misc,valid-type]
+    """The CachePolicy methods over a kvpolicy PriorityPolicy (subclasses choose which)."""
+
+    def make_policy(self, capacity: int) -> PriorityPolicy:  # pragma: no cover - overridden
+        raise ConfigError("policy", "a subclass chooses the kvpolicy policy")
+
+    def __init__(self, cache_capacity: int) -> None:
+        if isinstance(cache_capacity, bool) or not isinstance(cache_capacity, int) or cache_capacity <= 0:
+            raise ConfigError("cache_capacity", f"must be a positive int (chunks), got {cache_capacity!r}")
+        self.cache_capacity = cache_capacity
+        # room for every chunk the manager may hold plus the ones it inserts before evicting
+        self.policy = self.make_policy(2 * cache_capacity + 64)
+        # the manager gives no timestamps: time is logical, one tick per insert or use (vLLM's LRU ranks the same way)
+        self._clock = ManualClock()
+        self.policy.clock = self._clock
+        self.chunks: dict[Hashable, Any] = {}
+        self._evictable: set[Hashable] = set()
+
+    # ---------------------------------------------------------------- lookups and inserts
+
+    def get(self, key: Hashable) -> Any:
+        return self.chunks.get(key)
+
+    def insert(self, key: Hashable, chunk: Any, req_context: Any = None) -> None:
+        if key in self.chunks:
+            self.chunks[key] = chunk
+            return
+        self.chunks[key] = chunk
+        self._clock.advance(1.0)
+        self.policy.on_insert(key, _UNIT)
+        self.policy.pin(key)  # not evictable until its ref count reaches 0 (mark_evictable)
+
+    def remove(self, key: Hashable) -> None:
+        if key not in self.chunks:
+            return
+        del self.chunks[key]
+        self._evictable.discard(key)
+        node = self.policy.nodes.get(key)
+        if node is not None:
+            while node.pins:
+                self.policy.unpin(key)
+            self.policy.on_remove(key)
+
+    def clear(self) -> None:
+        for key in list(self.chunks):
+            self.remove(key)
+
+    # ---------------------------------------------------------------- accesses
+
+    def touch(self, keys: Iterable[Hashable], req_context: Any = None) -> None:
+        for k in keys:
+            if k in self.policy.nodes:
+                self._clock.advance(1.0)
+                self.policy.on_access(k)
+
+    def on_store_miss(self, keys: Iterable[Hashable], req_context: Any = None) -> None:
+        return  # a store miss is not a use of a resident chunk
+
+    def on_request_access(self, keys: Iterable[Hashable], req_context: Any = None) -> None:
+        return
+
+    def on_request_finished(self, key_groups: Sequence[Sequence[Hashable]], insertion_only_keys: set[Hashable], reused_keys: set[Hashable],
+                            req_context: Any = None) -> None:
+        """Only real reuse is a hit: chunks the request merely created were counted by ``insert``."""
+        for group in key_groups:
+            self.touch([k for k in group if k in reused_keys], req_context)
+
+    # ---------------------------------------------------------------- eviction
+
+    def mark_evictable(self, key: Hashable) -> None:
+        if key in self.chunks and key not in self._evictable:
+            self._evictable.add(key)
+            self.policy.unpin(key)
+
+    def mark_non_evictable(self, key: Hashable) -> None:
+        if key in self._evictable:
+            self._evictable.discard(key)
+            self.policy.pin(key)
+
+    def evict(self, n: int, protected: set[Hashable]) -> list[tuple[Hashable, Any]] | None:
+        """The n lowest-priority evictable chunks outside ``protected``; None (and no change) if n cannot be met."""
+        if n <= 0:
+            return []
+        shield = [k for k in protected if k in self._evictable]
+        if len(self._evictable) - len(shield) < n:
+            return None
+        pol = self.policy
+        for k in shield:
+            pol.pin(k)
+        try:
+            # ask for exactly n units beyond what is free: victims() frees the lowest-priority candidates
+            free = pol.capacity_bytes - pol.used_bytes
+            victims = pol.victims(free + n)
+        except CapacityError:
+            victims = None
+        finally:
+            for k in shield:
+                pol.unpin(k)
+        if victims is None or len(victims) < n:  # pragma: no cover - guarded by the count above
+            return None
+        out = []
+        for k in victims[:n]:
+            self._evictable.discard(k)
+            out.append((k, self.chunks.pop(k)))
+        return out
+
+
+class KVPolicyReuseDistance(_KVPolicyCachePolicy):
+    """kvpolicy's reuse-distance eviction for vLLM's CPU offloading tier."""
+
+    def make_policy(self, capacity: int) -> PriorityPolicy:
+        return ReuseDistancePolicy(capacity)
+
+
+class KVPolicyGDSF(_KVPolicyCachePolicy):
+    """Greedy-dual-size-frequency for vLLM's CPU offloading tier."""
+
+    def make_policy(self, capacity: int) -> PriorityPolicy:
+        return GDSFPolicy(capacity)
+
+
+class KVPolicyLRU(_KVPolicyCachePolicy):
+    """kvpolicy's LRU (the reference the others are tested against)."""
+
+    def make_policy(self, capacity: int) -> PriorityPolicy:
+        return LRUPolicy(capacity)
