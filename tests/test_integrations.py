@@ -722,3 +722,69 @@ def test_offload_cache_policy_never_evicts_what_it_must_not(ops, cls):
                 assert set(pol.chunks) == before - set(keys)
         assert set(pol.policy.nodes) == set(pol.chunks)
         pol.policy.check()
+
+
+# --------------------------------------------------------------------------- the loadable vLLM connector (inner connector wrapped)
+
+
+class InnerConnector:
+    """What vLLM's OffloadingConnector answers at the scheduler seam, recorded."""
+
+    def __init__(self, can_load):
+        self.can_load = can_load
+        self.calls = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        self.calls.append(("get", request.request_id))
+        return self.can_load, True
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        self.calls.append(("alloc", request.request_id, num_external_tokens))
+
+    def build_connector_meta(self, scheduler_output):
+        return type("Meta", (), {})()
+
+    def update_connector_output(self, out):
+        self.calls.append(("output",))
+
+    def request_finished(self, request, block_ids):
+        self.calls.append(("finished", request.request_id))
+        return True, {"inner": 1}
+
+    def start_load_kv(self, forward_context, **kw):
+        return "inner-worker"
+
+
+def vllm_config(extra):
+    ktc = type("KVTransferConfig", (), {"kv_connector_extra_config": extra})()
+    return type("VllmConfig", (), {"kv_transfer_config": ktc, "cache_config": type("C", (), {"block_size": B})(),
+                                   "model_config": type("M", (), {"model": "m"})()})()
+
+
+def test_the_loadable_connector_decides_in_front_of_the_inner_one():
+    from kvpolicy.integrations.vllm_kv_connector import KVPolicyConnector
+
+    inner = InnerConnector(can_load=48 * B)
+    conn = KVPolicyConnector(vllm_config({"kvpolicy": {"link_gbps": 200, "bytes_per_token": 2048}}), "scheduler", None, inner=inner)
+    req = FakeRequest("r1", list(range(64 * B + 3)))
+    answers = [conn.get_num_new_matched_tokens(req, 8 * B) for _ in range(3)]
+    assert len(set(answers)) == 1 and 0 < answers[0][0] <= 48 * B and answers[0][1] is True
+    assert conn.policy.controller.loads_in_flight() == 0, "asking is pure"
+    conn.update_state_after_alloc(req, FakeBlocks(range(1000, 1100)), 16 * B)  # vLLM trimmed the load
+    assert inner.calls[-1] == ("alloc", "r1", 16 * B) and conn.policy.controller.loads_in_flight() == 1
+    meta = conn.build_connector_meta(None)
+    assert meta.kvpolicy["loads"]["r1"]["blocks"] == 16
+    conn.update_connector_output(FakeOutput(finished_recving={"r1"}))
+    assert conn.policy.controller.loads_in_flight() == 0 and inner.calls[-1] == ("output",)
+    assert conn.request_finished(req, list(range(64))) == (True, {"inner": 1}), "the inner connector's answer"
+    assert conn.start_load_kv(None) == "inner-worker", "the worker side is the inner connector's"
+    # a slow link: kvpolicy declines what the inner connector could load, and tells it to load nothing
+    slow = KVPolicyConnector(vllm_config({"kvpolicy": {"link_gbps": 0.001, "bytes_per_token": 2048}}), "scheduler", None,
+                             inner=InnerConnector(can_load=48 * B))
+    assert slow.get_num_new_matched_tokens(FakeRequest("r2", list(range(64 * B))), 0) == (0, False)
+    slow.update_state_after_alloc(FakeRequest("r2", list(range(64 * B))), FakeBlocks(range(10)), 0)
+    assert slow.inner.calls[-1] == ("alloc", "r2", 0)
+    with pytest.raises(ConfigError, match="inner_connector"):
+        KVPolicyConnector(vllm_config({}), "scheduler", None)
+    with pytest.raises(ConfigError, match="link_gbps"):
+        KVPolicyConnector(vllm_config({"kvpolicy": {"link_gbps": float("nan")}}), "scheduler", None, inner=inner)

@@ -164,7 +164,7 @@ class VllmConnectorPolicy:
         toks = _tokens(request)
         rid = str(request.request_id)
         prop = self._proposals.pop(rid, None)
-        keys = prop[2] if prop else self.hasher.hash_blocks(toks, extra_keys=_extras(request, len(toks) // self.B))
+        keys = prop[2] if prop and prop[2] is not None else self.hasher.hash_blocks(toks, extra_keys=_extras(request, len(toks) // self.B))
         load = self._loads.pop(rid, None)
         if load is not None:  # never reported back: the request ended first (aborted, preempted)
             self.controller.cancel(load["decision"].load_id)

@@ -1,0 +1,152 @@
+"""A vLLM KV connector that puts kvpolicy's admission in front of another connector.
+
+Load it by module path; its transfers are the wrapped connector's (vLLM's
+``OffloadingConnector``, LMCache's, …), its decisions kvpolicy's::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVPolicyConnector",
+      "kv_connector_module_path": "kvpolicy.integrations.vllm_kv_connector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"inner_connector": "OffloadingConnector", "cpu_bytes_to_use": 8000000000,
+        "kvpolicy": {"link_gbps": 100, "prefill_tokens_per_s": 20000, "margin": 0.8}}}'
+
+Scheduler side (vLLM 0.33's call sequence, see docs/integrations.md):
+``get_num_new_matched_tokens`` asks the inner connector how many tokens it could
+load, then kvpolicy's controller ``propose``s how many of them are worth loading
+— pure, as often as vLLM asks; ``update_state_after_alloc`` admits the (possibly
+trimmed) load and takes its slot before telling the inner connector;
+``update_connector_output`` feeds finished and failed loads back (failed
+physical block ids mapped to positions) and releases slots; ``request_finished``
+releases what is left and returns the inner connector's answer. The worker side
+is the inner connector's, unchanged (every other method is forwarded).
+
+What does not fit: the inner connector decides its own stores — kvpolicy's
+store verdict is attached to the step's metadata (``metadata.kvpolicy``) for an
+inner connector that reads it; vLLM's ``OffloadingConnector`` does not, so with
+it use :mod:`kvpolicy.integrations.vllm_offload` for the CPU tier's eviction.
+
+The base class is vLLM's ``KVConnectorBase_V1`` when vLLM is importable,
+``object`` otherwise (the module imports, and is tested, without vLLM).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ..admission import AdmissionConfig, AdmissionController, LatencyModel, LinkPrior
+from ..errors import ConfigError
+from ..profile import PrefillModel
+from ..publish import make_filter
+from .vllm_connector import VllmConnectorPolicy, _tokens
+
+try:  # pragma: no cover - depends on the environment
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1 as _Base  # type: ignore[import-not-found]
+except ImportError:
+    _Base = object  # type: ignore[assignment,misc]
+
+DEFAULTS = {"link_gbps": 100.0, "prefill_tokens_per_s": 20000.0, "margin": 0.8, "publish": "threshold-2", "bytes_per_token": 131072,
+            "block_size": 16, "kv_dtype": "bf16"}
+
+
+def _inner_class(name: str, module_path: str | None) -> Any:
+    if module_path:
+        return getattr(importlib.import_module(module_path), name)
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # type: ignore[import-not-found]
+
+    return KVConnectorFactory.get_connector_class_by_name(name)
+
+
+class _Counted(VllmConnectorPolicy):
+    """The helper, deciding from the count the inner connector can load (no index of its own)."""
+
+    def propose_from_count(self, request: Any, num_computed_tokens: int, external_tokens: int) -> int:
+        from ..matching import PrefixMatch
+
+        toks = _tokens(request)
+        B = self.B
+        L = num_computed_tokens // B
+        matchable = max(len(toks) - 1, 0) // B
+        R = max(min(external_tokens // B, matchable - L), 0)
+        m = PrefixMatch(len(toks), B, matchable, L, (R,), ("external",), "miss" if R < matchable - L else "all_matchable_found")
+        d = self.controller.propose(m, self._ctx())
+        self._proposals[str(request.request_id)] = (d, m, None)
+        return d.load_blocks * B if d.loads else 0
+
+
+class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
+    """kvpolicy's admission and publish verdicts in front of an inner vLLM connector."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None, *, inner: Any = None) -> None:
+        ktc = getattr(vllm_config, "kv_transfer_config", None)
+        extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+        if _Base is not object:  # pragma: no cover - with vLLM installed
+            super().__init__(vllm_config, role, kv_cache_config)
+        if inner is None:
+            name = extra.get("inner_connector")
+            if not name:
+                raise ConfigError("kv_connector_extra_config.inner_connector", "names the connector whose transfers kvpolicy decides")
+            inner = _inner_class(name, extra.get("inner_connector_module_path"))(vllm_config, role, kv_cache_config)
+        self.inner = inner
+        cfg = {**DEFAULTS, **(extra.get("kvpolicy") or {})}
+        for k in ("link_gbps", "prefill_tokens_per_s", "margin"):
+            v = cfg[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == float("inf"):
+                raise ConfigError(f"kv_connector_extra_config.kvpolicy.{k}", f"must be a finite positive number, got {v!r}")
+        cache = getattr(vllm_config, "cache_config", None)
+        B = int(getattr(cache, "block_size", None) or cfg["block_size"])
+        prefill = PrefillModel(a_s=0.0, b_s_per_token=1.0 / cfg["prefill_tokens_per_s"], c_s_per_token2=0.0, rms_rel_error=float("nan"),
+                               max_rel_error=float("nan"))
+        controller = AdmissionController(LatencyModel(LinkPrior(bandwidth_bytes_per_s=cfg["link_gbps"] * 1e9 / 8), prefill),
+                                         AdmissionConfig(margin=float(cfg["margin"])))
+        from ..keys import BlockHasher, Namespace
+
+        model = getattr(getattr(vllm_config, "model_config", None), "model", None) or "model"
+        ns = Namespace(model_id=str(model), model_revision="main", tokenizer_version="vllm", kv_dtype=str(cfg["kv_dtype"]), block_size_tokens=B)
+        self.policy = _Counted(BlockHasher(ns, "fast"), _NoIndex(), controller, make_filter(str(cfg["publish"])),
+                               bytes_per_token=int(cfg["bytes_per_token"]))
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        ext, is_async = self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
+        if ext is None:
+            return None, False  # the inner connector needs more time: vLLM asks again
+        if not ext:
+            return 0, False
+        n = self.policy.propose_from_count(request, num_computed_tokens, int(ext))
+        return (min(n, int(ext)), bool(is_async)) if n else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        admitted = self.policy.update_state_after_alloc(request, blocks, num_external_tokens) if num_external_tokens else 0
+        self.inner.update_state_after_alloc(request, blocks, admitted * self.policy.B)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = self.inner.build_connector_meta(scheduler_output)
+        ours = self.policy.build_connector_meta(scheduler_output)
+        try:
+            meta.kvpolicy = ours  # for an inner connector that reads kvpolicy's store verdicts
+        except AttributeError:  # pragma: no cover - a metadata class with __slots__
+            pass
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.policy.update_connector_output(connector_output)
+        self.inner.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.policy.request_finished(request, block_ids)
+        return self.inner.request_finished(request, block_ids)
+
+    # ---------------------------------------------------------------- everything else is the inner connector's
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+class _NoIndex:
+    """The wrapped connector answers what is remote; kvpolicy keeps no index of its own here."""
+
+    def match_prefix(self, keys: Any) -> int:
+        return 0
+
