@@ -788,3 +788,65 @@ def test_the_loadable_connector_decides_in_front_of_the_inner_one():
         KVPolicyConnector(vllm_config({}), "scheduler", None)
     with pytest.raises(ConfigError, match="link_gbps"):
         KVPolicyConnector(vllm_config({"kvpolicy": {"link_gbps": float("nan")}}), "scheduler", None, inner=inner)
+
+
+# --------------------------------------------------------------------------- SGLang HiCache storage backend
+
+
+class DictStore:  # a real store's behaviour: pages by key
+    def __init__(self):
+        self.pages = {}
+        self.sets = 0
+
+    def batch_exists(self, keys, extra_info=None):
+        n = 0
+        for k in keys:
+            if k not in self.pages:
+                break
+            n += 1
+        return n
+
+    def batch_set_v1(self, keys, host_indices, extra_info=None):
+        self.sets += 1
+        per = len(host_indices) // max(len(keys), 1)
+        for j, k in enumerate(keys):
+            self.pages[k] = list(host_indices[j * per:(j + 1) * per])
+        return [True] * len(keys)
+
+    def batch_get_v1(self, keys, host_indices, extra_info=None):
+        return [k in self.pages for k in keys]
+
+    def exists(self, key):
+        return key in self.pages
+
+    def clear(self):
+        self.pages.clear()
+
+
+def hicache(link_gbps, publish="threshold-2"):
+    from kvpolicy.integrations.sglang_hicache import KVPolicyHiCacheStorage
+
+    cfg = type("HiCacheStorageConfig", (), {"extra_config": {"inner": {"backend_name": "file"},
+                                                             "kvpolicy": {"link_gbps": link_gbps, "publish": publish, "page_tokens": 64,
+                                                                          "bytes_per_page": 2 << 20}}})()
+    return KVPolicyHiCacheStorage(cfg, {}, inner=DictStore())
+
+
+def test_hicache_backend_stores_only_what_will_be_reread_and_prefetches_only_what_wins():
+    fast = hicache(400)
+    keys = [f"page-{i}" for i in range(8)]
+    host = list(range(8 * 64))
+    assert fast.batch_set_v1(keys, host) == [True] * 8 and fast.inner.pages == {}, "seen once: not stored (threshold-2)"
+    assert fast.batch_set_v1(keys, host) == [True] * 8 and len(fast.inner.pages) == 8, "seen twice: stored"
+    assert fast.batch_exists(keys + ["missing"]) == 8, "a fast store: every hit page is worth prefetching"
+    assert fast.batch_get_v1(keys, host) == [True] * 8
+    assert fast.counts["loads_timed"] == 1 and fast.controller.loads_in_flight() == 0, "the read was measured and released"
+    slow = hicache(0.0001, publish="all")
+    slow.batch_set_v1(keys, host)
+    assert len(slow.inner.pages) == 8
+    assert slow.batch_exists(keys) == 0, "a store slower than recompute: SGLang recomputes instead"
+    assert slow.exists("page-0") and slow.get_stats()["kvpolicy"]["exists_pages"] == 8
+    with pytest.raises(ConfigError, match="inner"):
+        from kvpolicy.integrations.sglang_hicache import KVPolicyHiCacheStorage
+
+        KVPolicyHiCacheStorage(type("C", (), {"extra_config": {}})(), {})

@@ -1,0 +1,211 @@
+"""An SGLang HiCache storage backend that applies kvpolicy in front of a real store.
+
+SGLang 0.5.x loads a storage backend dynamically::
+
+    python -m sglang.launch_server ... --enable-hierarchical-cache --hicache-storage-backend dynamic \\
+      --hicache-storage-backend-extra-config '{"backend_name": "kvpolicy",
+        "module_path": "kvpolicy.integrations.sglang_hicache", "class_name": "KVPolicyHiCacheStorage",
+        "inner": {"backend_name": "file"}, "kvpolicy": {"link_gbps": 100, "prefill_tokens_per_s": 20000,
+        "bytes_per_page": 2097152, "page_tokens": 64, "publish": "threshold-2"}}'
+
+(``sglang/srt/mem_cache/storage/backend_factory.py``: the class must subclass
+``HiCacheStorage`` and is built as ``cls(storage_config, kwargs)``.) The inner
+store is any backend SGLang can build (``file``, ``mooncake``, ``hf3fs``, another
+dynamic one), created when SGLang registers the host memory pool.
+
+What kvpolicy decides: **loads** — ``batch_exists`` answers how many leading pages
+are *worth* prefetching (the inner store's hit run, cut to what the admission
+controller proposes; SGLang recomputes the rest) — and **stores** — ``batch_set``
+writes only the leading pages the publish filter allows (the others are
+reported handled, not stored). Every ``batch_get`` is timed and fed back, so the
+controller learns this store's real B_eff. Everything else is the inner store's.
+
+The base class is SGLang's ``HiCacheStorage`` when SGLang is importable,
+``object`` otherwise (the module imports, and is tested, without SGLang).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from ..admission import AdmissionConfig, AdmissionContext, AdmissionController, LatencyModel, LinkPrior, LoadOutcome
+from ..errors import ConfigError
+from ..matching import PrefixMatch
+from ..profile import PrefillModel
+from ..publish import PublishRequest, make_filter
+
+try:  # pragma: no cover - depends on the environment
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base  # type: ignore[import-not-found]
+except ImportError:
+    _Base = object  # type: ignore[assignment,misc]
+
+DEFAULTS = {"link_gbps": 100.0, "prefill_tokens_per_s": 20000.0, "margin": 0.8, "publish": "threshold-2", "bytes_per_page": 2 << 20,
+            "page_tokens": 64}
+
+
+def _build_inner(spec: dict[str, Any], storage_config: Any, mem_pool_host: Any) -> Any:  # pragma: no cover - needs SGLang
+    import copy
+
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # type: ignore[import-not-found]
+
+    cfg = copy.copy(storage_config)
+    cfg.extra_config = {k: v for k, v in spec.items() if k != "backend_name"} or None
+    return StorageBackendFactory.create_backend(spec["backend_name"], cfg, mem_pool_host)
+
+
+class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
+    def __init__(self, storage_config: Any, kwargs: Any = None, *, inner: Any = None) -> None:
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        self.storage_config = storage_config
+        self._inner_spec = extra.get("inner")
+        if inner is None and not isinstance(self._inner_spec, dict):
+            raise ConfigError("extra_config.inner", "names the real store: {\"backend_name\": \"file\"} or another SGLang backend")
+        self.inner = inner
+        cfg = {**DEFAULTS, **(extra.get("kvpolicy") or {})}
+        for k in ("link_gbps", "prefill_tokens_per_s", "margin"):
+            v = cfg[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == float("inf"):
+                raise ConfigError(f"extra_config.kvpolicy.{k}", f"must be a finite positive number, got {v!r}")
+        for k in ("bytes_per_page", "page_tokens"):
+            v = cfg[k]
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"extra_config.kvpolicy.{k}", f"must be a positive int, got {v!r}")
+        self.page_tokens = cfg["page_tokens"]
+        self.bytes_per_page = cfg["bytes_per_page"]
+        prefill = PrefillModel(a_s=0.0, b_s_per_token=1.0 / cfg["prefill_tokens_per_s"], c_s_per_token2=0.0, rms_rel_error=float("nan"),
+                               max_rel_error=float("nan"))
+        self.controller = AdmissionController(LatencyModel(LinkPrior(bandwidth_bytes_per_s=cfg["link_gbps"] * 1e9 / 8), prefill),
+                                              AdmissionConfig(margin=float(cfg["margin"])))
+        self.filter = make_filter(str(cfg["publish"]))
+        self._ids = itertools.count()
+        self.counts = {"exists_pages": 0, "exposed_pages": 0, "set_pages": 0, "stored_pages": 0, "loads_timed": 0}
+
+    # ---------------------------------------------------------------- wiring
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        self.mem_pool_host = mem_pool_host
+        if self.inner is None:  # pragma: no cover - needs SGLang
+            self.inner = _build_inner(self._inner_spec, self.storage_config, mem_pool_host)  # type: ignore[arg-type]
+        if hasattr(self.inner, "register_mem_pool_host"):
+            self.inner.register_mem_pool_host(mem_pool_host)
+
+    def _ctx(self) -> AdmissionContext:
+        return AdmissionContext(block_bytes=self.bytes_per_page, source="hicache-storage")
+
+    def _worth(self, hit_pages: int) -> int:
+        """How many of the ``hit_pages`` leading pages the controller proposes to load (pure)."""
+        if hit_pages <= 0:
+            return 0
+        P = self.page_tokens
+        # the pages asked about follow what the device and host already hold: no local blocks here
+        m = PrefixMatch((hit_pages + 1) * P, P, hit_pages, 0, (hit_pages,), ("storage",), "all_matchable_found")
+        d = self.controller.propose(m, self._ctx())
+        return d.load_blocks if d.loads else 0
+
+    # ---------------------------------------------------------------- loads: what is worth prefetching
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        hit = int(self.inner.batch_exists(keys, extra_info) if extra_info is not None else self.inner.batch_exists(keys))
+        k = self._worth(hit)
+        self.counts["exists_pages"] += hit
+        self.counts["exposed_pages"] += k
+        return k
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        res = self.inner.batch_exists_v2(keys, pool_transfers, extra_info)
+        hit = int(getattr(res, "kv_hit_pages", 0))
+        k = self._worth(hit)
+        self.counts["exists_pages"] += hit
+        self.counts["exposed_pages"] += k
+        if hasattr(res, "update_kv_hit_pages"):
+            res.update_kv_hit_pages(k)
+        else:
+            res.kv_hit_pages = k
+        return res
+
+    def _timed_get(self, n_pages: int, fn: Any) -> Any:
+        """Run a read and feed the controller what it measured (the model learns this store's B_eff)."""
+        t0 = time.perf_counter()
+        out = fn()
+        dt = time.perf_counter() - t0
+        if n_pages > 0:
+            P = self.page_tokens
+            m = PrefixMatch((n_pages + 1) * P, P, n_pages, 0, (n_pages,), ("storage",), "all_matchable_found")
+            prop = self.controller.propose(m, self._ctx())
+            if prop.loads:
+                d = self.controller.admit(prop, self._ctx(), load_blocks=min(n_pages, prop.load_blocks))
+                if d.loads:
+                    ok = _leading_ok(out, d.load_blocks)
+                    self.controller.record(LoadOutcome(d.load_id, "ok" if ok == d.load_blocks else "failed", ok,
+                                                       transfer_s=dt * d.load_blocks / n_pages))
+                    self.counts["loads_timed"] += 1
+        return out
+
+    def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> Any:
+        return self._timed_get(len(keys), lambda: self.inner.batch_get_v1(keys, host_indices, extra_info))
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> Any:
+        return self._timed_get(len(keys), lambda: self.inner.batch_get(keys, target_locations, target_sizes))
+
+    # ---------------------------------------------------------------- stores: only what will be re-read
+
+    def _publishable(self, keys: list[str]) -> int:
+        req = PublishRequest(request_id=("hicache", next(self._ids)), num_tokens=len(keys) * self.page_tokens, block_size_tokens=self.page_tokens)
+        self.filter.observe(req, keys)
+        n = self.filter.publishable(req, keys)
+        self.counts["set_pages"] += len(keys)
+        self.counts["stored_pages"] += n
+        return n
+
+    def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+        n = self._publishable(keys)
+        if n == 0:
+            return [True] * len(keys)  # handled: kvpolicy chose not to store them
+        per = len(host_indices) // max(len(keys), 1)
+        head = self.inner.batch_set_v1(keys[:n], host_indices[: n * per], extra_info)
+        return list(head) + [True] * (len(keys) - n)
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+        n = self._publishable(keys)
+        if n == 0:
+            return True
+        cut = (lambda x: x[:n] if x is not None else None)
+        return bool(self.inner.batch_set(keys[:n], cut(values), cut(target_locations), cut(target_sizes)))
+
+    # ---------------------------------------------------------------- everything else is the inner store's
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        return self.inner.get(key, target_location, target_sizes)
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return bool(self.inner.set(key, value, target_location, target_sizes))
+
+    def exists(self, key: str) -> bool:
+        return bool(self.inner.exists(key))
+
+    def clear(self) -> None:
+        self.inner.clear()
+
+    def get_stats(self) -> Any:
+        return {"kvpolicy": dict(self.counts), "inner": self.inner.get_stats() if hasattr(self.inner, "get_stats") else None}
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("inner", "_inner_spec"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def _leading_ok(out: Any, n: int) -> int:
+    """Leading pages a read reports as read (a list of booleans, a count, or a list of values)."""
+    if isinstance(out, int) and not isinstance(out, bool):
+        return min(out, n)
+    if isinstance(out, (list, tuple)):
+        k = 0
+        for x in out[:n]:
+            if x is None or x is False:
+                break
+            k += 1
+        return k
+    return n
