@@ -850,3 +850,25 @@ def test_hicache_backend_stores_only_what_will_be_reread_and_prefetches_only_wha
         from kvpolicy.integrations.sglang_hicache import KVPolicyHiCacheStorage
 
         KVPolicyHiCacheStorage(type("C", (), {"extra_config": {}})(), {})
+
+
+def test_prepare_store_offers_only_what_the_publish_filter_allows():
+    from kvpolicy.integrations.vllm_offload import filtered_prepare_store
+
+    offered = []
+
+    def prepare_store(keys, req_context):
+        offered.append(list(keys))
+        return "spec"
+
+    class Ctx:  # vLLM's ReqContext: positions of offload keys in the request
+        def __init__(self, rid):
+            self.req_id = rid
+
+        def get_offload_key_position(self, key):
+            return int(key[1:])
+
+    wrapped = filtered_prepare_store(prepare_store, ThresholdPublish(2), 16)
+    keys = ["k3", "k1", "k0", "k2"]
+    assert wrapped(keys, Ctx("a")) is None and offered == [], "seen once: not offered"
+    assert wrapped(keys, Ctx("b")) == "spec" and offered == [["k0", "k1", "k2", "k3"]], "in request order, prefix-closed"

@@ -6,7 +6,7 @@ resolved by name, or loaded out of tree::
 
     --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
       "kv_connector_extra_config": {"cpu_bytes_to_use": 8000000000,
-        "cache_policy": "KVPolicyReuseDistance",
+        "eviction_policy": "KVPolicyReuseDistance",
         "cache_policy_module_path": "kvpolicy.integrations.vllm_offload"}}'
 
 :class:`KVPolicyReuseDistance` (and :class:`KVPolicyGDSF`, :class:`KVPolicyLRU`)
@@ -18,8 +18,15 @@ and ``evict(n, protected)`` takes the n lowest-priority evictable chunks outside
 Chunks are flat here (the offloading manager gives no parent links), so the
 prefix-closure of kvpolicy's resident tree does not apply.
 
-The base class is vLLM's when vLLM is importable, ``object`` otherwise (so the
-module imports, and is tested, without vLLM).
+**Publishing behind** ``prepare_store``: :class:`KVPolicyOffloadingSpec` (a
+``CPUOffloadingSpec``, loaded with ``"spec_name": "KVPolicyOffloadingSpec",
+"spec_module_path": "kvpolicy.integrations.vllm_offload"``) gives the manager a
+``prepare_store`` that offers the CPU tier only the leading blocks of each
+request that a kvpolicy publish filter allows (``"kvpolicy_publish"``: any
+``make_filter`` spec, default ``threshold-2``); the rest is not stored.
+
+The base classes are vLLM's when vLLM is importable, ``object`` otherwise (so
+the module imports, and is tested, without vLLM).
 """
 
 from __future__ import annotations
@@ -35,8 +42,10 @@ from ..eviction.reuse_distance import ReuseDistancePolicy
 
 try:  # pragma: no cover - depends on the environment
     from vllm.v1.kv_offload.cpu.policies.base import CachePolicy as _Base  # type: ignore[import-not-found]
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as _SpecBase  # type: ignore[import-not-found]
 except ImportError:  # vLLM absent: the same methods on a plain base
     _Base = object  # type: ignore[assignment,misc]
+    _SpecBase = object  # type: ignore[assignment,misc]
 
 _UNIT = 1  # every chunk weighs one unit of the policy's capacity
 
@@ -167,3 +176,43 @@ class KVPolicyLRU(_KVPolicyCachePolicy):
 
     def make_policy(self, capacity: int) -> PriorityPolicy:
         return LRUPolicy(capacity)
+
+
+def filtered_prepare_store(prepare_store: Any, publish_filter: Any, block_size_tokens: int) -> Any:
+    """Wrap a manager's ``prepare_store(keys, req_context)`` so only the leading keys a kvpolicy
+    publish filter allows are offered (in the request's order when ``req_context`` gives positions)."""
+    from ..publish import PublishRequest
+
+    counter = [0]
+
+    def wrapped(keys: Any, req_context: Any = None) -> Any:
+        ks = list(keys)
+        pos = getattr(req_context, "get_offload_key_position", None)
+        if pos is not None:
+            known = {k: pos(k) for k in ks}
+            if all(v is not None for v in known.values()):
+                ks.sort(key=known.__getitem__)
+        counter[0] += 1
+        rid = getattr(req_context, "req_id", None) or ("offload", counter[0])
+        req = PublishRequest(request_id=rid, num_tokens=len(ks) * block_size_tokens, block_size_tokens=block_size_tokens)
+        publish_filter.observe(req, ks)
+        n = publish_filter.publishable(req, ks)
+        return prepare_store(ks[:n], req_context) if n else None
+
+    return wrapped
+
+
+class KVPolicyOffloadingSpec(_SpecBase):  # type: ignore[misc,valid-type]
+    """vLLM's CPU offloading spec whose manager offers only what kvpolicy's publish filter allows."""
+
+    def get_manager(self) -> Any:  # pragma: no cover - needs vLLM
+        manager = super().get_manager()
+        if not getattr(manager, "_kvpolicy_wrapped", False):
+            from ..publish import make_filter
+
+            extra = getattr(self, "extra_config", {}) or {}
+            f = make_filter(str(extra.get("kvpolicy_publish", "threshold-2")))
+            block = int(getattr(self, "block_size", None) or getattr(self, "offloaded_block_size", None) or 16)
+            manager.prepare_store = filtered_prepare_store(manager.prepare_store, f, block)
+            manager._kvpolicy_wrapped = True
+        return manager
