@@ -872,3 +872,38 @@ def test_prepare_store_offers_only_what_the_publish_filter_allows():
     keys = ["k3", "k1", "k0", "k2"]
     assert wrapped(keys, Ctx("a")) is None and offered == [], "seen once: not offered"
     assert wrapped(keys, Ctx("b")) == "spec" and offered == [["k0", "k1", "k2", "k3"]], "in request order, prefix-closed"
+
+
+def test_every_python_block_in_the_integrations_docs_runs(monkeypatch):
+    """The sitecustomize blocks run against stand-ins of the engines' registries (the engines are not installed here)."""
+    import abc
+    import sys
+    import types
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    blocks = [b.split("```")[0] for b in doc.split("```python")[1:]]
+    assert len(blocks) >= 3
+
+    class StorePolicy(abc.ABC):
+        @abc.abstractmethod
+        def select_store_targets(self, keys, adapters): ...
+
+        @abc.abstractmethod
+        def select_l1_deletions(self, keys): ...
+
+    def mod(name, **attrs_):
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs_)
+        monkeypatch.setitem(sys.modules, name, m)
+        return m
+
+    for name in ("lmcache", "lmcache.v1", "lmcache.v1.distributed", "lmcache.v1.distributed.storage_controllers", "sglang", "sglang.srt",
+                 "sglang.srt.arg_groups"):
+        mod(name)
+    mod("lmcache.v1.distributed.storage_controllers.store_policy", StorePolicy=StorePolicy, register_store_policy=lambda n, c: None)
+    mod("sglang.srt.arg_groups.choices", add_radix_eviction_policy_choices=[].extend)
+    utils = mod("sglang.srt.mem_cache.utils", _EVICTION_POLICY_FACTORIES={})
+    mod("sglang.srt.mem_cache", utils=utils)
+    mod("sglang.srt.mem_cache.evict_policy", EvictionStrategy=type("EvictionStrategy", (), {}))
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"docs/integrations.md block {i}", "exec"), {})
