@@ -13,7 +13,7 @@ from kvpolicy.integrations.lmcache import KVPolicyStorePolicyCore, load_config, 
 from kvpolicy.integrations.sglang import PriorityStrategy
 from kvpolicy.integrations.vllm_connector import VllmConnectorPolicy
 from kvpolicy.integrations.vllm_events import (
-    AllBlocksCleared, BlockRemoved, BlockStored, EventFormatError, KVEventIngestor, ReplayClient, ZmqEventSubscriber, decode_batch, decode_event,
+    AllBlocksCleared, BlockRemoved, BlockStored, EventFormatError, KVEventIngestor, ZmqEventSubscriber, decode_batch, decode_event,
     encode_batch, extra_keys_for,
 )
 from kvpolicy.keys import BlockHasher, Namespace, vllm_block_hashes

@@ -214,8 +214,6 @@ def test_extra_digest_is_canonical():
 
 
 def _vllm_reference(tokens, bs, hash_fn, seed, salt=None, lookahead=0):
-    import pickle as _p
-
     parent = hash_fn(seed)
     out = []
     n = (len(tokens) - lookahead) // bs

@@ -30,19 +30,18 @@ import itertools
 import time
 from typing import Any
 
-from ..admission import AdmissionConfig, AdmissionContext, AdmissionController, LatencyModel, LinkPrior, LoadOutcome
+from ..admission import AdmissionContext, LoadOutcome
 from ..errors import ConfigError
 from ..matching import PrefixMatch
-from ..profile import PrefillModel
 from ..publish import PublishRequest, make_filter
+from ._settings import ADMISSION_DEFAULTS, controller_from_settings
 
 try:  # pragma: no cover - depends on the environment
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base  # type: ignore[import-not-found]
 except ImportError:
     _Base = object  # type: ignore[assignment,misc]
 
-DEFAULTS = {"link_gbps": 100.0, "prefill_tokens_per_s": 20000.0, "margin": 0.8, "publish": "threshold-2", "bytes_per_page": 2 << 20,
-            "page_tokens": 64}
+DEFAULTS = {**ADMISSION_DEFAULTS, "bytes_per_page": 2 << 20, "page_tokens": 64}
 
 
 def _build_inner(spec: dict[str, Any], storage_config: Any, mem_pool_host: Any) -> Any:  # pragma: no cover - needs SGLang
@@ -64,20 +63,13 @@ class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
             raise ConfigError("extra_config.inner", "names the real store: {\"backend_name\": \"file\"} or another SGLang backend")
         self.inner = inner
         cfg = {**DEFAULTS, **(extra.get("kvpolicy") or {})}
-        for k in ("link_gbps", "prefill_tokens_per_s", "margin"):
-            v = cfg[k]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == float("inf"):
-                raise ConfigError(f"extra_config.kvpolicy.{k}", f"must be a finite positive number, got {v!r}")
         for k in ("bytes_per_page", "page_tokens"):
             v = cfg[k]
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"extra_config.kvpolicy.{k}", f"must be a positive int, got {v!r}")
         self.page_tokens = cfg["page_tokens"]
         self.bytes_per_page = cfg["bytes_per_page"]
-        prefill = PrefillModel(a_s=0.0, b_s_per_token=1.0 / cfg["prefill_tokens_per_s"], c_s_per_token2=0.0, rms_rel_error=float("nan"),
-                               max_rel_error=float("nan"))
-        self.controller = AdmissionController(LatencyModel(LinkPrior(bandwidth_bytes_per_s=cfg["link_gbps"] * 1e9 / 8), prefill),
-                                              AdmissionConfig(margin=float(cfg["margin"])))
+        self.controller = controller_from_settings(cfg, "extra_config.kvpolicy")
         self.filter = make_filter(str(cfg["publish"]))
         self._ids = itertools.count()
         self.counts = {"exists_pages": 0, "exposed_pages": 0, "set_pages": 0, "stored_pages": 0, "loads_timed": 0}

@@ -32,10 +32,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ..admission import AdmissionConfig, AdmissionController, LatencyModel, LinkPrior
 from ..errors import ConfigError
-from ..profile import PrefillModel
 from ..publish import make_filter
+from ._settings import ADMISSION_DEFAULTS, controller_from_settings
 from .vllm_connector import VllmConnectorPolicy, _tokens
 
 try:  # pragma: no cover - depends on the environment
@@ -43,8 +42,7 @@ try:  # pragma: no cover - depends on the environment
 except ImportError:
     _Base = object  # type: ignore[assignment,misc]
 
-DEFAULTS = {"link_gbps": 100.0, "prefill_tokens_per_s": 20000.0, "margin": 0.8, "publish": "threshold-2", "bytes_per_token": 131072,
-            "block_size": 16, "kv_dtype": "bf16"}
+DEFAULTS = {**ADMISSION_DEFAULTS, "bytes_per_token": 131072, "block_size": 16, "kv_dtype": "bf16"}
 
 
 def _inner_class(name: str, module_path: str | None) -> Any:
@@ -87,16 +85,9 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
             inner = _inner_class(name, extra.get("inner_connector_module_path"))(vllm_config, role, kv_cache_config)
         self.inner = inner
         cfg = {**DEFAULTS, **(extra.get("kvpolicy") or {})}
-        for k in ("link_gbps", "prefill_tokens_per_s", "margin"):
-            v = cfg[k]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == float("inf"):
-                raise ConfigError(f"kv_connector_extra_config.kvpolicy.{k}", f"must be a finite positive number, got {v!r}")
+        controller = controller_from_settings(cfg, "kv_connector_extra_config.kvpolicy")
         cache = getattr(vllm_config, "cache_config", None)
         B = int(getattr(cache, "block_size", None) or cfg["block_size"])
-        prefill = PrefillModel(a_s=0.0, b_s_per_token=1.0 / cfg["prefill_tokens_per_s"], c_s_per_token2=0.0, rms_rel_error=float("nan"),
-                               max_rel_error=float("nan"))
-        controller = AdmissionController(LatencyModel(LinkPrior(bandwidth_bytes_per_s=cfg["link_gbps"] * 1e9 / 8), prefill),
-                                         AdmissionConfig(margin=float(cfg["margin"])))
         from ..keys import BlockHasher, Namespace
 
         model = getattr(getattr(vllm_config, "model_config", None), "model", None) or "model"

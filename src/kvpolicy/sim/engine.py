@@ -1104,7 +1104,6 @@ class Simulator:
 
     def _cake_finish(self, req: _Req, m: int, t_front_done: float) -> None:
         """The range is covered: m blocks loaded from the back, the rest of it computed; the tail follows."""
-        rep: _Replica = req.replica
         load = req.xfer
         assert load is not None
         K = req.load
