@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, KVPolicyError
+from ._io import strict_json, write_text_atomic
 
 DEFAULT_PREFIXES = (4096, 16384, 32768, 65536)
 
@@ -37,16 +38,15 @@ def _positive_int(text: str) -> int:
 
 def _emit(payload: dict[str, Any], as_json: bool, render: Callable[[dict[str, Any]], str]) -> None:
     if as_json:
-        print(json.dumps(payload, indent=2))
+        print(strict_json(payload, indent=2))
     else:
         print(render(payload))
 
 
 def _write_report(path: str | None, payload: dict[str, Any]) -> None:
-    """Write a --json OUT report (parents created)."""
+    """Write a --json OUT report: strict JSON (null, never NaN), replaced atomically (parents created)."""
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(payload, indent=2, default=str))
+        write_text_atomic(path, strict_json(payload, indent=2))
 
 
 def _human_bytes(n: float) -> str:
@@ -299,7 +299,7 @@ def _cmd_breakeven(args: argparse.Namespace) -> int:
         margin=args.margin,
     )
     if args.json:
-        print(json.dumps(res, indent=2))
+        print(strict_json(res, indent=2))
         return 0
     inp = res["inputs"]
     print(f"model            {model_note}")
@@ -419,7 +419,7 @@ def _cmd_plan_warmup(args: argparse.Namespace) -> int:
     plan = plan_warmup(hot, cfg)
     d = plan.to_dict()
     if args.json:
-        print(json.dumps(d, indent=2))
+        print(strict_json(d, indent=2))
         return 0
     print(f"model            {model_note}")
     print(f"hot prefixes     {len(hot) - len(plan.cold)} planned (>= {cfg.min_access_count} requests), {len(plan.cold)} cold; hot set W = {plan.hot_bytes / 2**30:,.2f} GiB")
@@ -537,7 +537,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         prof.write(args.out)
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(strict_json(report, indent=2))
         return 0
     e = report["engine"]
     print(f"engine           {e['model']}: {e['layers']} layers, {e['heads']} heads / {e['kv_heads']} KV heads x {e['head_dim']}, "
@@ -741,6 +741,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except KVPolicyError as exc:
         print(f"kvpolicy {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except UnicodeDecodeError as exc:  # a binary or non-UTF-8 file where text was expected
+        print(f"kvpolicy {args.command}: error: a file is not UTF-8 text ({exc.reason} at byte {exc.start})", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a directory where a file was expected, a missing or unreadable file, a full disk
+        where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
+        print(f"kvpolicy {args.command}: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # pragma: no cover - e.g. `kvpolicy keys ... | head`
         return 0

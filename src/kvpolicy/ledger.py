@@ -71,6 +71,7 @@ TOKEN_CATEGORIES = (
 )
 DISTRIBUTIONS = ("cold_prefill", "local_hit", "remote_hit", "fallback_recompute")
 NotLoaded = Literal["declined", "incompatible", "transfer_error", "timeout"]
+NOT_LOADED_REASONS = ("declined", "incompatible", "transfer_error", "timeout")
 
 
 @attrs.frozen
@@ -110,6 +111,18 @@ class RequestRecord:
             raise ConfigError("missing_keys", f"{len(self.missing_keys)} keys for {matchable - used} unmatched blocks")
         if self.remote_not_loaded_blocks and self.not_loaded_reason is None:
             raise ConfigError("not_loaded_reason", "required when remote_not_loaded_blocks > 0")
+        if self.not_loaded_reason is not None and self.not_loaded_reason not in NOT_LOADED_REASONS:
+            raise ConfigError("not_loaded_reason", f"must be one of {NOT_LOADED_REASONS}, got {self.not_loaded_reason!r}")
+        for name in ("ttft_s", "prefill_s", "load_s", "queue_s", "predicted_recompute_s", "stall_s"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+                raise ConfigError(name, f"must be a finite non-negative number of seconds or None, got {v!r}")
+
+
+def _check_flow(t_s: float, size_bytes: float) -> None:
+    for name, v in (("t_s", t_s), ("size_bytes", size_bytes)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ConfigError(name, f"must be a finite non-negative number, got {v!r}")
 
 
 class PublicationLog:
@@ -372,6 +385,7 @@ class Ledger:
 
     def record_write(self, key: bytes, t_s: float, size_bytes: float, tier: str = "pool", request_class: str = "default") -> None:
         """A block was published to a shared tier."""
+        _check_flow(t_s, size_bytes)
         self.pub.published(key, tier, t_s, size_bytes, request_class)
         self._flow("write", t_s, size_bytes)
         self._time(t_s)
@@ -383,6 +397,7 @@ class Ledger:
         self.pub.read(key)
 
     def record_replication(self, t_s: float, size_bytes: float) -> None:
+        _check_flow(t_s, size_bytes)
         self._flow("replica", t_s, size_bytes)
         self._time(t_s)
 

@@ -137,7 +137,9 @@ class MeasuredProfile:
         return buf.getvalue()
 
     def write(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_csv())
+        from ._io import write_text_atomic
+
+        write_text_atomic(path, self.to_csv())
 
 
 def _fmt(x: float) -> str:

@@ -7,6 +7,7 @@ half-open ──success──▶ closed;  half-open ──failure──▶ open 
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Literal
 
@@ -19,12 +20,12 @@ State = Literal["closed", "open", "half_open"]
 
 class CircuitBreaker:
     def __init__(self, failure_threshold: int = 5, window_s: float = 30.0, open_s: float = 10.0, half_open_probes: int = 1, clock: Clock | None = None) -> None:
-        if failure_threshold <= 0:
-            raise ConfigError("failure_threshold", f"must be positive, got {failure_threshold}")
-        if window_s <= 0 or open_s <= 0:
-            raise ConfigError("window_s", "window_s and open_s must be positive")
-        if half_open_probes <= 0:
-            raise ConfigError("half_open_probes", f"must be positive, got {half_open_probes}")
+        for name, v in (("failure_threshold", failure_threshold), ("half_open_probes", half_open_probes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(name, f"must be a positive int, got {v!r}")
+        for name, v in (("window_s", window_s), ("open_s", open_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(name, f"must be a finite positive number of seconds, got {v!r}")
         self.failure_threshold = failure_threshold
         self.window_s = window_s
         self.open_s = open_s

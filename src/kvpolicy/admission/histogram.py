@@ -38,6 +38,8 @@ class LogHistogram:
         self._qcache: dict[float, float | None] = {}
 
     def record(self, x: float, n: int = 1) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ConfigError("n", f"a count of observations must be a positive int, got {n!r}")
         if not x == x or x in (math.inf, -math.inf):  # NaN or inf
             raise ConfigError("value", f"must be finite, got {x!r}")
         if x < 0:

@@ -1,0 +1,54 @@
+"""Writing reports the way a user can trust: strict JSON, replaced atomically, errors that name the file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+
+def finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, ±inf) as None: strict JSON parsers reject NaN."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    if hasattr(obj, "item") and hasattr(obj, "dtype") and getattr(obj, "shape", None) == ():  # a numpy scalar
+        return finite(obj.item())
+    return obj
+
+
+def strict_json(obj: Any, **kw: Any) -> str:
+    """JSON with null where a number is not finite (never ``NaN``)."""
+    return json.dumps(finite(obj), allow_nan=False, default=str, **kw)
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to a temporary file beside ``path`` and rename it into place: a full disk or
+    a crash leaves the previous file intact, never half a report. Errors name the file."""
+    p = Path(path)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    except OSError as e:
+        raise ConfigError(str(p), f"cannot write here: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise ConfigError(str(p), f"cannot write the report: {e.strerror or e} (the previous file, if any, is intact)") from None
+    return p

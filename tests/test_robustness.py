@@ -1,0 +1,83 @@
+"""Bad input gets a clear error naming the field or file; reports are strict JSON, replaced atomically."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvpolicy._io import strict_json, write_text_atomic
+from kvpolicy.admission import AdmissionContext, CircuitBreaker, LogHistogram
+from kvpolicy.cli import main
+from kvpolicy.errors import ConfigError
+from kvpolicy.ledger import Ledger, RequestRecord
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(open_s=float("nan")), "open_s"), (dict(window_s=float("inf")), "window_s"), (dict(failure_threshold=2.5), "failure_threshold"),
+    (dict(half_open_probes=0), "half_open_probes"),
+])
+def test_breaker_refuses_non_finite_settings(kw, field):
+    with pytest.raises(ConfigError) as e:
+        CircuitBreaker(**kw)
+    assert e.value.field == field
+
+
+def test_values_that_would_give_silently_wrong_numbers_are_refused():
+    h = LogHistogram()
+    with pytest.raises(ConfigError, match="^n:"):
+        h.record(1.0, n=-5)
+    assert h.count == 0
+    with pytest.raises(ConfigError, match="active_decodes"):
+        AdmissionContext(block_bytes=1, active_decodes=float("nan"))
+    led = Ledger(1024)
+    with pytest.raises(ConfigError, match="size_bytes"):
+        led.record_write(b"k" * 16, 1.0, -5)
+    with pytest.raises(ConfigError, match="t_s"):
+        led.record_replication(float("nan"), 10)
+    before = dict(led.tokens)
+    with pytest.raises(ConfigError, match="not_loaded_reason"):
+        led.record(RequestRecord(prompt_tokens=100, block_size_tokens=16, remote_not_loaded_blocks=2, not_loaded_reason="bogus"))
+    assert led.tokens == before, "a refused record changes nothing"
+    with pytest.raises(ConfigError, match="ttft_s"):
+        RequestRecord(prompt_tokens=100, block_size_tokens=16, ttft_s=float("nan"))
+
+
+def test_reports_are_strict_json_and_replaced_atomically(tmp_path):
+    assert json.loads(strict_json({"a": float("nan"), "b": [float("inf"), 1.5], "c": {"d": -math.inf}})) == {"a": None, "b": [None, 1.5],
+                                                                                                        "c": {"d": None}}
+    out = tmp_path / "r.json"
+    write_text_atomic(out, "old")
+    d = tmp_path / "dir"
+    d.mkdir()
+    with pytest.raises(ConfigError) as e:
+        write_text_atomic(d, "new")  # a directory where the report should go
+    assert str(d) in str(e.value)
+    assert out.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["dir", "r.json"], "no temporary file left"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE")
+def test_a_full_disk_leaves_the_previous_report_intact(tmp_path):
+    out = tmp_path / "r.json"
+    out.write_text('{"previous": true}')
+    code = (
+        "import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048)); import signal; "
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); from kvpolicy._io import write_text_atomic; "
+        f"write_text_atomic({str(out)!r}, 'x' * 100000)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode != 0 and "cannot write the report" in r.stderr
+    assert json.loads(out.read_text()) == {"previous": True}
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_cli_turns_os_and_encoding_errors_into_one_line(tmp_path, capsys):
+    binary = tmp_path / "bin.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00\x01" * 100)
+    for argv in (["analyze", str(tmp_path)], ["analyze", str(binary)], ["size", "--config", str(binary)]):
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, err)
+    os.chmod(tmp_path, 0o755)
