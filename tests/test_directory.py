@@ -22,6 +22,14 @@ def redis_dir(url, **kw):
 
 
 @pytest.fixture(params=["memory", "redis"])
+def directory_factory(request):
+    if request.param == "memory":
+        return lambda **kw: InMemoryDirectory(**kw)
+    url = request.getfixturevalue("redis_url")
+    return lambda **kw: redis_dir(url, **kw)
+
+
+@pytest.fixture(params=["memory", "redis"])
 def directory(request):
     if request.param == "memory":
         return InMemoryDirectory(max_keys_per_tenant=64)
@@ -249,3 +257,19 @@ class _RedisContract(DirectoryContract):
 @pytest.mark.usefixtures("_redis_for_contract")
 class TestRedisDirectoryContract(contract_test(_RedisContract, max_examples=15)):
     pass
+
+
+def test_capacity_eviction_takes_leaves_first_so_chains_stay_reachable(directory_factory):
+    """150 chained keys under a bound of 100: the 100 kept are the chain's first 100, still matchable;
+    a hot chain just matched keeps its head when a new chain arrives."""
+    d = directory_factory(max_keys_per_tenant=100)
+    chain = [bytes([1, i % 256, i // 256]) + bytes(13) for i in range(150)]
+    d.publish("t", [Entry(k, "h", 1) for k in chain])
+    assert d.match_prefix("t", chain) == 100
+    hot = chain[:50]
+    assert d.match_prefix("t", hot) == 50
+    new = [bytes([2, i, 0]) + bytes(13) for i in range(50)]
+    d.publish("t", [Entry(k, "h", 1) for k in new])
+    assert d.match_prefix("t", hot) == 50, "the chain just matched keeps its head (its cold tail went)"
+    assert d.match_prefix("t", new) == 50
+    assert d.match_prefix("t", chain) == 50

@@ -75,6 +75,7 @@ class InMemoryDirectory:
             if holders is None:
                 holders = table[e.key] = {}
             holders[e.holder] = e
+        for e in reversed(entries):  # a chain's head ends most recent: capacity eviction takes leaves first
             table.move_to_end(e.key)
         excess = len(table) - self.max_keys_per_tenant
         if excess > 0:
@@ -98,8 +99,9 @@ class InMemoryDirectory:
         for k in ks:
             if self._live(table, k, now) is None:
                 break
-            table.move_to_end(k)
             n += 1
+        for k in reversed(ks[:n]):  # touched tail first: the head of a matched chain is the last to go
+            table.move_to_end(k)
         return n
 
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[list[Entry]]:

@@ -5,7 +5,8 @@ the hash tag ``{p:t}``, so one tenant's keys share a Redis Cluster slot and the
 scripts below stay single-slot::
 
     {p:t}:b:<key hex>      hash   holder -> "size|tier|namespace digest hex|expiry"
-    {p:t}:lru              zset   key hex -> last-touch counter (the directory's own LRU; one tick per key, in chain order)
+    {p:t}:lru              zset   key hex -> last-touch counter (the directory's own LRU; one tick per key, the chain's head
+                                  newest, so capacity eviction takes a chain's leaves first)
     {p:t}:clock            string the counter
     {p:t}:lease:<key hex>  string number of live leases on the key (expires with the longest)
 
@@ -40,7 +41,7 @@ for i = 3, #KEYS do
 end
 if n > 0 then
   local tick = redis.call('INCRBY', KEYS[2], n)
-  for i = 1, n do redis.call('ZADD', KEYS[1], tick - n + i, ARGV[i]) end
+  for i = 1, n do redis.call('ZADD', KEYS[1], tick - i + 1, ARGV[i]) end
 end
 return n
 """
@@ -60,7 +61,7 @@ for i = 3, #KEYS do
   else
     redis.call('PERSIST', KEYS[i])
   end
-  redis.call('ZADD', KEYS[1], tick - #KEYS + i, hex)
+  redis.call('ZADD', KEYS[1], tick - (i - 3), hex)
   n = n + 1
 end
 local maxk = tonumber(ARGV[1])
