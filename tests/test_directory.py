@@ -273,3 +273,33 @@ def test_capacity_eviction_takes_leaves_first_so_chains_stay_reachable(directory
     assert d.match_prefix("t", hot) == 50, "the chain just matched keeps its head (its cold tail went)"
     assert d.match_prefix("t", new) == 50
     assert d.match_prefix("t", chain) == 50
+
+
+def test_the_bound_holds_past_leased_keys_and_a_bad_tier_is_refused(directory_factory):
+    d = directory_factory(max_keys_per_tenant=100)
+    first = [bytes([3, i]) + bytes(14) for i in range(100)]
+    d.publish("t", [Entry(k, "h", 1) for k in first])
+    d.lease("t", first[:90], ttl_s=60.0)  # the 90 oldest are being loaded
+    more = [bytes([4, i]) + bytes(14) for i in range(15)]
+    d.publish("t", [Entry(k, "h", 1) for k in more])
+    assert len(d.keys("t")) == 100, "the bound holds: unleased keys go, however far down the LRU they are"
+    assert d.match_prefix("t", first[:90]) == 90, "no leased key was evicted"
+    with pytest.raises(ConfigError, match="tier"):
+        Entry(b"k" * 16, "h", 1, "gpu|cpu")
+
+
+def test_a_full_redis_is_an_error_counted_never_raised(redis_url):
+    import redis as redis_lib
+
+    d = redis_dir(redis_url)
+    r = redis_lib.Redis.from_url(redis_url)
+    before = r.config_get("maxmemory")["maxmemory"], r.config_get("maxmemory-policy")["maxmemory-policy"]
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", 1)  # anything written now is refused with OOM
+    try:
+        assert d.publish("t", [Entry(b"k" * 16, "h", 1)]) == 0
+        assert d.match_prefix("t", [b"k" * 16]) == 0
+        assert d.errors >= 1
+    finally:
+        r.config_set("maxmemory", before[0])
+        r.config_set("maxmemory-policy", before[1])

@@ -49,12 +49,18 @@ def _holder(inst: Any, a: attrs.Attribute, v: Any) -> None:
         raise ConfigError(a.name, f"must be a non-empty string, got {v!r}")
 
 
+def _tier(inst: Any, a: attrs.Attribute, v: Any) -> None:
+    _holder(inst, a, v)
+    if "|" in v:
+        raise ConfigError(a.name, f"must not contain '|' (the stored value's separator), got {v!r}")
+
+
 @attrs.frozen
 class Entry:
     key: bytes = attrs.field(validator=_key)
     holder: str = attrs.field(validator=_holder)
     size_bytes: int = attrs.field(default=0, validator=non_negative_int)
-    tier: str = attrs.field(default="pool", validator=_holder)
+    tier: str = attrs.field(default="pool", validator=_tier)
     namespace_digest: bytes = b""
     expires_at_s: float | None = None
 

@@ -68,20 +68,29 @@ local maxk = tonumber(ARGV[1])
 local excess = redis.call('ZCARD', KEYS[1]) - maxk
 local evicted = 0
 if excess > 0 then
-  local cands = redis.call('ZRANGE', KEYS[1], 0, excess + 64)
+  -- walk the LRU from its oldest end in windows, past leased keys, until the bound holds or nothing is left
   local base = string.sub(KEYS[1], 1, -4)
-  for _, hex in ipairs(cands) do
-    if excess <= 0 then break end
-    local b = base .. 'b:' .. hex
-    if redis.call('EXISTS', b) == 0 then
-      redis.call('ZREM', KEYS[1], hex)
-      excess = excess - 1
-    elseif redis.call('EXISTS', ARGV[2] .. hex) == 0 then
-      redis.call('DEL', b)
-      redis.call('ZREM', KEYS[1], hex)
-      excess = excess - 1
-      evicted = evicted + 1
+  local start = 0
+  while excess > 0 do
+    local cands = redis.call('ZRANGE', KEYS[1], start, start + excess + 63)
+    if #cands == 0 then break end
+    local kept = 0
+    for _, hex in ipairs(cands) do
+      if excess <= 0 then break end
+      local b = base .. 'b:' .. hex
+      if redis.call('EXISTS', b) == 0 then
+        redis.call('ZREM', KEYS[1], hex)
+        excess = excess - 1
+      elseif redis.call('EXISTS', ARGV[2] .. hex) == 0 then
+        redis.call('DEL', b)
+        redis.call('ZREM', KEYS[1], hex)
+        excess = excess - 1
+        evicted = evicted + 1
+      else
+        kept = kept + 1
+      end
     end
+    start = start + kept
   end
 end
 return {n, evicted}
@@ -161,7 +170,9 @@ class RedisDirectory:
         self.r = client
         self.prefix = prefix
         self.max_keys_per_tenant = max_keys_per_tenant
-        self._errors_types = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+        # an outage, a timeout, or a full server (maxmemory with noeviction): answered as misses and counted, never raised
+        self._errors_types = tuple(t for t in (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                                               getattr(redis.exceptions, "OutOfMemoryError", None)) if t is not None)
         self._match = client.register_script(_MATCH)
         self._publish = client.register_script(_PUBLISH)
         self._evict = client.register_script(_EVICT)
