@@ -303,3 +303,16 @@ def test_a_full_redis_is_an_error_counted_never_raised(redis_url):
     finally:
         r.config_set("maxmemory", before[0])
         r.config_set("maxmemory-policy", before[1])
+
+
+def test_releasing_a_lease_twice_never_drops_another_readers_lease(directory):
+    d = directory
+    k = bytes([9]) * 16
+    d.publish("t", [Entry(k, "h", 1)])
+    a = d.lease("t", [k], ttl_s=60.0)
+    b = d.lease("t", [k], ttl_s=60.0)
+    d.release(a)
+    d.release(a)
+    assert d.leased("t", k), "b still holds it"
+    d.release(b)
+    assert not d.leased("t", k)

@@ -8,7 +8,7 @@ scripts below stay single-slot::
     {p:t}:lru              zset   key hex -> last-touch counter (the directory's own LRU; one tick per key, the chain's head
                                   newest, so capacity eviction takes a chain's leaves first)
     {p:t}:clock            string the counter
-    {p:t}:lease:<key hex>  string number of live leases on the key (expires with the longest)
+    {p:t}:lease:<key hex>  set    the ids of the live leases on the key (expires with the longest; a double release is a no-op)
 
 ``match_prefix`` is one ``EVALSHA``: the script walks the chain and stops at the
 first key with no live holder, touching what it matched. ``publish`` is one
@@ -114,9 +114,10 @@ end
 return n
 """
 
+# a key's leases are a set of lease ids (expiring with the longest): releasing one twice is a no-op
 _LEASE = """
 for i = 1, #KEYS do
-  redis.call('INCR', KEYS[i])
+  redis.call('SADD', KEYS[i], ARGV[2])
   if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[1]) then redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
 end
 return #KEYS
@@ -124,7 +125,8 @@ return #KEYS
 
 _RELEASE = """
 for i = 1, #KEYS do
-  if redis.call('DECR', KEYS[i]) <= 0 then redis.call('DEL', KEYS[i]) end
+  redis.call('SREM', KEYS[i], ARGV[1])
+  if redis.call('SCARD', KEYS[i]) == 0 then redis.call('DEL', KEYS[i]) end
 end
 return #KEYS
 """
@@ -272,15 +274,16 @@ class RedisDirectory:
         if not ttl_s > 0:
             raise ConfigError("ttl_s", f"must be positive, got {ttl_s}")
         names = [base + "lease:" + k.hex() for k in ks]
+        lease_id = f"redis-{uuid.uuid4().hex}"
         if names:
-            self._call(lambda: self._lease(keys=names, args=[int(ttl_s * 1000)]), 0)
-        return Lease(f"redis-{uuid.uuid4().hex}", tenant, tuple(ks), time.time() + ttl_s)
+            self._call(lambda: self._lease(keys=names, args=[int(ttl_s * 1000), lease_id]), 0)
+        return Lease(lease_id, tenant, tuple(ks), time.time() + ttl_s)
 
     def release(self, lease: Lease) -> None:
         base = self._base(lease.tenant)
         names = [base + "lease:" + k.hex() for k in lease.keys]
-        if names and lease.expires_at_s > time.time():
-            self._call(lambda: self._release(keys=names, args=[]), 0)
+        if names:
+            self._call(lambda: self._release(keys=names, args=[lease.lease_id]), 0)
 
     def leased(self, tenant: str, key: bytes) -> bool:
         return bool(self._call(lambda: self.r.exists(self._base(tenant) + "lease:" + key.hex()), 0))
