@@ -134,7 +134,7 @@ def test_match_prefix_is_one_round_trip(redis_url):
     delta.pop("cmdstat_info", None)
     # one client round trip (EVALSHA); what runs inside the script is server-side
     assert delta["cmdstat_evalsha"] == 1
-    assert set(delta) <= {"cmdstat_evalsha", "cmdstat_exists", "cmdstat_zadd", "cmdstat_incrby"}
+    assert set(delta) <= {"cmdstat_evalsha", "cmdstat_hvals", "cmdstat_time", "cmdstat_zadd", "cmdstat_incrby"}
     assert d.match_prefix_per_key("t", chain) == 64
 
 
@@ -316,3 +316,22 @@ def test_releasing_a_lease_twice_never_drops_another_readers_lease(directory):
     assert d.leased("t", k), "b still holds it"
     d.release(b)
     assert not d.leased("t", k)
+
+
+def test_expiry_is_per_holder_on_redis_as_in_the_reference(redis_url):
+    """One holder's expiry never removes another holder's live entry, and an expired holder never
+    lingers because another holder is persistent."""
+    d = redis_dir(redis_url)
+    k, k2 = bytes([11]) * 16, bytes([12]) * 16
+    d.publish("t", [Entry(k, "forever", 1)])
+    d.publish("t", [Entry(k, "brief", 1, expires_at_s=time.time() + 0.1)])
+    d.publish("t", [Entry(k2, "brief", 1, expires_at_s=time.time() + 0.1)])
+    d.publish("t", [Entry(k2, "later", 1, expires_at_s=time.time() + 60)])
+    time.sleep(0.25)
+    assert [e.holder for e in d.lookup("t", [k])[0]] == ["forever"], "the persistent holder stays, the expired one is gone"
+    assert [e.holder for e in d.lookup("t", [k2])[0]] == ["later"]
+    assert d.match_prefix("t", [k, k2]) == 2
+    only = bytes([13]) * 16
+    d.publish("t", [Entry(only, "brief", 1, expires_at_s=time.time() + 0.1)])
+    time.sleep(0.25)
+    assert d.match_prefix("t", [only]) == 0 and d.lookup("t", [only]) == [[]]

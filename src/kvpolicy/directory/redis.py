@@ -33,10 +33,27 @@ from typing import Any
 from ..errors import ConfigError
 from .base import Entry, Lease, TenantIndex, check_keys, check_tenant
 
-_MATCH = """
+# a holder's entry is live while its own expiry (the value's last field, absolute seconds; '' = none) is ahead
+_LIVE = """
+local function live(key, now)
+  local vals = redis.call('HVALS', key)
+  for _, v in ipairs(vals) do
+    local exp = string.match(v, '|([^|]*)$')
+    if exp == nil or exp == '' or tonumber(exp) > now then return true end
+  end
+  return false
+end
+local function now_s()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1e6
+end
+"""
+
+_MATCH = _LIVE + """
 local n = 0
+local now = now_s()
 for i = 3, #KEYS do
-  if redis.call('EXISTS', KEYS[i]) == 0 then break end
+  if not live(KEYS[i], now) then break end
   n = n + 1
 end
 if n > 0 then
@@ -55,12 +72,15 @@ for i = 3, #KEYS do
   local j = (i - 3) * 4 + 3
   local hex, holder, value, exp = ARGV[j], ARGV[j + 1], ARGV[j + 2], ARGV[j + 3]
   redis.call('HSET', KEYS[i], holder, value)
-  if exp ~= '' then
-    local cur = redis.call('PEXPIRETIME', KEYS[i])
-    if cur == -1 or tonumber(exp) > cur then redis.call('PEXPIREAT', KEYS[i], exp) end
-  else
-    redis.call('PERSIST', KEYS[i])
+  -- the hash lives as long as its longest-lived holder: persistent if any holder is, else the latest expiry
+  local keep, latest = false, 0
+  for _, v in ipairs(redis.call('HVALS', KEYS[i])) do
+    local e = string.match(v, '|([^|]*)$')
+    if e == nil or e == '' then keep = true break end
+    local ms = math.floor(tonumber(e) * 1000)
+    if ms > latest then latest = ms end
   end
+  if keep then redis.call('PERSIST', KEYS[i]) else redis.call('PEXPIREAT', KEYS[i], latest) end
   redis.call('ZADD', KEYS[1], tick - (i - 3), hex)
   n = n + 1
 end
@@ -250,8 +270,10 @@ class RedisDirectory:
         if raw is None:
             return [[] for _ in ks]
         out = []
+        now = time.time()
         for k, h in zip(ks, raw):
-            out.append(sorted((Entry.unpack(k, holder.decode(), v) for holder, v in h.items()), key=lambda e: e.holder))
+            entries = (Entry.unpack(k, holder.decode(), v) for holder, v in h.items())
+            out.append(sorted((e for e in entries if e.expires_at_s is None or e.expires_at_s > now), key=lambda e: e.holder))
         return out
 
     def evict(self, tenant: str, keys: Sequence[bytes], holder: str | None = None, force: bool = False) -> int:
