@@ -335,3 +335,21 @@ def test_expiry_is_per_holder_on_redis_as_in_the_reference(redis_url):
     d.publish("t", [Entry(only, "brief", 1, expires_at_s=time.time() + 0.1)])
     time.sleep(0.25)
     assert d.match_prefix("t", [only]) == 0 and d.lookup("t", [only]) == [[]]
+
+
+def test_a_tenant_scoped_directory_cannot_reach_another_tenant(directory):
+    from kvpolicy.directory import TenantScopedDirectory
+
+    a = TenantScopedDirectory(directory, "tenant-a", namespace_digest=b"\x01" * 16)
+    b = TenantScopedDirectory(directory, "tenant-b")
+    k = bytes([21]) * 16
+    a.publish([Entry(k, "h", 1, "gpu", b"\x01" * 16)])
+    assert a.match_prefix([k]) == 1 and b.match_prefix([k]) == 0 and b.keys() == []
+    assert b.evict([k], force=True) == 0 and b.clear_holder("h") == 0
+    assert a.match_prefix([k]) == 1, "tenant b's calls never touched tenant a's entry"
+    with pytest.raises(ConfigError, match="namespace"):
+        a.publish([Entry(bytes([22]) * 16, "h", 1, "gpu", b"\x02" * 16)])
+    lease = a.lease([k], ttl_s=30.0)
+    with pytest.raises(ConfigError, match="lease"):
+        b.release(lease)
+    a.release(lease)

@@ -97,3 +97,54 @@ class TenantIndex:
 
     def match_prefix(self, keys: Sequence[bytes]) -> int:
         return int(self.directory.match_prefix(self.tenant, keys))
+
+
+class TenantScopedDirectory:
+    """One tenant's directory: the tenant is bound at construction, so code holding this object
+    cannot name another tenant — list, match, evict or clear its entries. With ``namespace_digest``,
+    it also refuses to publish entries built under another namespace and never returns them from
+    ``lookup``. (On Redis, pair it with a per-tenant ACL user: the object scopes the code, the ACL the
+    connection — see docs/security.md.)"""
+
+    def __init__(self, directory: Any, tenant: str, namespace_digest: bytes | None = None) -> None:
+        self._d = directory
+        self.tenant = check_tenant(tenant)
+        if namespace_digest is not None and (not isinstance(namespace_digest, bytes) or not namespace_digest):
+            raise ConfigError("namespace_digest", f"must be non-empty bytes or None, got {namespace_digest!r}")
+        self.namespace_digest = namespace_digest
+
+    def publish(self, entries: Sequence[Entry]) -> int:
+        if self.namespace_digest is not None:
+            for e in entries:
+                if e.namespace_digest != self.namespace_digest:
+                    raise ConfigError("namespace_digest", f"entry for {e.key.hex()[:12]}… was built under another namespace: refused")
+        return int(self._d.publish(self.tenant, entries))
+
+    def match_prefix(self, keys: Sequence[bytes]) -> int:
+        return int(self._d.match_prefix(self.tenant, keys))
+
+    def lookup(self, keys: Sequence[bytes]) -> list[list[Entry]]:
+        rows = self._d.lookup(self.tenant, keys)
+        if self.namespace_digest is None:
+            return rows
+        return [[e for e in row if e.namespace_digest == self.namespace_digest] for row in rows]
+
+    def evict(self, keys: Sequence[bytes], holder: str | None = None, force: bool = False) -> int:
+        return int(self._d.evict(self.tenant, keys, holder=holder, force=force))
+
+    def lease(self, keys: Sequence[bytes], ttl_s: float) -> Lease:
+        return self._d.lease(self.tenant, keys, ttl_s)
+
+    def release(self, lease: Lease) -> None:
+        if lease.tenant != self.tenant:
+            raise ConfigError("lease", f"belongs to tenant {lease.tenant!r}, not {self.tenant!r}")
+        self._d.release(lease)
+
+    def clear_holder(self, holder: str) -> int:
+        return int(self._d.clear_holder(self.tenant, holder))
+
+    def keys(self) -> list[bytes]:
+        return list(self._d.keys(self.tenant))
+
+    def index(self) -> TenantIndex:
+        return TenantIndex(self._d, self.tenant)
