@@ -164,10 +164,24 @@ def test_the_oracles_hindsight_routes_are_the_routes_taken(trace, prepared, rout
 
 
 def test_failure_draws_are_the_same_for_every_policy_set(trace, prepared):
+    """The draws depend only on (seed, request, attempt, node, purpose): another process with another
+    PYTHONHASHSEED draws the same numbers, and they are uniform on [0, 1)."""
+    import os
+    import subprocess
+    import sys
+
     from kvpolicy.sim.engine import _unit
 
-    assert _unit(0, 5, 0, 1, 1) == _unit(0, 5, 0, 1, 1)
-    assert _unit(0, 5, 0, 1, 1) != _unit(1, 5, 0, 1, 1)
+    args = [(0, 5, 0, 1, 1), (3, 17, 1, 2, 2), (9, 0, 0, 0, 3)]
+    code = "from kvpolicy.sim.engine import _unit; print([_unit(*a) for a in %r])" % (args,)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "12345"}, check=True)
+    assert eval(out.stdout) == [_unit(*a) for a in args]
+    draws = [_unit(0, i, 0, 1, 1) for i in range(4000)]
+    assert all(0.0 <= x < 1.0 for x in draws) and abs(sum(draws) / len(draws) - 0.5) < 0.02
+    assert _unit(0, 5, 0, 1, 1) != _unit(1, 5, 0, 1, 1), "another seed, another draw"
+    c = cluster(trace, failure_rate=0.3)
+    fails = {name: run(prepared, c, name).loads_failed for name in ("lmcache-like", "sglang-like")}
+    assert all(v > 0 for v in fails.values())
 
 
 def test_apply_spike_squeezes_the_window_and_keeps_every_request(trace):
