@@ -218,6 +218,27 @@ def test_contract_catches_loading_when_recompute_is_faster():
     caught(C, "load-only-when-it-wins")
 
 
+class NeverLoads(AdmissionController):
+    """Recomputes everything and says the link is too slow."""
+
+    def decide(self, match, ctx):
+        import attrs
+
+        d = super().propose(match, ctx)
+        if d.action == "load":
+            d = attrs.evolve(d, action="recompute", reason="slower_than_recompute", load_blocks=0, load_id=None)
+        return d
+
+
+def test_contract_catches_a_controller_that_never_loads():
+    class C(AdmissionContract):
+        def make_controller(self, clock):
+            return NeverLoads(LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), PREFILL),
+                              AdmissionConfig(max_loads_per_replica=2, max_loads_per_source=3), clock=clock)
+
+    caught(C, "refuse-only-when-it-loses")
+
+
 # --------------------------------------------------------------------------- differential helper, strategies, plugin
 
 

@@ -223,7 +223,8 @@ class PublishFilterContract(RuleBasedStateMachine):
 
 
 class AdmissionContract(RuleBasedStateMachine):
-    """caps, never use a failed block, and a load only when it wins."""
+    """caps, never use a failed block, a load only when it wins — and a refusal only when its own
+    numbers (or a guard rail that really binds) justify it: a controller that never loads fails."""
 
     max_loads_per_replica = 2
     max_loads_per_source = 3
@@ -251,6 +252,21 @@ class AdmissionContract(RuleBasedStateMachine):
             _require(d.t_remote_p95_s + d.interference_s < margin * d.t_recompute_p50_s, "load-only-when-it-wins",
                      f"loads although p95 remote {d.t_remote_p95_s:.4g}s + interference {d.interference_s:.4g}s >= {margin} x p50 recompute {d.t_recompute_p50_s:.4g}s")
             self.inflight.append(d)
+        elif remote > 0:
+            # a refusal must be justified: by its own numbers, or by a guard rail that really binds
+            # (a controller that never loads fails here)
+            busy_replica = sum(1 for x in self.inflight if x.replica == replica)
+            if d.reason == "slower_than_recompute":
+                margin = getattr(getattr(self.c, "config", None), "margin", 1.0)
+                _require(d.t_remote_p95_s is not None and d.t_recompute_p50_s is not None, "refusal-has-its-numbers",
+                         "refused as slower than recompute without the predicted terms that say so")
+                _require(d.t_remote_p95_s + (d.interference_s or 0.0) >= margin * d.t_recompute_p50_s, "refuse-only-when-it-loses",
+                         f"refused although p95 remote {d.t_remote_p95_s:.4g}s + interference {d.interference_s or 0.0:.4g}s < "
+                         f"{margin} x p50 recompute {d.t_recompute_p50_s:.4g}s")
+            elif d.reason == "replica_cap":
+                _require(busy_replica >= self.max_loads_per_replica, "guard-rail-binds", f"replica_cap with {busy_replica} loads in flight")
+            elif d.reason == "source_cap":
+                _require(len(self.inflight) >= self.max_loads_per_source, "guard-rail-binds", f"source_cap with {len(self.inflight)} loads in flight")
         per_replica: dict[str, int] = {}
         for x in self.inflight:
             per_replica[x.replica] = per_replica.get(x.replica, 0) + 1
