@@ -195,3 +195,23 @@ def test_analyze_verdicts():
     n = 50
     no = Trace(arrival_s=np.arange(n, dtype=float), input_tokens=np.full(n, 64), output_tokens=np.ones(n, np.int64), block_offsets=np.arange(n + 1) * 4, block_ids=np.arange(4 * n), partial_block_ids=np.full(n, -1), block_size_tokens=16)
     assert analyze(no, bytes_per_token=1024)["verdict"] == "no reuse worth chasing"
+
+
+@given(st.lists(st.integers(-1, 40), max_size=80), st.lists(st.integers(0, 45), min_size=1, max_size=6), st.booleans())
+def test_hits_at_counts_exactly_the_distances_below_each_capacity(dists, caps, weighted):
+    """An access with stack distance d hits an LRU cache of C blocks iff 0 <= d < C (d = -1: a first access)."""
+    from kvpolicy.analysis.mrc import hits_at
+
+    w = [1.0 + (i % 3) for i in range(len(dists))] if weighted else None
+    got = hits_at(np.asarray(dists, dtype=np.int64), np.asarray(caps, dtype=np.int64), None if w is None else np.asarray(w))
+    for c, g in zip(caps, got):
+        want = sum((w[i] if w else 1.0) for i, d in enumerate(dists) if 0 <= d < c)
+        assert g == pytest.approx(want)
+
+
+def test_hits_at_on_a_capacity_boundary_and_the_far_path():
+    from kvpolicy.analysis.mrc import hits_at
+
+    assert list(hits_at(np.array([0, 1, 2, 2, 5]), np.array([0, 1, 2, 3, 6]))) == [0, 1, 2, 4, 5]
+    far = np.array([0, 10**9, 3, 10**9 + 1])  # large distances take the sort path
+    assert list(hits_at(far, np.array([1, 4, 10**9, 10**9 + 1, 10**9 + 2]))) == [1, 2, 2, 3, 4]
