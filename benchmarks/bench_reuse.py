@@ -31,7 +31,7 @@ from _common import print_table, write_json
 from kvpolicy.analysis import default_capacities, hits_at, lru_hit_ratio_curve, mean_absolute_error, shards, stack_distances
 from kvpolicy.traces import first_appearance_ids, generate, preset, read_mooncake
 
-TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = Path(__file__).resolve().parent.parent / "data" / "mooncake_conversation_trace.jsonl.gz"  # shipped with the repo
 
 
 def skewed_stream(n: int, m: int, seed: int) -> np.ndarray:

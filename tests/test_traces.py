@@ -197,3 +197,35 @@ def test_trace_validation():
         Trace(**{**ok, "arrival_s": [1.0, 0.0], "input_tokens": [10, 10], "output_tokens": [1, 1], "block_offsets": [0, 0, 0], "partial_block_ids": [0, 1]})
     with pytest.raises(ConfigError, match="block_size_tokens"):
         Trace(**{**ok, "block_size_tokens": 0})
+
+
+def test_gzip_trace_reads_like_plain_and_bad_gzip_names_the_file(tmp_path):
+    import gzip
+
+    objs = [mc(0, 1100, [7, 8, 9]), mc(1000, 1024, [7, 8]), mc(2000, 100, [5])]
+    plain = write_lines(tmp_path / "t.jsonl", objs)
+    gz = tmp_path / "t.jsonl.gz"
+    gz.write_bytes(gzip.compress(plain.read_bytes()))
+    a, b = read_mooncake(plain), read_trace(gz)
+    assert detect_format(gz) == "mooncake"
+    assert b.full_blocks.tolist() == a.full_blocks.tolist() == [2, 2, 0]
+    assert b.arrival_s.tolist() == a.arrival_s.tolist() and len(b) == 3
+    # a gzip stream cut short is a trace error naming the file, not an EOFError from zlib
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gz.read_bytes()[:-12])
+    with pytest.raises(TraceFormatError, match="cut.jsonl.gz.*gzip"):
+        read_mooncake(cut)
+    # a .gz name over plain bytes is refused the same way
+    fake = tmp_path / "fake.jsonl.gz"
+    fake.write_bytes(plain.read_bytes())
+    with pytest.raises(TraceFormatError, match="fake.jsonl.gz.*gzip"):
+        read_trace(fake)
+
+
+def test_shipped_trace_is_the_mooncake_conversation_trace():
+    from pathlib import Path
+
+    p = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_trace.jsonl.gz"
+    assert p.exists(), "data/mooncake_conversation_trace.jsonl.gz is missing from the repository"
+    tr = read_trace(p)
+    assert tr.block_size_tokens == 512 and len(tr) > 10_000

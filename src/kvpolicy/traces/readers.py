@@ -23,6 +23,37 @@ Format = Literal["mooncake", "bailian", "tokens"]
 FORMATS = ("mooncake", "bailian", "tokens")
 
 
+def open_trace(path: str | Path) -> Any:
+    """A binary line reader for a trace file, gzip-compressed (``.gz``, or a gzip magic number) or plain."""
+    import gzip
+
+    p = Path(path)
+    if p.is_dir():
+        raise TraceFormatError(str(path), None, "is a directory, not a trace file")
+    with open(p, "rb") as f:
+        magic = f.read(2)
+    if p.suffix == ".gz" or magic == b"\x1f\x8b":
+        return gzip.open(p, "rb")
+    return open(p, "rb")
+
+
+def _numbered(f: Any, path: str) -> Iterator[tuple[int, bytes]]:
+    """``enumerate(f, 1)`` that turns a corrupt or truncated gzip stream into a TraceFormatError."""
+    import gzip
+
+    lineno = 0
+    it = iter(f)
+    while True:
+        try:
+            raw = next(it)
+        except StopIteration:
+            return
+        except (gzip.BadGzipFile, EOFError, OSError) as exc:
+            raise TraceFormatError(path, lineno + 1 if lineno else None, f"not a readable gzip stream ({exc})") from None
+        lineno += 1
+        yield lineno, raw
+
+
 class _Lines:
     """Numbered JSON objects of a JSONL file; errors carry file and line."""
 
@@ -34,8 +65,8 @@ class _Lines:
             raise TraceFormatError(self.path, None, "no such file")
 
     def __iter__(self) -> Iterator[tuple[int, dict[str, Any]]]:
-        with open(self.path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
+        with open_trace(self.path) as f:
+            for lineno, raw in _numbered(f, self.path):
                 if not raw.strip():
                     continue
                 try:
@@ -321,8 +352,8 @@ def detect_format(path: str | Path) -> Format:
     p = Path(path)
     if not p.exists():
         raise TraceFormatError(str(path), None, "no such file")
-    with open(p, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+    with open_trace(p) as f:
+        for lineno, raw in _numbered(f, str(path)):
             if not raw.strip():
                 continue
             try:
