@@ -206,3 +206,89 @@ def test_publish_bench_and_plan_warmup_commands(capsys, tmp_path):
     hot.write_text(json.dumps({"prefixes": [{"prefix": "sys", "tokens": 2048, "access_count": 40}]}))
     rc, text, _ = run(capsys, "plan-warmup", str(hot), "--replicas", "2", "--window-s", "5", "--bandwidth-gbps", "10")
     assert rc == 0 and "verdict" in text
+
+
+# a profile of the reference engine: 512 KV bytes/token and a slow numpy prefill
+REF_PROFILE = """prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms
+256,131072,180.0,12.0
+1024,524288,820.0,20.0
+4096,2097152,4100.0,60.0
+"""
+
+
+@pytest.mark.parametrize("cmd", [
+    ["breakeven", "--config", "llama-3-8b", "--bandwidth-gbps", "25"],
+    ["compare", "--config", "llama-3.1-70b", "--scenario", "steady", "--policies", "kvpolicy", "--no-progress"],
+    ["publish-bench", "--no-progress"],
+    ["plan-warmup", "--replicas", "2", "--window-s", "30", "--bandwidth-gbps", "50"],
+])
+def test_profile_of_another_model_is_refused_naming_both_numbers(capsys, tmp_path, cmd):
+    p = tmp_path / "ref.csv"
+    p.write_text(REF_PROFILE)
+    rc, out, err = run(capsys, *cmd, "--profile", str(p))
+    assert rc == 2 and out == ""
+    assert "--profile" in err and "512 KV bytes/token" in err and "--allow-mismatch" in err
+    assert ("131,072" in err) if "llama-3.1-70b" not in cmd else ("327,680" in err)
+    # the same profile with its own model goes through
+    own = [a for a in cmd if a not in ("--config", "llama-3-8b", "llama-3.1-70b")]
+    if cmd[0] != "compare":  # compare with the reference engine's slow prefill is an overload (next test)
+        rc, _, err = run(capsys, *own, "--profile", str(p), "--bytes-per-token", "512")
+        assert rc == 0, err
+
+
+def test_mismatch_tolerance_edges_and_override(capsys, tmp_path):
+    from kvpolicy.errors import ConfigError
+    from kvpolicy.profile import check_matches_model, parse_profile
+
+    prof = parse_profile(PROFILE)  # 131,072 bytes/token exactly
+    assert check_matches_model(prof, 131072, "m") == pytest.approx(0.0)
+    assert check_matches_model(prof, 131072 * 1.09, "m") == pytest.approx(1 - 1 / 1.09)
+    with pytest.raises(ConfigError, match="--profile"):
+        check_matches_model(prof, 131072 * 1.12, "m")
+    with pytest.raises(ConfigError, match="--profile"):
+        check_matches_model(prof, 131072 / 1.12, "m")
+    p = tmp_path / "p.csv"
+    p.write_text(PROFILE)
+    rc, out, err = run(capsys, "breakeven", "--config", "llama-3.1-70b", "--profile", str(p), "--bandwidth-gbps", "25")
+    assert rc == 2 and "327,680" in err and "131,072" in err
+    rc, out, err = run(capsys, "breakeven", "--config", "llama-3.1-70b", "--profile", str(p), "--bandwidth-gbps", "25", "--allow-mismatch")
+    assert rc == 0 and "break-even" in out.lower()
+    rc, out, _ = run(capsys, "size", "--config", "llama-3.1-70b", "--profile", str(p))
+    assert rc == 0 and "MISMATCH" in out
+    rc, out, _ = run(capsys, "size", "--config", "llama-3-8b", "--profile", str(p))
+    assert rc == 0 and "MISMATCH" not in out
+
+
+def test_compare_refuses_a_load_no_cache_could_carry(capsys, tmp_path):
+    p = tmp_path / "ref.csv"
+    p.write_text(REF_PROFILE)
+    args = ["compare", "--scenario", "steady", "--policies", "kvpolicy", "--no-progress", "--bytes-per-token", "512", "--profile", str(p)]
+    rc, out, err = run(capsys, *args)
+    assert rc == 2 and out == ""
+    assert "--replicas" in err and "no cache can avoid" in err
+    assert "--allow-overload" in err
+    rc, out, err = run(capsys, *args, "--allow-overload")
+    assert rc == 0 and "OVERLOADED" in out
+    rc, out, _ = run(capsys, "compare", "--scenario", "steady", "--policies", "kvpolicy", "--no-progress")
+    assert rc == 0 and "OVERLOADED" not in out and "with an infinite cache" in out
+
+
+def test_offered_load_against_a_hand_count():
+    import numpy as np
+
+    from kvpolicy.profile import PrefillModel
+    from kvpolicy.sim import default_cluster
+    from kvpolicy.sim.compare import offered_load
+    from kvpolicy.traces import Trace
+
+    # 3 requests of 2 full blocks (B=4): [0,1], [0,1], [0,2]; 1 s per token, nothing else
+    tr = Trace(arrival_s=np.array([0.0, 5.0, 10.0]), input_tokens=np.array([8, 8, 8]), output_tokens=np.array([1, 1, 1]),
+               block_offsets=np.array([0, 2, 4, 6]), block_ids=np.array([0, 1, 0, 1, 0, 2]),
+               partial_block_ids=np.array([-1, -1, -1]), block_size_tokens=4)
+    m = PrefillModel(a_s=0.0, b_s_per_token=1.0, c_s_per_token2=0.0, rms_rel_error=0.0, max_rel_error=0.0)
+    cl = default_cluster(tr, bytes_per_token=512, prefill=m, replicas=2)
+    ld = offered_load(tr, cl)
+    assert ld["cold_prefill_s"] == pytest.approx(24.0)
+    # request 0 computes 8; request 1 has 2 blocks seen but must recompute its last token: 1; request 2 reuses block 0: 4
+    assert ld["infinite_cache_prefill_s"] == pytest.approx(8 + 1 + 4)
+    assert ld["cold_utilisation"] == pytest.approx(24.0 / (10.0 * 2 * cl.prefill_slots))

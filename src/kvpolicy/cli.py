@@ -137,6 +137,13 @@ def _render_size(p: dict[str, Any]) -> str:
                 f"measured slope   {pr['measured_bytes_per_token']:,.1f} bytes/token "
                 f"(formula / measured = {pr['formula_over_measured']:.3f})"
             )
+            from .profile import MISMATCH_TOLERANCE
+
+            if abs(1.0 / pr["formula_over_measured"] - 1.0) > MISMATCH_TOLERANCE:
+                lines.append(
+                    f"MISMATCH         more than {MISMATCH_TOLERANCE:.0%} apart: this profile was measured on another model or KV dtype; "
+                    "breakeven / compare / publish-bench / plan-warmup refuse it with this config unless --allow-mismatch"
+                )
         lines.append(
             f"prefill model    T_prefill(T) = {m['a_s'] * 1e3:.3f} ms + {m['b_s_per_token'] * 1e6:.4f} us*T + "
             f"{m['c_s_per_token2'] * 1e12:.4f} ps*T^2   (rms rel err {m['rms_rel_error']:.1%}, max {m['max_rel_error']:.1%})"
@@ -291,7 +298,7 @@ def _cmd_breakeven(args: argparse.Namespace) -> int:
     from .profile import read_profile
 
     bpt, model_note = _bytes_per_token(args)
-    prof = read_profile(args.profile)
+    prof = _read_checked_profile(args, bpt, model_note)
     res = breakeven(
         bytes_per_token=bpt, prefill=prof.prefill_model(), bandwidth_gbps=args.bandwidth_gbps, block_size_tokens=args.block_size,
         prefix_tokens=args.prefix_tokens, lookup_s=args.lookup_ms / 1e3, queue_s=args.queue_ms / 1e3, stage_s=args.stage_ms / 1e3,
@@ -346,11 +353,20 @@ def _cmd_evict_bench(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- publish-bench / plan-warmup
 
 
-def _prefill_model(args: argparse.Namespace) -> Any:
-    from .profile import read_profile
+def _read_checked_profile(args: argparse.Namespace, bpt: int, model_note: str) -> Any:
+    """The --profile CSV, refused when its measured bytes/token is not the model's (see --allow-mismatch)."""
+    from .profile import check_matches_model, read_profile
+
+    prof = read_profile(args.profile)
+    if not getattr(args, "allow_mismatch", False):
+        check_matches_model(prof, bpt, model_note.split(" (")[0])
+    return prof
+
+
+def _prefill_model(args: argparse.Namespace, bpt: int, model_note: str) -> Any:
     from .publish_sim import DEFAULT_PREFILL
 
-    return read_profile(args.profile).prefill_model() if args.profile else DEFAULT_PREFILL
+    return _read_checked_profile(args, bpt, model_note).prefill_model() if args.profile else DEFAULT_PREFILL
 
 
 def _cmd_publish_bench(args: argparse.Namespace) -> int:
@@ -362,7 +378,7 @@ def _cmd_publish_bench(args: argparse.Namespace) -> int:
     prog("reading trace")
     trace = _load_trace(args)
     res = publish_bench(trace, args.policies, replicas=args.replicas, routing=args.routing, pool_capacity_blocks=args.pool_capacity_blocks,
-                        bytes_per_token=bpt, prefill=_prefill_model(args), write_bytes_per_s=args.write_gbps * 1e9 / 8, seed=args.seed, progress=prog)
+                        bytes_per_token=bpt, prefill=_prefill_model(args, bpt, model_note), write_bytes_per_s=args.write_gbps * 1e9 / 8, seed=args.seed, progress=prog)
     prog.done()
     res["model"] = model_note
     _write_report(args.json, res)
@@ -373,11 +389,11 @@ def _cmd_publish_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_hot(args: argparse.Namespace, bpt: int) -> list[Any]:
+def _load_hot(args: argparse.Namespace, bpt: int, model_note: str) -> list[Any]:
     from .traces import detect_format, generate, preset, read_trace
     from .warmup import HotPrefix, hot_prefixes_from_trace
 
-    prefill = _prefill_model(args)
+    prefill = _prefill_model(args, bpt, model_note)
     src = args.source
     if src and src.endswith(".json"):
         try:
@@ -412,7 +428,7 @@ def _cmd_plan_warmup(args: argparse.Namespace) -> int:
     from .warmup import WarmupConfig, plan_warmup
 
     bpt, model_note = _bytes_per_token(args)
-    hot = _load_hot(args, bpt)
+    hot = _load_hot(args, bpt, model_note)
     cfg = WarmupConfig(replicas=args.replicas, window_s=args.window_s, bandwidth_bytes_per_s=args.bandwidth_gbps * 1e9 / 8,
                        current_load_bytes_per_s=args.current_load_gbps * 1e9 / 8, max_loads_per_replica=args.max_loads_per_replica,
                        max_loads_pool=args.max_loads_pool, min_access_count=args.min_access_count, readiness_share=args.readiness_share)
@@ -473,6 +489,7 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .progress import Progress
     from .sim import POLICY_SETS, SCENARIOS, compare, default_cluster, figures, render
+    from .sim.compare import check_offered_load, offered_load
 
     prog = Progress("compare", enabled=None if not args.no_progress else False)
     bpt, model_note = _bytes_per_token(args)
@@ -491,9 +508,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                         ("--pool-share", args.pool_share)):
         if value < 0:
             raise ConfigError(name, f"must be non-negative, got {value}")
-    cluster = default_cluster(trace, bytes_per_token=bpt, prefill=_prefill_model(args), replicas=args.replicas, local_kv_gib=args.local_kv_gib,
+    cluster = default_cluster(trace, bytes_per_token=bpt, prefill=_prefill_model(args, bpt, model_note), replicas=args.replicas, local_kv_gib=args.local_kv_gib,
                               pool_share=args.pool_share, storage_nodes=args.storage_nodes, **overrides)
-    report, raw = compare(trace, cluster, scenarios=scenarios, policies=policies, seed=args.seed, progress=prog)
+    load = offered_load(trace, cluster)
+    if not args.allow_overload:
+        check_offered_load(load)
+    report, raw = compare(trace, cluster, scenarios=scenarios, policies=policies, seed=args.seed, progress=prog, load=load)
     report["model"] = model_note
     if args.plot:
         prog("plots")
@@ -622,6 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--kv-dtype", default=None)
     b.add_argument("--bytes-per-token", type=_positive_int, default=None)
     b.add_argument("--profile", required=True, help="measured profile CSV (prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms)")
+    b.add_argument("--allow-mismatch", action="store_true", help="use a --profile whose measured KV bytes/token differs from the model's by more than 10%%")
     b.add_argument("--bandwidth-gbps", type=float, required=True, help="useful bandwidth under contention, Gbit/s (10^9 bits)")
     for flag, default, what in (("--lookup-ms", 0.5, "hash + metadata lookup"), ("--queue-ms", 0.0, "waiting for link/staging/server"),
                                 ("--stage-ms", 0.0, "copy through CPU memory"), ("--install-ms", 0.0, "placing blocks into the cache"),
@@ -650,6 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--routing", choices=["random", "round-robin", "prefix-affinity"], default="round-robin")
     pb.add_argument("--pool-capacity-blocks", type=_positive_int, default=None, help="LRU pool capacity (default infinite)")
     pb.add_argument("--profile", default=None, help="measured profile CSV for recompute seconds (default: an order-of-magnitude model)")
+    pb.add_argument("--allow-mismatch", action="store_true", help="use a --profile whose measured KV bytes/token differs from the model's by more than 10%%")
     pb.add_argument("--write-gbps", type=float, default=100.0, help="pool write bandwidth for the reuse-aware cost (default 100)")
     pb.add_argument("--json", default=None, metavar="OUT")
     pb.add_argument("--no-progress", action="store_true")
@@ -664,6 +686,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--kv-dtype", default=None)
     w.add_argument("--bytes-per-token", type=_positive_int, default=None)
     w.add_argument("--profile", default=None, help="measured profile CSV for recompute seconds")
+    w.add_argument("--allow-mismatch", action="store_true", help="use a --profile whose measured KV bytes/token differs from the model's by more than 10%%")
     w.add_argument("--replicas", type=_positive_int, required=True)
     w.add_argument("--window-s", type=float, required=True)
     w.add_argument("--bandwidth-gbps", type=float, required=True, help="useful link bandwidth, Gbit/s")
@@ -683,6 +706,8 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--scenario", choices=["steady", "scale-out", "spike", "degraded", "all"], default="all", help="load view (default all)")
     cp.add_argument("--policies", type=_policy_list, default=None, help=f"comma-separated policy sets (default {','.join(POLICY_SETS)})")
     cp.add_argument("--profile", default=None, help="measured profile CSV for prefill times (default: an order-of-magnitude model)")
+    cp.add_argument("--allow-overload", action="store_true", help="simulate even when the offered prefill load exceeds the cluster's capacity with an infinite cache")
+    cp.add_argument("--allow-mismatch", action="store_true", help="use a --profile whose measured KV bytes/token differs from the model's by more than 10%%")
     cp.add_argument("--replicas", type=_positive_int, default=8)
     cp.add_argument("--router", choices=list(ROUTERS), default="round-robin", help="request router (default round-robin)")
     cp.add_argument("--local-kv-gib", type=float, default=28.0, help="effective local KV cache per replica, GiB (default 28)")

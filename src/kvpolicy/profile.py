@@ -146,6 +146,35 @@ def _fmt(x: float) -> str:
     return repr(float(x))
 
 
+#: A profile's measured KV bytes/token may differ from a config's formula by this much before
+#: the two are refused as describing different models (padding, allocator rounding and
+#: per-block metadata stay well inside it; a different model or dtype is ≥ 2× off).
+MISMATCH_TOLERANCE = 0.10
+
+
+def check_matches_model(profile: MeasuredProfile, bytes_per_token: float, model: str, *, tolerance: float = MISMATCH_TOLERANCE) -> float | None:
+    """The relative gap between the profile's measured KV bytes/token and the model's.
+
+    Raises :class:`ConfigError` (field ``--profile``, naming both numbers) when the gap exceeds
+    ``tolerance``: a profile measured on one model (say the reference engine's 512 B/token)
+    drives TTFTs of hours, or a break-even of 16 tokens, when combined with another. Returns
+    None when the profile has fewer than two rows or no byte column to measure a slope from.
+    """
+    if len(profile) < 2 or not np.any(profile.kv_bytes > 0):
+        return None
+    measured = profile.bytes_per_token
+    gap = abs(measured - bytes_per_token) / bytes_per_token
+    if gap > tolerance:
+        raise ConfigError(
+            "--profile",
+            f"{profile.source} measures {measured:,.0f} KV bytes/token but {model} gives {bytes_per_token:,.0f} "
+            f"({measured / bytes_per_token:.3g}x, more than {tolerance:.0%} apart): the profile was measured on a different "
+            "model or KV dtype. Profile the model you simulate, pass the matching --config / --bytes-per-token, "
+            "or --allow-mismatch to use it anyway",
+        )
+    return gap
+
+
 def read_profile(path: str | Path) -> MeasuredProfile:
     """Read and validate a profile CSV; every problem names the file and line."""
     p = str(path)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..errors import ConfigError
 from .config import ClusterConfig
 from .engine import Prepared, SimResult, Simulator
@@ -17,9 +19,58 @@ from .policysets import POLICY_SETS, policy_set
 from .scenarios import SCENARIOS, build
 
 
+def offered_load(trace: Any, cluster: ClusterConfig) -> dict[str, Any]:
+    """Prefill work the trace offers, against what the cluster can do in the same time.
+
+    ``cold``: every request prefilled from scratch (recompute-only's work). ``infinite_cache``:
+    only what no policy can avoid — each request's suffix after the longest prefix of blocks
+    seen before anywhere (an infinite, instantly shared cache), reading the cached part at the
+    profile's ``d`` per token. Utilisation = work / (span × replicas × prefill_slots). Above 1
+    with an infinite cache, every queue grows without bound whatever the policy: TTFTs then
+    measure the trace's length, not the policies.
+    """
+    n = len(trace)
+    span_s = float(trace.arrival_s[-1] - trace.arrival_s[0]) if n > 1 else 0.0
+    m = cluster.prefill
+    T = trace.input_tokens.astype(np.float64)
+    cold_s = float(np.sum(m(T))) if n else 0.0
+    B = trace.block_size_tokens
+    seen: set[int] = set()
+    ids, off = trace.block_ids, trace.block_offsets
+    cached = np.zeros(n, dtype=np.float64)
+    for i in range(n):
+        blk = ids[off[i]:off[i + 1]].tolist()
+        k = 0
+        while k < len(blk) and blk[k] in seen:
+            k += 1
+        cached[i] = min(k * B, max(T[i] - 1.0, 0.0))
+        seen.update(blk)
+    inf_s = float(np.sum(m.a_s + m.b_s_per_token * (T - cached) + m.c_s_per_token2 * (T * T - cached * cached)
+                         + m.d_s_per_cached_token * cached)) if n else 0.0
+    capacity_s = span_s * cluster.replicas * cluster.prefill_slots
+    util = (lambda w: (w / capacity_s) if capacity_s > 0 else None)
+    return {"span_s": span_s, "prefill_slots_total": cluster.replicas * cluster.prefill_slots, "cold_prefill_s": cold_s,
+            "infinite_cache_prefill_s": inf_s, "cold_utilisation": util(cold_s), "infinite_cache_utilisation": util(inf_s)}
+
+
+def check_offered_load(load: dict[str, Any]) -> None:
+    """Refuse a run whose queues grow without bound whatever the policy (see :func:`offered_load`)."""
+    u = load["infinite_cache_utilisation"]
+    if u is not None and u > 1.0:
+        raise ConfigError(
+            "--replicas",
+            f"the trace offers {load['infinite_cache_prefill_s']:,.0f} s of prefill that no cache can avoid in {load['span_s']:,.0f} s, "
+            f"{u:.2f}x what {load['prefill_slots_total']} prefill slots can do (cold: {load['cold_utilisation']:.2f}x): every queue grows "
+            "without bound and TTFTs would measure the trace's length, not the policies. Add --replicas / --prefill-slots, check that "
+            "--profile and --config describe the same model, or pass --allow-overload to simulate it anyway",
+        )
+
+
 def compare(trace: Any, cluster: ClusterConfig, *, scenarios: list[str] | None = None, policies: list[str] | None = None, seed: int = 0,
-            progress: Any = None) -> tuple[dict[str, Any], dict[tuple[str, str], SimResult]]:
-    """Run every (scenario, policy set); returns the report and the raw results."""
+            progress: Any = None, load: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[tuple[str, str], SimResult]]:
+    """Run every (scenario, policy set); returns the report and the raw results. ``load`` is
+    :func:`offered_load` of the trace on the cluster, computed here when not given."""
+    load = load if load is not None else offered_load(trace, cluster)
     scenarios = list(scenarios or SCENARIOS)
     policies = list(policies or POLICY_SETS)
     for s in scenarios:
@@ -54,6 +105,7 @@ def compare(trace: Any, cluster: ClusterConfig, *, scenarios: list[str] | None =
         "requests": len(trace),
         "block_size_tokens": trace.block_size_tokens,
         "cluster": _cluster_dict(cluster),
+        "offered_load": load,
         "scenarios": descriptions,
         "runs": runs,
     }
@@ -167,6 +219,11 @@ def render(report: dict[str, Any]) -> str:
         f"cluster   {c['replicas']} replicas x {c['local_capacity_gib']:.0f} GiB local KV, router {c['router']}; pool {c['storage_nodes']} nodes x "
         f"{c['pool_capacity_gib_per_node']:,.0f} GiB at {c['node_gbps']:.0f} Gbit/s; replica NIC {c['replica_gbps']:.0f} Gbit/s",
     ]
+    ld = report.get("offered_load")
+    if ld and ld["cold_utilisation"] is not None:
+        lines.append(f"load      prefill utilisation {ld['cold_utilisation']:.0%} cold, {ld['infinite_cache_utilisation']:.0%} with an infinite cache "
+                     f"({ld['prefill_slots_total']} prefill slots over {ld['span_s']:,.0f} s)"
+                     + ("  OVERLOADED: queues grow without bound whatever the policy" if ld["infinite_cache_utilisation"] > 1 else ""))
     hdr = (f"{'policy':>15} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'req/s':>6} {'GPU s':>8} {'saved':>6} {'read GiB':>9} {'written GiB':>11} "
            f"{'peak15 Gb/s':>11} {'loads ok/fail/tmo':>17} {'E[benefit]':>10}  misses: never-pub / evicted / declined / failed")
     for s, desc in report["scenarios"].items():
