@@ -292,3 +292,35 @@ def test_offered_load_against_a_hand_count():
     # request 0 computes 8; request 1 has 2 blocks seen but must recompute its last token: 1; request 2 reuses block 0: 4
     assert ld["infinite_cache_prefill_s"] == pytest.approx(8 + 1 + 4)
     assert ld["cold_utilisation"] == pytest.approx(24.0 / (10.0 * 2 * cl.prefill_slots))
+
+
+def test_keys_secret_file_and_the_documented_namespace_json(capsys, tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    from kvpolicy.keys import BlockHasher, Namespace
+
+    monkeypatch.delenv("KVPOLICY_SECRET_HEX", raising=False)
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps(list(range(40))))
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "keys.md").read_text()
+    ns_json = re.search(r"```json\n(.*?)```", doc, re.S).group(1)
+    ns = tmp_path / "ns.json"
+    ns.write_text(ns_json)
+    sec = tmp_path / "secret.hex"
+    sec.write_text("ab" * 32 + "\n")
+    rc, out, err = run(capsys, "keys", str(f), "--scheme", "keyed", "--block-size", "16", "--namespace", str(ns), "--secret-file", str(sec), "--json")
+    assert rc == 0, err
+    expect = BlockHasher(Namespace.from_dict(json.loads(ns_json)), "keyed", secret=bytes.fromhex("ab" * 32)).hash_blocks(list(range(40))).hex()
+    assert json.loads(out)["block_hashes"] == expect
+    # a different secret gives different keys: the file is really read
+    sec.write_text("cd" * 32)
+    rc, out2, _ = run(capsys, "keys", str(f), "--scheme", "keyed", "--block-size", "16", "--namespace", str(ns), "--secret-file", str(sec), "--json")
+    assert not set(json.loads(out2)["block_hashes"]) & set(expect)
+    sec.write_text("not hex")
+    rc, _, err = run(capsys, "keys", str(f), "--scheme", "keyed", "--block-size", "16", "--secret-file", str(sec))
+    assert rc == 2 and "--secret-file" in err and "hexadecimal" in err
+    rc, _, err = run(capsys, "keys", str(f), "--scheme", "keyed", "--block-size", "16", "--secret-file", str(tmp_path / "nope"))
+    assert rc == 2 and "--secret-file" in err and "nope" in err
+    rc, _, err = run(capsys, "keys", str(f), "--scheme", "keyed", "--block-size", "16", "--secret-file", str(sec), "--secret-hex", "00" * 16)
+    assert rc == 2 and "not both" in err

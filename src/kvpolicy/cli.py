@@ -178,8 +178,8 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
     tokens = _read_tokens(args.tokens)
     if args.scheme.startswith("vllm-"):
-        if args.namespace or args.secret_hex:
-            raise ConfigError("--scheme", "vLLM schemes take no --namespace or --secret-hex (vLLM keys have no namespace)")
+        if args.namespace or args.secret_hex or args.secret_file:
+            raise ConfigError("--scheme", "vLLM schemes take no --namespace or --secret-hex/--secret-file (vLLM keys have no namespace)")
         algo = "sha256" if args.scheme == "vllm-sha256" else "sha256_cbor"
         hashes = [h.hex() for h in vllm_block_hashes(tokens, args.block_size, algo, args.cache_salt, args.lora_name, args.lora_path)]
     else:
@@ -201,14 +201,21 @@ def _cmd_keys(args: argparse.Namespace) -> int:
         else:
             ns = Namespace(model_id="unspecified", model_revision="unspecified", tokenizer_version="unspecified", kv_dtype="bf16", block_size_tokens=args.block_size)
         secret = None
+        if args.secret_hex and args.secret_file:
+            raise ConfigError("--secret-file", "give --secret-file or --secret-hex, not both")
         secret_hex = args.secret_hex or os.environ.get("KVPOLICY_SECRET_HEX")
+        if args.secret_file:
+            try:
+                secret_hex = Path(args.secret_file).read_text().strip()
+            except OSError as exc:
+                raise ConfigError("--secret-file", f"cannot read {args.secret_file!r} ({exc.strerror or exc})") from None
         if secret_hex:
             try:
                 secret = bytes.fromhex(secret_hex)
             except ValueError:
-                raise ConfigError("--secret-hex", "is not hexadecimal") from None
+                raise ConfigError("--secret-file" if args.secret_file else "--secret-hex", "is not hexadecimal") from None
         if args.scheme == "keyed" and secret is None:
-            raise ConfigError("--secret-hex", "the keyed scheme needs a deployment secret (16..64 bytes as hex, or KVPOLICY_SECRET_HEX)")
+            raise ConfigError("--secret-hex", "the keyed scheme needs a deployment secret: 16..64 bytes as hex in --secret-file or KVPOLICY_SECRET_HEX (--secret-hex shows it in ps and shell history)")
         hashes = BlockHasher(ns, args.scheme, secret=secret).hash_blocks(tokens).hex()
     payload = {"scheme": args.scheme, "block_size": args.block_size, "num_tokens": len(tokens), "block_hashes": hashes}
     if args.json:
@@ -615,7 +622,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--scheme", choices=["keyed", "fast", "vllm-sha256", "vllm-sha256-cbor"], default="keyed")
     k.add_argument("--block-size", type=_positive_int, required=True)
     k.add_argument("--namespace", default=None, help="namespace JSON (kvpolicy schemes); default: an unspecified-model namespace")
-    k.add_argument("--secret-hex", default=None, help="deployment secret for the keyed scheme (or env KVPOLICY_SECRET_HEX)")
+    k.add_argument("--secret-hex", default=None, help="deployment secret as hex (visible in ps and shell history: prefer --secret-file or env KVPOLICY_SECRET_HEX)")
+    k.add_argument("--secret-file", default=None, help="file holding the deployment secret as hex (one line)")
     k.add_argument("--cache-salt", default=None)
     k.add_argument("--lora-name", default=None)
     k.add_argument("--lora-path", default=None)
