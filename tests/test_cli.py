@@ -324,3 +324,47 @@ def test_keys_secret_file_and_the_documented_namespace_json(capsys, tmp_path, mo
     assert rc == 2 and "--secret-file" in err and "nope" in err
     rc, _, err = run(capsys, "keys", str(f), "--scheme", "keyed", "--block-size", "16", "--secret-file", str(sec), "--secret-hex", "00" * 16)
     assert rc == 2 and "not both" in err
+
+
+def test_evict_bench_render_shows_no_share_of_a_vanishing_gap():
+    from kvpolicy.eviction.bench import MIN_GAP_SHARE, render
+
+    def rows(cap, lru, bel, sieve):
+        mk = lambda p, h: {"policy": p, "capacity_blocks": cap, "block_hit_ratio": h, "token_hit_ratio": h,
+                           "gap_closed": (h - lru) / (bel - lru) if bel > lru else None}
+        return [mk("lru", lru), mk("sieve", sieve), mk("belady", bel), mk("infinite", 0.9)]
+
+    res = {"source": "t", "block_refs": 10_000, "block_size_tokens": 16,
+           "results": rows(100, 0.50, 0.50 + MIN_GAP_SHARE / 10, 0.49) + rows(1000, 0.50, 0.60, 0.55)}
+    out = render(res)
+    sieve = next(line for line in out.splitlines() if line.strip().startswith("sieve"))
+    assert "[no gap]" in sieve and "+50%" in sieve and "-1000%" not in sieve
+
+
+def test_goal_check_details_show_the_difference_that_failed():
+    from kvpolicy.sim.compare import checks
+
+    def run_(p, p95):
+        return {"scenario": "steady", "policy": p, "ttft_p95_ms": p95, "gpu_saved_s": 0.0, "loads": 0, "loads_timeout": 0}
+
+    rep = {"runs": [run_("kvpolicy", 3202.4), run_("recompute-only", 3202.1), run_("vllm-like", 3500.0)]}
+    got = {c["check"]: c for c in checks(rep)}
+    miss = got["kvpolicy p95 TTFT <= recompute-only"]
+    assert not miss["ok"] and miss["detail"] == "3,202.4 ms vs 3,202.1 ms (+0.3 ms)"
+    win = got["kvpolicy p95 TTFT <= vllm-like"]
+    assert win["ok"] and win["detail"] == "3,202 ms vs 3,500 ms (-298 ms)"
+
+
+def test_publish_bench_says_why_boundary_writes_nothing():
+    import attrs
+
+    from kvpolicy.publish_sim import publish_bench, render
+    from kvpolicy.traces import generate, preset
+
+    tr = generate(preset("chat", n_requests=300, seed=5))
+    assert tr.publish_boundary_tokens is not None
+    with_b = publish_bench(tr, ["boundary"], replicas=2, bytes_per_token=512)
+    assert with_b["runs"][0]["blocks_written"] > 0 and "note" not in with_b["runs"][0]
+    without = publish_bench(attrs.evolve(tr, publish_boundary_tokens=None), ["boundary"], replicas=2, bytes_per_token=512)
+    assert without["runs"][0]["blocks_written"] == 0
+    assert "marks no prompt boundaries" in without["runs"][0]["note"] and "marks no prompt boundaries" in render(without)

@@ -453,7 +453,9 @@ def _cmd_plan_warmup(args: argparse.Namespace) -> int:
         loads = [x for x in plan.schedule if x.replica == r]
         ra = plan.ready_at_s[r]
         print(f"{r:>8} {len(loads):>6} {sum(x.bytes for x in loads) / 2**30:>8,.2f} {('-' if ra is None else f'{ra:.1f}'):>11} {len(plan.prefill[r]):>16}")
-    print("\nfirst loads      " + "; ".join(f"r{x.replica} {x.prefix} {x.start_s:.1f}-{x.end_s:.1f}s" for x in plan.schedule[:6]))
+    print(f"\nready_at_s: when a replica holds {cfg.readiness_share:.0%} of the hot set's bytes (--readiness-share), seconds after it joins; "
+          f"'-': the window's loads never get it there (it prefills the rest on first use, listed under 'left to prefill')")
+    print("first loads      " + "; ".join(f"r{x.replica} {x.prefix} {x.start_s:.1f}-{x.end_s:.1f}s" for x in plan.schedule[:6]))
     return 0
 
 

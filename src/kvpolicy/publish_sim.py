@@ -93,6 +93,9 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
         wasted += sum(1 for v in pool.values() if not v)
         runs.append({"policy": spec, "blocks_written": written, "bytes_written": written * block_bytes, "reread_bytes": reread * block_bytes,
                      "wasted_write_bytes": wasted * block_bytes, "reread_per_written_byte": (reread / written) if written else None})
+        if spec == "boundary" and bound is None:
+            runs[-1]["note"] = ("boundary publishes nothing here: this trace marks no prompt boundaries (Mooncake, Bailian and token "
+                                "JSONL carry none; kvpolicy's synthetic presets do)")
     step("oracle")
     view = replica_view(trace, replicas, routing, bytes_per_token=bytes_per_token, seed=seed)  # type: ignore[arg-type]
     ow = int(round(view.write_reread_bytes.sum()))
@@ -118,4 +121,5 @@ def render(res: dict[str, Any]) -> str:
         so = "-" if r["reread_share_of_oracle"] is None else f"{r['reread_share_of_oracle']:.1%}"
         lines.append(f"{r['policy']:>28} {r['blocks_written']:>15,} {r['bytes_written'] / gib:>12,.1f} {r['reread_bytes'] / gib:>12,.1f} "
                      f"{r['wasted_write_bytes'] / gib:>11,.1f} {rr:>16} {so:>18}")
+    lines += [f"note             {r['note']}" for r in res["runs"] if r.get("note")]
     return "\n".join(lines)
