@@ -27,6 +27,18 @@ from kvpolicy.reference import ModelConfig
 from kvpolicy.reference.replica import PeerReplica
 
 
+def outcome(r: dict) -> str:
+    """What was done for one request, in words: the admission verdict alone does not say it."""
+    status = r["load_status"]
+    if status == "ok":
+        return f"loaded {r['loaded_blocks']} blocks"
+    if status in ("timeout", "failed"):
+        return f"load {'timed out' if status == 'timeout' else 'failed'}: recomputed"
+    if r["remote_found"] == 0:
+        return "recomputed (nothing found)"
+    return "recomputed (declined)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=24)
@@ -40,7 +52,9 @@ def main() -> None:
                               breaker_open_s=1.0, window_s=2.0, probe_interval_s=1.0) as b:
         first = a.prefill(system + rng.integers(0, cfg.vocab_size, 40).tolist(), boundary_tokens=len(system))
         print(f"replica-a published {first['published_blocks']} blocks of the system prompt ({len(system)} tokens)\n")
-        print(f"{'#':>3} {'phase':>9} {'local':>6} {'found':>6} {'loaded':>7} {'load':>8} {'decision':>22} {'TTFT ms':>8}")
+        print("admission: the controller's verdict before the load (wins = predicted p95 load + interference < margin x recompute)")
+        print("done: what happened — loaded, or recomputed (declined, nothing found, or the load timed out / failed and fell back)\n")
+        print(f"{'#':>3} {'phase':>9} {'local':>6} {'found':>6} {'loaded':>7} {'admission':>22} {'done':>28} {'TTFT ms':>8}")
         n = args.requests
         for i in range(n):
             phase = "degraded" if n // 3 <= i < 2 * n // 3 else "normal"
@@ -48,12 +62,14 @@ def main() -> None:
             b.reset()
             user = rng.integers(0, cfg.vocab_size, int(rng.integers(20, 200))).tolist()
             r = b.prefill(system + user, boundary_tokens=len(system))
-            print(f"{i:>3} {phase:>9} {r['local_blocks']:>6} {r['remote_found']:>6} {r['loaded_blocks']:>7} {str(r['load_status']):>8} "
-                  f"{str(r['reason']):>22} {r['ttft_ms']:>8.1f}")
+            print(f"{i:>3} {phase:>9} {r['local_blocks']:>6} {r['remote_found']:>6} {r['loaded_blocks']:>7} {str(r['reason'] or '-'):>22} "
+                  f"{outcome(r):>28} {r['ttft_ms']:>8.1f}")
             time.sleep(0.25)
         led = b.ledger()
         print("\nreplica-b ledger")
         print("  requests :", json.dumps(led["requests"]))
+        print("             (a request is remote_hit only if every matchable block was reused; here the user message after the")
+        print("              publish boundary is always recomputed, so a request that loaded the system prompt is a partial_hit)")
         print("  tokens   :", json.dumps(led["tokens"]))
         for name, d in led["distributions"].items():
             t = d["ttft_s"]

@@ -368,3 +368,19 @@ def test_publish_bench_says_why_boundary_writes_nothing():
     without = publish_bench(attrs.evolve(tr, publish_boundary_tokens=None), ["boundary"], replicas=2, bytes_per_token=512)
     assert without["runs"][0]["blocks_written"] == 0
     assert "marks no prompt boundaries" in without["runs"][0]["note"] and "marks no prompt boundaries" in render(without)
+
+
+def test_two_replicas_example_says_what_was_done_not_only_the_verdict():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "two_replicas.py"
+    spec = importlib.util.spec_from_file_location("two_replicas_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    base = {"remote_found": 187, "loaded_blocks": 0, "reason": "wins"}
+    assert mod.outcome({**base, "load_status": "timeout"}) == "load timed out: recomputed"
+    assert mod.outcome({**base, "load_status": "failed"}) == "load failed: recomputed"
+    assert mod.outcome({**base, "load_status": "ok", "loaded_blocks": 187}) == "loaded 187 blocks"
+    assert mod.outcome({**base, "load_status": None, "reason": "source_unhealthy"}) == "recomputed (declined)"
+    assert mod.outcome({**base, "load_status": None, "remote_found": 0}) == "recomputed (nothing found)"
