@@ -41,3 +41,20 @@ def print_table(headers: list[str], rows: list[list[Any]]) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
         if j == 0:
             print("  ".join("-" * w for w in widths))
+
+
+def add_check_flag(ap: Any) -> None:
+    """``--check``: exit 1 when a documented target or a correctness check fails (CI runs the quick ones with it)."""
+    ap.add_argument("--check", action="store_true", help="exit 1 when a documented target or a correctness check fails")
+
+
+def report_targets(targets: dict[str, bool], check: bool) -> int:
+    """Print every target as met / MISSED; with ``check``, a miss is exit status 1 (named on stderr)."""
+    import sys
+
+    print("\nTargets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in targets.items()))
+    missed = [k for k, v in targets.items() if not v]
+    if check and missed:
+        print("check failed: " + "; ".join(missed), file=sys.stderr)
+        return 1
+    return 0

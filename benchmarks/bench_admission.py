@@ -15,7 +15,7 @@ import sys
 import time
 
 import numpy as np
-from _common import best_of, print_table, write_json
+from _common import add_check_flag, report_targets, best_of, print_table, write_json
 
 from kvpolicy.admission import AdmissionConfig, AdmissionContext, AdmissionController, LatencyModel, LinkPrior, LoadOutcome
 from kvpolicy.keys import BlockHasher, Namespace
@@ -44,6 +44,7 @@ def warm_controller(rng: np.random.Generator) -> AdmissionController:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_check_flag(ap)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--ledger-records", type=int, default=300_000)
     ap.add_argument("--seed", type=int, default=0)
@@ -103,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     rate = n / t_ledger
     print(f"\nLedger: {n:,} outcomes in {t_ledger:.3f} s -> {rate:,.0f} outcomes/s")
     targets = {"decide < 5% of key building": ratio < 0.05, "ledger >= 500k outcomes/s": rate >= 500_000}
-    print("\nTargets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in targets.items()))
+    rc = report_targets(targets, args.check)
     path = write_json("bench_admission", {"keys_s": t_keys, "decide_s": t_decide, "decide_share": ratio, "ledger_outcomes_per_s": rate, "targets": targets}, args.json)
     print(f"wrote {path}")
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import sys
 import time
 
 import numpy as np
-from _common import write_json
+from _common import add_check_flag, report_targets, write_json
 
 from kvpolicy.diagnose import diagnose
 from kvpolicy.testing.assembly import tokens_trace
@@ -39,6 +39,7 @@ def build(n: int, seed: int = 0) -> list[np.ndarray]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_check_flag(ap)
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -55,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"diagnose:              {t_diag:.1f} s  -> {'met' if t_diag < 60 else 'MISSED'} (target < 60 s)")
     print(f"flagged {dd['flagged_requests']:,} requests, {dd['lost_hit_tokens']:,} lost hit tokens ({dd['lost_share_of_input']:.1%} of input); patterns: "
           + ", ".join(f"{p['kind']}@{p['position_tokens']} x{p['requests']}" for p in dd["patterns"][:4]))
+    rc = report_targets({"diagnose < 60 s": t_diag < 60}, args.check)
     print(f"wrote {write_json('bench_diagnose', {'requests': len(tr), 'tokens': tr.total_input_tokens, 'build_s': t_build, 'diagnose_s': t_diag, 'summary': {k: dd[k] for k in ('lost_hit_tokens', 'flagged_requests')}}, args.json)}")
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

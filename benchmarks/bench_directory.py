@@ -23,7 +23,7 @@ import sys
 import time
 import uuid
 
-from _common import best_of, write_json
+from _common import add_check_flag, report_targets, best_of, write_json
 
 from kvpolicy.directory import Entry, InMemoryDirectory, RedisDirectory
 from kvpolicy.integrations.vllm_events import BlockRemoved, BlockStored, KVEventIngestor, encode_batch
@@ -56,6 +56,7 @@ def _median_us(fn, calls: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_check_flag(ap)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -101,12 +102,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:>9}: {n_events / dt:10,.0f} events/s  {200 * 64 / dt:10,.0f} blocks/s")
             res[f"events_per_s_{name}"] = n_events / dt
             res[f"blocks_per_s_{name}"] = 200 * 64 / dt
+        rc = report_targets({"one-round-trip match faster than one EXISTS per key": res["match64_speedup"] > 1.0}, args.check)
         path = write_json("directory", res, args.json)
         print(f"\nwrote {path}")
     finally:
         if proc is not None:
             proc.kill()
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import statistics
 
-from _common import print_table, timings, write_json
+from _common import add_check_flag, report_targets, print_table, timings, write_json
 from bench_reuse import TRACE, skewed_stream
 
 from kvpolicy.eviction.bench import compare, render
@@ -69,6 +69,7 @@ def libcachesim_run(ids: np.ndarray, cap: int) -> dict[str, tuple[float, float]]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_check_flag(ap)
     ap.add_argument("--accesses", type=int, default=10_000_000)
     ap.add_argument("--ids", type=int, default=1_000_000)
     ap.add_argument("--seed", type=int, default=0)
@@ -128,8 +129,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nreuse-distance >= every baseline at {wins} of 4 capacities (target >= 3); worst vs LRU {worst * 100:+.3f} points (target >= -1); "
               f"gap closed {gaps} (aim >= 30%)")
         res["quality_summary"] = {"wins": wins, "worst_vs_lru_points": worst * 100}
+    targets = {f"{x['policy']} >= {x['target'] / 1e6:.0f}M acc/s": x["accesses_per_s"] >= x["target"] for x in res["speed"]}
+    if "quality_summary" in res:
+        targets["reuse-distance >= every baseline at >= 3 of 4 capacities"] = res["quality_summary"]["wins"] >= 3
+        targets["reuse-distance >= LRU - 1 point everywhere"] = res["quality_summary"]["worst_vs_lru_points"] >= -1
+    rc = report_targets(targets, args.check)
     print(f"\nwrote {write_json('bench_eviction', res, args.json)}")
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

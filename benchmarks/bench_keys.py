@@ -17,7 +17,7 @@ import pickle
 import sys
 
 import numpy as np
-from _common import best_of, print_table, write_json
+from _common import add_check_flag, report_targets, best_of, print_table, write_json
 
 from kvpolicy.keys import BlockHasher, Namespace, vllm_block_hashes
 
@@ -34,6 +34,7 @@ def reference_vllm_style(tokens: list[int], block_size: int) -> list[bytes]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_check_flag(ap)
     ap.add_argument("--tokens", type=int, default=131072)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=7)
@@ -95,10 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         "keyed >= 5x": ref / secs["keyed (BLAKE2b-128, secret)"] >= 5,
         "vllm sha256 projection >= 1x": ref / secs["vllm projection sha256"] >= 1.0,
     }
-    print("\nTargets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in targets.items()))
+    rc = report_targets(targets, args.check)
     path = write_json("bench_keys", {"tokens": n, "block_size": B, "results": results, "extend": ext, "targets": targets}, args.json)
     print(f"wrote {path}")
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from _common import write_json
+from _common import add_check_flag, report_targets, write_json
 from bench_reuse import TRACE
 
 from kvpolicy.publish_sim import publish_bench, render
@@ -23,12 +23,13 @@ from kvpolicy.traces import read_mooncake
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_check_flag(ap)
     ap.add_argument("--replicas", type=int, default=8)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not TRACE.exists():
         print(f"skipped: {TRACE} not found")
-        return 0
+        return 1 if args.check else 0
     tr = read_mooncake(TRACE)
     res = publish_bench(tr, ["all", "never", "threshold-2", "boundary", "reuse-aware"], replicas=args.replicas, bytes_per_token=131072)
     print(render(res))
@@ -39,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
           f"-> {'dominates' if dominates else 'does NOT dominate'}")
     print(f"reuse-aware vs oracle: written {ra['bytes_written'] / orc['bytes_written']:.3f}x, re-read {ra['reread_bytes'] / orc['reread_bytes']:.1%} of the oracle's")
     res["dominates_threshold_2"] = dominates
+    rc = report_targets({"reuse-aware dominates threshold-2 (writes no more, re-reads no less)": dominates,
+                         "every policy's re-read <= the oracle's": all(r["reread_bytes"] <= orc["reread_bytes"] for r in res["runs"])}, args.check)
     print(f"wrote {write_json('bench_publish', res, args.json)}")
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

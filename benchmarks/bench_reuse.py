@@ -26,7 +26,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
-from _common import print_table, write_json
+from _common import add_check_flag, report_targets, print_table, write_json
 
 from kvpolicy.analysis import default_capacities, hits_at, lru_hit_ratio_curve, mean_absolute_error, shards, stack_distances
 from kvpolicy.traces import first_appearance_ids, generate, preset, read_mooncake
@@ -63,6 +63,7 @@ def timed(fn):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_check_flag(ap)
     ap.add_argument("--accesses", type=int, default=10_000_000)
     ap.add_argument("--ids", type=int, default=1_000_000)
     ap.add_argument("--seed", type=int, default=0)
@@ -159,9 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         "SHARDS R=0.01 MAE <= 0.01 (linear grid, both streams)": all(r["mae_linear_grid"] <= 0.01 for r in res["shards"] if r["variant"] == "fixed-rate R=0.01"),
         "SHARDS R=0.01 MAE <= 0.01 (log grid, both streams)": all(r["mae_log_grid"] <= 0.01 for r in res["shards"] if r["variant"] == "fixed-rate R=0.01"),
     }
-    print("\nTargets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in res["targets"].items()))
+    rc = report_targets(res["targets"], args.check)
     print(f"wrote {write_json('bench_reuse', res, args.json)}")
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

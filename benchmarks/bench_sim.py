@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from _common import write_json
+from _common import add_check_flag, report_targets, write_json
 from bench_reuse import TRACE
 
 from kvpolicy.publish_sim import DEFAULT_PREFILL
@@ -52,6 +52,7 @@ def goals_table(label: str, report: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_check_flag(ap)
     ap.add_argument("--presets", default="rag,agent,mixed,chat")
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--skip-mooncake", action="store_true")
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_mooncake:
         if not TRACE.exists():
             print(f"skipped the Mooncake trace: {TRACE} not found")
+            if args.check:
+                return 1
         else:
             trace = read_mooncake(TRACE)
             cl = default_cluster(trace, bytes_per_token=BPT, prefill=DEFAULT_PREFILL)
@@ -93,9 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         table += goals_table(label, report)
     print("\n## goals\n" + "\n".join(table))
     out["goals_table"] = table
+    targets = {f"{label} / {ch['scenario']}: {ch['check']}": ch["ok"] for label, _, _ in traces for ch in out[label].get("checks", [])}
+    rc = report_targets(targets, args.check)
     path = write_json("sim", out, args.json)
     print(f"\nwrote {path}")
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

@@ -226,6 +226,9 @@ class _Sides:
     def __init__(self, ctl: AdmissionController, start_tokens: int, Bt: int, ctx: AdmissionContext, c95: Any, c50: Any) -> None:
         self.ctl, self.start, self.Bt, self.ctx, self.c95, self.c50 = ctl, start_tokens, Bt, ctx, c95, c50
         self.spread = 1 + max(ctx.active_decodes, 0)
+        # without an engine-reported path, the bytes ahead do not depend on the load's size: look them up once
+        self._own_queue = None if ctx.knows_path else ctl.queued_bytes(ctx.source)
+        self._remote: dict[int, float] = {}
 
     def front(self, s: int) -> float:
         return self.c50.recompute(self.start, self.start + s * self.Bt) if s > 0 else 0.0
@@ -233,8 +236,12 @@ class _Sides:
     def remote(self, n: int) -> float:
         if n <= 0:
             return 0.0
-        S = n * self.ctx.block_bytes
-        return self.c95.remote(S, n, self.ctl.path_queue_bytes(self.ctx, S)) + self.c50.interference_s_per_byte * S * self.spread
+        t = self._remote.get(n)
+        if t is None:
+            S = n * self.ctx.block_bytes
+            q = self._own_queue if self._own_queue is not None else self.ctl.path_queue_bytes(self.ctx, S)
+            t = self._remote[n] = self.c95.remote(S, n, q) + self.c50.interference_s_per_byte * S * self.spread
+        return t
 
     def plan(self, k: int, s: int) -> float:
         if s <= 0:
@@ -312,10 +319,11 @@ class AdmissionController:
     def _best_plan(self, L: int, R: int, Bt: int, ctx: AdmissionContext, c95: Any, c50: Any, *, split: bool) -> tuple[int, int, float]:
         """(k, s, benefit) of the best plan over k in {1, 2, 4, ...} and R."""
         best_k, best_s, best_benefit = 1, 0, -math.inf
+        sides = self._sides(L, Bt, ctx, c95, c50)  # one per decision: its memo of remote(n) serves every k
         k = 1
         while True:
             kk = min(k, R)
-            s_, _, _, benefit = self._plan(L, kk, Bt, ctx, c95, c50, split=split)
+            s_, _, _, benefit = self._plan(L, kk, Bt, ctx, c95, c50, split=split, sides=sides)
             if benefit > best_benefit:
                 best_k, best_s, best_benefit = kk, s_, benefit
             if kk == R:
@@ -325,9 +333,10 @@ class AdmissionController:
     def _sides(self, L: int, Bt: int, ctx: AdmissionContext, c95: Any, c50: Any) -> _Sides:
         return _Sides(self, L * Bt, Bt, ctx, c95, c50)
 
-    def _plan(self, L: int, k: int, Bt: int, ctx: AdmissionContext, c95: Any, c50: Any, *, split: bool) -> tuple[int, float, float, float]:
+    def _plan(self, L: int, k: int, Bt: int, ctx: AdmissionContext, c95: Any, c50: Any, *, split: bool,
+              sides: _Sides | None = None) -> tuple[int, float, float, float]:
         """(split s, plan seconds, recompute seconds, benefit) for the load extent k."""
-        sides = self._sides(L, Bt, ctx, c95, c50)
+        sides = sides or self._sides(L, Bt, ctx, c95, c50)
         recompute = sides.recompute_only(k)
         if not split:
             p = sides.plan(k, 0)
