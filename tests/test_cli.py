@@ -384,3 +384,39 @@ def test_two_replicas_example_says_what_was_done_not_only_the_verdict():
     assert mod.outcome({**base, "load_status": "ok", "loaded_blocks": 187}) == "loaded 187 blocks"
     assert mod.outcome({**base, "load_status": None, "reason": "source_unhealthy"}) == "recomputed (declined)"
     assert mod.outcome({**base, "load_status": None, "remote_found": 0}) == "recomputed (nothing found)"
+
+
+def test_progress_logs_each_finished_unit_off_a_terminal_and_nothing_when_quiet(capsys):
+    import io
+
+    from kvpolicy.progress import Progress
+
+    log = io.StringIO()
+    p = Progress("compare", stream=log)
+    p("steady / kvpolicy")
+    p("steady / recompute-only")
+    p.done()
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 3 and "\r" not in log.getvalue()
+    assert lines[0].startswith("compare: [1] steady / kvpolicy done in") and lines[1].startswith("compare: [2] steady / recompute-only done in")
+    assert lines[2].startswith("compare: done in")
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    p = Progress("profile", stream=tty)
+    p("1024 tokens")
+    p.done()
+    assert tty.getvalue().startswith("\r\x1b[Kprofile: [1] 1024 tokens") and tty.getvalue().endswith("\n")
+    quiet = io.StringIO()
+    q = Progress("compare", enabled=False, stream=quiet)
+    q("x")
+    q.done()
+    assert quiet.getvalue() == ""
+    # the CLI: -q prints nothing on stderr; without it, a pipe gets one line per unit
+    rc, _, err = run(capsys, "evict-bench", "--capacities-blocks", "64", "--policies", "lru", "-q")
+    assert rc == 0 and err == ""
+    rc, _, err = run(capsys, "evict-bench", "--capacities-blocks", "64", "--policies", "lru")
+    assert rc == 0 and "evict-bench: done in" in err
