@@ -204,3 +204,44 @@ def test_reuse_distance_evicts_doomed_blocks_first(ops, c_eff):
             victim = pol.victims(1)[0]
             assert not doomed or victim in doomed
         pol.on_insert(key, 1)
+
+
+def test_policy_cache_is_a_cachetools_cache_and_works_with_cached():
+    import cachetools
+    import cachetools.keys
+
+    calls = []
+    cache = PolicyCache(3, policy="sieve")
+    assert isinstance(cache, cachetools.Cache)
+
+    @cachetools.cached(cache, key=cachetools.keys.hashkey)
+    def square(x):
+        calls.append(x)
+        return x * x
+
+    assert [square(x) for x in (1, 2, 1, 3, 1)] == [1, 4, 1, 9, 1]
+    assert calls == [1, 2, 3]  # the repeats were served from the cache
+    square(4)  # over capacity: the policy chooses the victim; 1 was re-read, so SIEVE keeps it
+    assert len(cache) == 3 and cache.currsize == 3 and cachetools.keys.hashkey(1) in cache
+    assert cachetools.keys.hashkey(2) not in cache
+    square(2)
+    assert calls == [1, 2, 3, 4, 2]
+    # a value too large for the cache is computed but not stored (cachetools catches ValueError)
+    big = PolicyCache(4, policy="lru", getsizeof=len)
+
+    @cachetools.cached(big)
+    def word(n):
+        return "x" * n
+
+    assert word(9) == "x" * 9 and len(big) == 0
+    with pytest.raises(TypeError, match="cannot be copied"):
+        __import__("copy").copy(big)
+
+
+def test_docs_cachetools_example_runs():
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "eviction.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "cachetools.cached" in b)
+    exec(compile(block, "docs/eviction.md", "exec"), {})

@@ -1,31 +1,32 @@
-"""A cachetools-compatible facade: any online policy as a ``MutableMapping``.
+"""Any online policy as a ``cachetools.Cache``.
 
-``PolicyCache(maxsize, policy="sieve", getsizeof=len)`` behaves like
-``cachetools.Cache``: ``maxsize``, ``currsize``, ``getsizeof(value)``, ``popitem()``
-(evicts the policy's victim), ``__missing__``; a value larger than ``maxsize``
-raises ``ValueError``. Keys are flat (no prefix parents), so it drops into code
-that already uses cachetools.
+``PolicyCache(maxsize, policy="sieve", getsizeof=len)`` is a ``cachetools.Cache``
+subclass: ``maxsize``, ``currsize``, ``getsizeof(value)``, ``popitem()`` (evicts the
+policy's victim), ``__missing__``; a value larger than ``maxsize`` raises
+``ValueError`` — so ``@cachetools.cached(PolicyCache(...))``, ``cachetools.keys`` and
+code typed against ``Cache`` work unchanged. Keys are flat (no prefix parents). The
+policy, not ``Cache``'s own bookkeeping, holds the sizes and chooses victims.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, MutableMapping
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
+
+import cachetools
 
 from ..errors import CapacityError
 from .replay import make_policy
 
 
-class PolicyCache(MutableMapping):
+class PolicyCache(cachetools.Cache):
     def __init__(self, maxsize: int, policy: str = "lru", getsizeof: Callable[[Any], int] | None = None, **policy_kw: Any) -> None:
+        super().__init__(int(maxsize), getsizeof)
         self._policy = make_policy(policy, int(maxsize), **policy_kw)
         self._data: dict[Hashable, Any] = {}
-        if getsizeof is not None:
-            self.getsizeof = getsizeof  # type: ignore[method-assign]
 
-    @staticmethod
-    def getsizeof(value: Any) -> int:
-        return 1
+    def __copy__(self) -> PolicyCache:
+        raise TypeError("PolicyCache cannot be copied: the copy would share its policy's state")
 
     @property
     def maxsize(self) -> int:
@@ -52,6 +53,8 @@ class PolicyCache(MutableMapping):
         size = self.getsizeof(value)
         if size > self.maxsize:
             raise ValueError("value too large")
+        if size < 0:
+            raise ValueError("value size must be non-negative")
         if key in self._data:
             self._policy.on_remove(key)
             del self._data[key]
