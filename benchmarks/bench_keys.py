@@ -32,6 +32,25 @@ def reference_vllm_style(tokens: list[int], block_size: int) -> list[bytes]:
     return out
 
 
+def hashlib_over_kernel_encoding(toks: np.ndarray, B: int) -> list[bytes]:
+    """The alternative to the hand-written SHA-256 kernel: the same precomputed per-token
+    pickle encoding, each block's message spliced in Python and hashed by hashlib (OpenSSL)."""
+    from kvpolicy.keys import _sha256
+    from kvpolicy.keys.vllm import vllm_none_hash
+
+    n = toks.size // B
+    buf, off = _sha256.encode_uints(toks[: n * B], 0)
+    body, offs = buf.tobytes(), off.tolist()
+    c, d = (b"\x94(", b"t\x94N\x87\x94.") if B > 3 else (None, None)
+    assert c is not None, "block sizes <= 3 use a different tuple opcode"
+    h, out, sha = vllm_none_hash("sha256"), [], hashlib.sha256
+    for b in range(n):
+        mid = b"C" + bytes((len(h),)) + h + c + body[offs[b * B]:offs[(b + 1) * B]] + d
+        h = sha(b"\x80\x05\x95" + len(mid).to_bytes(8, "little") + mid).digest()
+        out.append(h)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_check_flag(ap)
@@ -50,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     fast = BlockHasher(ns, "fast")
 
     # the projection must agree with the reference before it is timed
-    assert vllm_block_hashes(toks_np, B, "sha256") == reference_vllm_style(toks_list, B)
+    assert vllm_block_hashes(toks_np, B, "sha256") == reference_vllm_style(toks_list, B) == hashlib_over_kernel_encoding(toks_np, B)
 
     cases = {
         "reference (vLLM-style sha256/pickle)": lambda: reference_vllm_style(toks_list, B),
@@ -59,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         "fast, from a Python list": lambda: fast.hash_blocks(toks_list),
         "keyed, from a Python list": lambda: keyed.hash_blocks(toks_list),
         "vllm projection sha256": lambda: vllm_block_hashes(toks_np, B, "sha256"),
+        "  same encoding, hashlib per block": lambda: hashlib_over_kernel_encoding(toks_np, B),
         "vllm projection sha256_cbor": lambda: vllm_block_hashes(toks_np, B, "sha256_cbor"),
     }
     secs = {name: best_of(fn, repeats=args.repeats) for name, fn in cases.items()}
