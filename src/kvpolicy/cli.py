@@ -544,6 +544,10 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from .reference.profiling import ReferenceProfileTarget, figure, render, run_profile
 
     prog = Progress("profile", enabled=None if not args.no_progress else False)
+    if args.openai_url:
+        return _profile_openai(args, prog)
+    if args.model or args.config or args.bytes_per_token:
+        raise ConfigError("--model", "--model/--config/--bytes-per-token go with --openai-url (the reference engine is configured by --layers/--heads/...)")
     cfg = ModelConfig(num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype)
     for L in args.lengths:
         if L % args.block_size:
@@ -576,6 +580,59 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         print(f"wrote            {args.out}  (kvpolicy breakeven / compare --profile read it)")
     if args.plot:
         print("plots            " + ", ".join(report["plots"]))
+    return 0
+
+
+def _profile_openai(args: argparse.Namespace, prog: Any) -> int:
+    from .openai_profile import OpenAIProfileTarget
+    from .reference.profiling import figure, render, run_profile
+
+    bpt = _bytes_per_token(args)[0] if (args.config or args.bytes_per_token) else None
+    prog("connecting")
+    target = OpenAIProfileTarget(args.openai_url, args.model, bytes_per_token=bpt, seed=args.seed,
+                                 api_key=os.environ.get(args.api_key_env) if args.api_key_env else None)
+    try:
+        prof, report = run_profile(target, args.lengths, args.concurrency, repeats=args.repeats, tail_tokens=args.tail_tokens, progress=prog,
+                                   expected_bytes_per_token=bpt)
+    finally:
+        target.close()
+    report["engine"] = {"model": args.model, "url": args.openai_url, "kv_bytes": target.kv_bytes_source}
+    if args.plot:
+        prog("plot")
+        report["plots"] = [str(figure(report, args.plot))]
+    prog.done()
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        prof.write(args.out)
+    if args.json:
+        print(strict_json(report, indent=2))
+        return 0
+    print(f"engine           {args.model} at {args.openai_url} (streaming /v1/completions, TTFT = first streamed token); "
+          f"KV bytes {'read from /metrics' if target.kv_bytes_source == 'metrics' else 'COMPUTED from --config, not measured'}")
+    print(render(report))
+    if args.out:
+        print(f"wrote            {args.out}  (kvpolicy breakeven / compare --profile read it)")
+    return 0
+
+
+def _cmd_serve_reference(args: argparse.Namespace) -> int:
+    from .reference.http_server import ReferenceHTTPServer
+    from .reference.model import ModelConfig
+
+    cfg = ModelConfig(num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype)
+    try:
+        srv = ReferenceHTTPServer(args.host, args.port, config=cfg, block_size_tokens=args.block_size, capacity_blocks=args.capacity_blocks,
+                                  model_name=args.model_name, verbose=args.verbose)
+    except OSError as exc:
+        raise ConfigError("--port", f"cannot listen on {args.host}:{args.port} ({exc.strerror or exc})") from None
+    print(f"serving {args.model_name} (reference engine, {cfg.geometry().bytes_per_token} KV bytes/token) on {srv.url}: "
+          "POST /v1/completions (token-id prompts, streaming), GET /v1/models, GET /metrics", flush=True)
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.server_close()
     return 0
 
 
@@ -751,7 +808,27 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", action="store_true", help="print the report as JSON")
     pr.add_argument("--plot", default=None, metavar="DIR")
     pr.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a live line on a terminal, one line per finished unit elsewhere)")
+    pr.add_argument("--openai-url", default=None, metavar="URL", help="profile an OpenAI-compatible server (vLLM, SGLang, TGI, kvpolicy serve-reference) instead")
+    pr.add_argument("--model", default=None, help="with --openai-url: the served model's name")
+    pr.add_argument("--config", default=None, help="with --openai-url: model config for KV bytes when the server's /metrics does not give them")
+    pr.add_argument("--kv-dtype", default=None)
+    pr.add_argument("--bytes-per-token", type=_positive_int, default=None, help="with --openai-url: KV bytes per token instead of --config")
+    pr.add_argument("--api-key-env", default=None, metavar="VAR", help="with --openai-url: environment variable holding the API key")
     pr.set_defaults(func=_cmd_profile)
+
+    sr = sub.add_parser("serve-reference", help="serve the reference engine over an OpenAI-compatible HTTP API (for kvpolicy profile --openai-url)")
+    sr.add_argument("--host", default="127.0.0.1")
+    sr.add_argument("--port", type=int, default=8000)
+    sr.add_argument("--model-name", default="kvpolicy-reference")
+    sr.add_argument("--block-size", type=_positive_int, default=16)
+    sr.add_argument("--capacity-blocks", type=_positive_int, default=16384)
+    sr.add_argument("--layers", type=_positive_int, default=2)
+    sr.add_argument("--heads", type=_positive_int, default=4)
+    sr.add_argument("--kv-heads", type=_positive_int, default=1)
+    sr.add_argument("--head-dim", type=_positive_int, default=32)
+    sr.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    sr.add_argument("--verbose", action="store_true", help="log every request")
+    sr.set_defaults(func=_cmd_serve_reference)
 
     dg = sub.add_parser("diagnose", help="find misses caused by nondeterministic prompt assembly; explain one request's misses")
     dg.add_argument("trace", help="token trace (JSONL with raw token ids)")

@@ -155,9 +155,12 @@ def run_profile(target: Any, lengths: Sequence[int], concurrency: Sequence[int] 
     if repeats < 2:
         raise ConfigError("--repeats", f"need at least 2 to give a p95, got {repeats}")
     step = progress or (lambda _m: None)
+    has_remote = getattr(target, "has_remote", True)  # an OpenAI endpoint cannot load from another replica
     step("warm-up")
     target.cold_prefill_s(lengths[0], tail_tokens)
-    target.remote_load(lengths[0])
+    target.local_hit_ttft_s(lengths[0], tail_tokens)
+    if has_remote:
+        target.remote_load(lengths[0])
     kv = []
     for L in lengths:
         step(f"kv bytes at {L} tokens")
@@ -173,7 +176,8 @@ def run_profile(target: Any, lengths: Sequence[int], concurrency: Sequence[int] 
                 step(f"concurrency {c}, {L} tokens, round {r + 1}/{rounds}")
                 cold += _concurrent(lambda: target.cold_prefill_s(L, tail_tokens), c)
                 local += _concurrent(lambda: target.local_hit_ttft_s(L, tail_tokens), c)
-                remote += _concurrent(lambda: target.remote_load(L), c)
+                if has_remote:
+                    remote += _concurrent(lambda: target.remote_load(L), c)
             rows[c][L] = {"cold": cold, "local": local, "remote": [x["total_s"] for x in remote],
                           **{k: [x[k] for x in remote] for k in ("lookup_s", "transfer_s", "stage_s", "install_s")}}
     one = rows[1]
@@ -184,14 +188,16 @@ def run_profile(target: Any, lengths: Sequence[int], concurrency: Sequence[int] 
 
     col("cold_prefill_p95_ms", [_q(one[L]["cold"], 0.95) * 1e3 for L in lengths])
     col("local_hit_ttft_p95_ms", [_q(one[L]["local"], 0.95) * 1e3 for L in lengths])
-    col("remote_load_p50_ms", [_q(one[L]["remote"], 0.5) * 1e3 for L in lengths])
-    col("remote_load_p95_ms", [_q(one[L]["remote"], 0.95) * 1e3 for L in lengths])
-    for part in ("lookup_s", "transfer_s", "stage_s", "install_s"):
-        col(f"remote_{part[:-2]}_p50_ms", [_q(one[L][part], 0.5) * 1e3 for L in lengths])
+    if has_remote:
+        col("remote_load_p50_ms", [_q(one[L]["remote"], 0.5) * 1e3 for L in lengths])
+        col("remote_load_p95_ms", [_q(one[L]["remote"], 0.95) * 1e3 for L in lengths])
+        for part in ("lookup_s", "transfer_s", "stage_s", "install_s"):
+            col(f"remote_{part[:-2]}_p50_ms", [_q(one[L][part], 0.5) * 1e3 for L in lengths])
+    kinds = (("cold_prefill", "cold"), ("local_hit_ttft", "local")) + ((("remote_load", "remote"),) if has_remote else ())
     for c in conc:
         if c == 1:
             continue
-        for name, key in (("cold_prefill", "cold"), ("local_hit_ttft", "local"), ("remote_load", "remote")):
+        for name, key in kinds:
             col(f"{name}_c{c}_p50_ms", [_q(rows[c][L][key], 0.5) * 1e3 for L in lengths])
             col(f"{name}_c{c}_p95_ms", [_q(rows[c][L][key], 0.95) * 1e3 for L in lengths])
     prof = MeasuredProfile(
@@ -200,16 +206,17 @@ def run_profile(target: Any, lengths: Sequence[int], concurrency: Sequence[int] 
         local_hit_ttft_ms=np.asarray([_q(one[L]["local"], 0.5) * 1e3 for L in lengths]), extra=extra, source="kvpolicy profile",
     )
     slope = prof.bytes_per_token if len(prof) >= 2 else kv[0] / lengths[0]
-    breakeven = next((L for i, L in enumerate(lengths) if extra["remote_load_p95_ms"][i] < prof.cold_prefill_ms[i]), None)
+    breakeven = next((L for i, L in enumerate(lengths) if extra["remote_load_p95_ms"][i] < prof.cold_prefill_ms[i]), None) if has_remote else None
     report = {
         "lengths": lengths, "concurrency": conc, "repeats": repeats, "tail_tokens": tail_tokens,
         "kv_bytes": kv, "measured_bytes_per_token": slope, "formula_bytes_per_token": expected_bytes_per_token,
         "slope_matches_formula": None if expected_bytes_per_token is None else bool(abs(slope - expected_bytes_per_token) < 1e-6 * expected_bytes_per_token),
-        "breakeven_prefix_tokens": breakeven,
+        "breakeven_prefix_tokens": breakeven, "has_remote": has_remote,
         "rows": [{"prefix_tokens": L, "concurrency": c, "cold_prefill_p50_ms": _q(rows[c][L]["cold"], 0.5) * 1e3,
                   "cold_prefill_p95_ms": _q(rows[c][L]["cold"], 0.95) * 1e3, "local_hit_ttft_p50_ms": _q(rows[c][L]["local"], 0.5) * 1e3,
-                  "local_hit_ttft_p95_ms": _q(rows[c][L]["local"], 0.95) * 1e3, "remote_load_p50_ms": _q(rows[c][L]["remote"], 0.5) * 1e3,
-                  "remote_load_p95_ms": _q(rows[c][L]["remote"], 0.95) * 1e3, "samples": len(rows[c][L]["cold"])}
+                  "local_hit_ttft_p95_ms": _q(rows[c][L]["local"], 0.95) * 1e3,
+                  "remote_load_p50_ms": _q(rows[c][L]["remote"], 0.5) * 1e3 if has_remote else None,
+                  "remote_load_p95_ms": _q(rows[c][L]["remote"], 0.95) * 1e3 if has_remote else None, "samples": len(rows[c][L]["cold"])}
                  for c in conc for L in lengths],
     }
     return prof, report
@@ -218,15 +225,20 @@ def run_profile(target: Any, lengths: Sequence[int], concurrency: Sequence[int] 
 def render(report: dict[str, Any]) -> str:
     lines = [f"{'prefix':>7} {'conc':>4} {'cold p50':>9} {'cold p95':>9} {'local p50':>10} {'remote p50':>11} {'remote p95':>11}  (ms)  samples"]
     for r in report["rows"]:
+        rp50 = "-" if r["remote_load_p50_ms"] is None else f"{r['remote_load_p50_ms']:.2f}"
+        rp95 = "-" if r["remote_load_p95_ms"] is None else f"{r['remote_load_p95_ms']:.2f}"
         lines.append(f"{r['prefix_tokens']:>7} {r['concurrency']:>4} {r['cold_prefill_p50_ms']:>9.1f} {r['cold_prefill_p95_ms']:>9.1f} "
-                     f"{r['local_hit_ttft_p50_ms']:>10.2f} {r['remote_load_p50_ms']:>11.2f} {r['remote_load_p95_ms']:>11.2f}        {r['samples']}")
+                     f"{r['local_hit_ttft_p50_ms']:>10.2f} {rp50:>11} {rp95:>11}        {r['samples']}")
     f = report["formula_bytes_per_token"]
     lines.append("")
     lines.append(f"byte slope       {report['measured_bytes_per_token']:,.1f} bytes/token measured"
                  + ("" if f is None else f"; formula 2 x L x Hkv x D x q = {f:,} ({'equal' if report['slope_matches_formula'] else 'DIFFERENT'})"))
     be = report["breakeven_prefix_tokens"]
-    lines.append("break-even       " + (f"{be:,} tokens: from here p95 remote load < p50 cold prefill on this machine" if be is not None
-                                       else "none of the measured prefixes: p95 remote load never beats p50 cold prefill here"))
+    if not report.get("has_remote", True):
+        lines.append("break-even       not measured: this target cannot load from another replica; run kvpolicy breakeven --profile with your link")
+    else:
+        lines.append("break-even       " + (f"{be:,} tokens: from here p95 remote load < p50 cold prefill on this machine" if be is not None
+                                           else "none of the measured prefixes: p95 remote load never beats p50 cold prefill here"))
     return "\n".join(lines)
 
 
@@ -244,7 +256,8 @@ def figure(report: dict[str, Any], out_dir: Any) -> Any:
         x = [r["prefix_tokens"] for r in rs]
         style = "-" if c == 1 else "--"
         ax.plot(x, [r["cold_prefill_p50_ms"] for r in rs], style, marker="o", label=f"cold prefill p50 (x{c})")
-        ax.plot(x, [r["remote_load_p95_ms"] for r in rs], style, marker="s", label=f"remote load p95 (x{c})")
+        if report.get("has_remote", True):
+            ax.plot(x, [r["remote_load_p95_ms"] for r in rs], style, marker="s", label=f"remote load p95 (x{c})")
         ax.plot(x, [r["local_hit_ttft_p50_ms"] for r in rs], style, marker="^", label=f"local-hit TTFT p50 (x{c})")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

@@ -1,0 +1,135 @@
+"""Profile any OpenAI-compatible server (vLLM, SGLang, TGI, a gateway) over streaming ``/v1/completions``.
+
+:class:`OpenAIProfileTarget` is a :class:`~kvpolicy.protocols.ProfileTarget`, so
+``kvpolicy profile --openai-url URL --model NAME`` runs the same measurement plan as
+on the reference engine and writes the same CSV:
+
+* **cold prefill** — a prompt of ``prefix + tail`` random token ids, the prefix
+  unique to this call (nothing can be cached), timed from sending the request to
+  the first streamed token (TTFT, ``max_tokens=1``);
+* **local hit** — a unique prefix is sent once (which caches it), then the same
+  prefix with a new tail is timed;
+* **KV bytes** — read from the server's Prometheus ``/metrics`` when it exposes
+  the KV its cache holds (``kvpolicy_kv_allocated_bytes``: the reference server),
+  as the growth across a cold request of exactly the prefix; otherwise computed
+  from ``--config`` / ``--bytes-per-token`` and marked ``computed``. vLLM's
+  ``vllm:kv_cache_usage_perc`` is a share of blocks, not bytes, so it cannot
+  give bytes per token without the block's size — which is the config again.
+
+Prompts go as token ids, so token counts are exact (no tokenizer round trip).
+Ids are drawn from ``[id_low, id_high)``: the server's ``vocab_size`` from
+``/v1/models`` when it says, else ``[1000, 30000)`` — ordinary tokens in every
+current vocabulary. There is no remote-load column: an OpenAI endpoint offers no
+way to load a prefix from another replica, so break-even comes from ``kvpolicy
+breakeven`` with this profile and your link.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError
+
+
+class OpenAIProfileTarget:
+    has_remote = False
+
+    def __init__(self, url: str, model: str, *, bytes_per_token: int | None = None, seed: int = 0, timeout_s: float = 600.0,
+                 api_key: str | None = None) -> None:
+        import httpx
+
+        if not re.match(r"^https?://", url or ""):
+            raise ConfigError("--openai-url", f"must start with http:// or https://, got {url!r}")
+        if not model:
+            raise ConfigError("--model", "name the served model (as the server's /v1/models lists it)")
+        self.base = url.rstrip("/")
+        if self.base.endswith("/v1"):
+            self.base = self.base[:-3]
+        self.model = model
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(timeout=timeout_s, headers=headers)
+        self._seed = seed
+        self._n = 0
+        self._lock = threading.Lock()
+        self._metrics_lock = threading.Lock()
+        try:
+            models = self.client.get(f"{self.base}/v1/models")
+        except httpx.HTTPError as exc:
+            raise ConfigError("--openai-url", f"cannot reach {self.base}/v1/models ({exc})") from None
+        if models.status_code != 200:
+            raise ConfigError("--openai-url", f"{self.base}/v1/models answered HTTP {models.status_code}")
+        entries = {m.get("id"): m for m in models.json().get("data", []) if isinstance(m, dict)}
+        if model not in entries:
+            raise ConfigError("--model", f"{model!r} is not served at {self.base}; it serves {sorted(k for k in entries if k)}")
+        vocab = entries[model].get("vocab_size")
+        self.id_low, self.id_high = (0, int(vocab)) if isinstance(vocab, int) and vocab > 0 else (1000, 30000)
+        self.kv_bytes_source = "metrics" if self._allocated_bytes() is not None else ("computed" if bytes_per_token else None)
+        if self.kv_bytes_source is None:
+            raise ConfigError("--config", f"{self.base}/metrics exposes no KV bytes: pass --config or --bytes-per-token to compute them")
+        self.bytes_per_token = bytes_per_token
+
+    # ------------------------------------------------------------------ HTTP
+
+    def _rng(self) -> np.random.Generator:
+        with self._lock:
+            self._n += 1
+            return np.random.default_rng([self._seed, self._n])
+
+    def _ids(self, rng: np.random.Generator, n: int) -> list[int]:
+        return rng.integers(self.id_low, self.id_high, n).tolist()
+
+    def _ttft_s(self, prompt: list[int]) -> float:
+        """Seconds from sending the request to the first streamed token."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "stream": True, "temperature": 0}
+        t0 = time.perf_counter()
+        with self.client.stream("POST", f"{self.base}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                raise ConfigError("--openai-url", f"/v1/completions answered HTTP {r.status_code}: {r.text[:300]}")
+            for line in r.iter_lines():
+                if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                    return time.perf_counter() - t0
+        raise ConfigError("--openai-url", "/v1/completions streamed no token")
+
+    def _allocated_bytes(self) -> int | None:
+        try:
+            text = self.client.get(f"{self.base}/metrics").text
+        except Exception:  # noqa: BLE001 - no metrics endpoint is an answer, not an error
+            return None
+        m = re.search(r"^kvpolicy_kv_allocated_bytes(?:\{[^}]*\})?\s+([0-9.eE+]+)\s*$", text, re.M)
+        return int(float(m.group(1))) if m else None
+
+    # ------------------------------------------------------------------ ProfileTarget
+
+    def kv_bytes(self, prefix_tokens: int) -> int:
+        if self.kv_bytes_source == "computed":
+            assert self.bytes_per_token is not None
+            return int(self.bytes_per_token * prefix_tokens)
+        with self._metrics_lock:  # nobody else's request may grow the cache between the two reads
+            before = self._allocated_bytes()
+            self._ttft_s(self._ids(self._rng(), prefix_tokens))
+            after = self._allocated_bytes()
+        if before is None or after is None or after < before:
+            raise ConfigError("--openai-url", f"the server's KV bytes did not grow across a {prefix_tokens}-token request ({before} -> {after}); "
+                              "is its cache evicting? pass --config to compute them instead")
+        return after - before
+
+    def cold_prefill_s(self, prefix_tokens: int, tail_tokens: int) -> float:
+        return self._ttft_s(self._ids(self._rng(), prefix_tokens + tail_tokens))
+
+    def local_hit_ttft_s(self, prefix_tokens: int, tail_tokens: int) -> float:
+        rng = self._rng()
+        prefix = self._ids(rng, prefix_tokens)
+        self._ttft_s(prefix + self._ids(rng, tail_tokens))
+        return self._ttft_s(prefix + self._ids(rng, tail_tokens))
+
+    def remote_load(self, prefix_tokens: int) -> dict[str, float]:
+        raise NotImplementedError("an OpenAI endpoint cannot load a prefix from another replica")
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,103 @@
+"""kvpolicy profile --openai-url against the reference engine's HTTP server (kvpolicy serve-reference)."""
+
+import json
+import statistics
+import time
+
+import numpy as np
+import pytest
+
+from kvpolicy.cli import main
+from kvpolicy.errors import ConfigError
+from kvpolicy.profile import read_profile
+from kvpolicy.reference import ModelConfig
+from kvpolicy.reference.engine import ReferenceEngine
+from kvpolicy.reference.http_server import ReferenceHTTPServer
+
+LENGTHS = [256, 512, 1024]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ReferenceHTTPServer(port=0, capacity_blocks=8192)
+    srv.start_background()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_profile_over_http_agrees_with_the_engine_in_process_and_drives_compare(server, capsys, tmp_path):
+    csv = tmp_path / "http_profile.csv"
+    rc, out, err = run(capsys, "profile", "--openai-url", server.url, "--model", "kvpolicy-reference", "--lengths", ",".join(map(str, LENGTHS)),
+                       "--concurrency", "1,2", "--repeats", "3", "--out", str(csv), "-q")
+    assert rc == 0, err
+    assert "KV bytes read from /metrics" in out and "break-even       not measured" in out
+    prof = read_profile(csv)
+    # KV bytes came from the server's own accounting: exactly the engine's 512 B/token
+    cfg = ModelConfig()
+    assert prof.kv_bytes.tolist() == [L * cfg.geometry().bytes_per_token for L in LENGTHS]
+    # cold prefill over HTTP = the engine's own prefill time plus a little HTTP, within noise
+    eng = ReferenceEngine(cfg, block_size_tokens=16, capacity_blocks=8192)
+    rng = np.random.default_rng(3)
+    for i, L in enumerate(LENGTHS):
+        ts = []
+        for _ in range(3):
+            eng.reset()
+            toks = rng.integers(0, cfg.vocab_size, L + 16)
+            t0 = time.perf_counter()
+            eng.prefill(toks, publish=False)
+            ts.append(time.perf_counter() - t0)
+        inproc_ms = statistics.median(ts) * 1e3
+        http_ms = prof.cold_prefill_ms[i]
+        assert 0.5 * inproc_ms <= http_ms <= 2.0 * inproc_ms + 15.0, (L, http_ms, inproc_ms)
+    # a local hit over HTTP is faster than a cold prefill at the longest prefix: the server really caches
+    assert prof.local_hit_ttft_ms[-1] < prof.cold_prefill_ms[-1]
+    assert "cold_prefill_c2_p50_ms" in prof.extra and "remote_load_p50_ms" not in prof.extra
+    # the CSV drives compare with its own model (512 B/token)
+    rc, out, err = run(capsys, "compare", "--profile", str(csv), "--bytes-per-token", "512", "--scenario", "steady", "--policies", "kvpolicy", "-q")
+    assert rc == 0, err
+    assert "steady" in out and "kvpolicy" in out
+
+
+def test_profile_openai_refusals(server, capsys):
+    rc, _, err = run(capsys, "profile", "--openai-url", server.url, "--model", "nope", "--lengths", "256", "-q")
+    assert rc == 2 and "--model" in err and "kvpolicy-reference" in err
+    rc, _, err = run(capsys, "profile", "--openai-url", "ftp://x", "--model", "m", "--lengths", "256", "-q")
+    assert rc == 2 and "--openai-url" in err
+    rc, _, err = run(capsys, "profile", "--openai-url", "http://127.0.0.1:9", "--model", "m", "--lengths", "256", "-q")
+    assert rc == 2 and "cannot reach" in err
+    rc, _, err = run(capsys, "profile", "--model", "m", "--lengths", "256", "-q")
+    assert rc == 2 and "--openai-url" in err
+
+
+def test_server_refuses_text_and_out_of_vocab_prompts(server):
+    import httpx
+
+    r = httpx.post(server.url + "/v1/completions", json={"model": "kvpolicy-reference", "prompt": "hello"})
+    assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2, 10**9]})
+    assert r.status_code == 400 and "[0, 4096)" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json")
+    assert r.status_code == 400
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": list(range(100)), "max_tokens": 2})
+    body = r.json()
+    assert r.status_code == 200 and body["usage"]["prompt_tokens"] == 100 and body["usage"]["completion_tokens"] == 2
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "kvpolicy_kv_allocated_bytes" in metrics and json.loads(httpx.get(server.url + "/v1/models").text)["data"][0]["vocab_size"] == 4096
+
+
+def test_computed_kv_bytes_when_metrics_say_nothing(server, monkeypatch):
+    from kvpolicy.openai_profile import OpenAIProfileTarget
+
+    monkeypatch.setattr(OpenAIProfileTarget, "_allocated_bytes", lambda self: None)
+    with pytest.raises(ConfigError, match="--config"):
+        OpenAIProfileTarget(server.url, "kvpolicy-reference")
+    t = OpenAIProfileTarget(server.url, "kvpolicy-reference", bytes_per_token=131072)
+    assert t.kv_bytes_source == "computed" and t.kv_bytes(1024) == 1024 * 131072
+    t.close()
