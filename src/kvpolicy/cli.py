@@ -302,7 +302,6 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
 def _cmd_breakeven(args: argparse.Namespace) -> int:
     from .admission.breakeven import breakeven
-    from .profile import read_profile
 
     bpt, model_note = _bytes_per_token(args)
     prof = _read_checked_profile(args, bpt, model_note)
@@ -541,7 +540,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def _cmd_profile(args: argparse.Namespace) -> int:
     from .progress import Progress
     from .reference.model import ModelConfig
-    from .reference.profiling import ReferenceProfileTarget, figure, render, run_profile
+    from .reference.profiling import ReferenceProfileTarget, run_profile
 
     prog = Progress("profile", enabled=None if not args.no_progress else False)
     if args.openai_url:
@@ -562,6 +561,15 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     report["engine"] = {"model": "kvpolicy reference transformer (numpy)", "layers": cfg.num_layers, "heads": cfg.num_heads,
                         "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "dtype": cfg.dtype, "block_size_tokens": args.block_size,
                         "transport": "TCP loopback between two processes"}
+    e = report["engine"]
+    return _finish_profile(args, prog, prof, report, f"{e['model']}: {e['layers']} layers, {e['heads']} heads / {e['kv_heads']} KV heads x "
+                           f"{e['head_dim']}, {e['dtype']}, {e['block_size_tokens']}-token blocks; remote = {e['transport']}")
+
+
+def _finish_profile(args: argparse.Namespace, prog: Any, prof: Any, report: dict[str, Any], engine_line: str) -> int:
+    """Plot, write the CSV, print the report (or its JSON): the same for every profile target."""
+    from .reference.profiling import figure, render
+
     if args.plot:
         prog("plot")
         report["plots"] = [str(figure(report, args.plot))]
@@ -572,9 +580,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     if args.json:
         print(strict_json(report, indent=2))
         return 0
-    e = report["engine"]
-    print(f"engine           {e['model']}: {e['layers']} layers, {e['heads']} heads / {e['kv_heads']} KV heads x {e['head_dim']}, "
-          f"{e['dtype']}, {e['block_size_tokens']}-token blocks; remote = {e['transport']}")
+    print(f"engine           {engine_line}")
     print(render(report))
     if args.out:
         print(f"wrote            {args.out}  (kvpolicy breakeven / compare --profile read it)")
@@ -585,7 +591,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 def _profile_openai(args: argparse.Namespace, prog: Any) -> int:
     from .openai_profile import OpenAIProfileTarget
-    from .reference.profiling import figure, render, run_profile
+    from .reference.profiling import run_profile
 
     bpt = _bytes_per_token(args)[0] if (args.config or args.bytes_per_token) else None
     prog("connecting")
@@ -597,22 +603,8 @@ def _profile_openai(args: argparse.Namespace, prog: Any) -> int:
     finally:
         target.close()
     report["engine"] = {"model": args.model, "url": args.openai_url, "kv_bytes": target.kv_bytes_source}
-    if args.plot:
-        prog("plot")
-        report["plots"] = [str(figure(report, args.plot))]
-    prog.done()
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        prof.write(args.out)
-    if args.json:
-        print(strict_json(report, indent=2))
-        return 0
-    print(f"engine           {args.model} at {args.openai_url} (streaming /v1/completions, TTFT = first streamed token); "
-          f"KV bytes {'read from /metrics' if target.kv_bytes_source == 'metrics' else 'COMPUTED from --config, not measured'}")
-    print(render(report))
-    if args.out:
-        print(f"wrote            {args.out}  (kvpolicy breakeven / compare --profile read it)")
-    return 0
+    return _finish_profile(args, prog, prof, report, f"{args.model} at {args.openai_url} (streaming /v1/completions, TTFT = first streamed token); "
+                           f"KV bytes {'read from /metrics' if target.kv_bytes_source == 'metrics' else 'COMPUTED from --config, not measured'}")
 
 
 def _cmd_serve_reference(args: argparse.Namespace) -> int:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import re
 import threading
 import time
-from typing import Any
 
 import numpy as np
 
