@@ -35,27 +35,28 @@ def run(capsys, *argv):
 def test_profile_over_http_agrees_with_the_engine_in_process_and_drives_compare(server, capsys, tmp_path):
     csv = tmp_path / "http_profile.csv"
     rc, out, err = run(capsys, "profile", "--openai-url", server.url, "--model", "kvpolicy-reference", "--lengths", ",".join(map(str, LENGTHS)),
-                       "--concurrency", "1,2", "--repeats", "3", "--out", str(csv), "-q")
+                       "--concurrency", "1,2", "--repeats", "5", "--out", str(csv), "-q")
     assert rc == 0, err
     assert "KV bytes read from /metrics" in out and "break-even       not measured" in out
     prof = read_profile(csv)
     # KV bytes came from the server's own accounting: exactly the engine's 512 B/token
     cfg = ModelConfig()
     assert prof.kv_bytes.tolist() == [L * cfg.geometry().bytes_per_token for L in LENGTHS]
-    # cold prefill over HTTP = the engine's own prefill time plus a little HTTP, within noise
+    # cold prefill over HTTP = the engine's own prefill time plus a little HTTP, within noise: the HTTP
+    # median must fall inside the in-process samples' range, widened 2x (+15 ms of HTTP) for a busy machine
     eng = ReferenceEngine(cfg, block_size_tokens=16, capacity_blocks=8192)
     rng = np.random.default_rng(3)
     for i, L in enumerate(LENGTHS):
         ts = []
-        for _ in range(3):
+        for _ in range(5):
             eng.reset()
             toks = rng.integers(0, cfg.vocab_size, L + 16)
             t0 = time.perf_counter()
             eng.prefill(toks, publish=False)
             ts.append(time.perf_counter() - t0)
-        inproc_ms = statistics.median(ts) * 1e3
+        lo_ms, hi_ms = min(ts) * 1e3, max(ts) * 1e3
         http_ms = prof.cold_prefill_ms[i]
-        assert 0.5 * inproc_ms <= http_ms <= 2.0 * inproc_ms + 15.0, (L, http_ms, inproc_ms)
+        assert 0.5 * lo_ms <= http_ms <= 2.0 * hi_ms + 15.0, (L, http_ms, lo_ms, hi_ms, statistics.median(ts) * 1e3)
     # a local hit over HTTP is faster than a cold prefill at the longest prefix: the server really caches
     assert prof.local_hit_ttft_ms[-1] < prof.cold_prefill_ms[-1]
     assert "cold_prefill_c2_p50_ms" in prof.extra and "remote_load_p50_ms" not in prof.extra

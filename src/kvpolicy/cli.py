@@ -628,6 +628,16 @@ def _cmd_serve_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reference_model_args(p: argparse.ArgumentParser) -> None:
+    """The reference engine's shape: the same flags wherever it runs (profile, serve-reference)."""
+    p.add_argument("--block-size", type=_positive_int, default=16)
+    p.add_argument("--layers", type=_positive_int, default=2)
+    p.add_argument("--heads", type=_positive_int, default=4)
+    p.add_argument("--kv-heads", type=_positive_int, default=1)
+    p.add_argument("--head-dim", type=_positive_int, default=32)
+    p.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+
+
 def _policy_list(text: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     if not items:
@@ -789,12 +799,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--concurrency", type=_int_list, default=[1, 4], help="concurrency levels (default 1,4; 1 is always measured)")
     pr.add_argument("--repeats", type=_positive_int, default=5, help="runs per measurement alone (default 5)")
     pr.add_argument("--tail-tokens", type=_positive_int, default=16, help="new tokens after the prefix (default 16)")
-    pr.add_argument("--block-size", type=_positive_int, default=16)
-    pr.add_argument("--layers", type=_positive_int, default=2)
-    pr.add_argument("--heads", type=_positive_int, default=4)
-    pr.add_argument("--kv-heads", type=_positive_int, default=1)
-    pr.add_argument("--head-dim", type=_positive_int, default=32)
-    pr.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    _reference_model_args(pr)
     pr.add_argument("--seed", type=int, default=0)
     pr.add_argument("--out", default=None, metavar="CSV", help="write the profile CSV (prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms,...)")
     pr.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -812,13 +817,8 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("--host", default="127.0.0.1")
     sr.add_argument("--port", type=int, default=8000)
     sr.add_argument("--model-name", default="kvpolicy-reference")
-    sr.add_argument("--block-size", type=_positive_int, default=16)
     sr.add_argument("--capacity-blocks", type=_positive_int, default=16384)
-    sr.add_argument("--layers", type=_positive_int, default=2)
-    sr.add_argument("--heads", type=_positive_int, default=4)
-    sr.add_argument("--kv-heads", type=_positive_int, default=1)
-    sr.add_argument("--head-dim", type=_positive_int, default=32)
-    sr.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    _reference_model_args(sr)
     sr.add_argument("--verbose", action="store_true", help="log every request")
     sr.set_defaults(func=_cmd_serve_reference)
 
