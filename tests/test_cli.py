@@ -406,10 +406,13 @@ def test_progress_logs_each_finished_unit_off_a_terminal_and_nothing_when_quiet(
             return True
 
     tty = Tty()
-    p = Progress("profile", stream=tty)
+    p = Progress("profile", stream=tty, total=2)
     p("1024 tokens")
+    p("2048 tokens")
     p.done()
-    assert tty.getvalue().startswith("\r\x1b[Kprofile: [1] 1024 tokens") and tty.getvalue().endswith("\n")
+    assert "profile" in tty.getvalue() and "1024 tokens" in tty.getvalue() and tty.getvalue().endswith("\n")
+    assert "2/2" in tty.getvalue() and "100%" in tty.getvalue()  # a tqdm bar with its total, not a log line
+    assert "done in" in tty.getvalue() and "[1] 1024 tokens done" not in tty.getvalue()
     quiet = io.StringIO()
     q = Progress("compare", enabled=False, stream=quiet)
     q("x")

@@ -507,6 +507,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     trace = _load_trace(args)
     scenarios = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     policies = args.policies or list(POLICY_SETS)
+    prog.set_total(1 + len(scenarios) * len(set(policies) | {"recompute-only"}) + (1 if args.plot else 0))
     overrides: dict[str, Any] = {"router": args.router, "prefill_slots": args.prefill_slots, "decode_tokens_per_s": args.decode_tokens_per_s,
                                  "node_bandwidth_bytes_per_s": args.node_gbps * 1e9 / 8, "replica_bandwidth_bytes_per_s": args.replica_gbps * 1e9 / 8,
                                  "failure_rate": args.failure_rate, "timeout_rate": args.timeout_rate}
@@ -703,7 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--fragmentation-share", type=float, default=0.05, help="fragmentation share (default 0.05)")
     a.add_argument("--json", default=None, metavar="OUT", help="write the full report as JSON")
     a.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures (needs matplotlib)")
-    a.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a live line on a terminal, one line per finished unit elsewhere)")
+    a.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a progress bar on a terminal, one line per finished unit elsewhere)")
     a.set_defaults(func=_cmd_analyze)
 
     b = sub.add_parser("breakeven", help="remote load vs recompute per prefix length, and the break-even prefix")
@@ -729,7 +730,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--policies", type=_policy_list, default=["lru", "fifo", "lfu", "ttl", "s3fifo", "sieve", "arc", "gdsf", "reuse-distance", "belady"],
                    help="comma-separated (default: lru,fifo,lfu,ttl,s3fifo,sieve,arc,gdsf,reuse-distance,belady; also belady-bypass)")
     e.add_argument("--json", default=None, metavar="OUT")
-    e.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a live line on a terminal, one line per finished unit elsewhere)")
+    e.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a progress bar on a terminal, one line per finished unit elsewhere)")
     e.set_defaults(func=_cmd_evict_bench)
 
     pb = sub.add_parser("publish-bench", help="bytes each publish policy writes vs bytes re-read by other replicas, beside the oracle")
@@ -743,7 +744,7 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--allow-mismatch", action="store_true", help="use a --profile whose measured KV bytes/token differs from the model's by more than 10%%")
     pb.add_argument("--write-gbps", type=float, default=100.0, help="pool write bandwidth for the reuse-aware cost (default 100)")
     pb.add_argument("--json", default=None, metavar="OUT")
-    pb.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a live line on a terminal, one line per finished unit elsewhere)")
+    pb.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a progress bar on a terminal, one line per finished unit elsewhere)")
     pb.set_defaults(func=_cmd_publish_bench)
 
     w = sub.add_parser("plan-warmup", help="schedule loads of measured hot prefixes into new replicas within caps and bandwidth")
@@ -791,7 +792,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--decode-tokens-per-s", type=float, default=30.0, help="decode rate per request (default 30)")
     cp.add_argument("--json", default=None, metavar="OUT", help="write every run as JSON")
     cp.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures (needs matplotlib)")
-    cp.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a live line on a terminal, one line per finished unit elsewhere)")
+    cp.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a progress bar on a terminal, one line per finished unit elsewhere)")
     cp.set_defaults(func=_cmd_compare)
 
     pr = sub.add_parser("profile", help="measure bytes/token, cold prefill, local-hit TTFT and remote load on an engine (the reference engine by default)")
@@ -804,7 +805,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", default=None, metavar="CSV", help="write the profile CSV (prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms,...)")
     pr.add_argument("--json", action="store_true", help="print the report as JSON")
     pr.add_argument("--plot", default=None, metavar="DIR")
-    pr.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a live line on a terminal, one line per finished unit elsewhere)")
+    pr.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a progress bar on a terminal, one line per finished unit elsewhere)")
     pr.add_argument("--openai-url", default=None, metavar="URL", help="profile an OpenAI-compatible server (vLLM, SGLang, TGI, kvpolicy serve-reference) instead")
     pr.add_argument("--model", default=None, help="with --openai-url: the served model's name")
     pr.add_argument("--config", default=None, help="with --openai-url: model config for KV bytes when the server's /metrics does not give them")
