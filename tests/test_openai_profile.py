@@ -101,4 +101,6 @@ def test_computed_kv_bytes_when_metrics_say_nothing(server, monkeypatch):
         OpenAIProfileTarget(server.url, "kvpolicy-reference")
     t = OpenAIProfileTarget(server.url, "kvpolicy-reference", bytes_per_token=131072)
     assert t.kv_bytes_source == "computed" and t.kv_bytes(1024) == 1024 * 131072
+    with pytest.raises(ConfigError, match="another replica"):
+        t.remote_load(256)
     t.close()

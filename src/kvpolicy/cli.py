@@ -304,7 +304,7 @@ def _cmd_breakeven(args: argparse.Namespace) -> int:
     from .admission.breakeven import breakeven
 
     bpt, model_note = _bytes_per_token(args)
-    prof = _read_checked_profile(args, bpt, model_note)
+    prof = _read_checked_profile(args, bpt)
     res = breakeven(
         bytes_per_token=bpt, prefill=prof.prefill_model(), bandwidth_gbps=args.bandwidth_gbps, block_size_tokens=args.block_size,
         prefix_tokens=args.prefix_tokens, lookup_s=args.lookup_ms / 1e3, queue_s=args.queue_ms / 1e3, stage_s=args.stage_ms / 1e3,
@@ -359,20 +359,21 @@ def _cmd_evict_bench(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- publish-bench / plan-warmup
 
 
-def _read_checked_profile(args: argparse.Namespace, bpt: int, model_note: str) -> Any:
+def _read_checked_profile(args: argparse.Namespace, bpt: int) -> Any:
     """The --profile CSV, refused when its measured bytes/token is not the model's (see --allow-mismatch)."""
     from .profile import check_matches_model, read_profile
 
     prof = read_profile(args.profile)
     if not getattr(args, "allow_mismatch", False):
-        check_matches_model(prof, bpt, model_note.split(" (")[0])
+        model = "--bytes-per-token" if getattr(args, "bytes_per_token", None) else f"--config {getattr(args, 'config', None) or 'llama-3-8b'}"
+        check_matches_model(prof, bpt, model)
     return prof
 
 
-def _prefill_model(args: argparse.Namespace, bpt: int, model_note: str) -> Any:
+def _prefill_model(args: argparse.Namespace, bpt: int) -> Any:
     from .publish_sim import DEFAULT_PREFILL
 
-    return _read_checked_profile(args, bpt, model_note).prefill_model() if args.profile else DEFAULT_PREFILL
+    return _read_checked_profile(args, bpt).prefill_model() if args.profile else DEFAULT_PREFILL
 
 
 def _cmd_publish_bench(args: argparse.Namespace) -> int:
@@ -384,7 +385,7 @@ def _cmd_publish_bench(args: argparse.Namespace) -> int:
     prog("reading trace")
     trace = _load_trace(args)
     res = publish_bench(trace, args.policies, replicas=args.replicas, routing=args.routing, pool_capacity_blocks=args.pool_capacity_blocks,
-                        bytes_per_token=bpt, prefill=_prefill_model(args, bpt, model_note), write_bytes_per_s=args.write_gbps * 1e9 / 8, seed=args.seed, progress=prog)
+                        bytes_per_token=bpt, prefill=_prefill_model(args, bpt), write_bytes_per_s=args.write_gbps * 1e9 / 8, seed=args.seed, progress=prog)
     prog.done()
     res["model"] = model_note
     _write_report(args.json, res)
@@ -395,11 +396,11 @@ def _cmd_publish_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_hot(args: argparse.Namespace, bpt: int, model_note: str) -> list[Any]:
+def _load_hot(args: argparse.Namespace, bpt: int) -> list[Any]:
     from .traces import detect_format, generate, preset, read_trace
     from .warmup import HotPrefix, hot_prefixes_from_trace
 
-    prefill = _prefill_model(args, bpt, model_note)
+    prefill = _prefill_model(args, bpt)
     src = args.source
     if src and src.endswith(".json"):
         try:
@@ -434,7 +435,7 @@ def _cmd_plan_warmup(args: argparse.Namespace) -> int:
     from .warmup import WarmupConfig, plan_warmup
 
     bpt, model_note = _bytes_per_token(args)
-    hot = _load_hot(args, bpt, model_note)
+    hot = _load_hot(args, bpt)
     cfg = WarmupConfig(replicas=args.replicas, window_s=args.window_s, bandwidth_bytes_per_s=args.bandwidth_gbps * 1e9 / 8,
                        current_load_bytes_per_s=args.current_load_gbps * 1e9 / 8, max_loads_per_replica=args.max_loads_per_replica,
                        max_loads_pool=args.max_loads_pool, min_access_count=args.min_access_count, readiness_share=args.readiness_share)
@@ -517,7 +518,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                         ("--pool-share", args.pool_share)):
         if value < 0:
             raise ConfigError(name, f"must be non-negative, got {value}")
-    cluster = default_cluster(trace, bytes_per_token=bpt, prefill=_prefill_model(args, bpt, model_note), replicas=args.replicas, local_kv_gib=args.local_kv_gib,
+    cluster = default_cluster(trace, bytes_per_token=bpt, prefill=_prefill_model(args, bpt), replicas=args.replicas, local_kv_gib=args.local_kv_gib,
                               pool_share=args.pool_share, storage_nodes=args.storage_nodes, **overrides)
     load = offered_load(trace, cluster)
     if not args.allow_overload:

@@ -128,7 +128,9 @@ class OpenAIProfileTarget:
         return self._ttft_s(prefix + self._ids(rng, tail_tokens))
 
     def remote_load(self, prefix_tokens: int) -> dict[str, float]:
-        raise NotImplementedError("an OpenAI endpoint cannot load a prefix from another replica")
+        # run_profile skips remote loads for targets with has_remote = False; a direct call is refused, not guessed
+        raise ConfigError("--openai-url", "an OpenAI endpoint cannot load a prefix from another replica: no remote-load figure to measure; "
+                          "give kvpolicy breakeven your link's figures instead")
 
     def close(self) -> None:
         self.client.close()
