@@ -45,25 +45,26 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXP
 from _common import write_json  # noqa: E402
 
 NS = bytes(16)
+SECRET = os.urandom(32)  # this run's deployment secret: the transport authenticates every connection with it
 
 
-def _server_proc(conn: Any, n_blocks: int, block_bytes: int) -> None:
+def _server_proc(conn: Any, n_blocks: int, block_bytes: int, secret: bytes) -> None:
     from kvpolicy.reference.transport import BlockServer, BlockStore
 
-    store = BlockStore(NS)
+    store = BlockStore(NS, block_bytes)
     payload = os.urandom(block_bytes)
     for i in range(n_blocks):
         store.put(i.to_bytes(16, "big"), payload)
-    srv = BlockServer(store)
+    srv = BlockServer(store, secret=secret)
     conn.send(tuple(srv.address))
     conn.recv()  # stop
     srv.close()
 
 
-def _client_proc(conn: Any, address: tuple[str, int]) -> None:
+def _client_proc(conn: Any, address: tuple[str, int], block_bytes: int, secret: bytes) -> None:
     from kvpolicy.reference.transport import PeerClient
 
-    pc = PeerClient(address, NS, timeout_s=120.0)
+    pc = PeerClient(address, NS, secret=secret, block_bytes=block_bytes, timeout_s=120.0)
     while True:
         msg = conn.recv()
         if msg is None:
@@ -90,7 +91,7 @@ class Rig:
         addrs = []
         for _ in range(2):  # server 0: the forward direction; server 1 (in its own process): the reverse one
             a, b = ctx.Pipe()
-            p = ctx.Process(target=_server_proc, args=(b, n_blocks, block_bytes), daemon=True)
+            p = ctx.Process(target=_server_proc, args=(b, n_blocks, block_bytes, SECRET), daemon=True)
             p.start()
             addrs.append(a.recv())
             self.servers.append(a)
@@ -98,7 +99,7 @@ class Rig:
         self.clients = []
         for i in range(n_clients + 1):  # the last client fetches from server 1 (the reverse flow)
             a, b = ctx.Pipe()
-            p = ctx.Process(target=_client_proc, args=(b, addrs[1] if i == n_clients else addrs[0]), daemon=True)
+            p = ctx.Process(target=_client_proc, args=(b, addrs[1] if i == n_clients else addrs[0], block_bytes, SECRET), daemon=True)
             p.start()
             self.clients.append(a)
             self.procs.append(p)
@@ -238,11 +239,11 @@ def end_to_end(n_requests: int, seed: int) -> dict[str, Any]:
     link_bw = 1.0 / beta
 
     # 2. the real run: a block server, two replicas loading from it and publishing into it
-    store = BlockStore(cfg.namespace(B).digest)
-    server = BlockServer(store)
+    store = BlockStore(cfg.namespace(B).digest, cfg.block_bytes(B))
+    server = BlockServer(store, secret=SECRET)
     prior = {"lookup_s": lookup_s, "transfer_overhead_s": alpha, "install_s_per_block": install_s_per_block, "dispatch_s": 0.0,
              "interference_s_per_byte": 0.0}
-    reps = [PeerReplica.start(cfg, block_size_tokens=B, capacity_blocks=4096, publish="all", name=f"replica-{i}",
+    reps = [PeerReplica.start(cfg, secret=SECRET, block_size_tokens=B, capacity_blocks=4096, publish="all", name=f"replica-{i}",
                               shared=(tuple(server.address), store.namespace_digest), link_bytes_per_s=link_bw, prefill=prefill, prior=prior)
             for i in range(2)]
     # T_dispatch of this serving path, measured at idle: a request's round trip through the driver and

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import time
 
 import numpy as np
@@ -47,8 +48,10 @@ def main() -> None:
     cfg = ModelConfig()
     rng = np.random.default_rng(0)
     system = rng.integers(0, cfg.vocab_size, args.system_tokens).tolist()
-    with PeerReplica.start(cfg, name="replica-a", publish="boundary") as a, \
-            PeerReplica.start(cfg, name="replica-b", publish="boundary", peer=a, link_bytes_per_s=1e9,
+    # the deployment secret: keys are keyed by it and peers authenticate with it (in production, read it from a file)
+    secret = secrets.token_bytes(32)
+    with PeerReplica.start(cfg, secret=secret, name="replica-a", publish="boundary") as a, \
+            PeerReplica.start(cfg, secret=secret, name="replica-b", publish="boundary", peer=a, link_bytes_per_s=1e9,
                               breaker_open_s=1.0, window_s=2.0, probe_interval_s=1.0) as b:
         first = a.prefill(system + rng.integers(0, cfg.vocab_size, 40).tolist(), boundary_tokens=len(system))
         print(f"replica-a published {first['published_blocks']} blocks of the system prompt ({len(system)} tokens)\n")

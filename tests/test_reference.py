@@ -15,6 +15,8 @@ B = 16
 RNG = np.random.default_rng(5)
 SYSTEM = RNG.integers(0, 512, 20 * B + 5).tolist()  # 20 full blocks + a partial one
 TOL = 1e-4
+SECRET = b"test-deployment-secret-0123456789"
+BLOCK_BYTES = CFG.block_bytes(B)
 
 
 def controller():
@@ -24,7 +26,7 @@ def controller():
 
 @pytest.fixture(scope="module")
 def peer():
-    p = PeerReplica.start(CFG, block_size_tokens=B, capacity_blocks=512)
+    p = PeerReplica.start(CFG, secret=SECRET, block_size_tokens=B, capacity_blocks=512)
     assert p.prefill(SYSTEM)["published_blocks"] == 20
     yield p
     p.close()
@@ -33,16 +35,16 @@ def peer():
 @pytest.fixture
 def engine_b(peer):
     peer.set_faults(drop=False, delay_s=0.0, corrupt=False)
-    client = PeerClient(peer.address, peer.namespace_digest, name="peer-a", timeout_s=5.0)
+    client = PeerClient(peer.address, peer.namespace_digest, secret=SECRET, block_bytes=BLOCK_BYTES, name="peer-a", timeout_s=5.0)
     e = ReferenceEngine(CFG, block_size_tokens=B, peers=[client], controller=controller(), ledger=Ledger(CFG.geometry().bytes_per_token),
-                        replica="replica-b")
+                        replica="replica-b", secret=SECRET)
     yield e
     e.close()
     peer.set_faults(drop=False, delay_s=0.0, corrupt=False)
 
 
 def recompute(tokens, cfg=CFG):
-    return ReferenceEngine(cfg, block_size_tokens=B).prefill(tokens).logits
+    return ReferenceEngine(cfg, block_size_tokens=B).prefill(tokens).logits  # fast keys: this engine never talks to a peer
 
 
 def test_logits_after_installing_remote_blocks_equal_a_full_recompute(engine_b):
@@ -68,12 +70,12 @@ def test_logits_after_installing_remote_blocks_equal_a_full_recompute(engine_b):
 def test_a_block_from_another_namespace_is_never_matched(peer, change):
     cfg = CFG if "rope_theta" not in change and "revision" not in change else ModelConfig(**{**_cfg_kwargs(CFG), **change})
     block = change.get("block", B)
-    e = ReferenceEngine(cfg, block_size_tokens=block, adapter=change.get("adapter"), controller=controller())
+    e = ReferenceEngine(cfg, block_size_tokens=block, adapter=change.get("adapter"), controller=controller(), secret=SECRET)
     assert e.namespace.digest != peer.namespace_digest
     # asked under its own namespace, the peer holds nothing for it; asked with its keys under the peer's namespace, nothing matches either
-    own = PeerClient(peer.address, e.namespace.digest)
+    own = PeerClient(peer.address, e.namespace.digest, secret=SECRET, block_bytes=e.block_bytes)
     assert own.match_prefix(list(e.hasher.hash_blocks(SYSTEM))) == 0
-    theirs = PeerClient(peer.address, peer.namespace_digest)
+    theirs = PeerClient(peer.address, peer.namespace_digest, secret=SECRET, block_bytes=BLOCK_BYTES)
     assert theirs.match_prefix(list(e.hasher.hash_blocks(SYSTEM))) == 0
     own.close()
     theirs.close()
@@ -175,13 +177,13 @@ def test_profile_runs_and_its_csv_reads_back():
 
 def test_replicas_share_a_block_server_publishing_into_it_and_loading_from_it():
     """A pool node: replica A publishes into the server in the background, replica B loads what A computed."""
-    from kvpolicy.reference.transport import BlockServer, BlockStore, checksum
+    from kvpolicy.reference.transport import BlockServer, BlockStore, TransportKeys, block_mac
 
-    store = BlockStore(CFG.namespace(B).digest)
-    server = BlockServer(store)
+    store = BlockStore(CFG.namespace(B).digest, BLOCK_BYTES)
+    server = BlockServer(store, secret=SECRET)
     shared = (tuple(server.address), store.namespace_digest)
-    a = PeerReplica.start(CFG, block_size_tokens=B, capacity_blocks=512, name="a", shared=shared, link_bytes_per_s=1e9)
-    b = PeerReplica.start(CFG, block_size_tokens=B, capacity_blocks=512, name="b", shared=shared, link_bytes_per_s=1e9)
+    a = PeerReplica.start(CFG, secret=SECRET, block_size_tokens=B, capacity_blocks=512, name="a", shared=shared, link_bytes_per_s=1e9)
+    b = PeerReplica.start(CFG, secret=SECRET, block_size_tokens=B, capacity_blocks=512, name="b", shared=shared, link_bytes_per_s=1e9)
     try:
         first = a.prefill(SYSTEM)
         assert first["loaded_blocks"] == 0
@@ -189,19 +191,20 @@ def test_replicas_share_a_block_server_publishing_into_it_and_loading_from_it():
         assert len(store.blocks) == 20, "every full block went to the shared server"
         got = b.prefill(SYSTEM + [7, 8, 9])
         assert got["loaded_blocks"] == 20 and got["load_status"] == "ok" and got["load_bytes"] > 0
-        # a put whose checksum does not match the payload is refused whole
-        client = PeerClient(server.address, store.namespace_digest)
-        key, payload = bytes(16), b"\x01" * 64
+        # a put whose MAC does not match the payload is refused whole
+        client = PeerClient(server.address, store.namespace_digest, secret=SECRET, block_bytes=BLOCK_BYTES)
+        key, payload = bytes(16), b"\x01" * BLOCK_BYTES
         assert client.put([key], [payload], 5.0) == 1 and store.blocks[key] == payload
+        from kvpolicy.reference.transport import client_handshake, Channel, TransportLimits
         import socket as _s
 
-        from kvpolicy.reference.transport import recv_header, send_msg
-
+        k = TransportKeys.from_secret(SECRET)
         with _s.create_connection(server.address, timeout=5.0) as sock:
-            meta = [{"key": (b"\x02" * 16).hex(), "nbytes": 64, "checksum": checksum(store.namespace_digest, b"\x02" * 16, b"\x03" * 64)}]
-            send_msg(sock, {"op": "put", "namespace": store.namespace_digest.hex(), "blocks": meta}, [b"\x04" * 64])
-            assert recv_header(sock)["stored"] == 0
-        assert b"\x02" * 16 not in store.blocks
+            ch = Channel(sock, client_handshake(sock, k, 5.0), is_server=False, limits=TransportLimits())
+            meta = [{"key": (b"\x02" * 16).hex(), "nbytes": BLOCK_BYTES, "mac": block_mac(k.block, store.namespace_digest, b"\x02" * 16, b"\x03" * BLOCK_BYTES)}]
+            ch.send({"op": "put", "namespace": store.namespace_digest.hex(), "blocks": meta}, [b"\x04" * BLOCK_BYTES])
+            assert ch.recv(5.0) == {"stored": 0, "error": "mac"}
+        assert b"\x02" * 16 not in store.blocks and server.stats["mac_refused"] == 1
         client.close()
     finally:
         a.close()

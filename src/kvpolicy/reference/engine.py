@@ -13,8 +13,15 @@ The KV cache is paged: ``k_pool``/``v_pool`` hold ``capacity_blocks`` blocks of
 blocks, loads the admitted remote ones (checksummed, namespace-checked, through a
 staging buffer), computes the rest, caches every full block it made, and
 publishes what the filter allows to its own :class:`~kvpolicy.reference.transport.BlockStore`
-(served to peers when ``serve=True``). A failed, timed-out or corrupt load falls
-back to recompute: the output is the same either way.
+(served to peers when ``serve=True``). A failed, timed-out or corrupt load — any
+error of the transport, ``MemoryError`` included — falls back to recompute, and
+the admission controller always hears how the load ended: the output is the
+same either way.
+
+Serving peers (``serve=True``) or publishing into a shared server
+(``publish_to``) needs the deployment ``secret``: keys then come from the
+``keyed`` scheme and every connection is authenticated with it. The ``fast``
+scheme is refused there — anyone who can guess a prompt can compute its keys.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from ..ledger import Ledger, RequestRecord
 from ..matching import match
 from ..publish import PublishAll, PublishRequest
 from .model import ModelConfig, Transformer
-from .transport import BlockServer, BlockStore, CorruptBlockError, PeerClient
+from .transport import BlockServer, BlockStore, CorruptBlockError, PeerClient, TransportLimits
 
 
 @attrs.frozen(eq=False)
@@ -71,7 +78,7 @@ class ReferenceEngine:
                  adapter: tuple[str, str] | None = None, eviction: EvictionPolicy | None = None, peers: Sequence[PeerClient] = (),
                  controller: AdmissionController | None = None, publish_filter: Any = None, ledger: Ledger | None = None,
                  replica: str = "replica-0", serve: bool = False, hasher: BlockHasher | None = None,
-                 publish_to: PeerClient | None = None) -> None:
+                 publish_to: PeerClient | None = None, secret: bytes | None = None, transport_limits: TransportLimits | None = None) -> None:
         self.config = config or ModelConfig()
         if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks <= 0:
             raise ConfigError("capacity_blocks", f"must be a positive int, got {capacity_blocks!r}")
@@ -79,9 +86,14 @@ class ReferenceEngine:
         self.model = Transformer(c)
         self.B = block_size_tokens
         self.namespace = c.namespace(block_size_tokens, tenant=tenant, adapter=adapter)
-        self.hasher = hasher or BlockHasher(self.namespace, "fast")
+        self.hasher = hasher or (BlockHasher(self.namespace, "keyed", secret) if secret is not None else BlockHasher(self.namespace, "fast"))
         if self.hasher.namespace != self.namespace:
             raise ConfigError("hasher", "must hash under this engine's namespace")
+        if serve and secret is None:
+            raise ConfigError("secret", "serving blocks to peers needs the deployment secret (16..64 bytes): peers authenticate with it")
+        if (serve or publish_to is not None) and self.hasher.scheme != "keyed":
+            raise ConfigError("hasher", "serving or publishing blocks to peers needs the keyed scheme: with 'fast' anyone who can "
+                                        "guess a prompt can compute its keys (pass the deployment secret=)")
         shape = (capacity_blocks, c.num_layers, block_size_tokens, c.num_kv_heads, c.head_dim)
         self.k_pool = np.zeros(shape, dtype=c.dtype)
         self.v_pool = np.zeros(shape, dtype=c.dtype)
@@ -95,8 +107,11 @@ class ReferenceEngine:
         self.filter = publish_filter if publish_filter is not None else PublishAll()
         self.ledger = ledger
         self.replica = replica
-        self.store = BlockStore(self.namespace.digest)
-        self.server = BlockServer(self.store) if serve else None
+        self.store = BlockStore(self.namespace.digest, self.block_bytes)
+        self.server = BlockServer(self.store, secret=secret, limits=transport_limits) if serve and secret is not None else None
+        for p in [*self.peers, *([publish_to] if publish_to is not None else [])]:
+            if p.block_bytes != self.block_bytes:
+                raise ConfigError("peers", f"a peer client expects {p.block_bytes}-byte blocks, this engine's are {self.block_bytes}")
         self.local_index = _LocalIndex(self)
         #: a shared block server to publish into (in the background, as engines write back), besides the own store
         self.publish_to = publish_to
@@ -107,7 +122,7 @@ class ReferenceEngine:
 
             self._outbox = queue.Queue()
             threading.Thread(target=self._publisher, daemon=True).start()
-        self.counts = {"loads_ok": 0, "loads_failed": 0, "loads_timeout": 0, "corrupt_refused": 0, "evicted_blocks": 0}
+        self.counts = {"loads_ok": 0, "loads_failed": 0, "loads_timeout": 0, "corrupt_refused": 0, "evicted_blocks": 0, "publish_failed": 0}
 
     # ------------------------------------------------------------------ cache
 
@@ -117,8 +132,13 @@ class ReferenceEngine:
             if item is None:
                 return
             keys, payloads = item
-            self.publish_to.put(keys, payloads, 30.0)  # type: ignore[union-attr]
-            self._outbox.task_done()
+            try:
+                if self.publish_to.put(keys, payloads, 30.0) < len(keys):  # type: ignore[union-attr]
+                    self.counts["publish_failed"] += 1
+            except Exception:  # a publish is best effort: never let it stop the publisher
+                self.counts["publish_failed"] += 1
+            finally:
+                self._outbox.task_done()
 
     def flush_publishes(self) -> None:
         """Wait until every background publish has been sent."""
@@ -231,6 +251,7 @@ class ReferenceEngine:
                 if decision.loads:
                     n_load = decision.load_blocks
                     want = keys[L:L + n_load]
+                    status = "failed"
                     try:
                         t = self.load_remote(peer, want, keys[L - 1] if L else None, decision.soft_timeout_s or 5.0)
                         timings.update(t)
@@ -242,16 +263,15 @@ class ReferenceEngine:
                         status = "timeout"
                         self.counts["loads_timeout"] += 1
                     except CorruptBlockError:
-                        status = "failed"
                         self.counts["corrupt_refused"] += 1
-                    except (ConnectionError, CapacityError):
-                        status = "failed"
+                    except Exception:  # any transport error, MemoryError included: recompute
                         self.counts["loads_failed"] += 1
-                    if status != "ok":  # nothing was installed: recompute
-                        timings["lookup_s"] = peer.last_lookup_s
-                    self.controller.record(LoadOutcome(decision.load_id, status, loaded, lookup_s=timings.get("lookup_s"),
-                                                       transfer_s=timings.get("transfer_s"), stage_s=timings.get("stage_s"),
-                                                       install_s=timings.get("install_s")))
+                    finally:  # the controller always hears how the load ended, so its slot is released
+                        if status != "ok":  # nothing was installed: recompute
+                            timings["lookup_s"] = peer.last_lookup_s
+                        self.controller.record(LoadOutcome(decision.load_id, status, loaded, lookup_s=timings.get("lookup_s"),
+                                                           transfer_s=timings.get("transfer_s"), stage_s=timings.get("stage_s"),
+                                                           install_s=timings.get("install_s")))
             reused = L + loaded
             pk, pv = self._gather(keys[:reused])
             t0 = time.perf_counter()
@@ -327,7 +347,11 @@ class ReferenceEngine:
         return out
 
     def close(self) -> None:
+        if self._outbox is not None:
+            self._outbox.put(None)
         if self.server is not None:
             self.server.close()
         for p in self.peers:
             p.close()
+        if self.publish_to is not None:
+            self.publish_to.close()

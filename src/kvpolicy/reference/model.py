@@ -57,6 +57,10 @@ class ModelConfig:
     def geometry(self) -> KVGeometry:
         return KVGeometry.dense(self.num_layers, self.num_kv_heads, self.head_dim, self.bytes_per_element)
 
+    def block_bytes(self, block_size_tokens: int) -> int:
+        """Bytes of one block's K and V over every layer: what the transport accepts per block."""
+        return self.geometry().bytes_per_token * block_size_tokens
+
     def namespace(self, block_size_tokens: int, *, tenant: str = "default", adapter: tuple[str, str] | None = None) -> Namespace:
         """Every field that changes the KV goes into the key's namespace (``adapter``: (name, version))."""
         return Namespace(model_id=self.model_id, model_revision=f"{self.revision}/seed={self.seed}", tokenizer_version="reference-v1",

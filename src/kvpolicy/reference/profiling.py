@@ -14,6 +14,7 @@ formula), and the break-even prefix on this machine: the shortest prefix whose
 from __future__ import annotations
 
 import math
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +39,8 @@ class ReferenceProfileTarget:
         rng = np.random.default_rng(seed)
         self.base = rng.integers(0, self.config.vocab_size, max_prefix_tokens).astype(np.int64)
         self.capacity_blocks = 2 * (max_prefix_tokens // block_size_tokens) + 64
-        self.peer = PeerReplica.start(self.config, block_size_tokens=block_size_tokens, capacity_blocks=self.capacity_blocks)
+        self._secret = secrets.token_bytes(32)  # this measurement's own deployment: the peer and the profiler share it
+        self.peer = PeerReplica.start(self.config, secret=self._secret, block_size_tokens=block_size_tokens, capacity_blocks=self.capacity_blocks)
         self.peer.prefill(self.base)  # the peer computes and publishes every full block of the longest prefix
         self._local = threading.local()
         self._seed = seed
@@ -51,8 +53,10 @@ class ReferenceProfileTarget:
 
         e = getattr(self._local, "engine", None)
         if e is None:
-            peer = PeerClient(self.peer.address, self.peer.namespace_digest, name="peer", timeout_s=30.0)
-            e = ReferenceEngine(self.config, block_size_tokens=self.B, capacity_blocks=self.capacity_blocks, peers=[peer], replica="profiler")
+            peer = PeerClient(self.peer.address, self.peer.namespace_digest, secret=self._secret, block_bytes=self.config.block_bytes(self.B),
+                              name="peer", timeout_s=30.0)
+            e = ReferenceEngine(self.config, block_size_tokens=self.B, capacity_blocks=self.capacity_blocks, peers=[peer], replica="profiler",
+                                secret=self._secret)
             self._local.engine = e
             with self._lock:
                 self._n += 1

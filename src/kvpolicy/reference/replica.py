@@ -6,7 +6,9 @@ answers commands: ``prefill(tokens)`` (computes — loading from its ``peer`` th
 controller when given one — and publishes), ``set_faults(...)`` (drop / delay /
 corrupt its transfers, for tests), ``reset()`` (drop its cache), ``stats()``,
 ``ledger()``, ``close()``. Other replicas reach
-its blocks only through TCP (:class:`~kvpolicy.reference.transport.PeerClient`).
+its blocks only through TCP (:class:`~kvpolicy.reference.transport.PeerClient`),
+authenticated with the deployment ``secret`` every replica is started with (it
+travels over the process pipe, never on a command line).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from .model import ModelConfig
 
 
 def _serve(conn: Any, config: ModelConfig, block_size_tokens: int, capacity_blocks: int, publish: str, name: str,
-           peer: tuple[tuple[str, int], bytes] | None, opts: dict[str, Any]) -> None:
+           peer: tuple[tuple[str, int], bytes] | None, opts: dict[str, Any], secret: bytes) -> None:
     from ..admission import AdmissionConfig, AdmissionController, CircuitBreaker, LatencyModel, LinkPrior
     from ..ledger import Ledger
     from ..publish import make_filter
@@ -26,9 +28,10 @@ def _serve(conn: Any, config: ModelConfig, block_size_tokens: int, capacity_bloc
     from .engine import ReferenceEngine
     from .transport import PeerClient
 
-    peers = [PeerClient(peer[0], peer[1], name="peer")] if peer else []
+    block_bytes = config.block_bytes(block_size_tokens)
+    peers = [PeerClient(peer[0], peer[1], secret=secret, block_bytes=block_bytes, name="peer")] if peer else []
     # a shared block server (a pool node): this replica loads from it and publishes into it
-    publish_to = PeerClient(peer[0], peer[1], name="publish") if peer and opts.get("shared") else None
+    publish_to = PeerClient(peer[0], peer[1], secret=secret, block_bytes=block_bytes, name="publish") if peer and opts.get("shared") else None
     controller = None
     if peer:
         prefill = opts.get("prefill") or DEFAULT_PREFILL
@@ -38,7 +41,7 @@ def _serve(conn: Any, config: ModelConfig, block_size_tokens: int, capacity_bloc
                                          breaker_factory=lambda: CircuitBreaker(failure_threshold=3, open_s=opts["breaker_open_s"]))
     eng = ReferenceEngine(config, block_size_tokens=block_size_tokens, capacity_blocks=capacity_blocks, serve=True, replica=name,
                           publish_filter=make_filter(publish), peers=peers, controller=controller, ledger=Ledger(config.geometry().bytes_per_token),
-                          publish_to=publish_to)
+                          publish_to=publish_to, secret=secret)
     assert eng.server is not None
     conn.send(("ready", eng.server.address, eng.namespace.digest))
     while True:
@@ -66,7 +69,8 @@ def _serve(conn: Any, config: ModelConfig, block_size_tokens: int, capacity_bloc
             eng.reset()
             conn.send(True)
         elif cmd == "stats":
-            conn.send({"published_blocks": len(eng.store.blocks), "allocated_kv_bytes": eng.allocated_kv_bytes(), **eng.counts})
+            conn.send({"published_blocks": len(eng.store.blocks), "allocated_kv_bytes": eng.allocated_kv_bytes(), **eng.counts,
+                       "server": dict(eng.server.stats), "peers": {p.name: dict(p.stats) for p in eng.peers}})
         elif cmd == "ledger":
             conn.send(eng.ledger.to_dict() if eng.ledger is not None else {})
         elif cmd == "stop":
@@ -83,7 +87,7 @@ class PeerReplica:
         self.namespace_digest = namespace_digest
 
     @classmethod
-    def start(cls, config: ModelConfig | None = None, *, block_size_tokens: int = 16, capacity_blocks: int = 4096,
+    def start(cls, config: ModelConfig | None = None, *, secret: bytes, block_size_tokens: int = 16, capacity_blocks: int = 4096,
               publish: str = "all", name: str = "replica", peer: PeerReplica | None = None, link_bytes_per_s: float = 1e9,
               breaker_open_s: float = 10.0, window_s: float = 300.0, probe_interval_s: float = 30.0, timeout_s: float = 60.0,
               shared: tuple[tuple[str, int], bytes] | None = None, prefill: Any = None, prior: dict[str, float] | None = None) -> PeerReplica:
@@ -91,13 +95,17 @@ class PeerReplica:
         admission controller (prior: ``link_bytes_per_s``), corrected by live measurements.
         With ``shared`` (a block server's address and namespace digest) instead, it loads from that
         server and publishes into it in the background — replicas sharing a pool node; ``prefill``
-        (a PrefillModel) and ``prior`` (LinkPrior fields) configure its admission model."""
+        (a PrefillModel) and ``prior`` (LinkPrior fields) configure its admission model. ``secret``: the
+        deployment secret (16..64 bytes) its keys and its peers' connections are authenticated with."""
+        from .transport import TransportKeys
+
+        TransportKeys.from_secret(secret)  # refuse a bad secret here, not in the child
         ctx = mp.get_context("spawn")
         a, b = ctx.Pipe()
         peer_arg = (peer.address, peer.namespace_digest) if peer is not None else shared
         opts = {"link_bytes_per_s": link_bytes_per_s, "breaker_open_s": breaker_open_s, "window_s": window_s, "probe_interval_s": probe_interval_s,
                 "shared": shared is not None, "prefill": prefill, "prior": prior or {}}
-        proc = ctx.Process(target=_serve, args=(b, config or ModelConfig(), block_size_tokens, capacity_blocks, publish, name, peer_arg, opts),
+        proc = ctx.Process(target=_serve, args=(b, config or ModelConfig(), block_size_tokens, capacity_blocks, publish, name, peer_arg, opts, bytes(secret)),
                            daemon=True)
         proc.start()
         if not a.poll(timeout_s):

@@ -1,0 +1,437 @@
+"""The block transport against a hostile local process: each attack from issue #18 fails.
+
+Every server here is real (``BlockServer`` on loopback) and every attacker speaks
+raw TCP or the protocol itself with the wrong key.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvpolicy.admission import AdmissionController, LatencyModel, LinkPrior
+from kvpolicy.clock import ManualClock
+from kvpolicy.errors import ConfigError
+from kvpolicy.keys import BlockHasher
+from kvpolicy.profile import PrefillModel
+from kvpolicy.reference import ModelConfig, PeerClient, ReferenceEngine
+from kvpolicy.reference.transport import (
+    MAGIC,
+    AuthError,
+    BlockServer,
+    BlockStore,
+    Channel,
+    CorruptBlockError,
+    TransportError,
+    TransportKeys,
+    TransportLimits,
+    block_mac,
+    client_handshake,
+    server_handshake,
+)
+
+CFG = ModelConfig(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=64, vocab_size=512)
+B = 16
+BB = CFG.block_bytes(B)
+SECRET = b"the-deployment-secret-for-tests!"
+OTHER = b"an-attacker-guess-at-the-secret!"
+SYSTEM = np.random.default_rng(3).integers(0, 512, 12 * B).tolist()
+
+
+def controller() -> AdmissionController:
+    prefill = PrefillModel(a_s=0.0, b_s_per_token=5e-4, c_s_per_token2=0.0, rms_rel_error=0.0, max_rel_error=0.0)
+    return AdmissionController(LatencyModel(LinkPrior(bandwidth_bytes_per_s=1e9), prefill), clock=ManualClock())
+
+
+@pytest.fixture
+def victim():
+    """A serving replica that has computed and published SYSTEM's 12 blocks."""
+    e = ReferenceEngine(CFG, block_size_tokens=B, serve=True, secret=SECRET, replica="victim")
+    e.prefill(SYSTEM)
+    assert len(e.store.blocks) == 12
+    yield e
+    e.close()
+
+
+def raw(address, timeout_s=5.0) -> socket.socket:
+    s = socket.create_connection(address, timeout=timeout_s)
+    s.settimeout(timeout_s)
+    return s
+
+
+def closed_by_peer(s: socket.socket, within_s: float) -> bool:
+    """True if the peer closes the connection within ``within_s`` (reads until EOF)."""
+    s.settimeout(within_s)
+    try:
+        while s.recv(4096):
+            pass
+        return True
+    except (socket.timeout, TimeoutError):
+        return False
+    except OSError:
+        return True
+
+
+def test_the_serving_engine_refuses_the_fast_scheme_and_a_missing_secret():
+    with pytest.raises(ConfigError) as e:
+        ReferenceEngine(CFG, block_size_tokens=B, serve=True)
+    assert e.value.field == "secret"
+    with pytest.raises(ConfigError) as e:
+        ReferenceEngine(CFG, block_size_tokens=B, serve=True, secret=SECRET, hasher=BlockHasher(CFG.namespace(B), "fast"))
+    assert e.value.field == "hasher"
+    with pytest.raises(ConfigError) as e:
+        BlockServer(BlockStore(bytes(16), BB), secret=b"short")
+    assert e.value.field == "secret"
+    eng = ReferenceEngine(CFG, block_size_tokens=B, serve=True, secret=SECRET)
+    try:
+        assert eng.hasher.scheme == "keyed"
+    finally:
+        eng.close()
+
+
+def test_a_client_without_the_secret_learns_nothing_and_gets_nothing(victim):
+    """The membership oracle and the raw-K/V read both fail: wrong secret, or no handshake at all."""
+    keys = list(victim.hasher.hash_blocks(SYSTEM))  # even handed the real keys (it cannot compute them: keyed scheme)
+    intruder = PeerClient(victim.server.address, victim.namespace.digest, secret=OTHER, block_bytes=BB)
+    assert intruder.match_prefix(keys) == 0
+    with pytest.raises(AuthError):
+        intruder.fetch(keys[:2], 2.0)
+    assert intruder.stats["auth_failed"] == 2
+    # the pre-authentication protocol of the old transport: a bare JSON request is never answered
+    s = raw(victim.server.address)
+    hello = s.recv(64)
+    assert hello[:4] == MAGIC
+    h = b'{"op":"match","namespace":"%s","keys":["%s"]}' % (victim.namespace.digest.hex().encode(), keys[0].hex().encode())
+    s.sendall(struct.pack(">I", len(h)) + h)
+    assert closed_by_peer(s, 5.0)
+    s.close()
+    deadline = time.monotonic() + 5
+    while victim.server.stats["auth_failed"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert victim.server.stats["auth_failed"] == 3
+    # the deployment's own client still gets everything
+    friend = PeerClient(victim.server.address, victim.namespace.digest, secret=SECRET, block_bytes=BB)
+    assert friend.match_prefix(keys) == 12
+    assert len(friend.fetch(keys, 5.0).payloads) == 12
+    friend.close()
+
+
+def test_the_unkeyed_namespace_digest_no_longer_predicts_keys(victim):
+    """With ``fast`` keys an outsider could hash a guessed prompt; keyed keys need the secret."""
+    outsider = BlockHasher(CFG.namespace(B), "fast")
+    guessed = BlockHasher(CFG.namespace(B), "keyed", OTHER)
+    real = set(victim.hasher.hash_blocks(SYSTEM))
+    assert not real & set(outsider.hash_blocks(SYSTEM)) and not real & set(guessed.hash_blocks(SYSTEM))
+
+
+class ForgingServer:
+    """A listener that speaks the protocol — with ``secret`` for its handshake and ``block_key`` for its MACs —
+    and answers every match with ``n`` and every get with ``answer(keys)`` (a header and payloads)."""
+
+    def __init__(self, secret: bytes, answer, n: int | None = None) -> None:
+        self.keys = TransportKeys.from_secret(secret)
+        self.answer = answer
+        self.n = n
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()[:2]
+        self.served = 0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                s, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._conn, args=(s,), daemon=True).start()
+
+    def _conn(self, s: socket.socket) -> None:
+        try:
+            ch = Channel(s, server_handshake(s, self.keys, 5.0), is_server=True, limits=TransportLimits())
+            while True:
+                req = ch.recv(30.0)
+                keys = [bytes.fromhex(k) for k in req["keys"]]
+                if req["op"] == "match":
+                    ch.send({"n": len(keys) if self.n is None else self.n})
+                else:
+                    header, payloads = self.answer(keys)
+                    self.served += 1
+                    ch.send(header, payloads)
+        except (OSError, ConnectionError, ValueError, KeyError):
+            s.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def forged_blocks(block_key: bytes, digest: bytes):
+    """40-ish forged blocks of plausible K/V, MAC'd under ``block_key``."""
+    def answer(keys):
+        payloads = [np.full(BB // 4, 0.5, dtype=np.float32).tobytes() for _ in keys]
+        return {"blocks": [{"key": k.hex(), "nbytes": BB, "mac": block_mac(block_key, digest, k, p)} for k, p in zip(keys, payloads)]}, payloads
+    return answer
+
+
+def victim_of(address, digest, **kw) -> ReferenceEngine:
+    client = PeerClient(address, digest, secret=SECRET, block_bytes=BB, timeout_s=5.0)
+    return ReferenceEngine(CFG, block_size_tokens=B, peers=[client], controller=controller(), secret=SECRET, replica="b", **kw)
+
+
+def test_a_listener_at_a_peers_address_without_the_secret_is_not_trusted():
+    """The squatter served 40 forged blocks with valid unkeyed checksums; now it cannot finish the handshake."""
+    digest = CFG.namespace(B).digest
+    forger = ForgingServer(OTHER, forged_blocks(TransportKeys.from_secret(OTHER).block, digest))
+    eng = victim_of(forger.address, digest)
+    honest = ReferenceEngine(CFG, block_size_tokens=B).prefill(SYSTEM + [1, 2]).logits
+    try:
+        r = eng.prefill(SYSTEM + [1, 2])
+        assert r.remote_found == 0 and r.loaded_blocks == 0 and forger.served == 0  # the match itself was refused
+        assert eng.peers[0].stats["auth_failed"] == 1
+        assert np.allclose(r.logits, honest, atol=1e-4, rtol=0)
+        assert not eng.store.blocks.keys() - set(eng.hasher.hash_blocks(SYSTEM)), "nothing foreign is republished"
+    finally:
+        eng.close()
+        forger.close()
+
+
+def test_a_block_whose_mac_fails_is_refused_counted_and_never_installed():
+    """A peer that passes the handshake but serves blocks MAC'd with another key (or altered in flight)."""
+    digest = CFG.namespace(B).digest
+    forger = ForgingServer(SECRET, forged_blocks(TransportKeys.from_secret(OTHER).block, digest))
+    eng = victim_of(forger.address, digest)
+    try:
+        r = eng.prefill(SYSTEM + [1, 2])
+        assert r.decision is not None and r.decision.loads
+        assert r.load_status == "failed" and r.loaded_blocks == 0
+        assert eng.counts["corrupt_refused"] == 1 and eng.peers[0].stats["mac_refused"] == 1
+        assert np.allclose(r.logits, ReferenceEngine(CFG, block_size_tokens=B).prefill(SYSTEM + [1, 2]).logits, atol=1e-4, rtol=0)
+        assert eng.controller.loads_in_flight() == 0
+    finally:
+        eng.close()
+        forger.close()
+
+
+def test_a_peer_claiming_100_gib_is_refused_before_allocation_and_every_slot_is_released():
+    digest = CFG.namespace(B).digest
+
+    def huge(keys):
+        return {"blocks": [{"key": k.hex(), "nbytes": 100 << 30, "mac": "00" * 16} for k in keys]}, []
+
+    forger = ForgingServer(SECRET, huge)
+    good = ReferenceEngine(CFG, block_size_tokens=B, serve=True, secret=SECRET, replica="good")
+    good.prefill(SYSTEM)
+    eng = victim_of(forger.address, digest)
+    try:
+        for i in range(6):  # the old transport leaked a slot each time and stopped loading after 4
+            r = eng.prefill(SYSTEM + [i])
+            assert r.loaded_blocks == 0 and r.load_status in ("failed", None)
+            assert r.load_status == "failed" or not r.decision.loads, "declined only once the breaker opened"
+            assert eng.controller.loads_in_flight() == 0
+            eng.reset()
+        assert eng.counts["loads_failed"] == 5 and eng.peers[0].stats["protocol_errors"] == 5
+        # the same source comes back healthy: once the breaker's open time passes, the replica loads again
+        eng.peers[0] = PeerClient(good.server.address, digest, secret=SECRET, block_bytes=BB, name=eng.peers[0].name)
+        eng.controller.clock.advance(60.0)
+        r = eng.prefill(SYSTEM + [9])
+        assert r.load_status == "ok" and r.loaded_blocks == 12
+    finally:
+        eng.close()
+        good.close()
+        forger.close()
+
+
+def test_any_transport_error_memoryerror_included_falls_back_to_recompute(victim, monkeypatch):
+    digest = victim.namespace.digest
+    eng = victim_of(victim.server.address, digest)
+    try:
+        monkeypatch.setattr(eng.peers[0], "fetch", lambda keys, timeout_s: (_ for _ in ()).throw(MemoryError("boom")))
+        r = eng.prefill(SYSTEM + [5])
+        assert r.load_status == "failed" and eng.counts["loads_failed"] == 1 and eng.controller.loads_in_flight() == 0
+        monkeypatch.undo()
+        eng.reset()
+        r = eng.prefill(SYSTEM + [6])
+        assert r.load_status == "ok" and r.loaded_blocks == 12, "the replica keeps loading afterwards"
+    finally:
+        eng.close()
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
+def test_length_prefix_flood_allocates_nothing_and_is_dropped():
+    """30 connections each claiming a 64 MiB header: the old server allocated 2 GB and held it."""
+    from kvpolicy.reference.replica import PeerReplica
+
+    with PeerReplica.start(CFG, secret=SECRET, block_size_tokens=B, capacity_blocks=64) as rep:
+        before = _rss_bytes(rep.proc.pid)
+        socks = []
+        for _ in range(30):
+            s = raw(rep.address)
+            s.sendall(struct.pack(">I", 64 << 20) + b"\0" * 1024)
+            socks.append(s)
+        time.sleep(0.3)
+        grown = _rss_bytes(rep.proc.pid) - before
+        assert grown < 16 << 20, f"RSS grew by {grown / 2**20:.0f} MiB"
+        assert all(closed_by_peer(s, 5.0) for s in socks), "every bad handshake is dropped"
+        for s in socks:
+            s.close()
+
+
+def test_an_authenticated_peer_is_still_held_to_the_header_cap():
+    store = BlockStore(bytes(16), BB)
+    limits = TransportLimits(max_blocks_per_message=8)
+    srv = BlockServer(store, secret=SECRET, limits=limits)
+    try:
+        s = raw(srv.address)
+        client_handshake(s, TransportKeys.from_secret(SECRET), 5.0)
+        s.sendall(struct.pack(">I", limits.max_header_bytes + 1))
+        assert closed_by_peer(s, 5.0)
+        s.close()
+        # a put listing blocks of a size other than the geometry's is refused before its payload is read
+        s = raw(srv.address)
+        ch = Channel(s, client_handshake(s, TransportKeys.from_secret(SECRET), 5.0), is_server=False, limits=limits)
+        ch.send({"op": "put", "namespace": bytes(16).hex(), "blocks": [{"key": "00" * 16, "nbytes": 1 << 40, "mac": "00"}]})
+        assert closed_by_peer(s, 5.0)
+        s.close()
+        deadline = time.monotonic() + 5
+        while srv.stats["protocol_errors"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert srv.stats["protocol_errors"] == 2 and not store.blocks
+    finally:
+        srv.close()
+
+
+def test_frames_cannot_be_altered_replayed_or_reordered():
+    store = BlockStore(bytes(16), BB)
+    store.put(b"\x01" * 16, b"\x07" * BB)
+    srv = BlockServer(store, secret=SECRET)
+    k = TransportKeys.from_secret(SECRET)
+    try:
+        for attack in ("flip", "replay"):
+            s = raw(srv.address)
+            ch = Channel(s, client_handshake(s, k, 5.0), is_server=False, limits=TransportLimits())
+            req = {"op": "match", "namespace": bytes(16).hex(), "keys": [(b"\x01" * 16).hex()]}
+            ch.send(req)
+            assert ch.recv(5.0) == {"n": 1}
+            if attack == "replay":
+                ch._send_seq -= 1  # resend the very same frame
+                ch.send(req)
+            else:
+                h = b'{"op":"match","namespace":"%s","keys":[]}' % bytes(16).hex().encode()
+                s.sendall(struct.pack(">I", len(h)) + h + ch._frame_tag(b"C", 1, h)[:-1] + b"\0")
+            assert closed_by_peer(s, 5.0), attack
+            s.close()
+        deadline = time.monotonic() + 5
+        while srv.stats["auth_failed"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert srv.stats["auth_failed"] == 2
+    finally:
+        srv.close()
+
+
+def test_idle_connections_are_capped_and_timed_out_and_legitimate_peers_still_get_served():
+    """1,000 idle connections held 1,003 threads; now at most ``max_connections`` are served, the rest wait."""
+    store = BlockStore(bytes(16), BB)
+    store.put(b"\x01" * 16, b"\x07" * BB)
+    limits = TransportLimits(max_connections=8, handshake_timeout_s=0.3)
+    srv = BlockServer(store, secret=SECRET, limits=limits)
+    threads_before = threading.active_count()
+    try:
+        idle = [raw(srv.address) for _ in range(40)]
+        time.sleep(0.2)
+        assert srv.open_connections <= 8 and threading.active_count() - threads_before <= 8
+        good = PeerClient(srv.address, bytes(16), secret=SECRET, block_bytes=BB, timeout_s=10.0,
+                          limits=TransportLimits(handshake_timeout_s=10.0))
+        assert good.match_prefix([b"\x01" * 16]) == 1, "served once the idle ones timed out"
+        good.close()
+        assert all(closed_by_peer(s, 5.0) for s in idle), "every idle connection was dropped at the handshake deadline"
+        assert srv.stats["connections"] == 41 and srv.stats["peak_connections"] == 8
+        for s in idle:
+            s.close()
+    finally:
+        srv.close()
+
+
+def test_the_client_refuses_a_server_that_cannot_prove_the_secret():
+    """A squatter on a peer's port can send a hello, but not the server's proof."""
+    a, b = socket.socketpair()
+
+    def squatter() -> None:
+        a.sendall(MAGIC + os.urandom(16))
+        a.recv(64)
+        a.sendall(os.urandom(32))
+
+    t = threading.Thread(target=squatter, daemon=True)
+    t.start()
+    with pytest.raises(AuthError, match="server does not hold"):
+        client_handshake(b, TransportKeys.from_secret(SECRET), 5.0)
+    t.join()
+    a.close()
+    b.close()
+
+
+def test_a_thousand_clients_at_once_all_get_an_answer():
+    """The old backlog of 5 silently turned 5.7 % of 1,000 simultaneous clients into misses."""
+    store = BlockStore(bytes(16), BB)
+    store.put(b"\x01" * 16, b"\x07" * BB)
+    srv = BlockServer(store, secret=SECRET)
+    n = 1000
+    answers: list[int] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(n)
+
+    def one() -> None:
+        c = PeerClient(srv.address, bytes(16), secret=SECRET, block_bytes=BB, timeout_s=30.0, limits=TransportLimits(handshake_timeout_s=30.0))
+        barrier.wait()
+        got = c.match_prefix([b"\x01" * 16])
+        c.close()
+        with lock:
+            answers.append(got)
+
+    ts = [threading.Thread(target=one, daemon=True) for _ in range(n)]
+    try:
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        assert len(answers) == n and answers.count(1) == n, f"{answers.count(1)} of {n} answered"
+    finally:
+        srv.close()
+
+
+def test_close_closes_every_open_connection():
+    store = BlockStore(bytes(16), BB)
+    store.put(b"\x01" * 16, b"\x07" * BB)
+    srv = BlockServer(store, secret=SECRET)
+    c = PeerClient(srv.address, bytes(16), secret=SECRET, block_bytes=BB, timeout_s=2.0)
+    assert c.match_prefix([b"\x01" * 16]) == 1
+    assert srv.open_connections == 1
+    srv.close()
+    deadline = time.monotonic() + 5
+    while srv.open_connections and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert srv.open_connections == 0
+    assert c.match_prefix([b"\x01" * 16]) == 0, "the open connection was closed, and nobody accepts a new one"
+    with pytest.raises(OSError):
+        socket.create_connection(srv.address, timeout=1.0)
+    c.close()
+
+
+def test_the_transport_keys_never_show_the_secret():
+    k = TransportKeys.from_secret(SECRET)
+    assert SECRET not in (k.auth, k.block) and "secret" in repr(k) and k.auth.hex() not in repr(k)
+    with pytest.raises(CorruptBlockError.__mro__[1]):  # TransportError: a ConnectionError the engine recomputes on
+        raise CorruptBlockError("x")
+    assert issubclass(TransportError, ConnectionError) and issubclass(AuthError, TransportError)
