@@ -353,3 +353,52 @@ def test_a_tenant_scoped_directory_cannot_reach_another_tenant(directory):
     with pytest.raises(ConfigError, match="lease"):
         b.release(lease)
     a.release(lease)
+
+
+def test_a_per_tenant_redis_acl_user_reaches_only_its_own_tenant(redis_server):
+    """The ACL from docs/security.md, applied with a real ACL SETUSER: tenant acme's connection works for acme
+    and is refused by Redis itself for beta (answered as a miss, counted in ``denied``), and cannot list or flush."""
+    import redis as redis_lib
+
+    from kvpolicy.directory import RedisDirectory
+    from kvpolicy.directory.redis import tenant_acl_rules
+
+    admin = redis_lib.Redis.from_url(redis_server.url)
+    admin.execute_command("ACL", "SETUSER", "tenant-acme", "reset", "on", ">acme-password-0123456789", *tenant_acl_rules("acme"))
+    owner = RedisDirectory(url=redis_server.url, prefix="kvp")  # the operator's unconfined view
+    beta_keys = [bytes([50 + i]) * 16 for i in range(3)]
+    owner.publish("beta", [Entry(k, "beta-replica", 1) for k in beta_keys])
+    beta_before = sorted(admin.keys("{kvp:beta}:*"))
+
+    acme = RedisDirectory(url=redis_server.url.replace("redis://", "redis://tenant-acme:acme-password-0123456789@"), prefix="kvp")
+    mine = [bytes([60 + i]) * 16 for i in range(4)]
+    assert acme.publish("acme", [Entry(k, "acme-replica", 1) for k in mine]) == 4
+    assert acme.match_prefix("acme", mine) == 4 and acme.keys("acme") == sorted(mine)
+    lease = acme.lease("acme", mine[:2], ttl_s=30.0)
+    assert acme.leased("acme", mine[0])
+    acme.release(lease)
+    assert acme.evict("acme", mine[3:]) == 1 and acme.denied == 0 and acme.errors == 0
+
+    # everything aimed at beta is refused by Redis: nothing read, nothing written, nothing removed
+    assert acme.match_prefix("beta", beta_keys) == 0
+    assert acme.lookup("beta", beta_keys) == [[], [], []]
+    assert acme.keys("beta") == []
+    assert acme.publish("beta", [Entry(bytes([70]) * 16, "intruder", 1)]) == 0
+    assert acme.evict("beta", beta_keys, force=True) == 0
+    assert acme.clear_holder("beta", "beta-replica") == 0
+    acme.lease("beta", beta_keys, ttl_s=30.0)
+    assert acme.denied == 7 and acme.errors == 7
+    assert sorted(admin.keys("{kvp:beta}:*")) == beta_before
+    assert owner.match_prefix("beta", beta_keys) == 3
+    for cmd in (("FLUSHALL",), ("KEYS", "*"), ("SCAN", "0"), ("CONFIG", "GET", "maxmemory"), ("DBSIZE",)):
+        with pytest.raises(redis_lib.exceptions.NoPermissionError):
+            acme.r.execute_command(*cmd)
+
+
+def test_the_security_page_shows_the_acl_the_code_builds():
+    from pathlib import Path
+
+    from kvpolicy.directory.redis import tenant_acl_rules
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "security.md").read_text()
+    assert " ".join(tenant_acl_rules("acme")) in page

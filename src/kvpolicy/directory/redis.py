@@ -169,6 +169,17 @@ return n
 """
 
 
+def tenant_acl_rules(tenant: str, prefix: str = "kvp") -> list[str]:
+    """The Redis ACL rules (after ``ACL SETUSER <user> reset on ><password>``) that confine a connection to one
+    tenant's keys and to the commands the directory uses: reading and writing ``{prefix:tenant}:*``, its scripts
+    (``EVALSHA``, ``SCRIPT LOAD``), ``TIME`` (the scripts' expiry clock) and ``PING`` — no other tenant's keys, no
+    ``FLUSHALL``/``KEYS``/``SCAN``/``CONFIG`` or anything else in ``@dangerous``."""
+    if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix:
+        raise ConfigError("prefix", f"must be a non-empty string without braces, got {prefix!r}")
+    return ["resetkeys", f"~{{{prefix}:{check_tenant(tenant)}}}:*", "resetchannels", "-@all", "+@read", "+@write", "+evalsha",
+            "+script|load", "+time", "+ping", "-@dangerous", "-scan", "-randomkey", "-dbsize"]
+
+
 def _redis() -> Any:
     try:
         import redis
@@ -195,6 +206,8 @@ class RedisDirectory:
         # an outage, a timeout, or a full server (maxmemory with noeviction): answered as misses and counted, never raised
         self._errors_types = tuple(t for t in (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                                                getattr(redis.exceptions, "OutOfMemoryError", None)) if t is not None)
+        # a connection confined by ACL to one tenant that names another: refused by Redis, answered as a miss, counted
+        self._denied_types = (redis.exceptions.NoPermissionError,)
         self._match = client.register_script(_MATCH)
         self._publish = client.register_script(_PUBLISH)
         self._evict = client.register_script(_EVICT)
@@ -202,6 +215,8 @@ class RedisDirectory:
         self._release = client.register_script(_RELEASE)
         self._clear = client.register_script(_CLEAR_HOLDER)
         self.errors = 0
+        #: calls Redis refused for lack of permission (an ACL confining this connection to another tenant); also in ``errors``
+        self.denied = 0
         self.evicted_by_capacity = 0
 
     # ------------------------------------------------------------------ names
@@ -212,6 +227,10 @@ class RedisDirectory:
     def _call(self, fn: Any, default: Any) -> Any:
         try:
             return fn()
+        except self._denied_types:
+            self.denied += 1
+            self.errors += 1
+            return default
         except self._errors_types:
             self.errors += 1
             return default
