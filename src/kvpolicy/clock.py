@@ -14,6 +14,14 @@ class MonotonicClock:
         return time.monotonic()
 
 
+class WallClock:
+    """Unix time from :func:`time.time` (seconds): the clock absolute expiry times are written in,
+    the one Redis's ``TIME`` keeps, so an ``expires_at_s`` means the same on every directory backend."""
+
+    def now_s(self) -> float:
+        return time.time()
+
+
 class ManualClock:
     """A clock that moves only when told to."""
 

@@ -3,7 +3,7 @@
 An :class:`Entry` says that ``holder`` (a storage node, a replica, an engine
 pod) holds the block ``key`` of ``size_bytes`` in ``tier``, built under the
 namespace whose digest is ``namespace_digest``, until ``expires_at_s`` (absolute
-seconds on the directory's clock; None: no expiry). A key may have several
+Unix time in seconds — the directory's clock, Redis's ``TIME``; None: no expiry). A key may have several
 holders. A :class:`Lease` protects keys being loaded from the directory's own
 eviction (and from ``evict`` without ``force``) until it is released or expires.
 """

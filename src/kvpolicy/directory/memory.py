@@ -6,7 +6,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from ..clock import MonotonicClock
+from ..clock import WallClock
 from ..errors import ConfigError
 from ..protocols import Clock
 from .base import Entry, Lease, TenantIndex, check_keys, check_tenant
@@ -17,14 +17,16 @@ class InMemoryDirectory:
 
     ``max_keys_per_tenant`` bounds memory: publishing past it evicts the least
     recently used keys that no lease protects (the directory's own eviction).
-    Expired entries are dropped when touched.
+    Expired entries are dropped when touched. ``clock`` defaults to Unix time
+    (:class:`~kvpolicy.clock.WallClock`), the clock Redis keeps, so an entry's
+    ``expires_at_s`` means the same here as on :class:`RedisDirectory`.
     """
 
     def __init__(self, *, max_keys_per_tenant: int = 1_000_000, clock: Clock | None = None) -> None:
         if isinstance(max_keys_per_tenant, bool) or not isinstance(max_keys_per_tenant, int) or max_keys_per_tenant <= 0:
             raise ConfigError("max_keys_per_tenant", f"must be a positive int, got {max_keys_per_tenant!r}")
         self.max_keys_per_tenant = max_keys_per_tenant
-        self.clock = clock or MonotonicClock()
+        self.clock = clock or WallClock()
         self._t: dict[str, OrderedDict[bytes, dict[str, Entry]]] = {}
         self._leases: dict[str, dict[bytes, int]] = {}
         self._active: dict[str, Lease] = {}
@@ -34,17 +36,15 @@ class InMemoryDirectory:
     def _table(self, tenant: str) -> OrderedDict[bytes, dict[str, Entry]]:
         return self._t.setdefault(check_tenant(tenant), OrderedDict())
 
-    def _live(self, table: OrderedDict[bytes, dict[str, Entry]], key: bytes, now: float) -> dict[str, Entry] | None:
+    @staticmethod
+    def _live(table: OrderedDict[bytes, dict[str, Entry]], key: bytes, now: float) -> dict[str, Entry] | None:
+        """The key's live holders (None if none). Reading never removes anything: an expired key keeps
+        its place in the LRU until the eviction walk, ``evict`` or ``clear_holder`` meets it — as on Redis."""
         holders = table.get(key)
         if holders is None:
             return None
-        dead = [h for h, e in holders.items() if e.expires_at_s is not None and e.expires_at_s <= now]
-        for h in dead:
-            del holders[h]
-        if not holders:
-            del table[key]
-            return None
-        return holders
+        live = {h: e for h, e in holders.items() if e.expires_at_s is None or e.expires_at_s > now}
+        return live or None
 
     def _expire_leases(self, now: float) -> None:
         for lid in [lid for lid, l in self._active.items() if l.expires_at_s <= now]:
@@ -78,12 +78,17 @@ class InMemoryDirectory:
         for e in reversed(entries):  # a chain's head ends most recent: capacity eviction takes leaves first
             table.move_to_end(e.key)
         excess = len(table) - self.max_keys_per_tenant
-        if excess > 0:
-            self._expire_leases(self.clock.now_s())
+        if excess > 0:  # walk from the least recently used end: expired keys go for free, leased ones stay
+            now = self.clock.now_s()
+            self._expire_leases(now)
             leased = self._leases.get(tenant, {})
             for k in list(itertools.islice(table.keys(), len(table))):
                 if excess <= 0:
                     break
+                if self._live(table, k, now) is None:
+                    del table[k]
+                    excess -= 1
+                    continue
                 if leased.get(k, 0) > 0:
                     continue
                 del table[k]
@@ -120,28 +125,33 @@ class InMemoryDirectory:
         if not force:
             self._expire_leases(self.clock.now_s())
         leased = self._leases.get(tenant, {})
+        now = self.clock.now_s()
         n = 0
         for k in ks:
             holders = table.get(k)
             if holders is None or (not force and leased.get(k, 0) > 0):
                 continue
             if holder is None:
+                n += self._live(table, k, now) is not None  # an expired key is not there to evict
                 del table[k]
+                continue
+            e = holders.pop(holder, None)
+            if e is not None and (e.expires_at_s is None or e.expires_at_s > now):
                 n += 1
-            elif holders.pop(holder, None) is not None:
-                n += 1
-                if not holders:
-                    del table[k]
+            if self._live(table, k, now) is None:
+                del table[k]
         return n
 
     def clear_holder(self, tenant: str, holder: str) -> int:
         table = self._table(tenant)
+        now = self.clock.now_s()
         n = 0
         for k in list(table):
-            if table[k].pop(holder, None) is not None:
+            e = table[k].pop(holder, None)
+            if e is not None and (e.expires_at_s is None or e.expires_at_s > now):
                 n += 1
-                if not table[k]:
-                    del table[k]
+            if self._live(table, k, now) is None:
+                del table[k]
         return n
 
     def lease(self, tenant: str, keys: Sequence[bytes], ttl_s: float) -> Lease:

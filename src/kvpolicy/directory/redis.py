@@ -35,17 +35,36 @@ from .base import Entry, Lease, TenantIndex, check_keys, check_tenant
 
 # a holder's entry is live while its own expiry (the value's last field, absolute seconds; '' = none) is ahead
 _LIVE = """
+local function live_value(v, now)
+  local exp = string.match(v, '|([^|]*)$')
+  return exp == nil or exp == '' or tonumber(exp) > now
+end
 local function live(key, now)
-  local vals = redis.call('HVALS', key)
-  for _, v in ipairs(vals) do
-    local exp = string.match(v, '|([^|]*)$')
-    if exp == nil or exp == '' or tonumber(exp) > now then return true end
+  for _, v in ipairs(redis.call('HVALS', key)) do
+    if live_value(v, now) then return true end
   end
   return false
 end
 local function now_s()
   local t = redis.call('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1e6
+end
+"""
+
+# a hash lives as long as its longest-lived holder: persistent if any holder is, else until the latest expiry
+# (run after every change to a hash's holders, so removing the long-lived holder never leaves expired ones behind)
+_EXPIRY = """
+local function reset_expiry(key)
+  local vals = redis.call('HVALS', key)
+  if #vals == 0 then return end
+  local keep, latest = false, 0
+  for _, v in ipairs(vals) do
+    local e = string.match(v, '|([^|]*)$')
+    if e == nil or e == '' then keep = true break end
+    local ms = math.floor(tonumber(e) * 1000)
+    if ms > latest then latest = ms end
+  end
+  if keep then redis.call('PERSIST', key) else redis.call('PEXPIREAT', key, latest) end
 end
 """
 
@@ -65,22 +84,14 @@ return n
 
 # KEYS: lru, clock, then one hash per entry
 # ARGV: max_keys, lease_prefix, then per entry: hex, holder, value, expire_at_ms ('' = none)
-_PUBLISH = """
+_PUBLISH = _EXPIRY + """
 local tick = redis.call('INCRBY', KEYS[2], #KEYS - 2)
 local n = 0
 for i = 3, #KEYS do
   local j = (i - 3) * 4 + 3
   local hex, holder, value, exp = ARGV[j], ARGV[j + 1], ARGV[j + 2], ARGV[j + 3]
   redis.call('HSET', KEYS[i], holder, value)
-  -- the hash lives as long as its longest-lived holder: persistent if any holder is, else the latest expiry
-  local keep, latest = false, 0
-  for _, v in ipairs(redis.call('HVALS', KEYS[i])) do
-    local e = string.match(v, '|([^|]*)$')
-    if e == nil or e == '' then keep = true break end
-    local ms = math.floor(tonumber(e) * 1000)
-    if ms > latest then latest = ms end
-  end
-  if keep then redis.call('PERSIST', KEYS[i]) else redis.call('PEXPIREAT', KEYS[i], latest) end
+  reset_expiry(KEYS[i])
   redis.call('ZADD', KEYS[1], tick - (i - 3), hex)
   n = n + 1
 end
@@ -117,16 +128,23 @@ return {n, evicted}
 """
 
 # KEYS: lru, then one hash per key; ARGV: force ('1'/'0'), holder ('' = all), lease_prefix, then hex per key
-_EVICT = """
+_EVICT = _LIVE + _EXPIRY + """
 local n = 0
+local now = now_s()
 for i = 2, #KEYS do
   local hex = ARGV[i + 2]
   if ARGV[1] == '1' or redis.call('EXISTS', ARGV[3] .. hex) == 0 then
     if ARGV[2] == '' then
-      if redis.call('DEL', KEYS[i]) == 1 then n = n + 1 end
+      if live(KEYS[i], now) then n = n + 1 end
+      redis.call('DEL', KEYS[i])
       redis.call('ZREM', KEYS[1], hex)
     else
-      if redis.call('HDEL', KEYS[i], ARGV[2]) == 1 then n = n + 1 end
+      local v = redis.call('HGET', KEYS[i], ARGV[2])
+      if v then
+        if live_value(v, now) then n = n + 1 end
+        redis.call('HDEL', KEYS[i], ARGV[2])
+        reset_expiry(KEYS[i])
+      end
       if redis.call('EXISTS', KEYS[i]) == 0 then redis.call('ZREM', KEYS[1], hex) end
     end
   end
@@ -151,8 +169,9 @@ end
 return #KEYS
 """
 
-_CLEAR_HOLDER = """
+_CLEAR_HOLDER = _LIVE + _EXPIRY + """
 local n = 0
+local now = now_s()
 local cursor = '0'
 local base = string.sub(KEYS[1], 1, -4)
 repeat
@@ -161,7 +180,12 @@ repeat
   local items = r[2]
   for i = 1, #items, 2 do
     local b = base .. 'b:' .. items[i]
-    if redis.call('HDEL', b, ARGV[1]) == 1 then n = n + 1 end
+    local v = redis.call('HGET', b, ARGV[1])
+    if v then
+      if live_value(v, now) then n = n + 1 end
+      redis.call('HDEL', b, ARGV[1])
+      reset_expiry(b)
+    end
     if redis.call('EXISTS', b) == 0 then redis.call('ZREM', KEYS[1], items[i]) end
   end
 until cursor == '0'

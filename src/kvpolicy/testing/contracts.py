@@ -314,7 +314,14 @@ class DirectoryContract(RuleBasedStateMachine):
     """A shared directory behaves like the in-memory reference: same answers to
     publish / match / evict / lease / release / clear_holder, same contents after
     every step, tenants never see each other (``make_directory(max_keys)`` must
-    return an empty directory bounded to ``max_keys`` keys per tenant)."""
+    return an empty directory bounded to ``max_keys`` keys per tenant, on Unix time).
+
+    The steps include what broke real backends: holders with their own expiry
+    (already past, or an hour ahead) beside persistent ones — one holder's expiry
+    never decides another's; a lease released twice — it never drops another
+    reader's; chains longer than the bound — eviction takes leaves first, so a
+    chain's head stays matchable; and the bound with leased keys — it holds over
+    the unleased ones however far down the LRU they are."""
 
     MAX_KEYS = 6
 
@@ -328,6 +335,7 @@ class DirectoryContract(RuleBasedStateMachine):
         self.ref = InMemoryDirectory(max_keys_per_tenant=self.MAX_KEYS)
         self.sut = self.make_directory(self.MAX_KEYS)
         self.leases: list[tuple[Any, Any]] = []
+        self.released: list[tuple[Any, Any]] = []
 
     @staticmethod
     def _keys(start: int, n: int) -> list[bytes]:
@@ -342,6 +350,7 @@ class DirectoryContract(RuleBasedStateMachine):
 
         ents = [Entry(k, holder, 64) for k in self._keys(start, n)]
         self._same("publish", self.ref.publish(tenant, ents), self.sut.publish(tenant, ents))
+        self._bounded(tenant)
 
     @rule(start=st.integers(0, 9), n=st.integers(1, 6), tenant=st.sampled_from(["a", "b"]))
     def match(self, start: int, n: int, tenant: str) -> None:
@@ -364,6 +373,40 @@ class DirectoryContract(RuleBasedStateMachine):
         a, b = self.leases.pop(0)
         self.ref.release(a)
         self.sut.release(b)
+        self.released.append((a, b))
+
+    @precondition(lambda self: bool(self.released))
+    @rule()
+    def release_again(self) -> None:
+        a, b = self.released[-1]
+        self.ref.release(a)
+        self.sut.release(b)
+
+    @rule(start=st.integers(0, 9), n=st.integers(1, 4), holder=st.sampled_from(["n1", "n2", "n3"]), expired=st.booleans())
+    def publish_expiring(self, start: int, n: int, holder: str, expired: bool) -> None:
+        import time
+
+        from ..directory import Entry
+
+        at = time.time() + (-60.0 if expired else 3600.0)  # decided now, whatever the clock does during the step
+        ents = [Entry(k, holder, 64, expires_at_s=at) for k in self._keys(start, n)]
+        self._same("publish", self.ref.publish("a", ents), self.sut.publish("a", ents))
+        self._bounded("a")
+
+    @rule(n=st.integers(MAX_KEYS + 1, 2 * MAX_KEYS + 3), holder=st.sampled_from(["n1", "n2"]))
+    def publish_long_chain(self, n: int, holder: str) -> None:
+        from ..directory import Entry
+
+        chain = self._chain(n)
+        ents = [Entry(k, holder, 64) for k in chain]
+        self._same("publish", self.ref.publish("a", ents), self.sut.publish("a", ents))
+        self._bounded("a")
+        got = self.sut.match_prefix("a", chain)
+        self._same("match_prefix(long chain)", self.ref.match_prefix("a", chain), got)
+
+    @staticmethod
+    def _chain(n: int) -> list[bytes]:
+        return [bytes([100 + i]) * 16 for i in range(n)]
 
     @rule(holder=st.sampled_from(["n1", "n2"]))
     def clear(self, holder: str) -> None:
@@ -373,6 +416,13 @@ class DirectoryContract(RuleBasedStateMachine):
     def same_contents(self) -> None:
         for t in ("a", "b"):
             self._same(f"keys({t})", self.ref.keys(t), self.sut.keys(t))
-        keys = self.sut.keys("a")
-        leased = sum(1 for k in keys if self.ref.leased("a", k))
+        universe = self._keys(0, 10) + self._chain(2 * self.MAX_KEYS + 3)
+        self._same("leased", [self.ref.leased("a", k) for k in universe], [self.sut.leased("a", k) for k in universe])
+        self._same("holders", [[e.holder for e in es] for es in self.ref.lookup("a", universe)],
+                   [[e.holder for e in es] for es in self.sut.lookup("a", universe)])
+
+    def _bounded(self, tenant: str) -> None:
+        """Right after a publish, the unleased keys fit the bound (a release may leave the excess until the next one)."""
+        keys = self.sut.keys(tenant)
+        leased = sum(1 for k in keys if self.ref.leased(tenant, k))
         _require(len(keys) - leased <= self.MAX_KEYS, "bounded", f"{len(keys)} keys ({leased} leased) exceed the bound of {self.MAX_KEYS}")
