@@ -12,6 +12,20 @@ from typing import Any
 from .errors import ConfigError
 
 
+def read_text(path: str | os.PathLike[str], field: str) -> str:
+    """A UTF-8 text file's contents; every way it can fail is a ConfigError naming ``field`` and the path."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(field, f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except IsADirectoryError:
+        raise ConfigError(field, f"{path}: is a directory, expected a file") from None
+    except FileNotFoundError:
+        raise ConfigError(field, f"{path}: no such file") from None
+    except OSError as e:
+        raise ConfigError(field, f"{path}: {e.strerror or e}") from None
+
+
 def finite(obj: Any) -> Any:
     """``obj`` with every non-finite float (NaN, ±inf) as None: strict JSON parsers reject NaN."""
     if isinstance(obj, float):

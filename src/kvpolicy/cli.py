@@ -11,9 +11,20 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, KVPolicyError
-from ._io import strict_json, write_text_atomic
+from ._io import read_text, strict_json, write_text_atomic
 
 DEFAULT_PREFIXES = (4096, 16384, 32768, 65536)
+
+
+#: the largest integer any flag takes: above every count, length or capacity a trace or a cluster has, far below int64 overflow
+MAX_CLI_INT = 2**40
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error on one line (the message names the flag) instead of usage + error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _int_list(text: str) -> list[int]:
@@ -21,9 +32,38 @@ def _int_list(text: str) -> list[int]:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    if not values or any(not 0 < v <= MAX_CLI_INT for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers up to {MAX_CLI_INT}, got {text!r}")
     return values
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= v <= MAX_CLI_INT:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, {MAX_CLI_INT}], got {v}")
+    return v
+
+
+def _port(text: str) -> int:
+    v = _non_negative_int(text)
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port in [0, 65535], got {v}")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return v
 
 
 def _positive_int(text: str) -> int:
@@ -31,8 +71,8 @@ def _positive_int(text: str) -> int:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    if not 0 < v <= MAX_CLI_INT:
+        raise argparse.ArgumentTypeError(f"expected a positive integer up to {MAX_CLI_INT}, got {v}")
     return v
 
 
@@ -157,10 +197,7 @@ def _render_size(p: dict[str, Any]) -> str:
 def _read_tokens(path: str) -> list[int]:
     from .errors import InputFormatError
 
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise InputFormatError(path, None, "no such file") from None
+    text = read_text(path, "tokens")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -187,7 +224,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
             raise ConfigError("--cache-salt", "--cache-salt/--lora-* apply to vllm-* schemes; kvpolicy keys put tenant and adapter in --namespace")
         if args.namespace:
             try:
-                ns_data = json.loads(Path(args.namespace).read_text())
+                ns_data = json.loads(read_text(args.namespace, "--namespace"))
             except FileNotFoundError:
                 raise ConfigError("--namespace", f"no such file {args.namespace!r}") from None
             except json.JSONDecodeError as exc:
@@ -205,10 +242,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
             raise ConfigError("--secret-file", "give --secret-file or --secret-hex, not both")
         secret_hex = args.secret_hex or os.environ.get("KVPOLICY_SECRET_HEX")
         if args.secret_file:
-            try:
-                secret_hex = Path(args.secret_file).read_text().strip()
-            except OSError as exc:
-                raise ConfigError("--secret-file", f"cannot read {args.secret_file!r} ({exc.strerror or exc})") from None
+            secret_hex = read_text(args.secret_file, "--secret-file").strip()
         if secret_hex:
             try:
                 secret = bytes.fromhex(secret_hex)
@@ -404,7 +438,7 @@ def _load_hot(args: argparse.Namespace, bpt: int) -> list[Any]:
     src = args.source
     if src and src.endswith(".json"):
         try:
-            data = json.loads(Path(src).read_text())
+            data = json.loads(read_text(src, "HOT.json"))
         except FileNotFoundError:
             raise ConfigError("HOT.json", f"no such file {src!r}") from None
         except json.JSONDecodeError as exc:
@@ -656,7 +690,7 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sort", action="store_true", help="sort requests by time instead of rejecting a trace whose time goes backwards")
     p.add_argument("--skip-bad-lines", action="store_true", help="skip malformed lines (counted and reported) instead of failing")
     p.add_argument("--preset", choices=sorted(PRESETS), default="mixed", help="synthetic preset when no TRACE is given (default mixed)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_non_negative_int, default=0)
     p.add_argument("--config", default=None, help="model config.json or bundled name (default llama-3-8b)")
     p.add_argument("--kv-dtype", default=None, help="KV element format override (e.g. fp8)")
     p.add_argument("--bytes-per-token", type=_positive_int, default=None, help="KV bytes per token instead of --config")
@@ -668,7 +702,7 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from .data import bundled_configs
 
-    p = argparse.ArgumentParser(prog="kvpolicy", description="Prefix KV-cache policy for LLM serving.")
+    p = _Parser(prog="kvpolicy", description="Prefix KV-cache policy for LLM serving.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     s = sub.add_parser("size", help="KV bytes per token and per prefix from a model config (and a measured profile)")
@@ -699,10 +733,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--replicas", type=_positive_int, default=8)
     a.add_argument("--routing", choices=["random", "round-robin", "prefix-affinity"], default="round-robin", help="how the current deployment routes (default round-robin)")
     a.add_argument("--affinity-blocks", type=_positive_int, default=4, help="prefix-affinity hashes the first k full blocks (default 4)")
-    a.add_argument("--local-kv-gib", type=float, default=32.0, help="physical KV cache per replica in GiB (default 32; minus the decode/reserved/fragmentation shares below = 20.8 GiB for prefixes)")
-    a.add_argument("--decode-share", type=float, default=0.25, help="share of it held by active decodes (default 0.25)")
-    a.add_argument("--reserved-share", type=float, default=0.05, help="reserved share (default 0.05)")
-    a.add_argument("--fragmentation-share", type=float, default=0.05, help="fragmentation share (default 0.05)")
+    a.add_argument("--local-kv-gib", type=_non_negative_float, default=32.0, help="physical KV cache per replica in GiB (default 32; minus the decode/reserved/fragmentation shares below = 20.8 GiB for prefixes)")
+    a.add_argument("--decode-share", type=_non_negative_float, default=0.25, help="share of it held by active decodes (default 0.25)")
+    a.add_argument("--reserved-share", type=_non_negative_float, default=0.05, help="reserved share (default 0.05)")
+    a.add_argument("--fragmentation-share", type=_non_negative_float, default=0.05, help="fragmentation share (default 0.05)")
     a.add_argument("--json", default=None, metavar="OUT", help="write the full report as JSON")
     a.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures (needs matplotlib)")
     a.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a progress bar on a terminal, one line per finished unit elsewhere)")
@@ -714,12 +748,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--bytes-per-token", type=_positive_int, default=None)
     b.add_argument("--profile", required=True, help="measured profile CSV (prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms)")
     b.add_argument("--allow-mismatch", action="store_true", help="use a --profile whose measured KV bytes/token differs from the model's by more than 10%%")
-    b.add_argument("--bandwidth-gbps", type=float, required=True, help="useful bandwidth under contention, Gbit/s (10^9 bits)")
+    b.add_argument("--bandwidth-gbps", type=_non_negative_float, required=True, help="useful bandwidth under contention, Gbit/s (10^9 bits)")
     for flag, default, what in (("--lookup-ms", 0.5, "hash + metadata lookup"), ("--queue-ms", 0.0, "waiting for link/staging/server"),
                                 ("--stage-ms", 0.0, "copy through CPU memory"), ("--install-ms", 0.0, "placing blocks into the cache"),
                                 ("--dispatch-ms", 0.0, "recompute dispatch overhead"), ("--interference-ms-per-gb", 0.5, "time stolen from active requests per GB loaded")):
-        b.add_argument(flag, type=float, default=default, help=f"{what} (default {default})")
-    b.add_argument("--margin", type=float, default=0.8, help="load iff T_remote + T_interf < margin x T_recompute (default 0.8)")
+        b.add_argument(flag, type=_non_negative_float, default=default, help=f"{what} (default {default})")
+    b.add_argument("--margin", type=_non_negative_float, default=0.8, help="load iff T_remote + T_interf < margin x T_recompute (default 0.8)")
     b.add_argument("--block-size", type=_positive_int, default=16)
     b.add_argument("--prefix-tokens", type=_int_list, default=[1024, 4096, 16384, 32768, 65536])
     b.add_argument("--json", action="store_true")
@@ -743,7 +777,7 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--pool-capacity-blocks", type=_positive_int, default=None, help="LRU pool capacity (default infinite)")
     pb.add_argument("--profile", default=None, help="measured profile CSV for recompute seconds (default: an order-of-magnitude model)")
     pb.add_argument("--allow-mismatch", action="store_true", help="use a --profile whose measured KV bytes/token differs from the model's by more than 10%%")
-    pb.add_argument("--write-gbps", type=float, default=100.0, help="pool write bandwidth for the reuse-aware cost (default 100)")
+    pb.add_argument("--write-gbps", type=_non_negative_float, default=100.0, help="pool write bandwidth for the reuse-aware cost (default 100)")
     pb.add_argument("--json", default=None, metavar="OUT")
     pb.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a progress bar on a terminal, one line per finished unit elsewhere)")
     pb.set_defaults(func=_cmd_publish_bench)
@@ -751,7 +785,7 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("plan-warmup", help="schedule loads of measured hot prefixes into new replicas within caps and bandwidth")
     w.add_argument("source", nargs="?", default=None, help="trace (JSONL) or HOT.json; default: a built-in synthetic preset")
     w.add_argument("--preset", default="mixed")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=_non_negative_int, default=0)
     w.add_argument("--block-size", type=_positive_int, default=None)
     w.add_argument("--config", default=None)
     w.add_argument("--kv-dtype", default=None)
@@ -759,14 +793,14 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--profile", default=None, help="measured profile CSV for recompute seconds")
     w.add_argument("--allow-mismatch", action="store_true", help="use a --profile whose measured KV bytes/token differs from the model's by more than 10%%")
     w.add_argument("--replicas", type=_positive_int, required=True)
-    w.add_argument("--window-s", type=float, required=True)
-    w.add_argument("--bandwidth-gbps", type=float, required=True, help="useful link bandwidth, Gbit/s")
-    w.add_argument("--current-load-gbps", type=float, default=0.0)
+    w.add_argument("--window-s", type=_non_negative_float, required=True)
+    w.add_argument("--bandwidth-gbps", type=_non_negative_float, required=True, help="useful link bandwidth, Gbit/s")
+    w.add_argument("--current-load-gbps", type=_non_negative_float, default=0.0)
     w.add_argument("--max-loads-per-replica", type=_positive_int, default=2)
     w.add_argument("--max-loads-pool", type=_positive_int, default=8)
-    w.add_argument("--min-access-count", type=int, default=2, help="only prefixes used by at least this many requests are planned")
+    w.add_argument("--min-access-count", type=_non_negative_int, default=2, help="only prefixes used by at least this many requests are planned")
     w.add_argument("--max-prefixes", type=_positive_int, default=64)
-    w.add_argument("--readiness-share", type=float, default=0.9)
+    w.add_argument("--readiness-share", type=_non_negative_float, default=0.9)
     w.add_argument("--json", action="store_true")
     w.set_defaults(func=_cmd_plan_warmup)
 
@@ -781,16 +815,16 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--allow-mismatch", action="store_true", help="use a --profile whose measured KV bytes/token differs from the model's by more than 10%%")
     cp.add_argument("--replicas", type=_positive_int, default=8)
     cp.add_argument("--router", choices=list(ROUTERS), default="round-robin", help="request router (default round-robin)")
-    cp.add_argument("--local-kv-gib", type=float, default=28.0, help="local KV per replica, GiB, after reserved and fragmentation (default 28 = analyze's 32 GiB physical less 5%%+5%%, rounded); running decodes pin their blocks in it during the run, so no decode share is taken off up front")
+    cp.add_argument("--local-kv-gib", type=_non_negative_float, default=28.0, help="local KV per replica, GiB, after reserved and fragmentation (default 28 = analyze's 32 GiB physical less 5%%+5%%, rounded); running decodes pin their blocks in it during the run, so no decode share is taken off up front")
     cp.add_argument("--storage-nodes", type=_positive_int, default=4)
-    cp.add_argument("--pool-share", type=float, default=0.25, help="pool capacity as a share of the trace's distinct KV bytes (default 0.25)")
-    cp.add_argument("--node-gbps", type=float, default=40.0, help="useful bandwidth per storage node, Gbit/s (default 40)")
-    cp.add_argument("--replica-gbps", type=float, default=40.0, help="useful NIC bandwidth per replica, Gbit/s (default 40)")
-    cp.add_argument("--stage-gbps", type=float, default=None, help="staging copy through CPU memory, Gbit/s (default: direct path)")
-    cp.add_argument("--failure-rate", type=float, default=0.0, help="probability a transfer fails outside degradation windows (default 0)")
-    cp.add_argument("--timeout-rate", type=float, default=0.0, help="probability a transfer hangs until it times out (default 0)")
+    cp.add_argument("--pool-share", type=_non_negative_float, default=0.25, help="pool capacity as a share of the trace's distinct KV bytes (default 0.25)")
+    cp.add_argument("--node-gbps", type=_non_negative_float, default=40.0, help="useful bandwidth per storage node, Gbit/s (default 40)")
+    cp.add_argument("--replica-gbps", type=_non_negative_float, default=40.0, help="useful NIC bandwidth per replica, Gbit/s (default 40)")
+    cp.add_argument("--stage-gbps", type=_non_negative_float, default=None, help="staging copy through CPU memory, Gbit/s (default: direct path)")
+    cp.add_argument("--failure-rate", type=_non_negative_float, default=0.0, help="probability a transfer fails outside degradation windows (default 0)")
+    cp.add_argument("--timeout-rate", type=_non_negative_float, default=0.0, help="probability a transfer hangs until it times out (default 0)")
     cp.add_argument("--prefill-slots", type=_positive_int, default=1, help="concurrent prefills per replica (default 1)")
-    cp.add_argument("--decode-tokens-per-s", type=float, default=30.0, help="decode rate per request (default 30)")
+    cp.add_argument("--decode-tokens-per-s", type=_non_negative_float, default=30.0, help="decode rate per request (default 30)")
     cp.add_argument("--json", default=None, metavar="OUT", help="write every run as JSON")
     cp.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures (needs matplotlib)")
     cp.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a progress bar on a terminal, one line per finished unit elsewhere)")
@@ -802,7 +836,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--repeats", type=_positive_int, default=5, help="runs per measurement alone (default 5)")
     pr.add_argument("--tail-tokens", type=_positive_int, default=16, help="new tokens after the prefix (default 16)")
     _reference_model_args(pr)
-    pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--seed", type=_non_negative_int, default=0)
     pr.add_argument("--out", default=None, metavar="CSV", help="write the profile CSV (prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms,...)")
     pr.add_argument("--json", action="store_true", help="print the report as JSON")
     pr.add_argument("--plot", default=None, metavar="DIR")
@@ -817,7 +851,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sr = sub.add_parser("serve-reference", help="serve the reference engine over an OpenAI-compatible HTTP API (for kvpolicy profile --openai-url)")
     sr.add_argument("--host", default="127.0.0.1")
-    sr.add_argument("--port", type=int, default=8000)
+    sr.add_argument("--port", type=_port, default=8000)
     sr.add_argument("--model-name", default="kvpolicy-reference")
     sr.add_argument("--capacity-blocks", type=_positive_int, default=16384)
     _reference_model_args(sr)
@@ -827,7 +861,7 @@ def build_parser() -> argparse.ArgumentParser:
     dg = sub.add_parser("diagnose", help="find misses caused by nondeterministic prompt assembly; explain one request's misses")
     dg.add_argument("trace", help="token trace (JSONL with raw token ids)")
     dg.add_argument("--block-size", type=_positive_int, default=None, help="block size in tokens (default 16)")
-    dg.add_argument("--min-shared", type=float, default=0.8, help="share of content a request must share with an earlier one (default 0.8)")
+    dg.add_argument("--min-shared", type=_non_negative_float, default=0.8, help="share of content a request must share with an earlier one (default 0.8)")
     dg.add_argument("--request", default=None, help="explain this request id")
     dg.add_argument("--capacity-blocks", type=_positive_int, default=None, help="with --request: replay an LRU cache of this size to find evictions")
     dg.add_argument("--sort", action="store_true")
@@ -837,13 +871,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse an output path that cannot be written before any work is done (not after a long run)."""
+    for flag in ("json", "out", "plot"):
+        v = getattr(args, flag, None)
+        if not isinstance(v, str) or not v:
+            continue
+        p = Path(v)
+        parent = p.parent if str(p.parent) else Path(".")
+        if not parent.is_dir():
+            raise ConfigError(f"--{flag}", f"{v}: cannot write there ({parent} is not a directory)")
+        if flag == "plot" and p.exists() and not p.is_dir():
+            raise ConfigError("--plot", f"{v}: is a file, expected a directory for the plots")
+        if flag != "plot" and p.is_dir():
+            raise ConfigError(f"--{flag}", f"{v}: is a directory, expected a file")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error, already printed on one line (2)
+        return exc.code if isinstance(exc.code, int) else 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
+        _check_outputs(args)
         return int(args.func(args))
     except KVPolicyError as exc:
         print(f"kvpolicy {args.command}: error: {exc}", file=sys.stderr)
@@ -857,3 +911,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except BrokenPipeError:  # pragma: no cover - e.g. `kvpolicy keys ... | head`
         return 0
+    except MemoryError:
+        print(f"kvpolicy {args.command}: error: not enough memory for these settings (a capacity, length or count too large?)", file=sys.stderr)
+        return 2

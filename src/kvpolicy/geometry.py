@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import attrs
 
+from ._io import read_text
 from .errors import ConfigError, ProfileRequiredError
 
 #: element sizes for HF ``torch_dtype`` spellings and KV-dtype overrides.
@@ -124,7 +125,7 @@ class KVGeometry:
         if isinstance(config, (str, Path)):
             where = str(config)
             try:
-                config = json.loads(Path(config).read_text())
+                config = json.loads(read_text(config, "config"))
             except FileNotFoundError:
                 raise ConfigError("config", f"no such file: {where}") from None
             except json.JSONDecodeError as exc:

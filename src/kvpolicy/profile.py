@@ -178,10 +178,12 @@ def check_matches_model(profile: MeasuredProfile, bytes_per_token: float, model:
 def read_profile(path: str | Path) -> MeasuredProfile:
     """Read and validate a profile CSV; every problem names the file and line."""
     p = str(path)
+    from ._io import read_text
+
     try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise ProfileFormatError(p, None, "no such file") from None
+        text = read_text(path, "profile")
+    except ConfigError as e:
+        raise ProfileFormatError(p, None, e.problem.removeprefix(f"{p}: ")) from None
     return parse_profile(text, source=p)
 
 

@@ -272,6 +272,9 @@ def read_bailian(path: str | Path, block_size_tokens: int = 16, *, sort: bool = 
             ids.append(nid)
             parent = nid
         chat, par = obj["chat_id"], obj.get("parent_chat_id", -1)
+        for name, v in (("chat_id", chat), ("parent_chat_id", par)):
+            if isinstance(v, bool) or not isinstance(v, (int, str, type(None))):
+                raise _Reject(f"field {name!r} must be an integer or a string, got {type(v).__name__}")
         root = root_of.get(par, par) if par not in (-1, None) else chat
         root_of[chat] = root
         cls = obj.get("type")
