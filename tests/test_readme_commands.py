@@ -56,3 +56,30 @@ def test_documented_command_parses_and_its_repo_paths_exist(doc, line):
     for a in argv:
         if a.startswith(("data/", "examples/", "benchmarks/")):
             assert (ROOT / a).exists(), f"{doc}: `{line}` names {a}, which is not in the repository"
+
+
+def test_the_example_inputs_are_what_their_script_writes_and_diagnose_finds_the_time_line(tmp_path, capsys):
+    """examples/data/ is reproducible from make_example_data.py, and the README's diagnose command finds what it plants."""
+    import importlib.util
+    import json
+    import shutil
+
+    from kvpolicy.cli import main
+
+    src = ROOT / "examples" / "data"
+    copy = tmp_path / "data"
+    shutil.copytree(src, copy)
+    spec = importlib.util.spec_from_file_location("make_example_data", copy / "make_example_data.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for name in ("tokens.json", "ns.json", "requests.jsonl"):
+        (copy / name).unlink()
+    mod.main()
+    for name in ("tokens.json", "ns.json", "requests.jsonl"):
+        assert (copy / name).read_bytes() == (src / name).read_bytes(), f"examples/data/{name} differs from what the script writes"
+    out = tmp_path / "diag.json"
+    assert main(["diagnose", str(src / "requests.jsonl"), "--json", str(out)]) == 0
+    capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert [(p["kind"], p["position_tokens"]) for p in report["patterns"]] == [("varying-span", 48)]
+    assert report["flagged_requests"] == 13
