@@ -381,7 +381,8 @@ def _cmd_evict_bench(args: argparse.Namespace) -> int:
 
         distinct = int(np.unique(trace.block_ids).size) if trace.block_ids.size else 16
         caps = sorted({max(distinct // d, 1) for d in (64, 16, 4, 2)})
-    res = compare(trace, args.policies, caps, bytes_per_token=bpt, progress=prog)
+    res = compare(trace, args.policies, caps, bytes_per_token=bpt, progress=prog,
+                  judge_from_request=len(trace) // 2 if args.judge_second_half else 0)
     prog.done()
     _write_report(args.json, res)
     print(render(res))
@@ -764,13 +765,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--capacities-blocks", type=_int_list, default=None, help="capacities in blocks (default: 1/64, 1/16, 1/4, 1/2 of the distinct blocks)")
     e.add_argument("--policies", type=_policy_list, default=["lru", "fifo", "lfu", "ttl", "s3fifo", "sieve", "arc", "gdsf", "reuse-distance", "belady"],
                    help="comma-separated (default: lru,fifo,lfu,ttl,s3fifo,sieve,arc,gdsf,reuse-distance,belady; also belady-bypass)")
+    e.add_argument("--judge-second-half", action="store_true",
+                   help="a held-out split: every policy runs over the whole trace but only the second half's requests are scored")
     e.add_argument("--json", default=None, metavar="OUT")
     e.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a progress bar on a terminal, one line per finished unit elsewhere)")
     e.set_defaults(func=_cmd_evict_bench)
 
     pb = sub.add_parser("publish-bench", help="bytes each publish policy writes vs bytes re-read by other replicas, beside the oracle")
     _add_trace_args(pb)
-    pb.add_argument("--policies", type=_policy_list, default=["all", "never", "threshold-2", "boundary", "reuse-aware"],
+    pb.add_argument("--policies", type=_policy_list, default=["all", "never", "threshold-2", "threshold-3", "threshold-4", "boundary", "reuse-aware"],
                     help="comma-separated; compose with + (e.g. boundary+reuse-aware)")
     pb.add_argument("--replicas", type=_positive_int, default=8)
     pb.add_argument("--routing", choices=["random", "round-robin", "prefix-affinity"], default="round-robin")

@@ -105,8 +105,32 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
     for run in runs:
         run["reread_share_of_oracle"] = run["reread_bytes"] / oracle["reread_bytes"] if oracle["reread_bytes"] else None
         run["written_over_oracle"] = run["bytes_written"] / oracle["bytes_written"] if oracle["bytes_written"] else None
-    return {"source": trace.source, "replicas": replicas, "routing": routing, "pool_capacity_blocks": pool_capacity_blocks,
-            "block_bytes": block_bytes, "runs": runs}
+    res = {"source": trace.source, "replicas": replicas, "routing": routing, "pool_capacity_blocks": pool_capacity_blocks,
+           "block_bytes": block_bytes, "runs": runs}
+    res["goals"] = publish_goals(res)
+    return res
+
+
+#: issue #20: a publish filter reaches >= 85 % of the oracle's re-read bytes at <= 1.3x its writes, or dominates every count threshold
+GOAL_REREAD_SHARE = 0.85
+GOAL_WRITTEN_OVER_ORACLE = 1.3
+
+
+def publish_goals(res: dict[str, Any], policy: str = "reuse-aware") -> dict[str, Any] | None:
+    """The goal line for ``policy``: (a) share of the oracle's re-read bytes and writes over the oracle's; (b) whether it
+    dominates every ``threshold-k`` run present (re-reads at least as much, writes no more, one of them strictly)."""
+    runs = {r["policy"]: r for r in res["runs"]}
+    me = runs.get(policy)
+    if me is None or me["reread_share_of_oracle"] is None:
+        return None
+    a = bool(me["reread_share_of_oracle"] >= GOAL_REREAD_SHARE and me["written_over_oracle"] is not None
+             and me["written_over_oracle"] <= GOAL_WRITTEN_OVER_ORACLE)
+    thresholds = [r for name, r in runs.items() if name.startswith("threshold")]
+    dominated = {r["policy"]: bool(me["reread_bytes"] >= r["reread_bytes"] and me["bytes_written"] <= r["bytes_written"]
+                                   and (me["reread_bytes"] > r["reread_bytes"] or me["bytes_written"] < r["bytes_written"])) for r in thresholds}
+    b = bool(dominated) and all(dominated.values())
+    return {"policy": policy, "reread_share_of_oracle": me["reread_share_of_oracle"], "written_over_oracle": me["written_over_oracle"],
+            "share_goal": a, "dominates": dominated, "dominance_goal": b, "goal": a or b}
 
 
 def render(res: dict[str, Any]) -> str:
@@ -122,4 +146,12 @@ def render(res: dict[str, Any]) -> str:
         lines.append(f"{r['policy']:>28} {r['blocks_written']:>15,} {r['bytes_written'] / gib:>12,.1f} {r['reread_bytes'] / gib:>12,.1f} "
                      f"{r['wasted_write_bytes'] / gib:>11,.1f} {rr:>16} {so:>18}")
     lines += [f"note             {r['note']}" for r in res["runs"] if r.get("note")]
+    g = res.get("goals")
+    if g:
+        wo = "-" if g["written_over_oracle"] is None else f"{g['written_over_oracle']:.2f}x"
+        dom = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in g["dominates"].items()) or "no threshold run"
+        lines += ["", f"goal (issue #20): {g['policy']} reaches >= {GOAL_REREAD_SHARE:.0%} of the oracle's re-read bytes at <= "
+                      f"{GOAL_WRITTEN_OVER_ORACLE}x its writes, or dominates every count threshold -> {'PASS' if g['goal'] else 'MISS'}",
+                  f"  share: {g['reread_share_of_oracle']:.1%} of the oracle's re-reads at {wo} its writes -> {'PASS' if g['share_goal'] else 'MISS'}",
+                  f"  dominance over the count thresholds: {dom} -> {'PASS' if g['dominance_goal'] else 'MISS'}"]
     return "\n".join(lines)
