@@ -59,6 +59,19 @@ def victim():
     e.close()
 
 
+def one_block_server(limits: TransportLimits | None = None) -> tuple[BlockStore, BlockServer]:
+    """A server holding one block (key 01…01) under the all-zero namespace digest."""
+    store = BlockStore(bytes(16), BB)
+    store.put(b"\x01" * 16, b"\x07" * BB)
+    return store, BlockServer(store, secret=SECRET, limits=limits)
+
+
+def wait_until(cond, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def raw(address, timeout_s=5.0) -> socket.socket:
     s = socket.create_connection(address, timeout=timeout_s)
     s.settimeout(timeout_s)
@@ -111,9 +124,7 @@ def test_a_client_without_the_secret_learns_nothing_and_gets_nothing(victim):
     s.sendall(struct.pack(">I", len(h)) + h)
     assert closed_by_peer(s, 5.0)
     s.close()
-    deadline = time.monotonic() + 5
-    while victim.server.stats["auth_failed"] < 3 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: victim.server.stats["auth_failed"] >= 3)
     assert victim.server.stats["auth_failed"] == 3
     # the deployment's own client still gets everything
     friend = PeerClient(victim.server.address, victim.namespace.digest, secret=SECRET, block_bytes=BB)
@@ -305,18 +316,14 @@ def test_an_authenticated_peer_is_still_held_to_the_header_cap():
         ch.send({"op": "put", "namespace": bytes(16).hex(), "blocks": [{"key": "00" * 16, "nbytes": 1 << 40, "mac": "00"}]})
         assert closed_by_peer(s, 5.0)
         s.close()
-        deadline = time.monotonic() + 5
-        while srv.stats["protocol_errors"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: srv.stats["protocol_errors"] >= 2)
         assert srv.stats["protocol_errors"] == 2 and not store.blocks
     finally:
         srv.close()
 
 
 def test_frames_cannot_be_altered_replayed_or_reordered():
-    store = BlockStore(bytes(16), BB)
-    store.put(b"\x01" * 16, b"\x07" * BB)
-    srv = BlockServer(store, secret=SECRET)
+    store, srv = one_block_server()
     k = TransportKeys.from_secret(SECRET)
     try:
         for attack in ("flip", "replay"):
@@ -333,9 +340,7 @@ def test_frames_cannot_be_altered_replayed_or_reordered():
                 s.sendall(struct.pack(">I", len(h)) + h + ch._frame_tag(b"C", 1, h)[:-1] + b"\0")
             assert closed_by_peer(s, 5.0), attack
             s.close()
-        deadline = time.monotonic() + 5
-        while srv.stats["auth_failed"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: srv.stats["auth_failed"] >= 2)
         assert srv.stats["auth_failed"] == 2
     finally:
         srv.close()
@@ -343,10 +348,7 @@ def test_frames_cannot_be_altered_replayed_or_reordered():
 
 def test_idle_connections_are_capped_and_timed_out_and_legitimate_peers_still_get_served():
     """1,000 idle connections held 1,003 threads; now at most ``max_connections`` are served, the rest wait."""
-    store = BlockStore(bytes(16), BB)
-    store.put(b"\x01" * 16, b"\x07" * BB)
-    limits = TransportLimits(max_connections=8, handshake_timeout_s=0.3)
-    srv = BlockServer(store, secret=SECRET, limits=limits)
+    store, srv = one_block_server(TransportLimits(max_connections=8, handshake_timeout_s=0.3))
     threads_before = threading.active_count()
     try:
         idle = [raw(srv.address) for _ in range(40)]
@@ -384,9 +386,7 @@ def test_the_client_refuses_a_server_that_cannot_prove_the_secret():
 
 def test_a_thousand_clients_at_once_all_get_an_answer():
     """The old backlog of 5 silently turned 5.7 % of 1,000 simultaneous clients into misses."""
-    store = BlockStore(bytes(16), BB)
-    store.put(b"\x01" * 16, b"\x07" * BB)
-    srv = BlockServer(store, secret=SECRET)
+    store, srv = one_block_server()
     n = 1000
     answers: list[int] = []
     lock = threading.Lock()
@@ -412,16 +412,12 @@ def test_a_thousand_clients_at_once_all_get_an_answer():
 
 
 def test_close_closes_every_open_connection():
-    store = BlockStore(bytes(16), BB)
-    store.put(b"\x01" * 16, b"\x07" * BB)
-    srv = BlockServer(store, secret=SECRET)
+    store, srv = one_block_server()
     c = PeerClient(srv.address, bytes(16), secret=SECRET, block_bytes=BB, timeout_s=2.0)
     assert c.match_prefix([b"\x01" * 16]) == 1
     assert srv.open_connections == 1
     srv.close()
-    deadline = time.monotonic() + 5
-    while srv.open_connections and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: srv.open_connections == 0)
     assert srv.open_connections == 0
     assert c.match_prefix([b"\x01" * 16]) == 0, "the open connection was closed, and nobody accepts a new one"
     with pytest.raises(OSError):

@@ -27,31 +27,34 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _int_list(text: str) -> list[int]:
+def _ints(text: str, low: int, high: int = MAX_CLI_INT) -> list[int]:
+    """Comma-separated integers, each in [low, high]; anything else is an argparse error naming the value."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(not 0 < v <= MAX_CLI_INT for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers up to {MAX_CLI_INT}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected integers, got {text!r}") from None
+    if not values or any(not low <= v <= high for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers in [{low}, {high}], got {text!r}")
     return values
 
 
+def _int_list(text: str) -> list[int]:
+    return _ints(text, 1)
+
+
+def _one_int(text: str, low: int, high: int = MAX_CLI_INT) -> int:
+    values = _ints(text, low, high)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one integer, got {text!r}")
+    return values[0]
+
+
 def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= v <= MAX_CLI_INT:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, {MAX_CLI_INT}], got {v}")
-    return v
+    return _one_int(text, 0)
 
 
 def _port(text: str) -> int:
-    v = _non_negative_int(text)
-    if v > 65535:
-        raise argparse.ArgumentTypeError(f"expected a TCP port in [0, 65535], got {v}")
-    return v
+    return _one_int(text, 0, 65535)
 
 
 def _non_negative_float(text: str) -> float:
@@ -67,13 +70,7 @@ def _non_negative_float(text: str) -> float:
 
 
 def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 < v <= MAX_CLI_INT:
-        raise argparse.ArgumentTypeError(f"expected a positive integer up to {MAX_CLI_INT}, got {v}")
-    return v
+    return _one_int(text, 1)
 
 
 def _emit(payload: dict[str, Any], as_json: bool, render: Callable[[dict[str, Any]], str]) -> None:
