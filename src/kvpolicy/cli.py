@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -58,8 +59,6 @@ def _port(text: str) -> int:
 
 
 def _non_negative_float(text: str) -> float:
-    import math
-
     try:
         v = float(text)
     except ValueError:
@@ -222,8 +221,6 @@ def _cmd_keys(args: argparse.Namespace) -> int:
         if args.namespace:
             try:
                 ns_data = json.loads(read_text(args.namespace, "--namespace"))
-            except FileNotFoundError:
-                raise ConfigError("--namespace", f"no such file {args.namespace!r}") from None
             except json.JSONDecodeError as exc:
                 raise ConfigError("--namespace", f"{args.namespace}:{exc.lineno}: not valid JSON ({exc.msg})") from None
             if not isinstance(ns_data, dict):
@@ -437,8 +434,6 @@ def _load_hot(args: argparse.Namespace, bpt: int) -> list[Any]:
     if src and src.endswith(".json"):
         try:
             data = json.loads(read_text(src, "HOT.json"))
-        except FileNotFoundError:
-            raise ConfigError("HOT.json", f"no such file {src!r}") from None
         except json.JSONDecodeError as exc:
             raise ConfigError("HOT.json", f"{src}:{exc.lineno}: not valid JSON ({exc.msg})") from None
         if not isinstance(data, dict) or not isinstance(data.get("prefixes"), list):
@@ -878,7 +873,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
         if not isinstance(v, str) or not v:
             continue
         p = Path(v)
-        parent = p.parent if str(p.parent) else Path(".")
+        parent = p.parent
         if not parent.is_dir():
             raise ConfigError(f"--{flag}", f"{v}: cannot write there ({parent} is not a directory)")
         if flag == "plot" and p.exists() and not p.is_dir():

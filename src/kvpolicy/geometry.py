@@ -126,8 +126,6 @@ class KVGeometry:
             where = str(config)
             try:
                 config = json.loads(read_text(config, "config"))
-            except FileNotFoundError:
-                raise ConfigError("config", f"no such file: {where}") from None
             except json.JSONDecodeError as exc:
                 raise ConfigError("config", f"{where}:{exc.lineno}: not valid JSON ({exc.msg})") from None
         if not isinstance(config, Mapping):

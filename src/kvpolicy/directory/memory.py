@@ -37,13 +37,17 @@ class InMemoryDirectory:
         return self._t.setdefault(check_tenant(tenant), OrderedDict())
 
     @staticmethod
-    def _live(table: OrderedDict[bytes, dict[str, Entry]], key: bytes, now: float) -> dict[str, Entry] | None:
+    def _alive(e: Entry, now: float) -> bool:
+        return e.expires_at_s is None or e.expires_at_s > now
+
+    @classmethod
+    def _live(cls, table: OrderedDict[bytes, dict[str, Entry]], key: bytes, now: float) -> dict[str, Entry] | None:
         """The key's live holders (None if none). Reading never removes anything: an expired key keeps
         its place in the LRU until the eviction walk, ``evict`` or ``clear_holder`` meets it — as on Redis."""
         holders = table.get(key)
         if holders is None:
             return None
-        live = {h: e for h, e in holders.items() if e.expires_at_s is None or e.expires_at_s > now}
+        live = {h: e for h, e in holders.items() if cls._alive(e, now)}
         return live or None
 
     def _expire_leases(self, now: float) -> None:
@@ -122,10 +126,10 @@ class InMemoryDirectory:
     def evict(self, tenant: str, keys: Sequence[bytes], holder: str | None = None, force: bool = False) -> int:
         ks = check_keys(keys)
         table = self._table(tenant)
-        if not force:
-            self._expire_leases(self.clock.now_s())
-        leased = self._leases.get(tenant, {})
         now = self.clock.now_s()
+        if not force:
+            self._expire_leases(now)
+        leased = self._leases.get(tenant, {})
         n = 0
         for k in ks:
             holders = table.get(k)
@@ -136,7 +140,7 @@ class InMemoryDirectory:
                 del table[k]
                 continue
             e = holders.pop(holder, None)
-            if e is not None and (e.expires_at_s is None or e.expires_at_s > now):
+            if e is not None and self._alive(e, now):
                 n += 1
             if self._live(table, k, now) is None:
                 del table[k]
@@ -148,7 +152,7 @@ class InMemoryDirectory:
         n = 0
         for k in list(table):
             e = table[k].pop(holder, None)
-            if e is not None and (e.expires_at_s is None or e.expires_at_s > now):
+            if e is not None and self._alive(e, now):
                 n += 1
             if self._live(table, k, now) is None:
                 del table[k]

@@ -33,11 +33,18 @@ from typing import Any
 from ..errors import ConfigError
 from .base import Entry, Lease, TenantIndex, check_keys, check_tenant
 
-# a holder's entry is live while its own expiry (the value's last field, absolute seconds; '' = none) is ahead
-_LIVE = """
+# A holder's value ends in its own expiry (absolute seconds; '' = none): the entry is live while that is ahead.
+# A hash lives as long as its longest-lived holder — persistent if any holder is, else until the latest expiry —
+# recomputed after every change to its holders, so removing the long-lived one never leaves expired ones behind.
+_HOLDERS = """
+local function expiry(v)
+  local e = string.match(v, '|([^|]*)$')
+  if e == nil or e == '' then return nil end
+  return tonumber(e)
+end
 local function live_value(v, now)
-  local exp = string.match(v, '|([^|]*)$')
-  return exp == nil or exp == '' or tonumber(exp) > now
+  local e = expiry(v)
+  return e == nil or e > now
 end
 local function live(key, now)
   for _, v in ipairs(redis.call('HVALS', key)) do
@@ -49,26 +56,24 @@ local function now_s()
   local t = redis.call('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1e6
 end
-"""
-
-# a hash lives as long as its longest-lived holder: persistent if any holder is, else until the latest expiry
-# (run after every change to a hash's holders, so removing the long-lived holder never leaves expired ones behind)
-_EXPIRY = """
 local function reset_expiry(key)
   local vals = redis.call('HVALS', key)
   if #vals == 0 then return end
-  local keep, latest = false, 0
+  local latest = 0
   for _, v in ipairs(vals) do
-    local e = string.match(v, '|([^|]*)$')
-    if e == nil or e == '' then keep = true break end
-    local ms = math.floor(tonumber(e) * 1000)
+    local e = expiry(v)
+    if e == nil then
+      redis.call('PERSIST', key)
+      return
+    end
+    local ms = math.floor(e * 1000)
     if ms > latest then latest = ms end
   end
-  if keep then redis.call('PERSIST', key) else redis.call('PEXPIREAT', key, latest) end
+  redis.call('PEXPIREAT', key, latest)
 end
 """
 
-_MATCH = _LIVE + """
+_MATCH = _HOLDERS + """
 local n = 0
 local now = now_s()
 for i = 3, #KEYS do
@@ -84,7 +89,7 @@ return n
 
 # KEYS: lru, clock, then one hash per entry
 # ARGV: max_keys, lease_prefix, then per entry: hex, holder, value, expire_at_ms ('' = none)
-_PUBLISH = _EXPIRY + """
+_PUBLISH = _HOLDERS + """
 local tick = redis.call('INCRBY', KEYS[2], #KEYS - 2)
 local n = 0
 for i = 3, #KEYS do
@@ -128,7 +133,7 @@ return {n, evicted}
 """
 
 # KEYS: lru, then one hash per key; ARGV: force ('1'/'0'), holder ('' = all), lease_prefix, then hex per key
-_EVICT = _LIVE + _EXPIRY + """
+_EVICT = _HOLDERS + """
 local n = 0
 local now = now_s()
 for i = 2, #KEYS do
@@ -169,7 +174,7 @@ end
 return #KEYS
 """
 
-_CLEAR_HOLDER = _LIVE + _EXPIRY + """
+_CLEAR_HOLDER = _HOLDERS + """
 local n = 0
 local now = now_s()
 local cursor = '0'

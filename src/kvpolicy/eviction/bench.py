@@ -137,7 +137,7 @@ def render(res: dict[str, Any]) -> str:
         lines += ["", f"goals (issue #20): close >= {GOAL_GAP_CLOSED:.0%} of the LRU -> Belady gap where it is >= {GOAL_MIN_GAP_POINTS:.0f} points; "
                       f"never more than {GOAL_MAX_DEFICIT_POINTS:.0f} point below the best of {'/'.join(GOAL_CLASSICS)}"]
         for g in res["goals"]:
-            gap = ("n/a (gap under 5 points)" if g["gap_goal"] is None else
+            gap = (f"n/a (gap under {GOAL_MIN_GAP_POINTS:.0f} points)" if g["gap_goal"] is None else
                    f"{'PASS' if g['gap_goal'] else 'MISS'} closed {g['gap_closed']:+.0%} of {g['gap_points']:.1f} points")
             cls = (f"{'PASS' if g['classic_goal'] else 'MISS'} {g['policy_points']:.2f}% vs {g['best_classic']} {g['best_classic_points']:.2f}% "
                    f"({-g['deficit_points']:+.2f} points)")

@@ -108,7 +108,7 @@ class ReferenceEngine:
         self.ledger = ledger
         self.replica = replica
         self.store = BlockStore(self.namespace.digest, self.block_bytes)
-        self.server = BlockServer(self.store, secret=secret, limits=transport_limits) if serve and secret is not None else None
+        self.server = BlockServer(self.store, secret=secret, limits=transport_limits) if serve else None
         for p in [*self.peers, *([publish_to] if publish_to is not None else [])]:
             if p.block_bytes != self.block_bytes:
                 raise ConfigError("peers", f"a peer client expects {p.block_bytes}-byte blocks, this engine's are {self.block_bytes}")
