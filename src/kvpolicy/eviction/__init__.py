@@ -2,6 +2,7 @@
 
 from .base import EvictionPolicy, Node, PriorityPolicy
 from .facade import PolicyCache
+from .hit_density import HitDensityPolicy
 from .policies import (
     POLICIES,
     ARCPolicy,
@@ -26,6 +27,7 @@ __all__ = [
     "BeladyPolicy",
     "EvictionPolicy",
     "FIFOPolicy",
+    "HitDensityPolicy",
     "GDSFPolicy",
     "LFUPolicy",
     "LRUPolicy",

@@ -1087,9 +1087,235 @@ def belady_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, n
     return nv
 
 
+# ----------------------------------------------------------------------------- hit density (kvpolicy's adaptive policy)
+
+
+@nb.njit(cache=True, inline="always")
+def _splitmix64(state):
+    state = state + np.uint64(0x9E3779B97F4A7C15)
+    z = state
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return state, z ^ (z >> np.uint64(31))
+
+
+@nb.njit(cache=True, inline="always")
+def _hd_bin(age, inv_width, nbins):
+    b = age * inv_width
+    return nbins - 1 if b >= nbins - 1 else np.int64(b)
+
+
+@nb.njit(cache=True, inline="always")
+def _hd_excess(age, inv_width, nbins):
+    """How many bins past the last one an age lies (0 inside the histogram)."""
+    b = age * inv_width - (nbins - 1)
+    return b if b > 0 else 0.0
+
+
+@nb.njit(cache=True)
+def _hd_reconfigure(H, E, X, D, decay):
+    for c in range(H.shape[0]):
+        hu = 0.0
+        eu = 0.0
+        lt = X[c]  # the last bin's events lived past it by X bins in all
+        for a in range(H.shape[1] - 1, -1, -1):
+            hu += H[c, a]
+            eu += H[c, a] + E[c, a]
+            lt += eu
+            D[c, a] = hu / lt if lt > 0 else 0.0
+        for a in range(H.shape[1]):
+            H[c, a] *= decay
+            E[c, a] *= decay
+        X[c] *= decay
+
+
+@nb.njit(cache=True)
+def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, arrival, samples, nbins, span, interval, decay, seed):
+    """:class:`~kvpolicy.eviction.hit_density.HitDensityPolicy`, decision for decision.
+
+    Per block: ``tl`` last use (s), ``nh`` hits and ``kids`` child inserts this residency, resident children,
+    parent, ``pinr`` (the request pinning it), ``pos`` in the candidate array (swap-remove, in the order the
+    online base adds and drops candidates) and the ghost record (eviction sequence, last use, class, bin)."""
+    tl = np.zeros(n_ids, np.float64)
+    meta = np.zeros(4 * n_ids, np.int32)  # nh, kids, resident children, resident flag
+    par = np.full(n_ids, NIL, np.int32)
+    pinr = np.full(n_ids, -1, np.int32)
+    pos = np.full(n_ids, NIL, np.int32)
+    cand = np.empty(max(n_ids, 1), np.int32)
+    # a candidate's last use and class cannot change while it is one (a use pins it, a child makes it a parent):
+    # kept beside it, a sample reads only these arrays, not the block's records
+    ctl = np.empty(max(n_ids, 1), np.float64)
+    ccl = np.empty(max(n_ids, 1), np.int32)
+    gseq = np.full(n_ids, -1, np.int64)
+    gtl = np.zeros(n_ids, np.float64)
+    gcb = np.zeros(n_ids, np.int32)  # class * nbins + bin at eviction
+    H = np.zeros((8, nbins))
+    E = np.zeros((8, nbins))
+    D = np.zeros((8, nbins))
+    X = np.zeros(8)  # per class: bins past the last one, summed over the events that fell there
+    gx = np.zeros(n_ids, np.float64)
+    nc = 0
+    used = 0
+    nv = 0
+    nev = 0
+    requests = 0  # since the last reconfiguration
+    events = 0  # uses and inserts since then
+    learned = False
+    inv_width = 1.0
+    age_sum = 0.0
+    age_n = 0.0
+    st = np.uint64(seed)
+    for r in range(offsets.size - 1):
+        s = offsets[r]
+        e = offsets[r + 1]
+        if s == e:
+            continue
+        now = arrival[r] + r * 1e-9
+        if s + PREFETCH_AHEAD < ids.size:
+            y = ids[s + PREFETCH_AHEAD]
+            _prefetch(tl, y)
+            _prefetch(meta, 4 * y)
+            _prefetch(gseq, y)
+        j = s
+        while j < e and meta[4 * ids[j] + 3]:
+            j += 1
+        if j > s:
+            t = max(tokens[r] - 1, 0)
+            m = t >> shift if shift >= 0 else t // bsz
+            for k in range(s, s + min(j - s, m)):
+                hits[k] = True
+        for k in range(s, j):
+            x = ids[k]
+            if k == s:
+                requests += 1
+                if requests >= interval and events >= 8 * nbins:
+                    requests = 0
+                    events = 0
+                    _hd_reconfigure(H, E, X, D, decay)
+                    if age_n > 0:
+                        inv_width = 1.0 / max(span * (age_sum / age_n) / nbins, 1e-9)
+                    age_sum *= decay
+                    age_n *= decay
+                    learned = True
+            nh = meta[4 * x]
+            c = min(nh, 3) * 2 + (1 if meta[4 * x + 1] >= 2 else 0)
+            age = now - tl[x]
+            H[c, _hd_bin(age, inv_width, nbins)] += 1.0
+            X[c] += _hd_excess(age, inv_width, nbins)
+            tl[x] = now
+            meta[4 * x] = nh + 1
+            events += 1
+            pinr[x] = r
+        if j > s:
+            x = ids[j - 1]
+            i = pos[x]
+            if i != NIL:  # the run's deepest block was an evictable leaf: pinned now
+                nc -= 1
+                y = cand[nc]
+                if y != x:
+                    cand[i] = y
+                    ctl[i] = ctl[nc]
+                    ccl[i] = ccl[nc]
+                    pos[y] = i
+                pos[x] = NIL
+        while j < e:
+            x = ids[j]
+            if used + 1 > cap:
+                if nc == 0:
+                    break  # everything resident is pinned by this request
+                bi = NIL
+                best_rank = 0.0
+                for _ in range(samples):
+                    st, z = _splitmix64(st)
+                    i = np.int64(((z >> np.uint64(32)) * np.uint64(nc)) >> np.uint64(32))  # Lemire's multiply-shift: [0, nc)
+                    if learned:
+                        rk = D[ccl[i], _hd_bin(now - ctl[i], inv_width, nbins)]
+                    else:
+                        rk = -(now - ctl[i])
+                    if bi == NIL or rk < best_rank:
+                        bi = i
+                        best_rank = rk
+                v = cand[bi]
+                i = bi
+                nc -= 1
+                y = cand[nc]
+                if y != v:
+                    cand[i] = y
+                    ctl[i] = ctl[nc]
+                    ccl[i] = ccl[nc]
+                    pos[y] = i
+                pos[v] = NIL
+                meta[4 * v + 3] = 0
+                used -= 1
+                p = par[v]
+                if p != NIL:
+                    meta[4 * p + 2] -= 1
+                    if meta[4 * p + 2] == 0 and pinr[p] != r:
+                        cand[nc] = p
+                        ctl[nc] = tl[p]
+                        ccl[nc] = min(meta[4 * p], 3) * 2 + (1 if meta[4 * p + 1] >= 2 else 0)
+                        pos[p] = nc
+                        nc += 1
+                age = now - tl[v]
+                c = min(meta[4 * v], 3) * 2 + (1 if meta[4 * v + 1] >= 2 else 0)
+                b = _hd_bin(age, inv_width, nbins)
+                E[c, b] += 1.0
+                gx[v] = _hd_excess(age, inv_width, nbins)
+                X[c] += gx[v]
+                age_sum += age
+                age_n += 1.0
+                gseq[v] = nev
+                gtl[v] = tl[v]
+                gcb[v] = c * nbins + b
+                nev += 1
+                victims[nv] = v
+                nv += 1
+            p = ids[j - 1] if j > s else NIL
+            par[x] = p
+            if p != NIL:
+                meta[4 * p + 2] += 1
+                meta[4 * p + 1] += 1
+            else:
+                requests += 1
+                if requests >= interval and events >= 8 * nbins:
+                    requests = 0
+                    events = 0
+                    _hd_reconfigure(H, E, X, D, decay)
+                    if age_n > 0:
+                        inv_width = 1.0 / max(span * (age_sum / age_n) / nbins, 1e-9)
+                    age_sum *= decay
+                    age_n *= decay
+                    learned = True
+            if gseq[x] >= 0 and nev - gseq[x] <= cap:  # a ghost hit: the eviction is taken back, the hit counted
+                c = gcb[x] // nbins
+                b = gcb[x] % nbins
+                E[c, b] = max(E[c, b] - 1.0, 0.0)
+                X[c] = max(X[c] - gx[x], 0.0)
+                age = now - gtl[x]
+                H[c, _hd_bin(age, inv_width, nbins)] += 1.0
+                X[c] += _hd_excess(age, inv_width, nbins)
+            gseq[x] = -1
+            meta[4 * x] = 0
+            meta[4 * x + 1] = 0
+            meta[4 * x + 3] = 1
+            events += 1
+            tl[x] = now
+            pinr[x] = r
+            used += 1
+            j += 1
+        d = ids[j - 1] if j > s else NIL
+        if d != NIL and meta[4 * d + 2] == 0:  # unpinned: the chain's deepest block is an evictable leaf again
+            cand[nc] = d
+            ctl[nc] = tl[d]
+            ccl[nc] = min(meta[4 * d], 3) * 2 + (1 if meta[4 * d + 1] >= 2 else 0)
+            pos[d] = nc
+            nc += 1
+    return nv
+
+
 # ----------------------------------------------------------------------------- driver
 
-KERNEL_POLICIES = ("lru", "fifo", "sieve", "s3fifo", "arc", "belady", "belady-bypass")
+KERNEL_POLICIES = ("lru", "fifo", "sieve", "s3fifo", "arc", "hit-density", "belady", "belady-bypass")
 
 
 @nb.njit(cache=True)
@@ -1121,10 +1347,12 @@ def next_use_per_ref(trace: Any) -> np.ndarray:
     return out
 
 
-def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fraction: float = 0.1) -> ReplayResult:
+def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fraction: float = 0.1, **kw: Any) -> ReplayResult:
     """Kernel replay of ``policy`` (one of KERNEL_POLICIES): the same result as :func:`replay`."""
     if policy not in KERNEL_POLICIES:
         raise ConfigError("policy", f"no kernel for {policy!r}; kernels: {KERNEL_POLICIES}")
+    if kw and policy != "hit-density":
+        raise ConfigError(next(iter(kw)), f"the {policy} kernel takes no such option")
     if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks < 0:
         raise ConfigError("capacity_blocks", f"must be a non-negative int, got {capacity_blocks!r}")
     off = trace.block_offsets
@@ -1147,6 +1375,15 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
         nv = s3fifo_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims, small_fraction)
     elif policy == "arc":
         nv = arc_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims)
+    elif policy == "hit-density":
+        if n_ids >= 2**31 - 1:
+            raise ConfigError("trace", f"the hit-density kernel replays fewer than 2**31 distinct blocks, got {n_ids:,}; use replay()")
+        from .hit_density import HitDensityPolicy
+
+        p = HitDensityPolicy(capacity_blocks, **kw)  # validates the knobs the same way the online policy does
+        arrival = np.ascontiguousarray(trace.arrival_s, dtype=np.float64)
+        nv = hit_density_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims, arrival, p.samples, p.bins, p.span,
+                                p.interval, p.decay, np.uint64(p._rng))
     else:
         if ids.size >= 2**31 - 1:
             raise ConfigError("trace", f"the Belady kernel replays fewer than 2**31 block references, got {ids.size:,}; use replay()")

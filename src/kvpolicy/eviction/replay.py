@@ -26,15 +26,18 @@ from ..clock import ManualClock
 from ..errors import CapacityError, ConfigError
 from .base import EvictionPolicy
 from .policies import POLICIES, BeladyPolicy, TraceOracle, TTLPolicy
+from .hit_density import HitDensityPolicy
 from .reuse_distance import ReuseDistancePolicy
 
-ALL_POLICIES = ("lru", "fifo", "lfu", "ttl", "s3fifo", "sieve", "arc", "gdsf", "reuse-distance", "belady", "belady-bypass")
+ALL_POLICIES = ("lru", "fifo", "lfu", "ttl", "s3fifo", "sieve", "arc", "gdsf", "reuse-distance", "hit-density", "belady", "belady-bypass")
 
 
 def make_policy(name: str, capacity_bytes: int, *, trace: Any = None, clock: ManualClock | None = None, **kw: Any) -> EvictionPolicy:
     clock = clock or ManualClock()
     if name == "reuse-distance":
         return ReuseDistancePolicy(capacity_bytes, clock=clock, **kw)
+    if name == "hit-density":
+        return HitDensityPolicy(capacity_bytes, clock=clock, **kw)
     if name in ("belady", "belady-bypass"):
         oracle = kw.pop("oracle", None)
         if oracle is None and trace is not None:

@@ -1,0 +1,162 @@
+"""hit-density: the learned policy's formula, its ghost correction, and its kernel against the online object."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from strategies_prefix import flat_trace, prefix_traces
+from kvpolicy.clock import ManualClock
+from kvpolicy.errors import ConfigError
+from kvpolicy.eviction import HitDensityPolicy, replay
+from kvpolicy.eviction.hit_density import block_class, densities, splitmix64
+from kvpolicy.eviction.kernels import replay_kernel
+from kvpolicy.traces import first_appearance_ids
+
+# small histograms and a reconfiguration every request once 8 x bins events were seen: the learned ranks,
+# the bin-width update, the overflow bin and the ghosts all run within a few dozen requests
+FAST = {"bins": 4, "interval": 1, "samples": 3, "span": 2.0}
+
+
+def test_splitmix64_known_answer():
+    # the published splitmix64 sequence from seed 0 (Vigna's reference implementation)
+    state, out = 0, []
+    for _ in range(3):
+        state, z = splitmix64(state)
+        out.append(z)
+    assert out == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+
+
+def _brute_density(hits, evicts, excess, a):
+    """Expected hits / expected remaining lifetime at age a, summed event by event (no running sums)."""
+    num = sum(hits[x] for x in range(a, len(hits)))
+    den = sum((x - a + 1) * (hits[x] + evicts[x]) for x in range(a, len(hits))) + excess
+    return num / den if den > 0 else 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(h=st.lists(st.integers(0, 9), min_size=2, max_size=12), data=st.data())
+def test_density_is_expected_hits_over_expected_lifetime(h, data):
+    e = data.draw(st.lists(st.integers(0, 9), min_size=len(h), max_size=len(h)))
+    x = data.draw(st.floats(0, 50))
+    hits, evicts = np.array([h], float), np.array([e], float)
+    got = densities(hits, evicts, np.array([x]))
+    for a in range(len(h)):
+        assert got[0, a] == pytest.approx(_brute_density(h, e, x, a), rel=1e-12, abs=1e-15)
+
+
+def test_density_ranks_a_class_that_is_hit_late_above_one_that_is_never_hit():
+    hits = np.zeros((2, 8))
+    evicts = np.zeros((2, 8))
+    hits[0, 5] = 10  # class 0: reused at age 5
+    evicts[1, 5] = 10  # class 1: dies at age 5
+    d = densities(hits, evicts, np.zeros(2))
+    assert (d[0, :6] > 0).all() and (d[1] == 0).all()
+    assert d[0, 5] > d[0, 0]  # the closer to its reuse age, the denser
+
+
+def test_classes():
+    assert [block_class(h, 0) for h in range(6)] == [0, 2, 4, 6, 6, 6]
+    assert block_class(0, 1) == 0 and block_class(0, 2) == 1 and block_class(5, 9) == 7
+
+
+def test_a_ghost_hit_takes_the_eviction_back_and_counts_the_hit():
+    clock = ManualClock()
+    p = HitDensityPolicy(2, clock=clock)
+    for t, k in enumerate("abc"):
+        clock._now_s = float(t)
+        for v in p.victims(1, incoming=k):
+            assert v == "a"  # sampled LRU before anything is learned: the oldest goes
+        p.on_insert(k, 1)
+    assert p.evict_hist.sum() == 1 and p.hit_hist.sum() == 0
+    clock._now_s = 3.0
+    p.victims(1, incoming="a")
+    p.on_insert("a", 1)  # "a" comes back within the window: its eviction becomes a hit at its true age
+    assert p.ghost_hits == 1
+    assert p.hit_hist.sum() == 1 and p.evict_hist.sum() == 1  # one taken back, one new eviction (b)
+
+
+def test_a_ghost_past_the_window_is_forgotten():
+    clock = ManualClock()
+    p = HitDensityPolicy(1, clock=clock)
+    for t, k in enumerate("abcd"):
+        clock._now_s = float(t)
+        p.victims(1, incoming=k)
+        p.on_insert(k, 1)
+    # a was evicted 3 evictions ago, more than the capacity (1 byte) of evicted bytes: not a ghost any more
+    clock._now_s = 9.0
+    p.victims(1, incoming="a")
+    p.on_insert("a", 1)
+    assert p.ghost_hits == 0 and "a" not in p._ghosts
+
+
+def test_knobs_are_validated():
+    for kw, field in (({"samples": 0}, "samples"), ({"bins": 1}, "bins"), ({"interval": 0}, "interval"), ({"span": float("nan")}, "span"),
+                      ({"decay": 1.5}, "decay"), ({"seed": -1}, "seed"), ({"samples": True}, "samples")):
+        with pytest.raises(ConfigError) as e:
+            HitDensityPolicy(4, **kw)
+        assert e.value.field == field
+    with pytest.raises(ConfigError, match="takes no such option"):
+        replay_kernel(flat_trace(np.array([0, 1])), "lru", 2, samples=3)
+
+
+@settings(max_examples=80, deadline=None)
+@given(tr=prefix_traces(max_requests=40), cap=st.integers(0, 14), seed=st.integers(0, 2**64 - 1))
+def test_kernel_makes_the_online_decisions_while_learning(tr, cap, seed):
+    online = replay(tr, "hit-density", cap, record_victims=True, seed=seed, **FAST)
+    kernel = replay_kernel(tr, "hit-density", cap, seed=seed, **FAST)
+    assert np.array_equal(online.hits, kernel.hits)
+    assert online.victims == kernel.victims.tolist()
+
+
+def test_kernel_and_online_agree_over_many_reconfigurations():
+    rng = np.random.default_rng(11)
+    ids = first_appearance_ids((400 * rng.random(5000) ** 2).astype(np.int64))
+    tr = flat_trace(ids)
+    for cap in (1, 9, 60):
+        online_policy = HitDensityPolicy(cap, clock=ManualClock(), **FAST)
+        online = replay(tr, online_policy, record_victims=True)
+        kernel = replay_kernel(tr, "hit-density", cap, **FAST)
+        assert online_policy.learned and (cap == 1 or online_policy.ghost_hits > 0)  # the learned path and the ghosts ran
+        assert np.array_equal(online.hits, kernel.hits) and online.victims == kernel.victims.tolist()
+
+
+def test_it_learns_to_keep_a_reused_class_through_a_scan():
+    """A hot set of 10 reused every 30 requests, interleaved with a scan of never-reused blocks: the reuse distance
+    (30 blocks) exceeds the cache (20), so LRU never hits; hit density learns that unreused blocks die and evicts
+    them first (a hot block evicted once comes back within the ghost window: 20 evictions a cycle). Without
+    learning (no reconfiguration) it is sampled LRU and hits nothing either. S3-FIFO keeps nearly all 3,000 here:
+    a known limit, documented in docs/eviction.md — a block reused k times is still evicted young while the
+    short lifetimes of scan blocks flatter their class's density."""
+    hot = list(range(10))
+    ids, nxt = [], 1000
+    for i in range(3000):
+        ids.append(hot[i % len(hot)])
+        ids.append(nxt)
+        ids.append(nxt + 1)
+        nxt += 2
+    tr = flat_trace(first_appearance_ids(np.asarray(ids, dtype=np.int64)))
+    lru = replay_kernel(tr, "lru", 20).hit_blocks
+    hd = replay_kernel(tr, "hit-density", 20).hit_blocks
+    unlearned = replay_kernel(tr, "hit-density", 20, interval=10**9).hit_blocks
+    assert lru == 0 and unlearned == 0 and hd > 0.2 * 3000, (lru, unlearned, hd)
+
+
+def _trace(requests, block_size=2):
+    from kvpolicy.traces import Trace
+
+    ids = np.asarray([b for r in requests for b in r], dtype=np.int64)
+    n = len(requests)
+    lens = np.asarray([len(r) for r in requests])
+    return Trace(arrival_s=np.arange(n, dtype=float), input_tokens=lens * block_size + 1, output_tokens=np.ones(n, np.int64),
+                 block_offsets=np.concatenate([[0], np.cumsum(lens)]), block_ids=ids,
+                 partial_block_ids=np.arange(n) + int(ids.max()) + 1, block_size_tokens=block_size)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_pinned_parent_whose_last_child_is_evicted_is_not_a_candidate(seed):
+    # request 2 hits a (pinned) and must evict a's other child c to insert b: a is childless for a moment but
+    # pinned, so it must not become an eviction candidate; later requests then need victims among a's subtree
+    tr = _trace([[0, 2], [0, 1], [3], [4], [0, 1], [5], [6]])
+    online = replay(tr, "hit-density", 2, record_victims=True, seed=seed)
+    kernel = replay_kernel(tr, "hit-density", 2, seed=seed)
+    assert np.array_equal(online.hits, kernel.hits) and online.victims == kernel.victims.tolist()
