@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from strategies_prefix import flat_trace, prefix_traces
 from kvpolicy.clock import ManualClock
 from kvpolicy.errors import ConfigError
-from kvpolicy.eviction import HitDensityPolicy, replay
+from kvpolicy.eviction import AdaptivePolicy, HitDensityPolicy, replay
 from kvpolicy.eviction.hit_density import block_class, densities, splitmix64
 from kvpolicy.eviction.kernels import replay_kernel
 from kvpolicy.traces import first_appearance_ids
@@ -99,25 +99,31 @@ def test_knobs_are_validated():
         replay_kernel(flat_trace(np.array([0, 1])), "lru", 2, samples=3)
 
 
+@pytest.mark.parametrize("policy", ["hit-density", "adaptive"])
 @settings(max_examples=80, deadline=None)
 @given(tr=prefix_traces(max_requests=40), cap=st.integers(0, 14), seed=st.integers(0, 2**64 - 1))
-def test_kernel_makes_the_online_decisions_while_learning(tr, cap, seed):
-    online = replay(tr, "hit-density", cap, record_victims=True, seed=seed, **FAST)
-    kernel = replay_kernel(tr, "hit-density", cap, seed=seed, **FAST)
+def test_kernel_makes_the_online_decisions_while_learning(policy, tr, cap, seed):
+    online = replay(tr, policy, cap, record_victims=True, seed=seed, **FAST)
+    kernel = replay_kernel(tr, policy, cap, seed=seed, **FAST)
     assert np.array_equal(online.hits, kernel.hits)
     assert online.victims == kernel.victims.tolist()
+    assert online.stats == kernel.stats  # the duel's mistake counts, to the last bit
 
 
-def test_kernel_and_online_agree_over_many_reconfigurations():
+@pytest.mark.parametrize("cls", [HitDensityPolicy, AdaptivePolicy])
+def test_kernel_and_online_agree_over_many_reconfigurations(cls):
     rng = np.random.default_rng(11)
     ids = first_appearance_ids((400 * rng.random(5000) ** 2).astype(np.int64))
     tr = flat_trace(ids)
     for cap in (1, 9, 60):
-        online_policy = HitDensityPolicy(cap, clock=ManualClock(), **FAST)
+        online_policy = cls(cap, clock=ManualClock(), **FAST)
         online = replay(tr, online_policy, record_victims=True)
-        kernel = replay_kernel(tr, "hit-density", cap, **FAST)
+        kernel = replay_kernel(tr, cls.name, cap, **FAST)
         assert online_policy.learned and (cap == 1 or online_policy.ghost_hits > 0)  # the learned path and the ghosts ran
+        if cls is AdaptivePolicy and cap > 1:
+            assert min(online_policy.mistakes) > 0  # every expert was judged
         assert np.array_equal(online.hits, kernel.hits) and online.victims == kernel.victims.tolist()
+        assert online.stats == kernel.stats
 
 
 def test_it_learns_to_keep_a_reused_class_through_a_scan():
@@ -152,11 +158,46 @@ def _trace(requests, block_size=2):
                  partial_block_ids=np.arange(n) + int(ids.max()) + 1, block_size_tokens=block_size)
 
 
+@pytest.mark.parametrize("policy", ["hit-density", "adaptive"])
 @pytest.mark.parametrize("seed", range(8))
-def test_a_pinned_parent_whose_last_child_is_evicted_is_not_a_candidate(seed):
+def test_a_pinned_parent_whose_last_child_is_evicted_is_not_a_candidate(policy, seed):
     # request 2 hits a (pinned) and must evict a's other child c to insert b: a is childless for a moment but
     # pinned, so it must not become an eviction candidate; later requests then need victims among a's subtree
     tr = _trace([[0, 2], [0, 1], [3], [4], [0, 1], [5], [6]])
-    online = replay(tr, "hit-density", 2, record_victims=True, seed=seed)
-    kernel = replay_kernel(tr, "hit-density", 2, seed=seed)
+    online = replay(tr, policy, 2, record_victims=True, seed=seed)
+    kernel = replay_kernel(tr, policy, 2, seed=seed)
     assert np.array_equal(online.hits, kernel.hits) and online.victims == kernel.victims.tolist()
+
+
+def _node(policy, key, t_last, hits):
+    from kvpolicy.eviction.base import Node
+
+    n = Node(key, 1, None, 0, t_last)
+    n.data = [t_last, hits, 0]
+    return n
+
+
+def test_the_duel_follows_density_until_another_expert_is_two_sigma_better():
+    p = AdaptivePolicy(8, clock=ManualClock())
+    assert p.leader == "hit-density"
+    p.mistakes = [30.0, 20.0, 40.0]  # 10 fewer: under 2 * sqrt(50) = 14.1
+    assert p.leader == "hit-density"
+    p.mistakes = [30.0, 15.0, 40.0]  # 15 fewer: over 2 * sqrt(45) = 13.4
+    assert p.leader == "lru"
+    p.mistakes = [30.0, 15.0, 10.0]  # both significant: the fewest
+    assert p.leader == "lfu"
+
+
+def test_mistakes_are_counted_per_decision_and_only_within_the_window():
+    p = AdaptivePolicy(2, clock=ManualClock())
+    a, b, c = _node(p, "a", 0.0, 0), _node(p, "b", 1.0, 5), _node(p, "c", 2.0, 0)
+    for _ in range(3):  # three decisions: density proposes c, LRU a (oldest) and LFU a (fewest hits, then oldest)
+        assert p._duel_choice(c, a, a) is c
+    p._judge("a")
+    assert p.mistakes == [0.0, 3.0, 3.0]
+    p._duel_choice(c, a, a)
+    p._evicted_bytes += 3  # three bytes evicted since: past the 2-byte window
+    p._judge("c")
+    p._judge("a")
+    assert p.mistakes == [0.0, 3.0, 3.0]
+    assert p._proposals == {}

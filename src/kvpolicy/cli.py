@@ -755,8 +755,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("evict-bench", help="replay a trace through eviction policies, with Belady and the infinite cache beside them")
     _add_trace_args(e)
     e.add_argument("--capacities-blocks", type=_int_list, default=None, help="capacities in blocks (default: 1/64, 1/16, 1/4, 1/2 of the distinct blocks)")
-    e.add_argument("--policies", type=_policy_list, default=["lru", "fifo", "lfu", "ttl", "s3fifo", "sieve", "arc", "gdsf", "reuse-distance", "hit-density", "belady"],
-                   help="comma-separated (default: lru,fifo,lfu,ttl,s3fifo,sieve,arc,gdsf,reuse-distance,hit-density,belady; also belady-bypass)")
+    e.add_argument("--policies", type=_policy_list, default=["lru", "fifo", "lfu", "ttl", "s3fifo", "sieve", "arc", "gdsf", "reuse-distance", "hit-density", "adaptive", "belady"],
+                   help="comma-separated (default: lru,fifo,lfu,ttl,s3fifo,sieve,arc,gdsf,reuse-distance,hit-density,adaptive,belady; also belady-bypass)")
     e.add_argument("--judge-second-half", action="store_true",
                    help="a held-out split: every policy runs over the whole trace but only the second half's requests are scored")
     e.add_argument("--json", default=None, metavar="OUT")

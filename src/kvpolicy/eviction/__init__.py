@@ -2,7 +2,7 @@
 
 from .base import EvictionPolicy, Node, PriorityPolicy
 from .facade import PolicyCache
-from .hit_density import HitDensityPolicy
+from .hit_density import AdaptivePolicy, HitDensityPolicy
 from .policies import (
     POLICIES,
     ARCPolicy,
@@ -22,6 +22,7 @@ from .reuse_distance import ReuseDistancePolicy
 
 __all__ = [
     "ALL_POLICIES",
+    "AdaptivePolicy",
     "POLICIES",
     "ARCPolicy",
     "BeladyPolicy",

@@ -78,7 +78,7 @@ def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, by
 
 #: the classics a kvpolicy eviction policy must not fall behind, and the policies judged against the goals (issue #20)
 GOAL_CLASSICS = ("lru", "arc", "s3fifo")
-GOAL_POLICIES = ("hit-density", "reuse-distance")
+GOAL_POLICIES = ("adaptive", "hit-density", "reuse-distance")
 #: issue #20: close >= 30 % of the LRU -> Belady gap where that gap is >= 5 points; never > 1 point below the best classic
 GOAL_MIN_GAP_POINTS = 5.0
 GOAL_GAP_CLOSED = 0.30

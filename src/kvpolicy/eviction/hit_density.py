@@ -46,8 +46,10 @@ The Numba kernel ``hit_density_kernel`` makes the same decisions, victim for vic
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Hashable
+from typing import Any
 
 import numpy as np
 
@@ -89,6 +91,7 @@ def densities(hit_hist: np.ndarray, evict_hist: np.ndarray, excess: np.ndarray) 
 
 class HitDensityPolicy(EvictionPolicy):
     name = "hit-density"
+    duel = False
 
     def __init__(self, capacity_bytes: int, *, samples: int = 32, bins: int = 256, span: float = 8.0, interval: int = 50,
                  decay: float = 0.9, seed: int = 0, clock: Clock | None = None) -> None:
@@ -213,6 +216,8 @@ class HitDensityPolicy(EvictionPolicy):
             raise CapacityError("no eviction candidate")  # unreachable: victims() checks freeable bytes first
         now = self.clock.now_s()
         best: Node | None = None
+        oldest: Node | None = None
+        rarest: Node | None = None
         best_rank = 0.0
         for _ in range(self.samples):
             self._rng, z = splitmix64(self._rng)
@@ -220,8 +225,19 @@ class HitDensityPolicy(EvictionPolicy):
             r = self.rank(node, now)
             if best is None or r < best_rank:
                 best, best_rank = node, r
+            if self.duel:
+                if oldest is None or node.data[0] < oldest.data[0]:
+                    oldest = node
+                if rarest is None or (min(node.data[1], 3), node.data[0]) < (min(rarest.data[1], 3), rarest.data[0]):
+                    rarest = node
         assert best is not None
+        if self.duel:
+            assert oldest is not None and rarest is not None
+            return self._duel_choice(best, oldest, rarest)
         return best
+
+    def _duel_choice(self, density: Node, lru: Node, lfu: Node) -> Node:
+        return density
 
     def _forget(self, node: Node) -> None:
         now = self.clock.now_s()
@@ -239,3 +255,78 @@ class HitDensityPolicy(EvictionPolicy):
             if self._evicted_bytes - g[0] <= self.capacity_bytes:
                 break
             del self._ghosts[k]
+
+
+class AdaptivePolicy(HitDensityPolicy):
+    """Hit density, LRU and LFU as three experts over the same samples; the one with the fewest recent mistakes evicts.
+
+    At every eviction each expert proposes a victim from the same samples: hit density the lowest density, LRU the
+    oldest, LFU the fewest hits (0, 1, 2, 3+) then the oldest. Every proposal is remembered — executed or not. A
+    proposed block used again (a hit, or a re-insert after it was evicted) within the ghost window (as many evicted
+    bytes as the capacity) is a miss that expert would have caused — one mistake per decision that proposed it, so
+    an expert that is not executing (and keeps proposing the same block) is charged like one whose every proposal
+    is carried out. Mistakes decay with the histograms (``decay`` at each reconfiguration). Hit density evicts
+    unless another expert made fewer mistakes by more than two standard deviations (Poisson counts); then the one
+    with the fewest does. No constant of its own: the window and the decay are the hit-density policy's, the
+    two-sigma test is a convention. The kernel runs the same duel (``replay_kernel(trace, "adaptive", ...)``).
+    """
+
+    name = "adaptive"
+    duel = True
+    EXPERTS = ("hit-density", "lru", "lfu")
+
+    def __init__(self, capacity_bytes: int, **kw: Any) -> None:
+        super().__init__(capacity_bytes, **kw)
+        self.mistakes = [0.0, 0.0, 0.0]
+        # key -> per expert: [evicted bytes at its latest proposal of the block (None: never), decisions that proposed it]
+        self._proposals: dict[Hashable, list[list[Any]]] = {}
+
+    @property
+    def leader(self) -> str:
+        """Hit density, unless another expert made fewer mistakes by more than two standard deviations of the
+        difference (mistake counts taken as Poisson: sd = sqrt(m_density + m_other)); then the one with the fewest."""
+        m = self.mistakes
+        lead = 0
+        for q in (1, 2):
+            if m[0] - m[q] > 2.0 * math.sqrt(m[0] + m[q]) and (lead == 0 or m[q] < m[lead]):
+                lead = q
+        return self.EXPERTS[lead]
+
+    def _duel_choice(self, density: Node, lru: Node, lfu: Node) -> Node:
+        leader = self.leader  # read before this decision's proposals are recorded (they cannot change it, but be plain)
+        for q, node in enumerate((density, lru, lfu)):
+            rec = self._proposals.get(node.key)
+            if rec is None:
+                rec = self._proposals[node.key] = [[None, 0], [None, 0], [None, 0]]
+            if rec[q][0] is None or self._evicted_bytes - rec[q][0] > self.capacity_bytes:
+                rec[q][1] = 0  # its earlier proposals left the window: they no longer count
+            rec[q][0] = self._evicted_bytes
+            rec[q][1] += 1
+        return {"hit-density": density, "lru": lru, "lfu": lfu}[leader]
+
+    def _judge(self, key: Hashable) -> None:
+        """``key`` is used again: every decision that proposed it since the expert's proposals of it last entered the
+        window (and the latest still in it) is a mistake of that expert (counted per decision, so an expert that is not executing — and keeps
+        proposing the same block — is charged as often as one whose every proposal is carried out)."""
+        rec = self._proposals.pop(key, None)
+        if rec is None:
+            return
+        for q in range(3):
+            seq, n = rec[q]
+            if seq is not None and self._evicted_bytes - seq <= self.capacity_bytes:
+                self.mistakes[q] += n
+        if len(self._proposals) > 4 * max(len(self.nodes), 1) + 64:  # forget proposals past the window (memory bound)
+            self._proposals = {k: v for k, v in self._proposals.items()
+                               if any(s is not None and self._evicted_bytes - s <= self.capacity_bytes for s, _ in v)}
+
+    def reconfigure(self) -> None:
+        super().reconfigure()
+        self.mistakes = [m * self.decay for m in self.mistakes]
+
+    def _admit(self, node: Node) -> None:
+        super()._admit(node)
+        self._judge(node.key)
+
+    def _hit(self, node: Node) -> None:
+        super()._hit(node)
+        self._judge(node.key)

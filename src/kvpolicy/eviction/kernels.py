@@ -1130,7 +1130,7 @@ def _hd_reconfigure(H, E, X, D, decay):
 
 
 @nb.njit(cache=True)
-def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, arrival, samples, nbins, span, interval, decay, seed):
+def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, arrival, samples, nbins, span, interval, decay, seed, duel, mistakes):
     """:class:`~kvpolicy.eviction.hit_density.HitDensityPolicy`, decision for decision.
 
     Per block: ``tl`` last use (s), ``nh`` hits and ``kids`` child inserts this residency, resident children,
@@ -1154,6 +1154,12 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
     D = np.zeros((8, nbins))
     X = np.zeros(8)  # per class: bins past the last one, summed over the events that fell there
     gx = np.zeros(n_ids, np.float64)
+    # duel: every expert's proposed victim is marked (bit 0 density, 1 LRU, 2 LFU) with the eviction count then; a
+    # marked block used again within the ghost window is a miss that expert would have caused, counted against it
+    pm = np.zeros(n_ids, np.int8)
+    pseq = np.zeros(3 * n_ids, np.int64)  # per expert: the eviction count at its latest proposal of the block
+    pcnt = np.zeros(3 * n_ids, np.int32)  # per expert: decisions that proposed the block since its last use
+    mistakes[:] = 0.0  # the caller's array: read back after the replay
     nc = 0
     used = 0
     nv = 0
@@ -1196,6 +1202,7 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                         inv_width = 1.0 / max(span * (age_sum / age_n) / nbins, 1e-9)
                     age_sum *= decay
                     age_n *= decay
+                    mistakes *= decay
                     learned = True
             nh = meta[4 * x]
             c = min(nh, 3) * 2 + (1 if meta[4 * x + 1] >= 2 else 0)
@@ -1205,6 +1212,12 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
             tl[x] = now
             meta[4 * x] = nh + 1
             events += 1
+            if duel and pm[x] != 0:
+                for q in range(3):
+                    if pm[x] & (1 << q) and nev - pseq[3 * x + q] <= cap:
+                        mistakes[q] += pcnt[3 * x + q]
+                    pcnt[3 * x + q] = 0
+                pm[x] = 0
             pinr[x] = r
         if j > s:
             x = ids[j - 1]
@@ -1225,6 +1238,8 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                     break  # everything resident is pinned by this request
                 bi = NIL
                 best_rank = 0.0
+                bl = NIL  # LRU's choice among the same samples: the oldest
+                bf = NIL  # LFU's: the fewest hits (0..3+), then the oldest
                 for _ in range(samples):
                     st, z = _splitmix64(st)
                     i = np.int64(((z >> np.uint64(32)) * np.uint64(nc)) >> np.uint64(32))  # Lemire's multiply-shift: [0, nc)
@@ -1235,6 +1250,28 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                     if bi == NIL or rk < best_rank:
                         bi = i
                         best_rank = rk
+                    if duel:
+                        if bl == NIL or ctl[i] < ctl[bl]:
+                            bl = i
+                        if bf == NIL or ccl[i] // 2 < ccl[bf] // 2 or (ccl[i] // 2 == ccl[bf] // 2 and ctl[i] < ctl[bf]):
+                            bf = i
+                if duel:  # the expert with the fewest recent mistakes evicts; every expert's proposal is marked
+                    bh = bi
+                    lead = 0  # hit density, unless another expert erred less by two standard deviations (Poisson counts)
+                    for q in (1, 2):
+                        if mistakes[0] - mistakes[q] > 2.0 * np.sqrt(mistakes[0] + mistakes[q]) and (lead == 0 or mistakes[q] < mistakes[lead]):
+                            lead = q
+                    if lead == 1:
+                        bi = bl
+                    elif lead == 2:
+                        bi = bf
+                    for q in range(3):
+                        y = cand[bh] if q == 0 else (cand[bl] if q == 1 else cand[bf])
+                        if not pm[y] & (1 << q) or nev - pseq[3 * y + q] > cap:
+                            pcnt[3 * y + q] = 0  # its earlier proposals left the window: they no longer count
+                        pm[y] |= 1 << q
+                        pseq[3 * y + q] = nev
+                        pcnt[3 * y + q] += 1
                 v = cand[bi]
                 i = bi
                 nc -= 1
@@ -1285,6 +1322,7 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                         inv_width = 1.0 / max(span * (age_sum / age_n) / nbins, 1e-9)
                     age_sum *= decay
                     age_n *= decay
+                    mistakes *= decay
                     learned = True
             if gseq[x] >= 0 and nev - gseq[x] <= cap:  # a ghost hit: the eviction is taken back, the hit counted
                 c = gcb[x] // nbins
@@ -1295,6 +1333,12 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                 H[c, _hd_bin(age, inv_width, nbins)] += 1.0
                 X[c] += _hd_excess(age, inv_width, nbins)
             gseq[x] = -1
+            if duel and pm[x] != 0:
+                for q in range(3):
+                    if pm[x] & (1 << q) and nev - pseq[3 * x + q] <= cap:
+                        mistakes[q] += pcnt[3 * x + q]
+                    pcnt[3 * x + q] = 0
+                pm[x] = 0
             meta[4 * x] = 0
             meta[4 * x + 1] = 0
             meta[4 * x + 3] = 1
@@ -1315,7 +1359,7 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
 
 # ----------------------------------------------------------------------------- driver
 
-KERNEL_POLICIES = ("lru", "fifo", "sieve", "s3fifo", "arc", "hit-density", "belady", "belady-bypass")
+KERNEL_POLICIES = ("lru", "fifo", "sieve", "s3fifo", "arc", "hit-density", "adaptive", "belady", "belady-bypass")
 
 
 @nb.njit(cache=True)
@@ -1351,7 +1395,7 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
     """Kernel replay of ``policy`` (one of KERNEL_POLICIES): the same result as :func:`replay`."""
     if policy not in KERNEL_POLICIES:
         raise ConfigError("policy", f"no kernel for {policy!r}; kernels: {KERNEL_POLICIES}")
-    if kw and policy != "hit-density":
+    if kw and policy not in ("hit-density", "adaptive"):
         raise ConfigError(next(iter(kw)), f"the {policy} kernel takes no such option")
     if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks < 0:
         raise ConfigError("capacity_blocks", f"must be a non-negative int, got {capacity_blocks!r}")
@@ -1363,6 +1407,7 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
     shift = bsz.bit_length() - 1 if bsz & (bsz - 1) == 0 else -1  # a shift instead of a division for powers of two
     hits = np.zeros(ids.size, dtype=np.bool_)
     victims = np.empty(ids.size + 1, dtype=np.int64)
+    stats: dict[str, Any] = {}
     if policy == "lru":
         nv = lru_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims)
     elif policy == "fifo":
@@ -1375,19 +1420,22 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
         nv = s3fifo_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims, small_fraction)
     elif policy == "arc":
         nv = arc_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims)
-    elif policy == "hit-density":
+    elif policy in ("hit-density", "adaptive"):
         if n_ids >= 2**31 - 1:
-            raise ConfigError("trace", f"the hit-density kernel replays fewer than 2**31 distinct blocks, got {n_ids:,}; use replay()")
-        from .hit_density import HitDensityPolicy
+            raise ConfigError("trace", f"the {policy} kernel replays fewer than 2**31 distinct blocks, got {n_ids:,}; use replay()")
+        from .hit_density import AdaptivePolicy, HitDensityPolicy
 
-        p = HitDensityPolicy(capacity_blocks, **kw)  # validates the knobs the same way the online policy does
+        p = (HitDensityPolicy if policy == "hit-density" else AdaptivePolicy)(capacity_blocks, **kw)  # validates the knobs as online
         arrival = np.ascontiguousarray(trace.arrival_s, dtype=np.float64)
+        mistakes = np.zeros(3)
         nv = hit_density_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims, arrival, p.samples, p.bins, p.span,
-                                p.interval, p.decay, np.uint64(p._rng))
+                                p.interval, p.decay, np.uint64(p._rng), p.duel, mistakes)
+        if policy == "adaptive":
+            stats = {"mistakes": dict(zip(AdaptivePolicy.EXPERTS, mistakes.tolist()))}
     else:
         if ids.size >= 2**31 - 1:
             raise ConfigError("trace", f"the Belady kernel replays fewer than 2**31 block references, got {ids.size:,}; use replay()")
         nu32 = _next_use_i32(trace)
         nv = belady_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims, nu32, policy == "belady-bypass")
     name = policy
-    return ReplayResult(name, capacity_blocks, hits, victims[:nv], trace.block_size_tokens, trace.total_input_tokens)
+    return ReplayResult(name, capacity_blocks, hits, victims[:nv], trace.block_size_tokens, trace.total_input_tokens, stats)

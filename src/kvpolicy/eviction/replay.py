@@ -26,10 +26,10 @@ from ..clock import ManualClock
 from ..errors import CapacityError, ConfigError
 from .base import EvictionPolicy
 from .policies import POLICIES, BeladyPolicy, TraceOracle, TTLPolicy
-from .hit_density import HitDensityPolicy
+from .hit_density import AdaptivePolicy, HitDensityPolicy
 from .reuse_distance import ReuseDistancePolicy
 
-ALL_POLICIES = ("lru", "fifo", "lfu", "ttl", "s3fifo", "sieve", "arc", "gdsf", "reuse-distance", "hit-density", "belady", "belady-bypass")
+ALL_POLICIES = ("lru", "fifo", "lfu", "ttl", "s3fifo", "sieve", "arc", "gdsf", "reuse-distance", "hit-density", "adaptive", "belady", "belady-bypass")
 
 
 def make_policy(name: str, capacity_bytes: int, *, trace: Any = None, clock: ManualClock | None = None, **kw: Any) -> EvictionPolicy:
@@ -38,6 +38,8 @@ def make_policy(name: str, capacity_bytes: int, *, trace: Any = None, clock: Man
         return ReuseDistancePolicy(capacity_bytes, clock=clock, **kw)
     if name == "hit-density":
         return HitDensityPolicy(capacity_bytes, clock=clock, **kw)
+    if name == "adaptive":
+        return AdaptivePolicy(capacity_bytes, clock=clock, **kw)
     if name in ("belady", "belady-bypass"):
         oracle = kw.pop("oracle", None)
         if oracle is None and trace is not None:
@@ -57,6 +59,8 @@ class ReplayResult:
     victims: Any  # evicted keys in order: a list (online) or an int64 array (kernels)
     block_size_tokens: int
     total_input_tokens: int
+    #: what the policy learned, where it says (adaptive: each expert's decayed mistakes at the end)
+    stats: dict = attrs.field(factory=dict)
 
     @property
     def hit_blocks(self) -> int:
@@ -121,4 +125,5 @@ def replay(trace: Any, policy: EvictionPolicy | str, capacity_blocks: int | None
             j += 1
         for key in pinned:
             policy.unpin(key)
-    return ReplayResult(policy.name, capacity_blocks, hits, victims, trace.block_size_tokens, trace.total_input_tokens)
+    stats = {"mistakes": dict(zip(policy.EXPERTS, policy.mistakes))} if isinstance(policy, AdaptivePolicy) else {}
+    return ReplayResult(policy.name, capacity_blocks, hits, victims, trace.block_size_tokens, trace.total_input_tokens, stats)
