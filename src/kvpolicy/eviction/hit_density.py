@@ -34,7 +34,7 @@ hits and expected remaining lifetime of a block at any age.
   splitmix64) from the evictable leaves; the lowest ``D / size`` goes (first drawn
   wins ties). Until the first reconfiguration the rank is ``−age`` (sampled LRU).
 
-Knobs and defaults: ``samples`` 32, ``bins`` 256, ``span`` 8, ``interval`` 50
+Knobs and defaults: ``samples`` 16, ``bins`` 256, ``span`` 8, ``interval`` 50
 requests (and at least 8 × ``bins`` uses and inserts), ``decay`` 0.9 (LHD's), ``seed`` 0. None was fitted to a trace; they were
 chosen once, on synthetic presets at seeds 1 and 2, and are reported on other seeds
 and on the conversation trace (docs/benchmarks.md). A request is counted when its
@@ -93,7 +93,7 @@ class HitDensityPolicy(EvictionPolicy):
     name = "hit-density"
     duel = False
 
-    def __init__(self, capacity_bytes: int, *, samples: int = 32, bins: int = 256, span: float = 8.0, interval: int = 50,
+    def __init__(self, capacity_bytes: int, *, samples: int = 16, bins: int = 256, span: float = 8.0, interval: int = 50,
                  decay: float = 0.9, seed: int = 0, clock: Clock | None = None) -> None:
         for field, v, lo in (("samples", samples, 1), ("bins", bins, 2), ("interval", interval, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:

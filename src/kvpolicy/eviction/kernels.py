@@ -1130,30 +1130,26 @@ def _hd_reconfigure(H, E, X, D, decay):
 
 
 @nb.njit(cache=True)
-def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, arrival, samples, nbins, span, interval, decay, seed, duel, mistakes):
+def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, I, F, W, arrival, samples, nbins, span, interval, decay, seed, duel, mistakes):
     """:class:`~kvpolicy.eviction.hit_density.HitDensityPolicy`, decision for decision.
 
-    Per block: ``tl`` last use (s), ``nh`` hits and ``kids`` child inserts this residency, resident children,
-    parent, ``pinr`` (the request pinning it), ``pos`` in the candidate array (swap-remove, in the order the
-    online base adds and drops candidates) and the ghost record (eviction sequence, last use, class, bin)."""
-    tl = np.zeros(n_ids, np.float64)
-    meta = np.zeros(4 * n_ids, np.int32)  # nh, kids, resident children, resident flag
-    par = np.full(n_ids, NIL, np.int32)
-    pinr = np.full(n_ids, -1, np.int32)
-    pos = np.full(n_ids, NIL, np.int32)
+    Per block (its record, below): last use (s), hits and child inserts this residency, resident children, parent,
+    the request pinning it, its slot in the candidate array (swap-remove, in the order the online base adds and
+    drops candidates) and the ghost record (eviction count, last use, class and bin, excess). The caller allocates
+    the records (:func:`_hd_records`)."""
+    # one 64-byte record per block, in three views of the same memory (I int64, F float64, W int32 halves):
+    # F[8x] last use, F[8x+1] ghost's last use, F[8x+2] ghost's excess, I[8x+3] ghost's eviction count (-1: none),
+    # W[16x+8] hits, +9 child inserts, +10 resident children, +11 parent, +12 pinning request, +13 candidate slot,
+    # +14 ghost's class*bins+bin, +15 resident — a block costs one cache line, not ten
     cand = np.empty(max(n_ids, 1), np.int32)
     # a candidate's last use and class cannot change while it is one (a use pins it, a child makes it a parent):
-    # kept beside it, a sample reads only these arrays, not the block's records
-    ctl = np.empty(max(n_ids, 1), np.float64)
-    ccl = np.empty(max(n_ids, 1), np.int32)
-    gseq = np.full(n_ids, -1, np.int64)
-    gtl = np.zeros(n_ids, np.float64)
-    gcb = np.zeros(n_ids, np.int32)  # class * nbins + bin at eviction
+    # kept beside it, a sample reads only this array, not the block's record
+    crec = np.empty(2 * max(n_ids, 1), np.float64)  # [2i] last use, [2i + 1] class: one cache line per sample
+    drawn = np.empty(samples, np.int64)
     H = np.zeros((8, nbins))
     E = np.zeros((8, nbins))
     D = np.zeros((8, nbins))
     X = np.zeros(8)  # per class: bins past the last one, summed over the events that fell there
-    gx = np.zeros(n_ids, np.float64)
     # duel: every expert's proposed victim is marked (bit 0 density, 1 LRU, 2 LFU) with the eviction count then; a
     # marked block used again within the ghost window is a miss that expert would have caused, counted against it
     pm = np.zeros(n_ids, np.int8)
@@ -1179,11 +1175,9 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
         now = arrival[r] + r * 1e-9
         if s + PREFETCH_AHEAD < ids.size:
             y = ids[s + PREFETCH_AHEAD]
-            _prefetch(tl, y)
-            _prefetch(meta, 4 * y)
-            _prefetch(gseq, y)
+            _prefetch(I, 8 * y)
         j = s
-        while j < e and meta[4 * ids[j] + 3]:
+        while j < e and W[16 * ids[j] + 15]:
             j += 1
         if j > s:
             t = max(tokens[r] - 1, 0)
@@ -1204,13 +1198,13 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                     age_n *= decay
                     mistakes *= decay
                     learned = True
-            nh = meta[4 * x]
-            c = min(nh, 3) * 2 + (1 if meta[4 * x + 1] >= 2 else 0)
-            age = now - tl[x]
+            nh = W[16 * x + 8]
+            c = min(nh, 3) * 2 + (1 if W[16 * x + 9] >= 2 else 0)
+            age = now - F[8 * x]
             H[c, _hd_bin(age, inv_width, nbins)] += 1.0
             X[c] += _hd_excess(age, inv_width, nbins)
-            tl[x] = now
-            meta[4 * x] = nh + 1
+            F[8 * x] = now
+            W[16 * x + 8] = nh + 1
             events += 1
             if duel and pm[x] != 0:
                 for q in range(3):
@@ -1218,19 +1212,19 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                         mistakes[q] += pcnt[3 * x + q]
                     pcnt[3 * x + q] = 0
                 pm[x] = 0
-            pinr[x] = r
+            W[16 * x + 12] = r
         if j > s:
             x = ids[j - 1]
-            i = pos[x]
+            i = W[16 * x + 13]
             if i != NIL:  # the run's deepest block was an evictable leaf: pinned now
                 nc -= 1
                 y = cand[nc]
                 if y != x:
                     cand[i] = y
-                    ctl[i] = ctl[nc]
-                    ccl[i] = ccl[nc]
-                    pos[y] = i
-                pos[x] = NIL
+                    crec[2 * i] = crec[2 * nc]
+                    crec[2 * i + 1] = crec[2 * nc + 1]
+                    W[16 * y + 13] = i
+                W[16 * x + 13] = NIL
         while j < e:
             x = ids[j]
             if used + 1 > cap:
@@ -1240,21 +1234,33 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                 best_rank = 0.0
                 bl = NIL  # LRU's choice among the same samples: the oldest
                 bf = NIL  # LFU's: the fewest hits (0..3+), then the oldest
-                for _ in range(samples):
+                t_l = 0.0
+                t_f = 0.0
+                c_f = 0
+                for q in range(samples):  # draw every sample first, prefetching its slot: the cache misses overlap
                     st, z = _splitmix64(st)
                     i = np.int64(((z >> np.uint64(32)) * np.uint64(nc)) >> np.uint64(32))  # Lemire's multiply-shift: [0, nc)
+                    drawn[q] = i
+                    _prefetch(crec, 2 * i)
+                for q in range(samples):
+                    i = drawn[q]
+                    t_i = crec[2 * i]
+                    c_i = np.int64(crec[2 * i + 1])
                     if learned:
-                        rk = D[ccl[i], _hd_bin(now - ctl[i], inv_width, nbins)]
+                        rk = D[c_i, _hd_bin(now - t_i, inv_width, nbins)]
                     else:
-                        rk = -(now - ctl[i])
+                        rk = -(now - t_i)
                     if bi == NIL or rk < best_rank:
                         bi = i
                         best_rank = rk
                     if duel:
-                        if bl == NIL or ctl[i] < ctl[bl]:
+                        if bl == NIL or t_i < t_l:
                             bl = i
-                        if bf == NIL or ccl[i] // 2 < ccl[bf] // 2 or (ccl[i] // 2 == ccl[bf] // 2 and ctl[i] < ctl[bf]):
+                            t_l = t_i
+                        if bf == NIL or c_i // 2 < c_f // 2 or (c_i // 2 == c_f // 2 and t_i < t_f):
                             bf = i
+                            c_f = c_i
+                            t_f = t_i
                 if duel:  # the expert with the fewest recent mistakes evicts; every expert's proposal is marked
                     bh = bi
                     lead = 0  # hit density, unless another expert erred less by two standard deviations (Poisson counts)
@@ -1278,40 +1284,40 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                 y = cand[nc]
                 if y != v:
                     cand[i] = y
-                    ctl[i] = ctl[nc]
-                    ccl[i] = ccl[nc]
-                    pos[y] = i
-                pos[v] = NIL
-                meta[4 * v + 3] = 0
+                    crec[2 * i] = crec[2 * nc]
+                    crec[2 * i + 1] = crec[2 * nc + 1]
+                    W[16 * y + 13] = i
+                W[16 * v + 13] = NIL
+                W[16 * v + 15] = 0
                 used -= 1
-                p = par[v]
+                p = W[16 * v + 11]
                 if p != NIL:
-                    meta[4 * p + 2] -= 1
-                    if meta[4 * p + 2] == 0 and pinr[p] != r:
+                    W[16 * p + 10] -= 1
+                    if W[16 * p + 10] == 0 and W[16 * p + 12] != r:
                         cand[nc] = p
-                        ctl[nc] = tl[p]
-                        ccl[nc] = min(meta[4 * p], 3) * 2 + (1 if meta[4 * p + 1] >= 2 else 0)
-                        pos[p] = nc
+                        crec[2 * nc] = F[8 * p]
+                        crec[2 * nc + 1] = min(W[16 * p + 8], 3) * 2 + (1 if W[16 * p + 9] >= 2 else 0)
+                        W[16 * p + 13] = nc
                         nc += 1
-                age = now - tl[v]
-                c = min(meta[4 * v], 3) * 2 + (1 if meta[4 * v + 1] >= 2 else 0)
+                age = now - F[8 * v]
+                c = min(W[16 * v + 8], 3) * 2 + (1 if W[16 * v + 9] >= 2 else 0)
                 b = _hd_bin(age, inv_width, nbins)
                 E[c, b] += 1.0
-                gx[v] = _hd_excess(age, inv_width, nbins)
-                X[c] += gx[v]
+                F[8 * v + 2] = _hd_excess(age, inv_width, nbins)
+                X[c] += F[8 * v + 2]
                 age_sum += age
                 age_n += 1.0
-                gseq[v] = nev
-                gtl[v] = tl[v]
-                gcb[v] = c * nbins + b
+                I[8 * v + 3] = nev
+                F[8 * v + 1] = F[8 * v]
+                W[16 * v + 14] = c * nbins + b
                 nev += 1
                 victims[nv] = v
                 nv += 1
             p = ids[j - 1] if j > s else NIL
-            par[x] = p
+            W[16 * x + 11] = p
             if p != NIL:
-                meta[4 * p + 2] += 1
-                meta[4 * p + 1] += 1
+                W[16 * p + 10] += 1
+                W[16 * p + 9] += 1
             else:
                 requests += 1
                 if requests >= interval and events >= 8 * nbins:
@@ -1324,40 +1330,53 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                     age_n *= decay
                     mistakes *= decay
                     learned = True
-            if gseq[x] >= 0 and nev - gseq[x] <= cap:  # a ghost hit: the eviction is taken back, the hit counted
-                c = gcb[x] // nbins
-                b = gcb[x] % nbins
+            if I[8 * x + 3] >= 0 and nev - I[8 * x + 3] <= cap:  # a ghost hit: the eviction is taken back, the hit counted
+                c = W[16 * x + 14] // nbins
+                b = W[16 * x + 14] % nbins
                 E[c, b] = max(E[c, b] - 1.0, 0.0)
-                X[c] = max(X[c] - gx[x], 0.0)
-                age = now - gtl[x]
+                X[c] = max(X[c] - F[8 * x + 2], 0.0)
+                age = now - F[8 * x + 1]
                 H[c, _hd_bin(age, inv_width, nbins)] += 1.0
                 X[c] += _hd_excess(age, inv_width, nbins)
-            gseq[x] = -1
+            I[8 * x + 3] = -1
             if duel and pm[x] != 0:
                 for q in range(3):
                     if pm[x] & (1 << q) and nev - pseq[3 * x + q] <= cap:
                         mistakes[q] += pcnt[3 * x + q]
                     pcnt[3 * x + q] = 0
                 pm[x] = 0
-            meta[4 * x] = 0
-            meta[4 * x + 1] = 0
-            meta[4 * x + 3] = 1
+            W[16 * x + 8] = 0
+            W[16 * x + 9] = 0
+            W[16 * x + 15] = 1
             events += 1
-            tl[x] = now
-            pinr[x] = r
+            F[8 * x] = now
+            W[16 * x + 12] = r
             used += 1
             j += 1
         d = ids[j - 1] if j > s else NIL
-        if d != NIL and meta[4 * d + 2] == 0:  # unpinned: the chain's deepest block is an evictable leaf again
+        if d != NIL and W[16 * d + 10] == 0:  # unpinned: the chain's deepest block is an evictable leaf again
             cand[nc] = d
-            ctl[nc] = tl[d]
-            ccl[nc] = min(meta[4 * d], 3) * 2 + (1 if meta[4 * d + 1] >= 2 else 0)
-            pos[d] = nc
+            crec[2 * nc] = F[8 * d]
+            crec[2 * nc + 1] = min(W[16 * d + 8], 3) * 2 + (1 if W[16 * d + 9] >= 2 else 0)
+            W[16 * d + 13] = nc
             nc += 1
     return nv
 
 
 # ----------------------------------------------------------------------------- driver
+
+def _hd_records(n_ids: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The hit-density kernel's block records: 8 int64 slots per block, 64-byte aligned, as int64/float64/int32 views."""
+    buf = np.zeros(8 * n_ids + 8, dtype=np.int64)
+    skip = (-buf.ctypes.data % 64) // 8
+    rec = buf[skip : skip + 8 * n_ids]
+    w = rec.view(np.int32)
+    rec[3::8] = -1  # no ghost
+    w[11::16] = NIL  # no parent
+    w[12::16] = -1  # not pinned
+    w[13::16] = NIL  # not a candidate
+    return rec, rec.view(np.float64), w
+
 
 KERNEL_POLICIES = ("lru", "fifo", "sieve", "s3fifo", "arc", "hit-density", "adaptive", "belady", "belady-bypass")
 
@@ -1428,7 +1447,8 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
         p = (HitDensityPolicy if policy == "hit-density" else AdaptivePolicy)(capacity_blocks, **kw)  # validates the knobs as online
         arrival = np.ascontiguousarray(trace.arrival_s, dtype=np.float64)
         mistakes = np.zeros(3)
-        nv = hit_density_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims, arrival, p.samples, p.bins, p.span,
+        rec_i, rec_f, rec_w = _hd_records(n_ids)
+        nv = hit_density_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims, rec_i, rec_f, rec_w, arrival, p.samples, p.bins, p.span,
                                 p.interval, p.decay, np.uint64(p._rng), p.duel, mistakes)
         if policy == "adaptive":
             stats = {"mistakes": dict(zip(AdaptivePolicy.EXPERTS, mistakes.tolist()))}
