@@ -1101,8 +1101,7 @@ def _splitmix64(state):
 
 @nb.njit(cache=True, inline="always")
 def _hd_bin(age, inv_width, nbins):
-    b = age * inv_width
-    return nbins - 1 if b >= nbins - 1 else np.int64(b)
+    return np.int64(min(age * inv_width, nbins - 1.0))  # branch-free: minsd, then truncate (ages are >= 0)
 
 
 @nb.njit(cache=True, inline="always")
@@ -1141,21 +1140,22 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
     # F[8x] last use, F[8x+1] ghost's last use, F[8x+2] ghost's excess, I[8x+3] ghost's eviction count (-1: none),
     # W[16x+8] hits, +9 child inserts, +10 resident children, +11 parent, +12 pinning request, +13 candidate slot,
     # +14 ghost's class*bins+bin, +15 resident — a block costs one cache line, not ten
-    cand = np.empty(max(n_ids, 1), np.int32)
+    cand = np.empty(min(n_ids, cap + 1) + 1, np.int32)
     # a candidate's last use and class cannot change while it is one (a use pins it, a child makes it a parent):
     # kept beside it, a sample reads only this array, not the block's record
-    crec = np.empty(2 * max(n_ids, 1), np.float64)  # [2i] last use, [2i + 1] class: one cache line per sample
+    # per candidate slot i: crec[2i] last use, crec[2i+1] (parent + 1) * 8 + class (exact in a float64) — all a
+    # sample reads; the duel's record of the proposals of the block apart (touched only for the three proposed):
+    # dp[6i+q] expert q's eviction count at its latest proposal (-1: none), dp[6i+3+q] its proposals since
+    crec = np.empty(2 * (min(n_ids, cap + 1) + 1), np.float64)  # candidates are resident leaves: at most cap of them
+    dp = np.empty(6 * (min(n_ids, cap + 1) + 1) if duel else 0, np.float64)
+    gp = np.empty(6 * n_ids if duel else 0, np.float64)  # an evicted block's proposal record, until it is used again
     drawn = np.empty(samples, np.int64)
     H = np.zeros((8, nbins))
     E = np.zeros((8, nbins))
     D = np.zeros((8, nbins))
     X = np.zeros(8)  # per class: bins past the last one, summed over the events that fell there
-    # duel: every expert's proposed victim is marked (bit 0 density, 1 LRU, 2 LFU) with the eviction count then; a
-    # marked block used again within the ghost window is a miss that expert would have caused, counted against it
-    pm = np.zeros(n_ids, np.int8)
-    pseq = np.zeros(3 * n_ids, np.int64)  # per expert: the eviction count at its latest proposal of the block
-    pcnt = np.zeros(3 * n_ids, np.int32)  # per expert: decisions that proposed the block since its last use
-    mistakes[:] = 0.0  # the caller's array: read back after the replay
+    for q in range(3):  # the caller's array: read back after the replay
+        mistakes[q] = 0.0
     nc = 0
     used = 0
     nv = 0
@@ -1176,6 +1176,8 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
         if s + PREFETCH_AHEAD < ids.size:
             y = ids[s + PREFETCH_AHEAD]
             _prefetch(I, 8 * y)
+            if duel:
+                _prefetch(gp, 6 * y)
         j = s
         while j < e and W[16 * ids[j] + 15]:
             j += 1
@@ -1196,7 +1198,8 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                         inv_width = 1.0 / max(span * (age_sum / age_n) / nbins, 1e-9)
                     age_sum *= decay
                     age_n *= decay
-                    mistakes *= decay
+                    for q in range(3):  # a loop, not `mistakes *= decay`: an array expression here costs 60 ns a reference
+                        mistakes[q] *= decay
                     learned = True
             nh = W[16 * x + 8]
             c = min(nh, 3) * 2 + (1 if W[16 * x + 9] >= 2 else 0)
@@ -1206,12 +1209,12 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
             F[8 * x] = now
             W[16 * x + 8] = nh + 1
             events += 1
-            if duel and pm[x] != 0:
+            i = W[16 * x + 13]
+            if duel and i != NIL:  # a candidate used again: the proposals of it within the window were mistakes
                 for q in range(3):
-                    if pm[x] & (1 << q) and nev - pseq[3 * x + q] <= cap:
-                        mistakes[q] += pcnt[3 * x + q]
-                    pcnt[3 * x + q] = 0
-                pm[x] = 0
+                    sq = dp[6 * i + q]
+                    if sq >= 0 and nev - sq <= cap:
+                        mistakes[q] += dp[6 * i + 3 + q]
             W[16 * x + 12] = r
         if j > s:
             x = ids[j - 1]
@@ -1223,6 +1226,9 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                     cand[i] = y
                     crec[2 * i] = crec[2 * nc]
                     crec[2 * i + 1] = crec[2 * nc + 1]
+                    if duel:
+                        for f in range(6):
+                            dp[6 * i + f] = dp[6 * nc + f]
                     W[16 * y + 13] = i
                 W[16 * x + 13] = NIL
         while j < e:
@@ -1231,33 +1237,33 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                 if nc == 0:
                     break  # everything resident is pinned by this request
                 bi = NIL
-                best_rank = 0.0
+                best_rank = np.inf  # every rank is finite: the first sample always takes it (first drawn wins ties)
                 bl = NIL  # LRU's choice among the same samples: the oldest
                 bf = NIL  # LFU's: the fewest hits (0..3+), then the oldest
-                t_l = 0.0
-                t_f = 0.0
-                c_f = 0
+                t_l = np.inf
+                t_f = np.inf
+                c_f = 99
                 for q in range(samples):  # draw every sample first, prefetching its slot: the cache misses overlap
                     st, z = _splitmix64(st)
                     i = np.int64(((z >> np.uint64(32)) * np.uint64(nc)) >> np.uint64(32))  # Lemire's multiply-shift: [0, nc)
                     drawn[q] = i
-                    _prefetch(crec, 2 * i)
+                    _prefetch(crec, 8 * i)
                 for q in range(samples):
                     i = drawn[q]
                     t_i = crec[2 * i]
-                    c_i = np.int64(crec[2 * i + 1])
+                    c_i = np.int64(crec[2 * i + 1]) & 7
                     if learned:
                         rk = D[c_i, _hd_bin(now - t_i, inv_width, nbins)]
                     else:
                         rk = -(now - t_i)
-                    if bi == NIL or rk < best_rank:
+                    if rk < best_rank:
                         bi = i
                         best_rank = rk
                     if duel:
-                        if bl == NIL or t_i < t_l:
+                        if t_i < t_l:
                             bl = i
                             t_l = t_i
-                        if bf == NIL or c_i // 2 < c_f // 2 or (c_i // 2 == c_f // 2 and t_i < t_f):
+                        if c_i // 2 < c_f // 2 or (c_i // 2 == c_f // 2 and t_i < t_f):
                             bf = i
                             c_f = c_i
                             t_f = t_i
@@ -1272,35 +1278,48 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                     elif lead == 2:
                         bi = bf
                     for q in range(3):
-                        y = cand[bh] if q == 0 else (cand[bl] if q == 1 else cand[bf])
-                        if not pm[y] & (1 << q) or nev - pseq[3 * y + q] > cap:
-                            pcnt[3 * y + q] = 0  # its earlier proposals left the window: they no longer count
-                        pm[y] |= 1 << q
-                        pseq[3 * y + q] = nev
-                        pcnt[3 * y + q] += 1
+                        iq = bh if q == 0 else (bl if q == 1 else bf)
+                        sq = dp[6 * iq + q]
+                        if sq < 0 or nev - sq > cap:
+                            dp[6 * iq + 3 + q] = 0.0  # its earlier proposals left the window: they no longer count
+                        dp[6 * iq + q] = nev
+                        dp[6 * iq + 3 + q] += 1.0
                 v = cand[bi]
                 i = bi
+                # the victim's record is only written from here on: what is read comes from its candidate slot
+                t_v = crec[2 * i]
+                c = np.int64(crec[2 * i + 1])
+                p = (c >> 3) - 1
+                c &= 7
+                if duel:  # the victim's proposals follow it into its ghost
+                    for f in range(6):
+                        gp[6 * v + f] = dp[6 * i + f]
                 nc -= 1
                 y = cand[nc]
                 if y != v:
                     cand[i] = y
                     crec[2 * i] = crec[2 * nc]
                     crec[2 * i + 1] = crec[2 * nc + 1]
+                    if duel:
+                        for f in range(6):
+                            dp[6 * i + f] = dp[6 * nc + f]
                     W[16 * y + 13] = i
                 W[16 * v + 13] = NIL
                 W[16 * v + 15] = 0
                 used -= 1
-                p = W[16 * v + 11]
                 if p != NIL:
                     W[16 * p + 10] -= 1
                     if W[16 * p + 10] == 0 and W[16 * p + 12] != r:
                         cand[nc] = p
                         crec[2 * nc] = F[8 * p]
-                        crec[2 * nc + 1] = min(W[16 * p + 8], 3) * 2 + (1 if W[16 * p + 9] >= 2 else 0)
+                        crec[2 * nc + 1] = ((W[16 * p + 11] + 1) << 3) | (min(W[16 * p + 8], 3) * 2 + (1 if W[16 * p + 9] >= 2 else 0))
+                        if duel:
+                            for f in range(2, 5):
+                                dp[6 * nc + f - 2] = -1.0
+                                dp[6 * nc + f + 1] = 0.0
                         W[16 * p + 13] = nc
                         nc += 1
-                age = now - F[8 * v]
-                c = min(W[16 * v + 8], 3) * 2 + (1 if W[16 * v + 9] >= 2 else 0)
+                age = now - t_v
                 b = _hd_bin(age, inv_width, nbins)
                 E[c, b] += 1.0
                 F[8 * v + 2] = _hd_excess(age, inv_width, nbins)
@@ -1308,7 +1327,7 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                 age_sum += age
                 age_n += 1.0
                 I[8 * v + 3] = nev
-                F[8 * v + 1] = F[8 * v]
+                F[8 * v + 1] = t_v
                 W[16 * v + 14] = c * nbins + b
                 nev += 1
                 victims[nv] = v
@@ -1328,8 +1347,14 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                         inv_width = 1.0 / max(span * (age_sum / age_n) / nbins, 1e-9)
                     age_sum *= decay
                     age_n *= decay
-                    mistakes *= decay
+                    for q in range(3):  # a loop, not `mistakes *= decay`: an array expression here costs 60 ns a reference
+                        mistakes[q] *= decay
                     learned = True
+            if duel and I[8 * x + 3] >= 0:  # an evicted block used again: the proposals of it within the window were mistakes
+                for q in range(3):
+                    sq = gp[6 * x + q]
+                    if sq >= 0 and nev - sq <= cap:
+                        mistakes[q] += gp[6 * x + 3 + q]
             if I[8 * x + 3] >= 0 and nev - I[8 * x + 3] <= cap:  # a ghost hit: the eviction is taken back, the hit counted
                 c = W[16 * x + 14] // nbins
                 b = W[16 * x + 14] % nbins
@@ -1339,12 +1364,6 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                 H[c, _hd_bin(age, inv_width, nbins)] += 1.0
                 X[c] += _hd_excess(age, inv_width, nbins)
             I[8 * x + 3] = -1
-            if duel and pm[x] != 0:
-                for q in range(3):
-                    if pm[x] & (1 << q) and nev - pseq[3 * x + q] <= cap:
-                        mistakes[q] += pcnt[3 * x + q]
-                    pcnt[3 * x + q] = 0
-                pm[x] = 0
             W[16 * x + 8] = 0
             W[16 * x + 9] = 0
             W[16 * x + 15] = 1
@@ -1357,7 +1376,11 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
         if d != NIL and W[16 * d + 10] == 0:  # unpinned: the chain's deepest block is an evictable leaf again
             cand[nc] = d
             crec[2 * nc] = F[8 * d]
-            crec[2 * nc + 1] = min(W[16 * d + 8], 3) * 2 + (1 if W[16 * d + 9] >= 2 else 0)
+            crec[2 * nc + 1] = ((W[16 * d + 11] + 1) << 3) | (min(W[16 * d + 8], 3) * 2 + (1 if W[16 * d + 9] >= 2 else 0))
+            if duel:
+                for f in range(2, 5):
+                    dp[6 * nc + f - 2] = -1.0
+                    dp[6 * nc + f + 1] = 0.0
             W[16 * d + 13] = nc
             nc += 1
     return nv
