@@ -50,7 +50,8 @@ def test_every_builtin_eviction_policy_passes_its_contract(name):
 
 
 @pytest.mark.parametrize("spec, enforces", [("all", False), ("never", True), ("threshold-2", False), ("boundary", True),
-                                            ("reuse-aware", False), ("boundary+reuse-aware", True), ("boundary+threshold-3", True)])
+                                            ("reuse-aware", False), ("boundary+reuse-aware", True), ("boundary+threshold-3", True),
+                                            ("structure-aware", False), ("boundary+structure-aware", True)])
 def test_every_builtin_publish_filter_passes_its_contract(spec, enforces):
     kw = {"block_bytes": 1 << 20, "recompute_s": lambda d: 0.01, "write_bytes_per_s": 1e9}
 

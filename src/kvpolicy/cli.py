@@ -765,7 +765,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pb = sub.add_parser("publish-bench", help="bytes each publish policy writes vs bytes re-read by other replicas, beside the oracle")
     _add_trace_args(pb)
-    pb.add_argument("--policies", type=_policy_list, default=["all", "never", "threshold-2", "threshold-3", "threshold-4", "boundary", "reuse-aware"],
+    pb.add_argument("--policies", type=_policy_list, default=["all", "never", "threshold-2", "threshold-3", "threshold-4", "boundary", "reuse-aware", "structure-aware"],
                     help="comma-separated; compose with + (e.g. boundary+reuse-aware)")
     pb.add_argument("--replicas", type=_positive_int, default=8)
     pb.add_argument("--routing", choices=["random", "round-robin", "prefix-affinity"], default="round-robin")

@@ -366,6 +366,145 @@ class ReuseAwarePublish:
         return best_prefix(self.values(request, keys))
 
 
+class StructureAwarePublish:
+    """Publish at first sighting when the request's structure says the block will be read again; count the rest.
+
+    The byte-level decision the pool's owner cares about: a written block is worth it when another replica is more
+    likely than not to read it (a wasted write weighs as much as a missed re-read: ``write_weight`` = ½). Per block::
+
+        P(reuse)  = 1 − exp(−(ĉ − 1) / half_life_s × lifetime_s)   seen before (ĉ: decayed distinct requests, exact)
+                  = P(a block of its class is seen again)         first sighting, learned online
+        value     = P(reuse) × cross_replica_share − write_weight
+        publish the leading run n maximising Σ_{j<n} value_j     (prefix-closed, as every filter here)
+
+    **Classes** are what the request's own shape says about a block it creates: how much of the prompt was reused
+    (quarters — a session's later turn reuses most of it, a fresh request with new documents little) × how deep into
+    the request's new part the block lies (the first new block, the next 3, the next 12, the rest — the start of a
+    new part is where a shared document or a branching conversation begins). A session still in progress re-reads
+    its whole immutable history next turn, so the blocks of a mid-session request are published at first sighting
+    wherever continuation has been likely; a system prompt or document seen once before is published at its second
+    sighting (ĉ ≥ 2), never waiting for the k sightings of threshold-k; a unique tail of a one-shot request waits.
+
+    **Learning** (no constant fitted to a trace): per class, ``reused`` counts created blocks seen again by another
+    request within the watch window — counted the moment it happens — and ``dead`` those whose window closed
+    without a second sighting; P = (reused + 1) / (reused + dead + 2). A block still inside its window and not yet
+    seen again is not counted either way (not yet seen is not never). The window is learned: 3 × the mean delay to
+    a second sighting (covering 95 % of an exponential delay; at most ``lifetime_s``) — a window as long as the pool
+    lifetime would leave the first ``lifetime_s`` of a trace with positives and no negatives at all. Until evidence arrives P is ½, below the bar with any
+    cross-replica share under 1: nothing is published on first sighting before the trace has shown it pays.
+
+    Counts are exact, per key, for the ``capacity_keys`` most recently seen keys (a key older than that is new
+    again); a Count-Min sketch overcounts by up to e/width × the decayed total of sightings — whole requests on a
+    busy pool (RAG at 4 requests/s: ≈ 3 with the reuse-aware filter's 2^18 columns) — and makes unique blocks
+    look shared.
+    """
+
+    name = "structure-aware"
+    REUSE_BUCKETS = 4
+    DEPTH_EDGES = (1, 4, 16)  # new-part index < 1, < 4, < 16, the rest
+
+    def __init__(self, *, cross_replica_share: float = 0.875, write_weight: float = 0.5, lifetime_s: float = 600.0,
+                 half_life_s: float = 600.0, capacity_keys: int = 500_000) -> None:
+        if not 0 <= cross_replica_share <= 1:
+            raise ConfigError("cross_replica_share", f"is a probability, got {cross_replica_share!r}")
+        if not 0 < write_weight < 1:
+            raise ConfigError("write_weight", f"must be in (0, 1), got {write_weight!r}")
+        if not (lifetime_s > 0 and half_life_s > 0):
+            raise ConfigError("lifetime_s", "lifetime_s and half_life_s must be positive")
+        if isinstance(capacity_keys, bool) or not isinstance(capacity_keys, int) or capacity_keys <= 0:
+            raise ConfigError("capacity_keys", f"must be a positive int, got {capacity_keys!r}")
+        self.cross = cross_replica_share
+        self.write_weight = write_weight
+        self.lifetime_s = lifetime_s
+        self.half_life_s = half_life_s
+        self._lam = math.log(2) / half_life_s
+        # key -> [decayed count of distinct requests, last seen s], least recently seen first: exact, unlike a
+        # Count-Min sketch whose overcount (e/width x the decayed total of sightings) reaches whole requests on a busy
+        # pool and makes unique blocks look shared
+        self._seen: OrderedDict[Hashable, list[float]] = OrderedDict()
+        n = self.REUSE_BUCKETS * (len(self.DEPTH_EDGES) + 1)
+        self.reused = [0] * n
+        self.dead = [0] * n
+        self._dedup = _Dedup()
+        self._origin: OrderedDict[Hashable, list[Any]] = OrderedDict()  # key -> [class, first seen s, seen again]
+        self._capacity = capacity_keys
+        self._mean_delay_s = 0.0
+        self._n_delay = 0
+
+    @property
+    def window_s(self) -> float:
+        """How long a new block is watched for a second sighting: 3 × the mean delay to the second sightings seen so
+        far (95 % of an exponential delay), at most ``lifetime_s``; ``lifetime_s`` until one is seen."""
+        return min(self.lifetime_s, 3.0 * self._mean_delay_s) if self._n_delay else self.lifetime_s
+
+    def block_class(self, request: PublishRequest, new_index: int) -> int:
+        """The class of the ``new_index``-th block after the request's reused prefix."""
+        q = min(int(self.REUSE_BUCKETS * request.reused_blocks / max(request.full_blocks, 1)), self.REUSE_BUCKETS - 1)
+        d = sum(1 for edge in self.DEPTH_EDGES if new_index >= edge)
+        return q * (len(self.DEPTH_EDGES) + 1) + d
+
+    def first_sighting_probability(self, cls: int) -> float:
+        return (self.reused[cls] + 1) / (self.reused[cls] + self.dead[cls] + 2)
+
+    def observe(self, request: PublishRequest, keys: Sequence[Hashable]) -> None:
+        _check(request, keys)
+        t = request.time_s
+        origin = self._origin
+        if request.request_id not in self._dedup._seen:
+            # windows close once per request, before its blocks are counted: an engine that observes a request
+            # block by block must see the same closings as one that observes it whole
+            while origin:
+                first = next(iter(origin.values()))
+                if t - first[1] < self.window_s:
+                    break
+                self._mature(origin.popitem(last=False)[1])
+        fresh = set(self._dedup.new_keys(request.request_id, keys))
+        for j, key in enumerate(keys):
+            if key not in fresh:
+                continue
+            rec = self._seen.get(key)
+            if rec is None:  # first sighting: remember its class and when
+                self._seen[key] = [1.0, t]
+                if len(self._seen) > self._capacity:
+                    self._seen.popitem(last=False)
+                origin[key] = [self.block_class(request, max(j - request.reused_blocks, 0)), t, False]
+                if len(origin) > self._capacity:
+                    self._mature(origin.popitem(last=False)[1])
+            else:
+                rec[0] = rec[0] * math.exp(-self._lam * max(t - rec[1], 0.0)) + 1.0
+                rec[1] = t
+                self._seen.move_to_end(key)
+                o = origin.get(key)
+                if o is not None and not o[2]:
+                    o[2] = True
+                    delay = t - o[1]
+                    self._n_delay += 1
+                    self._mean_delay_s += (delay - self._mean_delay_s) / self._n_delay
+                    if delay <= self.window_s:
+                        self.reused[o[0]] += 1  # evidence of reuse counts at once: it cannot be taken back
+
+    def _mature(self, o: list[Any]) -> None:
+        if not o[2]:
+            self.dead[o[0]] += 1
+
+    def values(self, request: PublishRequest, keys: Sequence[Hashable]) -> list[float]:
+        """Per leading block: P(another replica reads it) − write_weight (observe the request first)."""
+        out = []
+        for j, key in enumerate(keys):
+            rec = self._seen.get(key)
+            c = rec[0] * math.exp(-self._lam * max(request.time_s - rec[1], 0.0)) if rec is not None else 0.0
+            if c > 1.5:
+                p = 1.0 - math.exp(-(c - 1.0) / self.half_life_s * self.lifetime_s)
+            else:
+                p = self.first_sighting_probability(self.block_class(request, max(j - request.reused_blocks, 0)))
+            out.append(p * self.cross - self.write_weight)
+        return out
+
+    def publishable(self, request: PublishRequest, keys: Sequence[Hashable]) -> int:
+        _check(request, keys)
+        return best_prefix(self.values(request, keys))
+
+
 def best_prefix(values: Sequence[float]) -> int:
     """n maximising sum(values[:n]) (0 when no leading run is worth its cost; the shortest on ties)."""
     best_n, best, acc = 0, 0.0, 0.0
@@ -440,7 +579,7 @@ def _find_values(f: Any, request: PublishRequest, keys: Sequence[Hashable]) -> l
 
 
 def make_filter(spec: str, **kw: Any) -> Any:
-    """``all``, ``never``, ``threshold-K``, ``boundary``, ``reuse-aware``; ``a+b`` composes with AllOf."""
+    """``all``, ``never``, ``threshold-K``, ``boundary``, ``reuse-aware``, ``structure-aware``; ``a+b`` composes with AllOf."""
     parts = [p.strip() for p in spec.split("+") if p.strip()]
     if len(parts) > 1:
         return AllOf(*(make_filter(p, **kw) for p in parts))
@@ -458,4 +597,6 @@ def make_filter(spec: str, **kw: Any) -> Any:
             raise ConfigError("policy", f"threshold needs an integer: {name!r}") from None
     if name == "reuse-aware":
         return ReuseAwarePublish(**kw)
-    raise ConfigError("policy", f"unknown publish policy {name!r}; known: all, never, threshold-K, boundary, reuse-aware (compose with +)")
+    if name == "structure-aware":
+        return StructureAwarePublish(**{k: v for k, v in kw.items() if k in ("cross_replica_share",)})
+    raise ConfigError("policy", f"unknown publish policy {name!r}; known: all, never, threshold-K, boundary, reuse-aware, structure-aware (compose with +)")
