@@ -65,3 +65,25 @@ def test_the_split_scores_only_the_second_half_against_an_independent_replay(tra
     assert "judged on requests" in render(res) and "goals (issue #20)" in render(res)
     with pytest.raises(ConfigError, match="judge_from_request"):
         compare(trace, ["lru"], [cap], judge_from_request=len(trace))
+
+
+def test_the_publish_split_counts_only_the_second_half(trace):
+    from kvpolicy.publish_sim import publish_bench
+
+    k = len(trace) // 2
+    bpt = 512
+    B = trace.block_size_tokens
+    res = publish_bench(trace, ["all", "structure-aware"], replicas=4, bytes_per_token=bpt, judge_from_request=k)
+    runs = {r["policy"]: r for r in res["runs"]}
+    # "all" writes every block once, when it is first computed: an independent count of first appearances at r >= k
+    req = trace.request_of_block_ref()
+    _, first_ref = np.unique(trace.block_ids, return_index=True)
+    assert runs["all"]["blocks_written"] == int((req[first_ref] >= k).sum())
+    # and it re-reads everything the oracle does, which counts only the second half's reads
+    assert runs["all"]["reread_bytes"] == runs["oracle"]["reread_bytes"]
+    full = publish_bench(trace, ["all"], replicas=4, bytes_per_token=bpt)
+    assert runs["oracle"]["reread_bytes"] < {r["policy"]: r for r in full["runs"]}["oracle"]["reread_bytes"]
+    assert runs["all"]["bytes_written"] == runs["all"]["blocks_written"] * B * bpt
+    assert [g["policy"] for g in res["goals"]] == ["structure-aware"]
+    with pytest.raises(ConfigError, match="judge_from_request"):
+        publish_bench(trace, ["all"], replicas=4, bytes_per_token=bpt, judge_from_request=-1)

@@ -414,7 +414,8 @@ def _cmd_publish_bench(args: argparse.Namespace) -> int:
     prog("reading trace")
     trace = _load_trace(args)
     res = publish_bench(trace, args.policies, replicas=args.replicas, routing=args.routing, pool_capacity_blocks=args.pool_capacity_blocks,
-                        bytes_per_token=bpt, prefill=_prefill_model(args, bpt), write_bytes_per_s=args.write_gbps * 1e9 / 8, seed=args.seed, progress=prog)
+                        bytes_per_token=bpt, prefill=_prefill_model(args, bpt), write_bytes_per_s=args.write_gbps * 1e9 / 8, seed=args.seed, progress=prog,
+                        judge_from_request=len(trace) // 2 if args.judge_second_half else 0)
     prog.done()
     res["model"] = model_note
     _write_report(args.json, res)
@@ -773,6 +774,8 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--profile", default=None, help="measured profile CSV for recompute seconds (default: an order-of-magnitude model)")
     pb.add_argument("--allow-mismatch", action="store_true", help="use a --profile whose measured KV bytes/token differs from the model's by more than 10%%")
     pb.add_argument("--write-gbps", type=_non_negative_float, default=100.0, help="pool write bandwidth for the reuse-aware cost (default 100)")
+    pb.add_argument("--judge-second-half", action="store_true",
+                    help="a held-out split: every filter learns over the whole trace but only writes and re-reads of the second half's requests count")
     pb.add_argument("--json", default=None, metavar="OUT")
     pb.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a progress bar on a terminal, one line per finished unit elsewhere)")
     pb.set_defaults(func=_cmd_publish_bench)

@@ -36,9 +36,14 @@ def block_recompute_s(prefill: PrefillModel, block_size_tokens: int):
 
 def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing: str = "round-robin", pool_capacity_blocks: int | None = None,
                   bytes_per_token: int, prefill: PrefillModel | None = None, write_bytes_per_s: float = 12.5e9, seed: int = 0,
-                  progress: Any = None) -> dict[str, Any]:
+                  progress: Any = None, judge_from_request: int = 0) -> dict[str, Any]:
+    """``judge_from_request`` = k > 0 is a held-out split: every filter sees the whole trace (it learns on requests < k)
+    but only writes and re-reads made by requests >= k are counted — for the oracle too."""
     if pool_capacity_blocks is not None and pool_capacity_blocks <= 0:
         raise ConfigError("--pool-capacity-blocks", "must be positive")
+    k = judge_from_request
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < max(len(trace), 1):
+        raise ConfigError("judge_from_request", f"must be an int in [0, {len(trace)}), got {k!r}")
     step = progress or (lambda _m: None)
     B = trace.block_size_tokens
     block_bytes = bytes_per_token * B
@@ -58,7 +63,7 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
         step(spec)
         f = make_filter(spec, **kw) if spec not in ("all", "never", "boundary") and not spec.startswith("threshold") else make_filter(spec)
         local = [set() for _ in range(replicas)]
-        pool: OrderedDict[int, bool] = OrderedDict()  # block -> read since written
+        pool: OrderedDict[int, list[Any]] = OrderedDict()  # block -> [read since written, counted (written at r >= k)]
         written = reread = wasted = 0
         for r in range(len(trace)):
             p = int(rep[r])
@@ -70,10 +75,11 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
                 j += 1
             L = j - s
             while j < m and ids[j] in pool:
-                pool[ids[j]] = True
+                pool[ids[j]][0] = True
                 pool.move_to_end(ids[j])
                 j += 1
-            reread += j - s - L
+            if r >= k:
+                reread += j - s - L
             blocks = ids[s:e]
             mine.update(blocks)
             req = PublishRequest(request_id=r, num_tokens=ntok[r], block_size_tokens=B, time_s=arrival[r],
@@ -85,12 +91,12 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
                 if b in pool:
                     pool.move_to_end(b)
                     continue
-                pool[b] = False
-                written += 1
+                pool[b] = [False, r >= k]
+                written += r >= k
                 if pool_capacity_blocks is not None and len(pool) > pool_capacity_blocks:
-                    _, was_read = pool.popitem(last=False)
-                    wasted += not was_read
-        wasted += sum(1 for v in pool.values() if not v)
+                    _, (was_read, counted) = pool.popitem(last=False)
+                    wasted += counted and not was_read
+        wasted += sum(1 for was_read, counted in pool.values() if counted and not was_read)
         runs.append({"policy": spec, "blocks_written": written, "bytes_written": written * block_bytes, "reread_bytes": reread * block_bytes,
                      "wasted_write_bytes": wasted * block_bytes, "reread_per_written_byte": (reread / written) if written else None})
         if spec == "boundary" and bound is None:
@@ -98,15 +104,17 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
                                 "JSONL carry none; kvpolicy's synthetic presets do)")
     step("oracle")
     view = replica_view(trace, replicas, routing, bytes_per_token=bytes_per_token, seed=seed)  # type: ignore[arg-type]
-    ow = int(round(view.write_reread_bytes.sum()))
-    runs.append({"policy": "oracle", "blocks_written": ow // block_bytes, "bytes_written": ow, "reread_bytes": int(round(view.read_bytes.sum())),
-                 "wasted_write_bytes": 0, "reread_per_written_byte": (view.read_bytes.sum() / ow) if ow else None})
+    ow = int(round(view.write_reread_bytes[k:].sum()))
+    orr = float(view.read_bytes[k:].sum())
+    runs.append({"policy": "oracle", "blocks_written": ow // block_bytes, "bytes_written": ow, "reread_bytes": int(round(orr)),
+                 "wasted_write_bytes": 0, "reread_per_written_byte": (orr / ow) if ow else None})
     oracle = runs[-1]
     for run in runs:
         run["reread_share_of_oracle"] = run["reread_bytes"] / oracle["reread_bytes"] if oracle["reread_bytes"] else None
         run["written_over_oracle"] = run["bytes_written"] / oracle["bytes_written"] if oracle["bytes_written"] else None
-    res = {"source": trace.source, "replicas": replicas, "routing": routing, "pool_capacity_blocks": pool_capacity_blocks,
-           "block_bytes": block_bytes, "runs": runs}
+    source = trace.source if k == 0 else f"{trace.source} — judged on requests {k:,}..{len(trace) - 1:,} (learned on the first {k:,})"
+    res = {"source": source, "replicas": replicas, "routing": routing, "pool_capacity_blocks": pool_capacity_blocks,
+           "block_bytes": block_bytes, "judge_from_request": k, "runs": runs}
     res["goals"] = [g for g in (publish_goals(res, p) for p in GOAL_PUBLISH_POLICIES) if g is not None]
     return res
 
