@@ -426,7 +426,11 @@ class StructureAwarePublish:
         self.reused = [0] * n
         self.dead = [0] * n
         self._dedup = _Dedup()
-        self._origin: OrderedDict[Hashable, list[Any]] = OrderedDict()  # key -> [class, first seen s, seen again]
+        # new blocks awaiting a verdict (key -> [class, first seen s]), oldest first: reused when seen again within the
+        # window, dead when it closes; and new blocks watched for the delay to their second sighting (key -> first
+        # seen s) for lifetime_s whatever the verdict — the window is learned from these, so it must not censor them
+        self._origin: OrderedDict[Hashable, list[Any]] = OrderedDict()
+        self._watch: OrderedDict[Hashable, float] = OrderedDict()
         self._capacity = capacity_keys
         self._mean_delay_s = 0.0
         self._n_delay = 0
@@ -453,11 +457,11 @@ class StructureAwarePublish:
         if request.request_id not in self._dedup._seen:
             # windows close once per request, before its blocks are counted: an engine that observes a request
             # block by block must see the same closings as one that observes it whole
-            while origin:
-                first = next(iter(origin.values()))
-                if t - first[1] < self.window_s:
-                    break
-                self._mature(origin.popitem(last=False)[1])
+            window = self.window_s
+            while origin and t - next(iter(origin.values()))[1] >= window:
+                self.dead[origin.popitem(last=False)[1][0]] += 1
+            while self._watch and t - next(iter(self._watch.values())) >= self.lifetime_s:
+                self._watch.popitem(last=False)
         fresh = set(self._dedup.new_keys(request.request_id, keys))
         for j, key in enumerate(keys):
             if key not in fresh:
@@ -467,25 +471,23 @@ class StructureAwarePublish:
                 self._seen[key] = [1.0, t]
                 if len(self._seen) > self._capacity:
                     self._seen.popitem(last=False)
-                origin[key] = [self.block_class(request, max(j - request.reused_blocks, 0)), t, False]
+                origin[key] = [self.block_class(request, max(j - request.reused_blocks, 0)), t]
+                self._watch[key] = t
                 if len(origin) > self._capacity:
-                    self._mature(origin.popitem(last=False)[1])
+                    self.dead[origin.popitem(last=False)[1][0]] += 1
+                if len(self._watch) > self._capacity:
+                    self._watch.popitem(last=False)
             else:
                 rec[0] = rec[0] * math.exp(-self._lam * max(t - rec[1], 0.0)) + 1.0
                 rec[1] = t
                 self._seen.move_to_end(key)
-                o = origin.get(key)
-                if o is not None and not o[2]:
-                    o[2] = True
-                    delay = t - o[1]
+                t_first = self._watch.pop(key, None)
+                if t_first is not None:  # its second sighting: the delay teaches the window
                     self._n_delay += 1
-                    self._mean_delay_s += (delay - self._mean_delay_s) / self._n_delay
-                    if delay <= self.window_s:
-                        self.reused[o[0]] += 1  # evidence of reuse counts at once: it cannot be taken back
-
-    def _mature(self, o: list[Any]) -> None:
-        if not o[2]:
-            self.dead[o[0]] += 1
+                    self._mean_delay_s += (t - t_first - self._mean_delay_s) / self._n_delay
+                o = origin.pop(key, None)
+                if o is not None:
+                    self.reused[o[0]] += 1  # seen again within its window: counts at once, it cannot be taken back
 
     def values(self, request: PublishRequest, keys: Sequence[Hashable]) -> list[float]:
         """Per leading block: P(another replica reads it) − write_weight (observe the request first)."""
