@@ -659,7 +659,7 @@ from hypothesis import given as _given  # noqa: E402
 from hypothesis import settings as _settings  # noqa: E402
 from hypothesis import strategies as _st  # noqa: E402
 
-from kvpolicy.integrations.vllm_offload import KVPolicyGDSF, KVPolicyLRU, KVPolicyReuseDistance  # noqa: E402
+from kvpolicy.integrations.vllm_offload import KVPolicyAdaptive, KVPolicyGDSF, KVPolicyLRU, KVPolicyReuseDistance  # noqa: E402
 
 
 class Chunk:  # vLLM's ChunkStatus: ref_cnt, chunk_id
@@ -690,7 +690,7 @@ def test_offload_cache_policy_evicts_only_evictable_unprotected_chunks_lru_first
 @_settings(max_examples=60, deadline=None)
 @_given(_st.lists(_st.tuples(_st.sampled_from(["insert", "evictable", "busy", "touch", "evict", "remove"]), _st.integers(0, 9),
                              _st.integers(1, 3)), max_size=60),
-        _st.sampled_from([KVPolicyLRU, KVPolicyGDSF, KVPolicyReuseDistance]))
+        _st.sampled_from([KVPolicyLRU, KVPolicyGDSF, KVPolicyReuseDistance, KVPolicyAdaptive]))
 def test_offload_cache_policy_never_evicts_what_it_must_not(ops, cls):
     pol = cls(cache_capacity=10)
     busy = set()

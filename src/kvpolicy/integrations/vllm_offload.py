@@ -9,8 +9,8 @@ resolved by name, or loaded out of tree::
         "eviction_policy": "KVPolicyReuseDistance",
         "cache_policy_module_path": "kvpolicy.integrations.vllm_offload"}}'
 
-:class:`KVPolicyReuseDistance` (and :class:`KVPolicyGDSF`, :class:`KVPolicyLRU`)
-answer the policy's calls with a kvpolicy priority policy: ``insert`` /
+:class:`KVPolicyReuseDistance` (and :class:`KVPolicyAdaptive`, :class:`KVPolicyGDSF`,
+:class:`KVPolicyLRU`) answer the policy's calls with a kvpolicy eviction policy: ``insert`` /
 ``touch`` / ``on_request_finished`` feed it, ``mark_evictable`` /
 ``mark_non_evictable`` (a chunk's transfer count going to / from 0) pin and unpin,
 and ``evict(n, protected)`` takes the n lowest-priority evictable chunks outside
@@ -36,7 +36,8 @@ from typing import Any
 
 from ..clock import ManualClock
 from ..errors import CapacityError, ConfigError
-from ..eviction.base import PriorityPolicy
+from ..eviction.base import EvictionPolicy
+from ..eviction.hit_density import AdaptivePolicy
 from ..eviction.policies import GDSFPolicy, LRUPolicy
 from ..eviction.reuse_distance import ReuseDistancePolicy
 
@@ -51,9 +52,9 @@ _UNIT = 1  # every chunk weighs one unit of the policy's capacity
 
 
 class _KVPolicyCachePolicy(_Base):  # type: ignore[misc,valid-type]
-    """The CachePolicy methods over a kvpolicy PriorityPolicy (subclasses choose which)."""
+    """The CachePolicy methods over a kvpolicy EvictionPolicy (subclasses choose which)."""
 
-    def make_policy(self, capacity: int) -> PriorityPolicy:  # pragma: no cover - overridden
+    def make_policy(self, capacity: int) -> EvictionPolicy:  # pragma: no cover - overridden
         raise ConfigError("policy", "a subclass chooses the kvpolicy policy")
 
     def __init__(self, cache_capacity: int) -> None:
@@ -160,21 +161,29 @@ class _KVPolicyCachePolicy(_Base):  # type: ignore[misc,valid-type]
 class KVPolicyReuseDistance(_KVPolicyCachePolicy):
     """kvpolicy's reuse-distance eviction for vLLM's CPU offloading tier."""
 
-    def make_policy(self, capacity: int) -> PriorityPolicy:
+    def make_policy(self, capacity: int) -> EvictionPolicy:
         return ReuseDistancePolicy(capacity)
+
+
+class KVPolicyAdaptive(_KVPolicyCachePolicy):
+    """kvpolicy's adaptive eviction (hit density, LRU and LFU experts; docs/eviction/hit-density.md) for vLLM's
+    CPU offloading tier. Its clock is the manager's logical one (a tick per insert or use), so ages are in ticks."""
+
+    def make_policy(self, capacity: int) -> EvictionPolicy:
+        return AdaptivePolicy(capacity)
 
 
 class KVPolicyGDSF(_KVPolicyCachePolicy):
     """Greedy-dual-size-frequency for vLLM's CPU offloading tier."""
 
-    def make_policy(self, capacity: int) -> PriorityPolicy:
+    def make_policy(self, capacity: int) -> EvictionPolicy:
         return GDSFPolicy(capacity)
 
 
 class KVPolicyLRU(_KVPolicyCachePolicy):
     """kvpolicy's LRU (the reference the others are tested against)."""
 
-    def make_policy(self, capacity: int) -> PriorityPolicy:
+    def make_policy(self, capacity: int) -> EvictionPolicy:
         return LRUPolicy(capacity)
 
 
