@@ -79,7 +79,7 @@ def test_regression_lmcache_2206_never_a_partial_block():
 @settings(max_examples=60)
 @given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.sampled_from(["public", "shared", "internal", "private"]),
                           st.integers(0, 6), st.integers(0, 40)), min_size=1, max_size=25),
-       st.sampled_from(["boundary", "boundary+reuse-aware", "boundary+threshold-2", "boundary+all"]))
+       st.sampled_from(["boundary", "boundary+reuse-aware", "boundary+threshold-2", "boundary+all", "boundary+structure-aware"]))
 def test_tenancy_property(requests, spec):
     """No block beyond a boundary, of a private class, or of another tenant is ever published."""
     hashers = {t: BlockHasher(ns(tenant=t, block_size_tokens=B), "fast") for t in "ab"}
