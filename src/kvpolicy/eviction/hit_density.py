@@ -13,7 +13,8 @@ hits and expected remaining lifetime of a block at any age.
 * **Class** = ``min(hits, 3)`` × *branched* (at least two child blocks were
   inserted under it while resident: a shared system prompt, a document several
   requests continue differently). Hits and branching are the structural facts a
-  prefix cache sees without labels.
+  prefix cache sees without labels. A block back within the ghost window keeps
+  them (hits + 1: the return is a reuse), as ARC's B2 remembers a frequent block.
 * **Histograms**: each class keeps hits and evictions per age bin (``bins`` bins;
   a bin is ``span`` × the mean eviction age / ``bins`` wide, re-derived at each
   reconfiguration so the histogram covers the ages that matter on *this* trace).
@@ -179,6 +180,7 @@ class HitDensityPolicy(EvictionPolicy):
             self._tick()
         else:
             node.parent.data[2] += 1
+        node.data = [now, 0, 0]  # last use, hits, child inserts (this residency, or since a ghost's return)
         g = self._ghosts.pop(node.key, None)
         if g is not None and self._evicted_bytes - g[0] <= self.capacity_bytes:
             _, t_last, cls, b, x = g
@@ -186,7 +188,8 @@ class HitDensityPolicy(EvictionPolicy):
             self.excess[cls] = max(self.excess[cls] - x, 0.0)
             self._event(self.hit_hist, cls, now - t_last)
             self.ghost_hits += 1
-        node.data = [now, 0, 0]  # last use, hits this residency, child inserts this residency
+            node.data[1] = min(cls // 2 + 1, 3)  # back within the window: it keeps its history (+ this use), as ARC's B2 does
+            node.data[2] = 2 * (cls & 1)
         self._since_events += 1
 
     def _hit(self, node: Node) -> None:

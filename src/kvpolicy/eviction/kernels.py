@@ -1357,9 +1357,12 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                 age = now - F[8 * x + 1]
                 H[c, _hd_bin(age, inv_width, nbins)] += 1.0
                 X[c] += _hd_excess(age, inv_width, nbins)
+                W[16 * x + 8] = min(c // 2 + 1, 3)  # back within the window: it keeps its history (+ this use), as ARC's B2 does
+                W[16 * x + 9] = 2 * (c & 1)
+            else:
+                W[16 * x + 8] = 0
+                W[16 * x + 9] = 0
             I[8 * x + 3] = -1
-            W[16 * x + 8] = 0
-            W[16 * x + 9] = 0
             W[16 * x + 15] = 1
             events += 1
             F[8 * x] = now
