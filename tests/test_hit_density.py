@@ -92,7 +92,8 @@ def test_a_ghost_past_the_window_is_forgotten():
 
 def test_knobs_are_validated():
     for kw, field in (({"samples": 0}, "samples"), ({"bins": 1}, "bins"), ({"interval": 0}, "interval"), ({"span": float("nan")}, "span"),
-                      ({"decay": 1.5}, "decay"), ({"seed": -1}, "seed"), ({"samples": True}, "samples")):
+                      ({"decay": 1.5}, "decay"), ({"seed": -1}, "seed"), ({"samples": True}, "samples"),
+                      ({"span": True}, "span"), ({"decay": False}, "decay")):
         with pytest.raises(ConfigError) as e:
             HitDensityPolicy(4, **kw)
         assert e.value.field == field

@@ -237,7 +237,8 @@ def test_structure_aware_counts_exactly_where_a_sketch_would_not():
 
 def test_structure_aware_knobs_are_validated():
     for kw, field in (({"cross_replica_share": 1.5}, "cross_replica_share"), ({"write_weight": 0.0}, "write_weight"),
-                      ({"lifetime_s": 0}, "lifetime_s"), ({"capacity_keys": 0}, "capacity_keys")):
+                      ({"lifetime_s": 0}, "lifetime_s"), ({"capacity_keys": 0}, "capacity_keys"),
+                      ({"cross_replica_share": True}, "cross_replica_share"), ({"lifetime_s": float("inf")}, "lifetime_s")):
         with pytest.raises(ConfigError) as e:
             StructureAwarePublish(**kw)
         assert e.value.field == field

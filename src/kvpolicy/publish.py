@@ -405,6 +405,10 @@ class StructureAwarePublish:
 
     def __init__(self, *, cross_replica_share: float = 0.875, write_weight: float = 0.5, lifetime_s: float = 600.0,
                  half_life_s: float = 600.0, capacity_keys: int = 500_000) -> None:
+        for field, v in (("cross_replica_share", cross_replica_share), ("write_weight", write_weight), ("lifetime_s", lifetime_s),
+                         ("half_life_s", half_life_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(field, f"must be a finite number, got {v!r}")
         if not 0 <= cross_replica_share <= 1:
             raise ConfigError("cross_replica_share", f"is a probability, got {cross_replica_share!r}")
         if not 0 < write_weight < 1:

@@ -99,9 +99,9 @@ class HitDensityPolicy(EvictionPolicy):
         for field, v, lo in (("samples", samples, 1), ("bins", bins, 2), ("interval", interval, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(field, f"must be an int >= {lo}, got {v!r}")
-        if not (isinstance(span, (int, float)) and np.isfinite(span) and span > 0):
+        if isinstance(span, bool) or not (isinstance(span, (int, float)) and np.isfinite(span) and span > 0):
             raise ConfigError("span", f"must be a positive finite number, got {span!r}")
-        if not (isinstance(decay, (int, float)) and 0 <= decay <= 1):
+        if isinstance(decay, bool) or not (isinstance(decay, (int, float)) and 0 <= decay <= 1):
             raise ConfigError("decay", f"must be in [0, 1], got {decay!r}")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
             raise ConfigError("seed", f"must be an int in [0, 2**64), got {seed!r}")
