@@ -1138,6 +1138,10 @@ def _hd_reconfigure(H, E, X, D, mistakes, decay, span, age_sum, age_n, inv_width
     return 0, 0, inv_width, age_sum * decay, age_n * decay
 
 
+GHOST_DELTA = (2, 3, 8)  # int32 slots of an evicted block's record the duel borrows (dead while it is a ghost)
+GHOST_COUNT = (9, 10, 12)
+
+
 @nb.njit(cache=True)
 def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, I, F, W, arrival, samples, nbins, span, interval, decay, seed, duel, mistakes):
     """:class:`~kvpolicy.eviction.hit_density.HitDensityPolicy`, decision for decision.
@@ -1147,9 +1151,10 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
     drops candidates) and the ghost record (eviction count, last use, class and bin, excess). The caller allocates
     the records (:func:`_hd_records`)."""
     # one 64-byte record per block, in three views of the same memory (I int64, F float64, W int32 halves):
-    # F[8x] last use, F[8x+1] ghost's last use, F[8x+2] ghost's excess, I[8x+3] ghost's eviction count (-1: none),
+    # F[8x] last use (kept while it is a ghost), F[8x+2] ghost's excess, I[8x+3] ghost's eviction count (-1: none),
     # W[16x+8] hits, +9 child inserts, +10 resident children, +11 parent, +12 pinning request, +13 candidate slot,
-    # +14 ghost's class*bins+bin, +15 resident — a block costs one cache line, not ten
+    # +14 ghost's class*bins+bin, +15 resident; while it is a ghost the duel borrows W +2, +3, +8, +9, +10, +12
+    # (GHOST_DELTA, GHOST_COUNT) — a block costs one cache line, not ten
     cand = np.empty(min(n_ids, cap + 1) + 1, np.int32)
     # a candidate's last use and class cannot change while it is one (a use pins it, a child makes it a parent):
     # kept beside it, a sample reads only this array, not the block's record
@@ -1158,7 +1163,6 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
     # dp[6i+q] expert q's eviction count at its latest proposal (-1: none), dp[6i+3+q] its proposals since
     crec = np.empty(2 * (min(n_ids, cap + 1) + 1), np.float64)  # candidates are resident leaves: at most cap of them
     dp = np.empty(6 * (min(n_ids, cap + 1) + 1) if duel else 0, np.float64)
-    gp = np.empty(6 * n_ids if duel else 0, np.float64)  # an evicted block's proposal record, until it is used again
     drawn = np.empty(samples, np.int64)
     H = np.zeros((8, nbins))
     E = np.zeros((8, nbins))
@@ -1186,8 +1190,6 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
         if s + PREFETCH_AHEAD < ids.size:
             y = ids[s + PREFETCH_AHEAD]
             _prefetch(I, 8 * y)
-            if duel:
-                _prefetch(gp, 6 * y)
         j = s
         while j < e and W[16 * ids[j] + 15]:
             j += 1
@@ -1293,9 +1295,13 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                 c = np.int64(crec[2 * i + 1])
                 p = (c >> 3) - 1
                 c &= 7
-                if duel:  # the victim's proposals follow it into its ghost
-                    for f in range(6):
-                        gp[6 * v + f] = dp[6 * i + f]
+                if duel:  # the victim's proposals follow it into its record's free slots (its ghost): for each expert,
+                    # how many evictions before this one it last proposed the block (-1: never, or already out of the window,
+                    # where it stays: the window only moves on) and how many times — W[16v + 2, 3, 8] and W[16v + 9, 10, 12]
+                    for q in range(3):
+                        sq = dp[6 * i + q]
+                        W[16 * v + GHOST_DELTA[q]] = np.int32(nev - sq) if sq >= 0 and nev - sq <= cap else -1
+                        W[16 * v + GHOST_COUNT[q]] = np.int32(dp[6 * i + 3 + q])
                 nc -= 1
                 y = cand[nc]
                 if y != v:
@@ -1328,8 +1334,7 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                 X[c] += F[8 * v + 2]
                 age_sum += age
                 age_n += 1.0
-                I[8 * v + 3] = nev
-                F[8 * v + 1] = t_v
+                I[8 * v + 3] = nev  # its last use stays in F[8v] until it returns
                 W[16 * v + 14] = c * nbins + b
                 nev += 1
                 victims[nv] = v
@@ -1346,15 +1351,17 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                     learned = True
             if duel and I[8 * x + 3] >= 0:  # an evicted block used again: the proposals of it within the window were mistakes
                 for q in range(3):
-                    sq = gp[6 * x + q]
-                    if sq >= 0 and nev - sq <= cap:
-                        mistakes[q] += gp[6 * x + 3 + q]
+                    dq = W[16 * x + GHOST_DELTA[q]]
+                    if dq >= 0 and nev - I[8 * x + 3] + dq <= cap:
+                        mistakes[q] += W[16 * x + GHOST_COUNT[q]]
+                W[16 * x + 10] = 0  # the slots it borrowed: resident children and candidate slot
+                W[16 * x + 13] = NIL
             if I[8 * x + 3] >= 0 and nev - I[8 * x + 3] <= cap:  # a ghost hit: the eviction is taken back, the hit counted
                 c = W[16 * x + 14] // nbins
                 b = W[16 * x + 14] % nbins
                 E[c, b] = max(E[c, b] - 1.0, 0.0)
                 X[c] = max(X[c] - F[8 * x + 2], 0.0)
-                age = now - F[8 * x + 1]
+                age = now - F[8 * x]
                 H[c, _hd_bin(age, inv_width, nbins)] += 1.0
                 X[c] += _hd_excess(age, inv_width, nbins)
                 W[16 * x + 8] = min(c // 2 + 1, 3)  # back within the window: it keeps its history (+ this use), as ARC's B2 does
