@@ -170,7 +170,7 @@ def test_a_pinned_parent_whose_last_child_is_evicted_is_not_a_candidate(policy, 
     assert np.array_equal(online.hits, kernel.hits) and online.victims == kernel.victims.tolist()
 
 
-def _node(policy, key, t_last, hits):
+def _node(key, t_last, hits):
     from kvpolicy.eviction.base import Node
 
     n = Node(key, 1, None, 0, t_last)
@@ -191,7 +191,7 @@ def test_the_duel_follows_density_until_another_expert_is_two_sigma_better():
 
 def test_mistakes_are_counted_per_decision_and_only_within_the_window():
     p = AdaptivePolicy(2, clock=ManualClock())
-    a, b, c = _node(p, "a", 0.0, 0), _node(p, "b", 1.0, 5), _node(p, "c", 2.0, 0)
+    a, c = _node("a", 0.0, 0), _node("c", 2.0, 0)
     for _ in range(3):  # three decisions: density proposes c, LRU a (oldest) and LFU a (fewest hits, then oldest)
         assert p._duel_choice(c, a, a) is c
     p._judge("a")

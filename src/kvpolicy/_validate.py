@@ -1,4 +1,4 @@
-"""attrs validators shared by the value classes: each names the field it refuses."""
+"""Validators shared by the value classes (attrs-style) and the policies' constructors (``check_*``): each names the field it refuses."""
 
 from __future__ import annotations
 
@@ -10,9 +10,30 @@ import attrs
 from .errors import ConfigError
 
 
-def positive_int(inst: Any, a: attrs.Attribute, v: Any) -> None:
+def check_positive_int(field: str, v: Any) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ConfigError(a.name, f"must be a positive int, got {v!r}")
+        raise ConfigError(field, f"must be a positive int, got {v!r}")
+
+
+def check_positive_number(field: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ConfigError(field, f"must be a finite positive number, got {v!r}")
+
+
+def check_probability(field: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+        raise ConfigError(field, f"must be a probability in [0, 1], got {v!r}")
+
+
+def check_split(k: Any, n_requests: int) -> int:
+    """A held-out split's first judged request: an int in [0, n_requests) (0: no split)."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < max(n_requests, 1):
+        raise ConfigError("judge_from_request", f"must be an int in [0, {n_requests}), got {k!r}")
+    return k
+
+
+def positive_int(inst: Any, a: attrs.Attribute, v: Any) -> None:
+    check_positive_int(a.name, v)
 
 
 def non_negative_int(inst: Any, a: attrs.Attribute, v: Any) -> None:
@@ -21,8 +42,7 @@ def non_negative_int(inst: Any, a: attrs.Attribute, v: Any) -> None:
 
 
 def positive_number(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ConfigError(a.name, f"must be a finite positive number, got {v!r}")
+    check_positive_number(a.name, v)
 
 
 def non_negative_number(inst: Any, a: attrs.Attribute, v: Any) -> None:
@@ -31,5 +51,4 @@ def non_negative_number(inst: Any, a: attrs.Attribute, v: Any) -> None:
 
 
 def probability(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
-        raise ConfigError(a.name, f"must be a probability in [0, 1], got {v!r}")
+    check_probability(a.name, v)

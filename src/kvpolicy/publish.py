@@ -72,6 +72,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import numpy as np
 
+from ._validate import check_positive_int, check_positive_number, check_probability
 from .errors import ConfigError
 
 DATA_CLASSES = ("public", "shared", "internal", "private")
@@ -405,18 +406,13 @@ class StructureAwarePublish:
 
     def __init__(self, *, cross_replica_share: float = 0.875, write_weight: float = 0.5, lifetime_s: float = 600.0,
                  half_life_s: float = 600.0, capacity_keys: int = 500_000) -> None:
-        for field, v in (("cross_replica_share", cross_replica_share), ("write_weight", write_weight), ("lifetime_s", lifetime_s),
-                         ("half_life_s", half_life_s)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ConfigError(field, f"must be a finite number, got {v!r}")
-        if not 0 <= cross_replica_share <= 1:
-            raise ConfigError("cross_replica_share", f"is a probability, got {cross_replica_share!r}")
+        check_probability("cross_replica_share", cross_replica_share)
+        check_probability("write_weight", write_weight)
         if not 0 < write_weight < 1:
             raise ConfigError("write_weight", f"must be in (0, 1), got {write_weight!r}")
-        if not (lifetime_s > 0 and half_life_s > 0):
-            raise ConfigError("lifetime_s", "lifetime_s and half_life_s must be positive")
-        if isinstance(capacity_keys, bool) or not isinstance(capacity_keys, int) or capacity_keys <= 0:
-            raise ConfigError("capacity_keys", f"must be a positive int, got {capacity_keys!r}")
+        check_positive_number("lifetime_s", lifetime_s)
+        check_positive_number("half_life_s", half_life_s)
+        check_positive_int("capacity_keys", capacity_keys)
         self.cross = cross_replica_share
         self.write_weight = write_weight
         self.lifetime_s = lifetime_s

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from typing import Any
 
 from .analysis.replicas import replica_view, route
+from ._validate import check_split
 from .errors import ConfigError
 from .profile import PrefillModel
 from .publish import PublishRequest, make_filter
@@ -41,9 +42,7 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
     but only writes and re-reads made by requests >= k are counted — for the oracle too."""
     if pool_capacity_blocks is not None and pool_capacity_blocks <= 0:
         raise ConfigError("--pool-capacity-blocks", "must be positive")
-    k = judge_from_request
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < max(len(trace), 1):
-        raise ConfigError("judge_from_request", f"must be an int in [0, {len(trace)}), got {k!r}")
+    k = check_split(judge_from_request, len(trace))
     step = progress or (lambda _m: None)
     B = trace.block_size_tokens
     block_bytes = bytes_per_token * B

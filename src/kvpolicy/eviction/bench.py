@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..analysis import PrefixMRC
+from .._validate import check_split
 from ..errors import ConfigError
 from .kernels import KERNEL_POLICIES, replay_kernel
 from .replay import ALL_POLICIES, replay
@@ -30,9 +31,7 @@ def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, by
         raise ConfigError("--capacities-blocks", "give one or more positive capacities")
     step = progress or (lambda _m: None)
     n_req = len(trace)
-    if isinstance(judge_from_request, bool) or not isinstance(judge_from_request, int) or not 0 <= judge_from_request < max(n_req, 1):
-        raise ConfigError("judge_from_request", f"must be an int in [0, {n_req}), got {judge_from_request!r}")
-    k = judge_from_request
+    k = check_split(judge_from_request, n_req)
     r0 = int(trace.block_offsets[k])
     if k == 0:
         ceiling = PrefixMRC.from_trace(trace).ceiling_blocks

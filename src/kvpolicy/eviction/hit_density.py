@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from .._validate import check_positive_int, check_positive_number, check_probability
 from ..errors import CapacityError, ConfigError
 from ..protocols import Clock
 from .base import EvictionPolicy, Node
@@ -96,13 +97,13 @@ class HitDensityPolicy(EvictionPolicy):
 
     def __init__(self, capacity_bytes: int, *, samples: int = 16, bins: int = 256, span: float = 8.0, interval: int = 50,
                  decay: float = 0.9, seed: int = 0, clock: Clock | None = None) -> None:
-        for field, v, lo in (("samples", samples, 1), ("bins", bins, 2), ("interval", interval, 1)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ConfigError(field, f"must be an int >= {lo}, got {v!r}")
-        if isinstance(span, bool) or not (isinstance(span, (int, float)) and np.isfinite(span) and span > 0):
-            raise ConfigError("span", f"must be a positive finite number, got {span!r}")
-        if isinstance(decay, bool) or not (isinstance(decay, (int, float)) and 0 <= decay <= 1):
-            raise ConfigError("decay", f"must be in [0, 1], got {decay!r}")
+        check_positive_int("samples", samples)
+        check_positive_int("interval", interval)
+        check_positive_int("bins", bins)
+        if bins < 2:
+            raise ConfigError("bins", f"must be at least 2, got {bins!r}")
+        check_positive_number("span", span)
+        check_probability("decay", decay)
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
             raise ConfigError("seed", f"must be an int in [0, 2**64), got {seed!r}")
         super().__init__(capacity_bytes, clock=clock)
@@ -238,9 +239,6 @@ class HitDensityPolicy(EvictionPolicy):
             assert oldest is not None and rarest is not None
             return self._duel_choice(best, oldest, rarest)
         return best
-
-    def _duel_choice(self, density: Node, lru: Node, lfu: Node) -> Node:
-        return density
 
     def _forget(self, node: Node) -> None:
         now = self.clock.now_s()
