@@ -14,6 +14,7 @@ for the fewest written.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Any
 
@@ -57,6 +58,8 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
     tenant = [trace.tenant_names[t] for t in trace.tenant.tolist()] if trace.tenant is not None else None
     kw = {"block_bytes": block_bytes, "recompute_s": block_recompute_s(prefill, B), "write_bytes_per_s": write_bytes_per_s,
           "cross_replica_share": (replicas - 1) / replicas if routing != "prefix-affinity" else 0.1}
+    r_all, in_s, n_seen = _sightings(trace, rep)
+    s_list = in_s.tolist()
     runs = []
     for spec in policies:
         step(spec)
@@ -64,6 +67,8 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
         local = [set() for _ in range(replicas)]
         pool: OrderedDict[int, list[Any]] = OrderedDict()  # block -> [read since written, counted (written at r >= k)]
         written = reread = wasted = 0
+        seen: set[int] = set()
+        first_pub = first_caught = 0  # blocks published by the request that first saw them; of those, re-read at their 2nd sighting (oracle)
         for r in range(len(trace)):
             p = int(rep[r])
             s, e = offsets[r], offsets[r + 1]
@@ -87,6 +92,9 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
             f.observe(req, blocks)
             n = f.publishable(req, blocks)
             for b in blocks[:n]:
+                if b not in seen and r >= k:
+                    first_pub += 1
+                    first_caught += s_list[b]
                 if b in pool:
                     pool.move_to_end(b)
                     continue
@@ -95,9 +103,11 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
                 if pool_capacity_blocks is not None and len(pool) > pool_capacity_blocks:
                     _, (was_read, counted) = pool.popitem(last=False)
                     wasted += counted and not was_read
+            seen.update(blocks)
         wasted += sum(1 for was_read, counted in pool.values() if counted and not was_read)
         runs.append({"policy": spec, "blocks_written": written, "bytes_written": written * block_bytes, "reread_bytes": reread * block_bytes,
-                     "wasted_write_bytes": wasted * block_bytes, "reread_per_written_byte": (reread / written) if written else None})
+                     "wasted_write_bytes": wasted * block_bytes, "reread_per_written_byte": (reread / written) if written else None,
+                     "first_sighting_published_blocks": first_pub, "first_sighting_caught_blocks": first_caught})
         if spec == "boundary" and bound is None:
             runs[-1]["note"] = ("boundary publishes nothing here: this trace marks no prompt boundaries (Mooncake, Bailian and token "
                                 "JSONL carry none; kvpolicy's synthetic presets do)")
@@ -115,6 +125,8 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
     res = {"source": source, "replicas": replicas, "routing": routing, "pool_capacity_blocks": pool_capacity_blocks,
            "block_bytes": block_bytes, "judge_from_request": k, "runs": runs}
     res["goals"] = [g for g in (publish_goals(res, p) for p in GOAL_PUBLISH_POLICIES) if g is not None]
+    if k == 0:  # what the share goal asks of a first sighting (the bound is over the whole trace: no split)
+        res["first_sighting"] = _first_sighting_figures(r_all, in_s, n_seen, GOAL_REREAD_SHARE, GOAL_WRITTEN_OVER_ORACLE)
     return res
 
 
@@ -142,6 +154,91 @@ def publish_goals(res: dict[str, Any], policy: str = "reuse-aware") -> dict[str,
             "share_goal": a, "dominates": dominated, "dominance_goal": b, "goal": a or b}
 
 
+def _sightings(trace: Any, rep: Any) -> tuple[Any, Any, int]:
+    """Per block id: ``r`` the oracle's cross-replica re-reads of it (the blocks another replica reads from an infinite
+    pool holding every block seen before: the prefix beyond the replica's own, up to the first block never seen),
+    and ``s`` whether one of them is its second sighting (the request right after the one that created it); and how
+    many distinct full blocks the trace has."""
+    import numpy as np
+
+    n = max(trace.num_block_ids, 1)
+    r = np.zeros(n, dtype=np.int64)
+    s = np.zeros(n, dtype=np.bool_)
+    sightings = np.zeros(n, dtype=np.int64)
+    offsets, ids, matchable = trace.block_offsets.tolist(), trace.block_ids.tolist(), trace.matchable_blocks.tolist()
+    local: dict[int, set[int]] = {}
+    for q in range(len(trace)):
+        mine = local.setdefault(int(rep[q]), set())
+        a, e = offsets[q], offsets[q + 1]
+        m = a + matchable[q]
+        j = a
+        while j < m and ids[j] in mine:
+            j += 1
+        while j < m and sightings[ids[j]]:
+            b = ids[j]
+            r[b] += 1
+            if sightings[b] == 1:
+                s[b] = True
+            j += 1
+        blocks = set(ids[a:e])
+        for b in blocks:
+            sightings[b] += 1
+        mine.update(blocks)
+    return r, s, int(np.count_nonzero(sightings))
+
+
+def first_sighting_bound(trace: Any, *, replicas: int = 8, routing: str = "round-robin", seed: int = 0,
+                         share: float = GOAL_REREAD_SHARE, written_over_oracle: float = GOAL_WRITTEN_OVER_ORACLE) -> dict[str, Any]:
+    """What the publish goal asks of a block's *first* sighting, from the trace alone (whole trace, no split).
+
+    Let the oracle's re-reads be RR, of which F·RR happen at a block's second sighting — the request right after
+    the one that created it, before any filter could have seen it twice — and let S be those blocks. A filter
+    that never publishes a block at its first sighting (threshold-k for any k ≥ 2, a filter waiting for
+    evidence) captures at most (1 − F)·RR: the re-read at the second sighting needs the block in the pool already.
+    Any filter captures at most (1 − F)·RR + |A ∩ S|, where A is what it publishes at first sighting (a block
+    published at first sighting gains at most its second-sighting re-read over one published later). So reaching
+    ``share`` of RR needs |A ∩ S| ≥ c = share·RR − (1 − F)·RR; and with at most ``written_over_oracle`` × the
+    oracle's W written blocks, |A| ≤ written_over_oracle·W, so A's precision on S is at least c / (written_over_oracle·W).
+    Compared with the base rate |S| / (blocks ever seen), that is the lift over a blind guess any first-sighting
+    predictor must reach — a bound, not an estimate: it assumes every other decision perfect.
+    """
+    if not 0 < share <= 1:
+        raise ConfigError("share", f"must be in (0, 1], got {share!r}")
+    if written_over_oracle <= 0:
+        raise ConfigError("written_over_oracle", f"must be positive, got {written_over_oracle!r}")
+    rep = route(trace, replicas, routing, seed=seed)  # type: ignore[arg-type]
+    r, s, seen = _sightings(trace, rep)
+    out = {"source": trace.source, "replicas": replicas, "routing": routing}
+    out.update(_first_sighting_figures(r, s, seen, share, written_over_oracle))
+    return out
+
+
+def _first_sighting_figures(r: Any, s: Any, seen: int, share: float, written_over_oracle: float) -> dict[str, Any]:
+    rr = int(r.sum())
+    second = int(s.sum())
+    written = int((r > 0).sum())
+    need = max(share * rr - (rr - second), 0.0)
+    precision = need / (written_over_oracle * written) if written else None
+    base = second / seen if seen else None
+    return {"oracle_reread_blocks": rr,
+            "oracle_written_blocks": written, "second_sighting_rereads": second,
+            "waiting_share_max": (rr - second) / rr if rr else None, "blocks_seen": seen, "second_sighting_blocks": second,
+            "base_rate": base, "needed_first_sighting_catches": int(math.ceil(need)),
+            "recall_needed": need / second if second else None, "precision_needed": precision,
+            "lift_needed": (precision / base) if precision is not None and base else None,
+            "share": share, "written_over_oracle": written_over_oracle}
+
+
+def _first_sighting_line(fs: dict[str, Any], run: dict[str, Any]) -> str:
+    pub, caught = run["first_sighting_published_blocks"], run["first_sighting_caught_blocks"]
+    prec = f"{caught / pub:.0%}" if pub else "-"
+    need = (f"needs >= {fs['needed_first_sighting_catches']:,} ({fs['recall_needed']:.0%}) at precision >= {fs['precision_needed']:.0%} "
+            f"({fs['lift_needed']:.1f}x the base rate)" if fs["needed_first_sighting_catches"] else "needs none")
+    return (f"  first sightings: published {pub:,} blocks, {prec} of them re-read at their 2nd sighting (base rate "
+            f"{fs['base_rate']:.1%}), {caught / fs['second_sighting_blocks']:.0%} of the {fs['second_sighting_blocks']:,} that are; "
+            f"waiting for a 2nd sighting caps the share at {fs['waiting_share_max']:.0%}, so the share goal {need}")
+
+
 def render(res: dict[str, Any]) -> str:
     gib = 2**30
     cap = res["pool_capacity_blocks"]
@@ -162,4 +259,7 @@ def render(res: dict[str, Any]) -> str:
                       f"{GOAL_WRITTEN_OVER_ORACLE}x its writes, or dominates every count threshold -> {'PASS' if g['goal'] else 'MISS'}",
                   f"  share: {g['reread_share_of_oracle']:.1%} of the oracle's re-reads at {wo} its writes -> {'PASS' if g['share_goal'] else 'MISS'}",
                   f"  dominance over the count thresholds: {dom} -> {'PASS' if g['dominance_goal'] else 'MISS'}"]
+        fs, me = res.get("first_sighting"), next((r for r in res["runs"] if r["policy"] == g["policy"]), None)
+        if fs and me and fs["second_sighting_blocks"]:
+            lines.append(_first_sighting_line(fs, me))
     return "\n".join(lines)
