@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from _common import print_table, write_json
+from _common import add_check_flag, print_table, report_targets, write_json
 
 from kvpolicy.clock import ManualClock
 from kvpolicy.errors import CapacityError
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presets", default="chat,agent,mixed")
     ap.add_argument("--seed", type=int, default=101)
     ap.add_argument("--json", default=None)
+    add_check_flag(ap)
     args = ap.parse_args(argv)
     rows, out = [], []
     for name in args.presets.split(","):
@@ -115,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     print("token hit ratio (%), [share of the LRU -> Belady gap closed]\n")
     print_table(["trace", "capacity", "lru", "adaptive", "continuation-oracle", "belady"], rows)
     print(f"\nwrote {write_json('bench_continuation_bound', {'runs': out}, args.json)}")
-    return 0
+    # correctness: Belady bounds every policy here, the oracle-told LRU included
+    ok = all(max(v for k, v in r["token_hit_points"].items() if k != "belady") <= r["token_hit_points"]["belady"] + 1e-9 for r in out)
+    return report_targets({"belady bounds every policy": ok}, args.check)
 
 
 if __name__ == "__main__":

@@ -242,3 +242,19 @@ def test_structure_aware_knobs_are_validated():
         with pytest.raises(ConfigError) as e:
             StructureAwarePublish(**kw)
         assert e.value.field == field
+
+
+def test_the_docs_publish_page_examples_run_and_print_what_they_say(capsys):
+    """Every runnable python block of docs/publish.md (those that import kvpolicy; the others are signatures) runs, and
+    each ``print(...)   # expected`` prints what its comment says."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "publish.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", doc, flags=re.S) if "from kvpolicy" in b]
+    assert len(blocks) >= 2
+    for i, block in enumerate(blocks):
+        expected = [m.group(1).split(":")[0].strip() for m in re.finditer(r"^print\(.*\)\s+#\s*(.+)$", block, flags=re.M)]
+        exec(compile(block, f"docs/publish.md block {i}", "exec"), {})
+        printed = capsys.readouterr().out.splitlines()
+        assert [line.strip() for line in printed] == expected, (i, printed, expected)
