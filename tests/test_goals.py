@@ -10,6 +10,7 @@ from kvpolicy.errors import ConfigError
 from kvpolicy.eviction import replay
 from kvpolicy.eviction.bench import compare, eviction_goals, render
 from kvpolicy.publish_sim import publish_goals
+from kvpolicy.publish_sim import render as render_publish
 from kvpolicy.traces import generate, preset
 
 
@@ -157,3 +158,5 @@ def test_no_filter_beats_the_first_sighting_bound(trace, replicas):
         assert runs[name]["reread_bytes"] // block_bytes <= waiting
     assert runs["all"]["first_sighting_caught_blocks"] == fs["second_sighting_blocks"]
     assert runs["all"]["first_sighting_published_blocks"] == fs["blocks_seen"] == np.unique(trace.block_ids).size
+    text = render_publish(res)  # the report states the bound under each goal line whenever there is a second-sighting re-read
+    assert ("first sightings:" in text) == bool(fs["second_sighting_blocks"])
