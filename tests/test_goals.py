@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies_prefix import prefix_traces
+from strategies_prefix import chain_trace, prefix_traces
 
 from kvpolicy.errors import ConfigError
 from kvpolicy.eviction import replay
@@ -93,24 +93,13 @@ def test_the_publish_split_counts_only_the_second_half(trace):
         publish_bench(trace, ["all"], replicas=4, bytes_per_token=bpt, judge_from_request=-1)
 
 
-def _small_trace(requests, block_size=2):
-    from kvpolicy.traces import Trace
-
-    ids = np.asarray([b for r in requests for b in r], dtype=np.int64)
-    n = len(requests)
-    lens = np.asarray([len(r) for r in requests])
-    return Trace(arrival_s=np.arange(n, dtype=float), input_tokens=lens * block_size + 1, output_tokens=np.ones(n, np.int64),
-                 block_offsets=np.concatenate([[0], np.cumsum(lens)]), block_ids=ids,
-                 partial_block_ids=np.arange(n) + int(ids.max()) + 1, block_size_tokens=block_size)
-
-
 def test_first_sighting_bound_by_hand():
     from kvpolicy.publish_sim import first_sighting_bound
 
     # 2 replicas, round-robin (even requests on A, odd on B): r1 reads 0,1 (their 2nd sighting); r2 holds 0,1 and
     # reads 2; r3 holds 0 and creates 3; r4 holds 0,1,2 and creates 4; r5 holds 0,1,2 and reads 4; r6 holds 0, reads 3
     # and creates 5; r7 reads 5 — every re-read is a block's 2nd sighting, and every block is re-read
-    tr = _small_trace([[0, 1], [0, 1, 2], [0, 1, 2], [0, 3], [0, 1, 2, 4], [0, 1, 2, 4], [0, 3, 5], [5]])
+    tr = chain_trace([[0, 1], [0, 1, 2], [0, 1, 2], [0, 3], [0, 1, 2, 4], [0, 1, 2, 4], [0, 3, 5], [5]])
     fs = first_sighting_bound(tr, replicas=2)
     assert fs["oracle_reread_blocks"] == 2 + 1 + 1 + 1 + 1  # r1: 0,1; r2: 2; r5: 4; r6: 3; r7: 5
     assert fs["second_sighting_rereads"] == 6 and fs["second_sighting_blocks"] == 6
@@ -119,12 +108,12 @@ def test_first_sighting_bound_by_hand():
     assert fs["needed_first_sighting_catches"] == 6  # ceil(0.85 * 6 = 5.1)
     assert fs["precision_needed"] == pytest.approx(0.85 * 6 / (1.3 * 6))
     # 3 replicas: r1 (B) reads 0,1 at their 2nd sighting, r3 (A again) holds them; add a reader on C at the 3rd sighting
-    fs2 = first_sighting_bound(_small_trace([[0, 1], [0, 1], [2], [0, 1], [3], [0, 1]]), replicas=3)
+    fs2 = first_sighting_bound(chain_trace([[0, 1], [0, 1], [2], [0, 1], [3], [0, 1]]), replicas=3)
     assert fs2["oracle_reread_blocks"] == 4 and fs2["second_sighting_rereads"] == 2
     assert fs2["waiting_share_max"] == 0.5 and fs2["recall_needed"] == pytest.approx((0.85 * 4 - 2) / 2)
     # 2 replicas: 0,1's second sighting is on their own replica; their first re-read is the third sighting — a
     # filter that waits for a second sighting gets it, and the goal asks nothing of a first sighting
-    fs3 = first_sighting_bound(_small_trace([[0, 1], [2], [0, 1], [0, 1]]), replicas=2)
+    fs3 = first_sighting_bound(chain_trace([[0, 1], [2], [0, 1], [0, 1]]), replicas=2)
     assert fs3["oracle_reread_blocks"] == 2 and fs3["second_sighting_rereads"] == 0 and fs3["waiting_share_max"] == 1.0
     assert fs3["needed_first_sighting_catches"] == 0 and fs3["precision_needed"] == 0.0
     with pytest.raises(ConfigError, match="share"):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from strategies_prefix import flat_trace, prefix_traces
+from strategies_prefix import chain_trace, flat_trace, prefix_traces
 from kvpolicy.clock import ManualClock
 from kvpolicy.errors import ConfigError
 from kvpolicy.eviction import AdaptivePolicy, HitDensityPolicy, replay
@@ -148,23 +148,12 @@ def test_it_learns_to_keep_a_reused_class_through_a_scan():
     assert lru == 0 and unlearned == 0 and hd > 0.2 * 3000, (lru, unlearned, hd)
 
 
-def _trace(requests, block_size=2):
-    from kvpolicy.traces import Trace
-
-    ids = np.asarray([b for r in requests for b in r], dtype=np.int64)
-    n = len(requests)
-    lens = np.asarray([len(r) for r in requests])
-    return Trace(arrival_s=np.arange(n, dtype=float), input_tokens=lens * block_size + 1, output_tokens=np.ones(n, np.int64),
-                 block_offsets=np.concatenate([[0], np.cumsum(lens)]), block_ids=ids,
-                 partial_block_ids=np.arange(n) + int(ids.max()) + 1, block_size_tokens=block_size)
-
-
 @pytest.mark.parametrize("policy", ["hit-density", "adaptive"])
 @pytest.mark.parametrize("seed", range(8))
 def test_a_pinned_parent_whose_last_child_is_evicted_is_not_a_candidate(policy, seed):
     # request 2 hits a (pinned) and must evict a's other child c to insert b: a is childless for a moment but
     # pinned, so it must not become an eviction candidate; later requests then need victims among a's subtree
-    tr = _trace([[0, 2], [0, 1], [3], [4], [0, 1], [5], [6]])
+    tr = chain_trace([[0, 2], [0, 1], [3], [4], [0, 1], [5], [6]])
     online = replay(tr, policy, 2, record_victims=True, seed=seed)
     kernel = replay_kernel(tr, policy, 2, seed=seed)
     assert np.array_equal(online.hits, kernel.hits) and online.victims == kernel.victims.tolist()
