@@ -18,8 +18,10 @@ import math
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
+
 from .analysis.replicas import replica_view, route
-from ._validate import check_split
+from ._validate import check_positive_number, check_probability, check_split
 from .errors import ConfigError
 from .profile import PrefillModel
 from .publish import PublishRequest, make_filter
@@ -159,8 +161,6 @@ def _sightings(trace: Any, rep: Any) -> tuple[Any, Any, int]:
     pool holding every block seen before: the prefix beyond the replica's own, up to the first block never seen),
     and ``s`` whether one of them is its second sighting (the request right after the one that created it); and how
     many distinct full blocks the trace has."""
-    import numpy as np
-
     n = max(trace.num_block_ids, 1)
     r = np.zeros(n, dtype=np.int64)
     s = np.zeros(n, dtype=np.bool_)
@@ -202,10 +202,10 @@ def first_sighting_bound(trace: Any, *, replicas: int = 8, routing: str = "round
     Compared with the base rate |S| / (blocks ever seen), that is the lift over a blind guess any first-sighting
     predictor must reach — a bound, not an estimate: it assumes every other decision perfect.
     """
-    if not 0 < share <= 1:
-        raise ConfigError("share", f"must be in (0, 1], got {share!r}")
-    if written_over_oracle <= 0:
-        raise ConfigError("written_over_oracle", f"must be positive, got {written_over_oracle!r}")
+    check_probability("share", share)
+    if share == 0:
+        raise ConfigError("share", "must be in (0, 1], got 0")
+    check_positive_number("written_over_oracle", written_over_oracle)
     rep = route(trace, replicas, routing, seed=seed)  # type: ignore[arg-type]
     r, s, seen = _sightings(trace, rep)
     out = {"source": trace.source, "replicas": replicas, "routing": routing}
