@@ -149,3 +149,49 @@ def test_no_filter_beats_the_first_sighting_bound(trace, replicas):
     assert runs["all"]["first_sighting_published_blocks"] == fs["blocks_seen"] == np.unique(trace.block_ids).size
     text = render_publish(res)  # the report states the bound under each goal line whenever there is a second-sighting re-read
     assert ("first sightings:" in text) == bool(fs["second_sighting_blocks"])
+
+
+def test_reuse_gaps_by_hand_and_against_a_loop():
+    from kvpolicy.eviction.bench import reuse_gap_s
+
+    tr = chain_trace([[0, 1], [2], [0, 1], [0, 3], [2]])  # request i arrives at i s
+    got = reuse_gap_s(tr)
+    assert np.array_equal(np.isnan(got), [True, True, True, False, False, False, True, False])
+    assert got[~np.isnan(got)].tolist() == [2.0, 2.0, 1.0, 3.0]
+
+
+@settings(max_examples=30, deadline=None)
+@given(prefix_traces(max_requests=25))
+def test_reuse_gaps_match_a_plain_loop(trace):
+    from kvpolicy.eviction.bench import reuse_gap_s
+
+    t = trace.arrival_s[trace.request_of_block_ref()]
+    last, want = {}, []
+    for i, b in enumerate(trace.block_ids.tolist()):
+        want.append(t[i] - last[b] if b in last else np.nan)
+        last[b] = t[i]
+    np.testing.assert_array_equal(reuse_gap_s(trace), np.asarray(want, dtype=float))
+
+
+def test_where_the_gap_is():
+    from kvpolicy.eviction.bench import gap_where, reuse_gap_s
+
+    tr = chain_trace([[0, 1], [2], [0, 1], [0, 3], [2]])  # 8 references over 4 s
+    lru = np.array([0, 0, 0, 1, 0, 1, 0, 0], dtype=bool)     # 6 misses inserted into 2 blocks: ~2 x 4 / 6 s each
+    bel = np.array([0, 0, 0, 1, 1, 1, 0, 1], dtype=bool)     # extra hits: refs 4 (gap 2 s) and 7 (gap 3 s)
+    w = gap_where(tr, 2, lru, bel, reuse_gap_s(tr))
+    assert w["lru_lifetime_s"] == pytest.approx(2 * 4 / 6) and w["extra_hits"] == 2
+    assert w["extra_reuse_gap_s"]["p50"] == pytest.approx(2.5)
+    assert gap_where(tr, 6, lru, bel, reuse_gap_s(tr))["lru_lifetime_s"] is None  # never evicted: no residency
+    assert gap_where(tr, 2, lru, bel, reuse_gap_s(tr), r0=6)["extra_hits"] == 1     # only scored references
+
+
+def test_evict_bench_says_where_the_gap_is():
+    trace = generate(preset("chat", seed=5))
+    distinct = int(np.unique(trace.block_ids).size)
+    res = compare(trace, ["adaptive"], [distinct // 64, distinct // 2])
+    assert [w["capacity_blocks"] for w in res["gap_where"]] == [distinct // 64, distinct // 2]
+    text = render(res)
+    wide = [g["capacity_blocks"] for g in res["goals"] if g["gap_goal"] is not None]
+    assert wide and all(f"@ {c:,} blocks: LRU keeps a block" in text for c in wide)
+    assert f"@ {distinct // 2:,} blocks: LRU keeps" not in text  # no gap worth explaining there

@@ -41,16 +41,20 @@ def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, by
         distinct = max(int(np.unique(trace.block_ids).size), 1)
         ceiling = int(replay_kernel(trace, "lru", distinct).hits[r0:].sum())
     names = list(dict.fromkeys([*policies, *GOAL_CLASSICS, "belady"]))
+    since_s = reuse_gap_s(trace)
     refs = max(trace.block_ids.size - r0, 1)
     B = trace.block_size_tokens
     total_tokens = max(int(trace.input_tokens[k:].sum()), 1)
-    results = []
+    results, where = [], []
     for cap in capacities_blocks:
         hits = {}
         for name in names:
             step(f"{name} @ {cap:,} blocks")
             r = replay_kernel(trace, name, cap) if name in KERNEL_POLICIES else replay(trace, name, cap)
             hits[name] = int(r.hits[r0:].sum())
+            if name in ("lru", "belady"):
+                hits["_" + name] = r.hits
+        where.append(gap_where(trace, cap, hits.pop("_lru"), hits.pop("_belady"), since_s, r0))
         lru, bel = hits["lru"], hits["belady"]
         for name in names:
             h = hits[name]
@@ -70,9 +74,43 @@ def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, by
         results.append({"policy": "infinite", "capacity_blocks": cap, "hit_blocks": ceiling, "block_hit_ratio": ceiling / refs,
                         "token_hit_ratio": ceiling * B / total_tokens, "gap_closed": None, "engine": "bound"})
     source = trace.source if k == 0 else f"{trace.source} — judged on requests {k:,}..{n_req - 1:,} (learned on the first {k:,})"
-    res = {"source": source, "block_refs": refs, "block_size_tokens": B, "judge_from_request": k, "results": results}
+    res = {"source": source, "block_refs": refs, "block_size_tokens": B, "judge_from_request": k, "results": results, "gap_where": where}
     res["goals"] = eviction_goals(res, [p for p in GOAL_POLICIES if p in names])
     return res
+
+
+def reuse_gap_s(trace: Any) -> Any:
+    """Per block reference: seconds since the same block's previous reference (NaN at its first)."""
+    import numpy as np
+
+    ids = trace.block_ids
+    t = trace.arrival_s[trace.request_of_block_ref()]
+    out = np.full(ids.size, np.nan)
+    if ids.size:
+        order = np.argsort(ids, kind="stable")  # by block, then by position in the trace
+        same = ids[order[1:]] == ids[order[:-1]]
+        out[order[1:][same]] = t[order[1:][same]] - t[order[:-1][same]]
+    return out
+
+
+def gap_where(trace: Any, capacity_blocks: int, lru_hits: Any, belady_hits: Any, since_s: Any, r0: int = 0) -> dict[str, Any]:
+    """Where the LRU -> Belady gap is at one capacity: how long LRU keeps a block (Little's law: capacity × trace
+    duration / blocks inserted — every full-block miss is inserted) and how long after their previous use the
+    references Belady hits and LRU misses come back (scored references only). When most come back later than LRU
+    keeps a block, the cache thrashes: only holding a chosen subset that long (or a bigger cache) gets them; when
+    they come back sooner, the gap is which blocks to keep. ``lru_lifetime_s`` is None where LRU never evicted."""
+    import numpy as np
+
+    inserted = int(lru_hits.size - lru_hits.sum())
+    duration_s = float(trace.arrival_s[-1] - trace.arrival_s[0]) if len(trace) else 0.0
+    # only a cache that filled and evicted has a residency to speak of
+    lifetime = capacity_blocks * duration_s / inserted if inserted > capacity_blocks and duration_s > 0 else None
+    extra = belady_hits[r0:] & ~lru_hits[r0:]
+    gaps = since_s[r0:][extra]
+    gaps = gaps[~np.isnan(gaps)]
+    q = np.percentile(gaps, [10, 50, 90]).tolist() if gaps.size else None
+    return {"capacity_blocks": capacity_blocks, "lru_lifetime_s": lifetime, "extra_hits": int(extra.sum()),
+            "extra_reuse_gap_s": None if q is None else {"p10": q[0], "p50": q[1], "p90": q[2]}}
 
 
 #: the classics a kvpolicy eviction policy must not fall behind, and the policies judged against the goals (issue #20)
@@ -141,4 +179,20 @@ def render(res: dict[str, Any]) -> str:
             cls = (f"{'PASS' if g['classic_goal'] else 'MISS'} {g['policy_points']:.2f}% vs {g['best_classic']} {g['best_classic_points']:.2f}% "
                    f"({-g['deficit_points']:+.2f} points)")
             lines.append(f"  {g['policy']} @ {g['capacity_blocks']:,} blocks: gap {gap}; best classic {cls}")
+    wide = {g["capacity_blocks"] for g in res.get("goals") or [] if g["gap_goal"] is not None}
+    rows = [w for w in res.get("gap_where") or [] if w["capacity_blocks"] in wide and w["extra_reuse_gap_s"] and w["lru_lifetime_s"]]
+    if rows:
+        lines += ["", "where the gap is: how long LRU keeps a block (capacity x duration / blocks inserted) and when the references "
+                      "Belady hits and LRU misses come back (p10 / p50 / p90 since their previous use)"]
+        for w in rows:
+            q = w["extra_reuse_gap_s"]
+            x = q["p50"] / w["lru_lifetime_s"]
+            why = ("most come back after LRU has let them go: holding a chosen subset that long, or a bigger cache, gets them"
+                   if x > 1.0 else "most come back while LRU still holds a block: the gap is which blocks to keep")
+            lines.append(f"  @ {w['capacity_blocks']:,} blocks: LRU keeps a block ~{_dur(w['lru_lifetime_s'])}; Belady's {w['extra_hits']:,} extra "
+                         f"hits come back after {_dur(q['p10'])} / {_dur(q['p50'])} / {_dur(q['p90'])} ({x:.1f}x) — {why}")
     return "\n".join(lines)
+
+
+def _dur(s: float) -> str:
+    return f"{s:.0f} s" if s >= 10 else f"{s:.2g} s"
