@@ -195,3 +195,4 @@ def test_evict_bench_says_where_the_gap_is():
     wide = [g["capacity_blocks"] for g in res["goals"] if g["gap_goal"] is not None]
     assert wide and all(f"@ {c:,} blocks: LRU keeps a block" in text for c in wide)
     assert f"@ {distinct // 2:,} blocks: LRU keeps" not in text  # no gap worth explaining there
+    assert f"@ {distinct // 64:,} blocks: LRU keeps a block" in render(compare(trace, ["lru"], [distinct // 64]))  # no goal policy ran

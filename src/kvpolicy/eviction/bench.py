@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ..analysis import PrefixMRC
 from .._validate import check_split
 from ..errors import ConfigError
@@ -36,8 +38,6 @@ def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, by
     if k == 0:
         ceiling = PrefixMRC.from_trace(trace).ceiling_blocks
     else:  # the infinite cache over the whole trace, scored on the judged part
-        import numpy as np
-
         distinct = max(int(np.unique(trace.block_ids).size), 1)
         ceiling = int(replay_kernel(trace, "lru", distinct).hits[r0:].sum())
     names = list(dict.fromkeys([*policies, *GOAL_CLASSICS, "belady"]))
@@ -81,8 +81,6 @@ def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, by
 
 def reuse_gap_s(trace: Any) -> Any:
     """Per block reference: seconds since the same block's previous reference (NaN at its first)."""
-    import numpy as np
-
     ids = trace.block_ids
     t = trace.arrival_s[trace.request_of_block_ref()]
     out = np.full(ids.size, np.nan)
@@ -99,8 +97,6 @@ def gap_where(trace: Any, capacity_blocks: int, lru_hits: Any, belady_hits: Any,
     references Belady hits and LRU misses come back (scored references only). When most come back later than LRU
     keeps a block, the cache thrashes: only holding a chosen subset that long (or a bigger cache) gets them; when
     they come back sooner, the gap is which blocks to keep. ``lru_lifetime_s`` is None where LRU never evicted."""
-    import numpy as np
-
     inserted = int(lru_hits.size - lru_hits.sum())
     duration_s = float(trace.arrival_s[-1] - trace.arrival_s[0]) if len(trace) else 0.0
     # only a cache that filled and evicted has a residency to speak of
@@ -179,7 +175,8 @@ def render(res: dict[str, Any]) -> str:
             cls = (f"{'PASS' if g['classic_goal'] else 'MISS'} {g['policy_points']:.2f}% vs {g['best_classic']} {g['best_classic_points']:.2f}% "
                    f"({-g['deficit_points']:+.2f} points)")
             lines.append(f"  {g['policy']} @ {g['capacity_blocks']:,} blocks: gap {gap}; best classic {cls}")
-    wide = {g["capacity_blocks"] for g in res.get("goals") or [] if g["gap_goal"] is not None}
+    wide = {c for c in caps if ("lru", c) in by and ("belady", c) in by
+            and 100 * (by[("belady", c)]["token_hit_ratio"] - by[("lru", c)]["token_hit_ratio"]) >= GOAL_MIN_GAP_POINTS}
     rows = [w for w in res.get("gap_where") or [] if w["capacity_blocks"] in wide and w["extra_reuse_gap_s"] and w["lru_lifetime_s"]]
     if rows:
         lines += ["", "where the gap is: how long LRU keeps a block (capacity x duration / blocks inserted) and when the references "
