@@ -61,7 +61,13 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
     kw = {"block_bytes": block_bytes, "recompute_s": block_recompute_s(prefill, B), "write_bytes_per_s": write_bytes_per_s,
           "cross_replica_share": (replicas - 1) / replicas if routing != "prefix-affinity" else 0.1}
     r_all, in_s, n_seen = _sightings(trace, rep)
-    s_list = in_s.tolist()
+    # per reference: 1 where a block first appears and is re-read at its 2nd sighting, 0 where it first appears
+    # otherwise, -1 elsewhere — the same for every filter, so computed once
+    first_at = np.full(len(ids), -1, dtype=np.int64)
+    if ids:
+        _, first_ref = np.unique(trace.block_ids, return_index=True)
+        first_at[first_ref] = in_s[trace.block_ids[first_ref]]
+    first_at = first_at.tolist()
     runs = []
     for spec in policies:
         step(spec)
@@ -69,7 +75,6 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
         local = [set() for _ in range(replicas)]
         pool: OrderedDict[int, list[Any]] = OrderedDict()  # block -> [read since written, counted (written at r >= k)]
         written = reread = wasted = 0
-        seen: set[int] = set()
         first_pub = first_caught = 0  # blocks published by the request that first saw them; of those, re-read at their 2nd sighting (oracle)
         for r in range(len(trace)):
             p = int(rep[r])
@@ -93,10 +98,12 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
                                  replica=str(p), reused_blocks=j - s)
             f.observe(req, blocks)
             n = f.publishable(req, blocks)
+            if r >= k:
+                for flag in first_at[s:s + n]:
+                    if flag >= 0:
+                        first_pub += 1
+                        first_caught += flag
             for b in blocks[:n]:
-                if b not in seen and r >= k:
-                    first_pub += 1
-                    first_caught += s_list[b]
                 if b in pool:
                     pool.move_to_end(b)
                     continue
@@ -105,7 +112,6 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
                 if pool_capacity_blocks is not None and len(pool) > pool_capacity_blocks:
                     _, (was_read, counted) = pool.popitem(last=False)
                     wasted += counted and not was_read
-            seen.update(blocks)
         wasted += sum(1 for was_read, counted in pool.values() if counted and not was_read)
         runs.append({"policy": spec, "blocks_written": written, "bytes_written": written * block_bytes, "reread_bytes": reread * block_bytes,
                      "wasted_write_bytes": wasted * block_bytes, "reread_per_written_byte": (reread / written) if written else None,

@@ -47,14 +47,14 @@ def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, by
     total_tokens = max(int(trace.input_tokens[k:].sum()), 1)
     results, where = [], []
     for cap in capacities_blocks:
-        hits = {}
+        hits, per_ref = {}, {}
         for name in names:
             step(f"{name} @ {cap:,} blocks")
             r = replay_kernel(trace, name, cap) if name in KERNEL_POLICIES else replay(trace, name, cap)
             hits[name] = int(r.hits[r0:].sum())
             if name in ("lru", "belady"):
-                hits["_" + name] = r.hits
-        where.append(gap_where(trace, cap, hits.pop("_lru"), hits.pop("_belady"), since_s, r0))
+                per_ref[name] = r.hits
+        where.append(gap_where(trace, cap, per_ref["lru"], per_ref["belady"], since_s, r0))
         lru, bel = hits["lru"], hits["belady"]
         for name in names:
             h = hits[name]
