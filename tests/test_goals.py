@@ -196,3 +196,37 @@ def test_evict_bench_says_where_the_gap_is():
     assert wide and all(f"@ {c:,} blocks: LRU keeps a block" in text for c in wide)
     assert f"@ {distinct // 2:,} blocks: LRU keeps" not in text  # no gap worth explaining there
     assert f"@ {distinct // 64:,} blocks: LRU keeps a block" in render(compare(trace, ["lru"], [distinct // 64]))  # no goal policy ran
+
+
+def _bench_goals():
+    """benchmarks/bench_goals.py, the script behind docs/benchmarks.md's #20 scoreboard (imported by path)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))  # its _common helper
+    try:
+        spec = importlib.util.spec_from_file_location("bench_goals", bench / "bench_goals.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(bench))
+    return mod
+
+
+def test_the_goal_scoreboard_counts_what_the_goal_lines_say():
+    mod = _bench_goals()
+    ev = eviction_goals({"results": _res({"lru": 40, "arc": 41, "s3fifo": 40, "belady": 60, "adaptive": 46.0}, cap=10)["results"]
+                         + _res({"lru": 40, "arc": 47.1, "s3fifo": 40, "belady": 60, "adaptive": 46.0}, cap=20)["results"]
+                         + _res({"lru": 40, "arc": 40, "s3fifo": 40, "belady": 44.9, "adaptive": 38.0}, cap=30)["results"]}, ["adaptive"])
+    pub = [g for g in [publish_goals(_runs(**{"structure-aware": (90, 120), "threshold-2": (70, 100)}), "structure-aware"),
+                       publish_goals(_runs(**{"structure-aware": (90, 140), "threshold-2": (70, 100)}), "structure-aware")]]
+    runs = [{"what": "evict", "trace": "t", "goals": ev}, {"what": "publish", "trace": "t", "goals": pub[:1]},
+            {"what": "publish", "trace": "u", "goals": pub[1:]}]
+    board = mod.scoreboard(runs)
+    # gap goal: PASS at 10, PASS at 20, n/a at 30; classic: PASS, MISS (1.1 below ARC), MISS (2 below LRU)
+    assert board == {"adaptive": {"gap_goal": [2, 2], "classic_goal": [1, 3]}, "structure-aware": {"publish_goal": [1, 2]}}
+    md = mod.markdown(runs)
+    assert "| t | 20 | +30% of 20.0 pts — **PASS** | 46.00 % vs arc 47.10 % (-1.10) — **MISS** |" in md
+    assert "| u | structure-aware | 90.0% | 1.40× | 2 no | **MISS** |" in md
