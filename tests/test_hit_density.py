@@ -112,6 +112,42 @@ def test_kernel_makes_the_online_decisions_while_learning(policy, tr, cap, seed)
     assert online.stats == kernel.stats  # the duel's mistake counts, to the last bit
 
 
+@pytest.mark.parametrize("expert", AdaptivePolicy.EXPERTS)
+@settings(max_examples=40, deadline=None)
+@given(tr=prefix_traces(max_requests=40), cap=st.integers(0, 14), seed=st.integers(0, 2**64 - 1))
+def test_a_pinned_expert_executes_every_eviction_and_the_kernel_agrees(expert, tr, cap, seed):
+    online = replay(tr, "adaptive", cap, record_victims=True, seed=seed, expert=expert, **FAST)
+    kernel = replay_kernel(tr, "adaptive", cap, seed=seed, expert=expert, **FAST)
+    assert np.array_equal(online.hits, kernel.hits) and online.victims == kernel.victims.tolist()
+    assert online.stats == kernel.stats
+    assert online.stats["evictions_by_expert"] == {q: (len(online.victims) if q == expert else 0) for q in AdaptivePolicy.EXPERTS}
+    if expert == "hit-density":  # pinned to density, the duel only watches: hit density's own decisions, victim for victim
+        alone = replay(tr, "hit-density", cap, record_victims=True, seed=seed, **FAST)
+        assert alone.victims == online.victims and np.array_equal(alone.hits, online.hits)
+        assert replay_kernel(tr, "hit-density", cap, seed=seed, **FAST).victims.tolist() == online.victims
+
+
+@settings(max_examples=40, deadline=None)
+@given(tr=prefix_traces(max_requests=40), cap=st.integers(0, 14))
+def test_the_duel_counts_every_eviction_once_by_the_expert_that_made_it(tr, cap):
+    r = replay(tr, "adaptive", cap, record_victims=True, **FAST)
+    assert sum(r.stats["evictions_by_expert"].values()) == len(r.victims)
+
+
+def test_unknown_options_name_the_option():
+    tr = flat_trace(np.array([0, 1, 2, 0]))
+    for run in (replay, replay_kernel):
+        with pytest.raises(ConfigError) as e:
+            run(tr, "hit-density", 2, expert="lru")  # only the duel has experts
+        assert e.value.field == "expert" and "no such option" in str(e.value)
+        with pytest.raises(ConfigError) as e:
+            run(tr, "adaptive", 2, expert="arc")
+        assert e.value.field == "expert" and "hit-density, lru, lfu" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        replay(tr, "lru", 2, samples=4)
+    assert e.value.field == "samples"
+
+
 @pytest.mark.parametrize("cls", [HitDensityPolicy, AdaptivePolicy])
 def test_kernel_and_online_agree_over_many_reconfigurations(cls):
     rng = np.random.default_rng(11)

@@ -270,15 +270,24 @@ class AdaptivePolicy(HitDensityPolicy):
     unless another expert made fewer mistakes by more than two standard deviations (Poisson counts); then the one
     with the fewest does. No constant of its own: the window and the decay are the hit-density policy's, the
     two-sigma test is a convention. The kernel runs the same duel (``replay_kernel(trace, "adaptive", ...)``).
+
+    ``expert`` pins the executing expert (``"hit-density"``, ``"lru"`` or ``"lfu"``; default ``None``: the duel picks)
+    while every expert is still judged — a diagnostic: what each expert does alone, and how the judge sees the others
+    in the cache that expert shapes. Pinned to hit density it evicts exactly what :class:`HitDensityPolicy` does.
+    ``evictions_by_expert`` counts the evictions each expert executed.
     """
 
     name = "adaptive"
     duel = True
     EXPERTS = ("hit-density", "lru", "lfu")
 
-    def __init__(self, capacity_bytes: int, **kw: Any) -> None:
+    def __init__(self, capacity_bytes: int, *, expert: str | None = None, **kw: Any) -> None:
+        if expert is not None and expert not in self.EXPERTS:
+            raise ConfigError("expert", f"must be one of {', '.join(self.EXPERTS)} (or None: the duel picks), got {expert!r}")
         super().__init__(capacity_bytes, **kw)
+        self.expert = expert
         self.mistakes = [0.0, 0.0, 0.0]
+        self.evictions_by_expert = [0, 0, 0]
         # key -> per expert: [evicted bytes at its latest proposal of the block (None: never), decisions that proposed it]
         self._proposals: dict[Hashable, list[list[Any]]] = {}
 
@@ -294,7 +303,8 @@ class AdaptivePolicy(HitDensityPolicy):
         return self.EXPERTS[lead]
 
     def _duel_choice(self, density: Node, lru: Node, lfu: Node) -> Node:
-        leader = self.leader  # read before this decision's proposals are recorded (they cannot change it, but be plain)
+        leader = self.expert or self.leader  # read before this decision's proposals are recorded (they cannot change it, but be plain)
+        self.evictions_by_expert[self.EXPERTS.index(leader)] += 1
         for q, node in enumerate((density, lru, lfu)):
             rec = self._proposals.get(node.key)
             if rec is None:

@@ -1143,7 +1143,7 @@ GHOST_COUNT = (9, 10, 12)
 
 
 @nb.njit(cache=True)
-def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, I, F, W, arrival, samples, nbins, span, interval, decay, seed, duel, mistakes):
+def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, I, F, W, arrival, samples, nbins, span, interval, decay, seed, duel, pin, mistakes, executed):
     """:class:`~kvpolicy.eviction.hit_density.HitDensityPolicy`, decision for decision.
 
     Per block (its record, below): last use (s), hits and child inserts this residency, resident children, parent,
@@ -1170,8 +1170,9 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
     E = np.zeros((8, nbins))
     D = np.zeros((8, nbins))
     X = np.zeros(8)  # per class: bins past the last one, summed over the events that fell there
-    for q in range(3):  # the caller's array: read back after the replay
+    for q in range(3):  # the caller's arrays: read back after the replay
         mistakes[q] = 0.0
+        executed[q] = 0
     nc = 0
     used = 0
     nv = 0
@@ -1276,9 +1277,13 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                 if duel:  # the expert with the fewest recent mistakes evicts; every expert's proposal is marked
                     bh = bi
                     lead = 0  # hit density, unless another expert erred less by two standard deviations (Poisson counts)
-                    for q in (1, 2):
-                        if mistakes[0] - mistakes[q] > 2.0 * np.sqrt(mistakes[0] + mistakes[q]) and (lead == 0 or mistakes[q] < mistakes[lead]):
-                            lead = q
+                    if pin >= 0:  # AdaptivePolicy(expert=...): the executing expert is pinned, the judging goes on
+                        lead = pin
+                    else:
+                        for q in (1, 2):
+                            if mistakes[0] - mistakes[q] > 2.0 * np.sqrt(mistakes[0] + mistakes[q]) and (lead == 0 or mistakes[q] < mistakes[lead]):
+                                lead = q
+                    executed[lead] += 1
                     if lead == 1:
                         bi = bl
                     elif lead == 2:
@@ -1472,15 +1477,21 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
         if n_ids >= 2**31 - 1 or ids.size >= 2**31 - 1:
             raise ConfigError("trace", f"the {policy} kernel replays fewer than 2**31 distinct blocks and block references, got {n_ids:,} and {ids.size:,}; use replay()")
         from .hit_density import AdaptivePolicy, HitDensityPolicy
+        from .replay import check_options
 
-        p = (HitDensityPolicy if policy == "hit-density" else AdaptivePolicy)(capacity_blocks, **kw)  # validates the knobs as online
+        cls = HitDensityPolicy if policy == "hit-density" else AdaptivePolicy
+        check_options(cls, policy, kw)
+        p = cls(capacity_blocks, **kw)  # validates the knobs as online
         arrival = np.ascontiguousarray(trace.arrival_s, dtype=np.float64)
         mistakes = np.zeros(3)
+        executed = np.zeros(3, np.int64)
+        pin = AdaptivePolicy.EXPERTS.index(p.expert) if getattr(p, "expert", None) else -1
         rec_i, rec_f, rec_w = _hd_records(n_ids)
         nv = hit_density_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims, rec_i, rec_f, rec_w, arrival, p.samples, p.bins, p.span,
-                                p.interval, p.decay, np.uint64(p._rng), p.duel, mistakes)
+                                p.interval, p.decay, np.uint64(p._rng), p.duel, pin, mistakes, executed)
         if policy == "adaptive":
-            stats = {"mistakes": dict(zip(AdaptivePolicy.EXPERTS, mistakes.tolist()))}
+            stats = {"mistakes": dict(zip(AdaptivePolicy.EXPERTS, mistakes.tolist())),
+                     "evictions_by_expert": dict(zip(AdaptivePolicy.EXPERTS, executed.tolist()))}
     else:
         if ids.size >= 2**31 - 1:
             raise ConfigError("trace", f"the Belady kernel replays fewer than 2**31 block references, got {ids.size:,}; use replay()")

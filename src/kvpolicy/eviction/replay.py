@@ -17,6 +17,7 @@ are tested against it decision for decision.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import attrs
@@ -32,8 +33,35 @@ from .reuse_distance import ReuseDistancePolicy
 ALL_POLICIES = ("lru", "fifo", "lfu", "ttl", "s3fifo", "sieve", "arc", "gdsf", "reuse-distance", "hit-density", "adaptive", "belady", "belady-bypass")
 
 
+def policy_options(cls: type) -> set[str]:
+    """The keyword options ``cls(capacity, ...)`` takes: its ``__init__``'s named parameters, and its bases' where it
+    passes ``**kw`` on."""
+    names: set[str] = set()
+    for k in cls.__mro__:
+        init = k.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = list(inspect.signature(init).parameters.values())[2:]  # past self and the capacity
+        names |= {q.name for q in params if q.kind in (q.KEYWORD_ONLY, q.POSITIONAL_OR_KEYWORD)}
+        if not any(q.kind == q.VAR_KEYWORD for q in params):
+            break
+    return names
+
+
+def check_options(cls: type, name: str, kw: dict[str, Any]) -> None:
+    """A clear error naming an option ``name``'s policy does not take (not a TypeError from deep inside)."""
+    allowed = policy_options(cls)
+    for k in kw:
+        if k not in allowed:
+            raise ConfigError(k, f"the {name} policy takes no such option; its options: {', '.join(sorted(allowed)) or 'none'}")
+
+
 def make_policy(name: str, capacity_bytes: int, *, trace: Any = None, clock: ManualClock | None = None, **kw: Any) -> EvictionPolicy:
     clock = clock or ManualClock()
+    cls = {"reuse-distance": ReuseDistancePolicy, "hit-density": HitDensityPolicy, "adaptive": AdaptivePolicy, "belady": BeladyPolicy,
+           "belady-bypass": BeladyPolicy}.get(name) or POLICIES.get(name)
+    if cls is not None:
+        check_options(cls, name, kw)
     if name == "reuse-distance":
         return ReuseDistancePolicy(capacity_bytes, clock=clock, **kw)
     if name == "hit-density":
@@ -59,7 +87,7 @@ class ReplayResult:
     victims: Any  # evicted keys in order: a list (online) or an int64 array (kernels)
     block_size_tokens: int
     total_input_tokens: int
-    #: what the policy learned, where it says (adaptive: each expert's decayed mistakes at the end)
+    #: what the policy learned, where it says (adaptive: each expert's decayed mistakes at the end, and the evictions each executed)
     stats: dict = attrs.field(factory=dict)
 
     @property
@@ -125,5 +153,6 @@ def replay(trace: Any, policy: EvictionPolicy | str, capacity_blocks: int | None
             j += 1
         for key in pinned:
             policy.unpin(key)
-    stats = {"mistakes": dict(zip(policy.EXPERTS, policy.mistakes))} if isinstance(policy, AdaptivePolicy) else {}
+    stats = ({"mistakes": dict(zip(policy.EXPERTS, policy.mistakes)), "evictions_by_expert": dict(zip(policy.EXPERTS, policy.evictions_by_expert))}
+             if isinstance(policy, AdaptivePolicy) else {})
     return ReplayResult(policy.name, capacity_blocks, hits, victims, trace.block_size_tokens, trace.total_input_tokens, stats)
