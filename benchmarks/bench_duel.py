@@ -1,0 +1,91 @@
+"""How ``adaptive``'s duel judges its experts, against what each expert does when it alone evicts.
+
+For each trace and capacity: the best of LRU/ARC/S3-FIFO; the free duel (token hit ratio, who executed its
+evictions); and the duel pinned to each expert (``AdaptivePolicy(expert=...)``): the hit ratio that expert gets alone,
+and the mistakes the judge counts for all three while it evicts. The judge picks the expert whose proposals are
+used again least often; those counts are taken in the cache the executing expert shapes, so they can favour an
+expert that does worse once it evicts (docs/eviction.md, "How the duel judges").
+
+    python benchmarks/bench_duel.py                          # mixed seeds 1, 101, 202 and the conversation trace
+    python benchmarks/bench_duel.py --presets rag --seeds 202 --fractions 64 --no-trace --judge-second-half
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+from _common import print_table, write_json
+
+from kvpolicy.eviction.hit_density import AdaptivePolicy
+from kvpolicy.eviction.kernels import replay_kernel
+from kvpolicy.traces import generate, preset, read_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERTS = AdaptivePolicy.EXPERTS
+
+
+def point(trace, cap: int, k: int) -> dict:
+    r0 = int(trace.block_offsets[k])
+    tokens = max(int(trace.input_tokens[k:].sum()), 1)
+
+    def pts(r) -> float:
+        return 100 * int(r.hits[r0:].sum()) * trace.block_size_tokens / tokens
+
+    classic = {p: pts(replay_kernel(trace, p, cap)) for p in ("lru", "arc", "s3fifo")}
+    best = max(classic, key=classic.get)
+    free = replay_kernel(trace, "adaptive", cap)
+    pinned = {q: replay_kernel(trace, "adaptive", cap, expert=q) for q in EXPERTS}
+    return {"capacity_blocks": cap, "best_classic": best, "best_classic_points": classic[best], "duel_points": pts(free),
+            "duel_evictions_by_expert": free.stats["evictions_by_expert"], "duel_mistakes": free.stats["mistakes"],
+            "pinned": {q: {"points": pts(r), "mistakes": r.stats["mistakes"]} for q, r in pinned.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", default="mixed")
+    ap.add_argument("--seeds", default="1,101,202")
+    ap.add_argument("--fractions", default="64,16", help="capacities as 1/N of the distinct blocks (default 64,16)")
+    ap.add_argument("--trace", default=str(ROOT / "data" / "mooncake_conversation_trace.jsonl.gz"))
+    ap.add_argument("--no-trace", action="store_true")
+    ap.add_argument("--judge-second-half", action="store_true", help="score only the second half's requests")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s]
+        fractions = [int(f) for f in args.fractions.split(",") if f]
+    except ValueError:
+        ap.error("--seeds and --fractions take comma-separated integers")
+    if any(f <= 0 for f in fractions):
+        ap.error("--fractions: positive integers")
+    jobs = [] if args.no_trace else [("conversation (Mooncake)", lambda: read_trace(args.trace))]
+    jobs += [(f"{p} seed {s}", lambda p=p, s=s: generate(preset(p, seed=s))) for p in args.presets.split(",") if p for s in seeds]
+    rows, out = [], []
+    for label, load in jobs:
+        trace = load()
+        k = len(trace) // 2 if args.judge_second_half else 0
+        distinct = max(int(np.unique(trace.block_ids).size), 1)
+        for f in fractions:
+            res = point(trace, max(distinct // f, 1), k)
+            res["trace"] = label + (", 2nd half" if k else "")
+            out.append(res)
+            ev = res["duel_evictions_by_expert"]
+            n = max(sum(ev.values()), 1)
+            row = [res["trace"], f"{res['capacity_blocks']:,} (1/{f})", f"{res['best_classic']} {res['best_classic_points']:.2f}",
+                   f"{res['duel_points']:.2f} ({'/'.join(f'{100 * ev[q] / n:.0f}' for q in EXPERTS)} %)"]
+            for q in EXPERTS:
+                m = res["pinned"][q]["mistakes"]
+                row.append(f"{res['pinned'][q]['points']:.2f} [{'/'.join(f'{m[e]:.0f}' for e in EXPERTS)}]")
+            rows.append(row)
+            print(f"  {res['trace']} 1/{f} done", file=sys.stderr, flush=True)
+    print("token hit ratio (%); the duel's evictions by hit-density/lru/lfu; pinned: the expert alone [the mistakes the judge counts "
+          "for hit-density/lru/lfu while it evicts]\n")
+    print_table(["trace", "capacity", "best classic", "duel (who evicted)", "pinned hit-density", "pinned lru", "pinned lfu"], rows)
+    print(f"\nwrote {write_json('bench_duel', {'points': out}, args.json)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
