@@ -227,3 +227,17 @@ def test_mistakes_are_counted_per_decision_and_only_within_the_window():
     p._judge("a")
     assert p.mistakes == [0.0, 3.0, 3.0]
     assert p._proposals == {}
+
+
+def test_the_docs_example_runs(capsys):
+    """docs/eviction/hit-density.md's example runs as printed; its pinned run is LFU's alone."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "eviction" / "hit-density.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", doc, flags=re.S) if "from kvpolicy" in b]
+    ns: dict = {}
+    exec(compile(block, "docs/eviction/hit-density.md", "exec"), ns)
+    ev = ns["alone"].stats["evictions_by_expert"]
+    assert ev["lfu"] > 0 and ev["hit-density"] == ev["lru"] == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3
