@@ -220,8 +220,8 @@ def test_the_goal_scoreboard_counts_what_the_goal_lines_say():
     ev = eviction_goals({"results": _res({"lru": 40, "arc": 41, "s3fifo": 40, "belady": 60, "adaptive": 46.0}, cap=10)["results"]
                          + _res({"lru": 40, "arc": 47.1, "s3fifo": 40, "belady": 60, "adaptive": 46.0}, cap=20)["results"]
                          + _res({"lru": 40, "arc": 40, "s3fifo": 40, "belady": 44.9, "adaptive": 38.0}, cap=30)["results"]}, ["adaptive"])
-    pub = [g for g in [publish_goals(_runs(**{"structure-aware": (90, 120), "threshold-2": (70, 100)}), "structure-aware"),
-                       publish_goals(_runs(**{"structure-aware": (90, 140), "threshold-2": (70, 100)}), "structure-aware")]]
+    pub = [publish_goals(_runs(**{"structure-aware": (90, 120), "threshold-2": (70, 100)}), "structure-aware"),
+           publish_goals(_runs(**{"structure-aware": (90, 140), "threshold-2": (70, 100)}), "structure-aware")]
     runs = [{"what": "evict", "trace": "t", "goals": ev}, {"what": "publish", "trace": "t", "goals": pub[:1]},
             {"what": "publish", "trace": "u", "goals": pub[1:]}]
     board = mod.scoreboard(runs)

@@ -146,6 +146,9 @@ def test_unknown_options_name_the_option():
     with pytest.raises(ConfigError) as e:
         replay(tr, "lru", 2, samples=4)
     assert e.value.field == "samples"
+    with pytest.raises(ConfigError) as e:
+        replay_kernel(tr, "adaptive", 2, clock=ManualClock())
+    assert e.value.field == "clock"
 
 
 @pytest.mark.parametrize("cls", [HitDensityPolicy, AdaptivePolicy])

@@ -1481,6 +1481,8 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
 
         cls = HitDensityPolicy if policy == "hit-density" else AdaptivePolicy
         check_options(cls, policy, kw)
+        if "clock" in kw:
+            raise ConfigError("clock", "the kernel runs on the trace's arrival times; a clock is for the online policy")
         p = cls(capacity_blocks, **kw)  # validates the knobs as online
         arrival = np.ascontiguousarray(trace.arrival_s, dtype=np.float64)
         mistakes = np.zeros(3)
