@@ -47,11 +47,12 @@ def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, by
     total_tokens = max(int(trace.input_tokens[k:].sum()), 1)
     results, where = [], []
     for cap in capacities_blocks:
-        hits, per_ref = {}, {}
+        hits, per_ref, stats = {}, {}, {}
         for name in names:
             step(f"{name} @ {cap:,} blocks")
             r = replay_kernel(trace, name, cap) if name in KERNEL_POLICIES else replay(trace, name, cap)
             hits[name] = int(r.hits[r0:].sum())
+            stats[name] = r.stats
             if name in ("lru", "belady"):
                 per_ref[name] = r.hits
         where.append(gap_where(trace, cap, per_ref["lru"], per_ref["belady"], since_s, r0))
@@ -67,6 +68,8 @@ def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, by
                 "gap_closed": (h - lru) / (bel - lru) if bel > lru else None,
                 "engine": "kernel" if name in KERNEL_POLICIES else "online",
             }
+            if "evictions_by_expert" in stats[name]:  # adaptive: who executed its evictions (over the whole replay)
+                row["evictions_by_expert"] = stats[name]["evictions_by_expert"]
             if bytes_per_token:
                 row["hit_bytes"] = h * B * bytes_per_token
                 row["byte_hit_ratio"] = row["token_hit_ratio"]  # bytes ∝ tokens for one model
@@ -175,6 +178,15 @@ def render(res: dict[str, Any]) -> str:
             cls = (f"{'PASS' if g['classic_goal'] else 'MISS'} {g['policy_points']:.2f}% vs {g['best_classic']} {g['best_classic_points']:.2f}% "
                    f"({-g['deficit_points']:+.2f} points)")
             lines.append(f"  {g['policy']} @ {g['capacity_blocks']:,} blocks: gap {gap}; best classic {cls}")
+    duel = [r for r in res["results"] if r.get("evictions_by_expert")]
+    if duel:
+        names = list(duel[0]["evictions_by_expert"])
+        lines += ["", f"who evicted ({' / '.join(names)}; share of the evictions over the whole replay)"]
+        for r in duel:
+            ev = r["evictions_by_expert"]
+            n = sum(ev.values())
+            shares = " / ".join(f"{100 * ev[q] / n:.0f}" for q in names) + " %" if n else "no evictions"
+            lines.append(f"  {r['policy']} @ {r['capacity_blocks']:,} blocks: {shares}")
     wide = {c for c in caps if ("lru", c) in by and ("belady", c) in by
             and 100 * (by[("belady", c)]["token_hit_ratio"] - by[("lru", c)]["token_hit_ratio"]) >= GOAL_MIN_GAP_POINTS}
     rows = [w for w in res.get("gap_where") or [] if w["capacity_blocks"] in wide and w["extra_reuse_gap_s"] and w["lru_lifetime_s"]]
