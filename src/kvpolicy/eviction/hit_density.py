@@ -294,7 +294,8 @@ class AdaptivePolicy(HitDensityPolicy):
     @property
     def leader(self) -> str:
         """Hit density, unless another expert made fewer mistakes by more than two standard deviations of the
-        difference (mistake counts taken as Poisson: sd = sqrt(m_density + m_other)); then the one with the fewest."""
+        difference (mistake counts taken as Poisson: sd = sqrt(m_density + m_other)); then the one with the fewest.
+        The judge's pick: with ``expert`` pinned, that expert evicts whatever this says."""
         m = self.mistakes
         lead = 0
         for q in (1, 2):
