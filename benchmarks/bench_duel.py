@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _common import print_table, write_json
+from _common import add_check_flag, print_table, report_targets, write_json
 
 from kvpolicy.eviction.hit_density import AdaptivePolicy
 from kvpolicy.eviction.kernels import replay_kernel
@@ -38,7 +38,8 @@ def point(trace, cap: int, k: int) -> dict:
     best = max(classic, key=classic.get)
     free = replay_kernel(trace, "adaptive", cap)
     pinned = {q: replay_kernel(trace, "adaptive", cap, expert=q) for q in EXPERTS}
-    return {"capacity_blocks": cap, "best_classic": best, "best_classic_points": classic[best], "duel_points": pts(free),
+    alone = replay_kernel(trace, "hit-density", cap)
+    return {"pinned_density_is_hit_density": bool(np.array_equal(alone.victims, pinned["hit-density"].victims)),"capacity_blocks": cap, "best_classic": best, "best_classic_points": classic[best], "duel_points": pts(free),
             "duel_evictions_by_expert": free.stats["evictions_by_expert"], "duel_mistakes": free.stats["mistakes"],
             "pinned": {q: {"points": pts(r), "mistakes": r.stats["mistakes"]} for q, r in pinned.items()}}
 
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-trace", action="store_true")
     ap.add_argument("--judge-second-half", action="store_true", help="score only the second half's requests")
     ap.add_argument("--json", default=None)
+    add_check_flag(ap)
     args = ap.parse_args(argv)
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s]
@@ -84,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
           "for hit-density/lru/lfu while it evicts]\n")
     print_table(["trace", "capacity", "best classic", "duel (who evicted)", "pinned hit-density", "pinned lru", "pinned lfu"], rows)
     print(f"\nwrote {write_json('bench_duel', {'points': out}, args.json)}")
-    return 0
+    # correctness: pinned to hit density, the duel only watches — hit density's own victims, at every point
+    return report_targets({"pinned hit-density evicts what hit-density does": all(p["pinned_density_is_hit_density"] for p in out)}, args.check)
 
 
 if __name__ == "__main__":
