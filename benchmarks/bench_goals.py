@@ -51,13 +51,9 @@ def run_one(job: tuple[str, tuple[str, str, int], bool]) -> dict[str, Any]:
     trace = _load(spec)
     k = len(trace) // 2 if split else 0
     if what == "evict":
-        import numpy as np
+        from kvpolicy.eviction.bench import compare, default_capacities
 
-        from kvpolicy.eviction.bench import compare
-
-        distinct = int(np.unique(trace.block_ids).size) if trace.block_ids.size else 16
-        caps = sorted({max(distinct // d, 1) for d in (64, 16, 4, 2)})
-        res = compare(trace, EVICT_POLICIES, caps, judge_from_request=k)
+        res = compare(trace, EVICT_POLICIES, default_capacities(trace), judge_from_request=k)
         return {"what": what, "trace": _label(spec, split), "goals": res["goals"]}
     from kvpolicy.data import resolve_config
     from kvpolicy.geometry import KVGeometry

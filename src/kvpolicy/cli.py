@@ -362,19 +362,14 @@ def _cmd_breakeven(args: argparse.Namespace) -> int:
 
 
 def _cmd_evict_bench(args: argparse.Namespace) -> int:
-    from .eviction.bench import compare, render
+    from .eviction.bench import compare, default_capacities, render
     from .progress import Progress
 
     prog = Progress("evict-bench", enabled=None if not args.no_progress else False)
     prog("reading trace")
     trace = _load_trace(args)
     bpt = _bytes_per_token(args)[0] if (args.config or args.bytes_per_token) else None
-    caps = args.capacities_blocks
-    if not caps:
-        import numpy as np
-
-        distinct = int(np.unique(trace.block_ids).size) if trace.block_ids.size else 16
-        caps = sorted({max(distinct // d, 1) for d in (64, 16, 4, 2)})
+    caps = args.capacities_blocks or default_capacities(trace)
     res = compare(trace, args.policies, caps, bytes_per_token=bpt, progress=prog,
                   judge_from_request=len(trace) // 2 if args.judge_second_half else 0)
     prog.done()

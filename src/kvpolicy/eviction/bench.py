@@ -20,6 +20,12 @@ from .kernels import KERNEL_POLICIES, replay_kernel
 from .replay import ALL_POLICIES, replay
 
 
+def default_capacities(trace: Any) -> list[int]:
+    """evict-bench's capacities when none are given: 1/64, 1/16, 1/4 and 1/2 of the trace's distinct blocks."""
+    distinct = int(np.unique(trace.block_ids).size) if trace.block_ids.size else 16
+    return sorted({max(distinct // d, 1) for d in (64, 16, 4, 2)})
+
+
 def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, bytes_per_token: int | None = None,
             progress: Any = None, judge_from_request: int = 0) -> dict[str, Any]:
     """Every policy at every capacity beside LRU, ARC, S3-FIFO, Belady and the infinite cache.
