@@ -232,15 +232,17 @@ def test_the_goal_scoreboard_counts_what_the_goal_lines_say():
     assert "| u | structure-aware | 90.0% | 1.40× | 2 no | **MISS** |" in md
 
 
-def test_evict_bench_says_who_evicted_for_the_duel():
+def test_evict_bench_says_who_evicted_and_what_the_judge_saw():
     trace = generate(preset("chat", seed=5))
     distinct = int(np.unique(trace.block_ids).size)
     cap = distinct // 16
     res = compare(trace, ["adaptive", "hit-density"], [cap])
     (row,) = [r for r in res["results"] if r["policy"] == "adaptive"]
-    direct = replay(trace, "adaptive", cap).stats["evictions_by_expert"]  # the online object, not the kernel compare ran
-    assert row["evictions_by_expert"] == direct and sum(direct.values()) > 0
+    stats = replay(trace, "adaptive", cap).stats  # the online object, not the kernel compare ran
+    direct, seen = stats["evictions_by_expert"], stats["mini_sim_hit_ratio"]
+    assert row["evictions_by_expert"] == direct and sum(direct.values()) > 0 and row["mini_sim_hit_ratio"] == seen
     assert all("evictions_by_expert" not in r for r in res["results"] if r["policy"] != "adaptive")
     n = sum(direct.values())
     shares = " / ".join(f"{100 * direct[q] / n:.0f}" for q in ("hit-density", "lru", "lfu"))
-    assert f"  adaptive @ {cap:,} blocks: {shares} %" in render(res)
+    seen_txt = " / ".join(f"{100 * seen[q]:.1f}" for q in ("hit-density", "lru", "lfu"))
+    assert f"  adaptive @ {cap:,} blocks: {shares} %; mini-simulations {seen_txt} %" in render(res)

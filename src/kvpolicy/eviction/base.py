@@ -293,3 +293,38 @@ class PriorityPolicy(EvictionPolicy):
                 return node
             heapq.heappop(heap)
         raise CapacityError("no eviction candidate")  # unreachable: victims() checks freeable bytes first
+
+
+def serve(policy: EvictionPolicy, keys: list[Hashable], sizes: list[int] | None = None, victims: list[Hashable] | None = None) -> int:
+    """One request through ``policy``, as a prefix cache serves it; returns the resident prefix's length in blocks.
+
+    The leading run of resident keys is accessed (root first) and pinned; the rest is inserted root first, each
+    under the one before it, until the policy declines one (``admit``) or nothing more can be evicted
+    (``CapacityError``) — nothing after it can be cached without its parent; then the request's pins are released.
+    Evicted keys are appended to ``victims`` when it is given. ``sizes``: bytes per key (default 1)."""
+    nodes = policy.nodes
+    n = len(keys)
+    j = 0
+    while j < n and keys[j] in nodes:
+        policy.on_access(keys[j])
+        policy.pin(keys[j])
+        j += 1
+    run = j
+    while j < n:
+        key = keys[j]
+        size = 1 if sizes is None else sizes[j]
+        parent = keys[j - 1] if j else None
+        if not policy.admit(key, size, parent):
+            break
+        try:
+            v = policy.victims(size, incoming=key)
+        except CapacityError:
+            break
+        if victims is not None:
+            victims.extend(v)
+        policy.on_insert(key, size, parent)
+        policy.pin(key)
+        j += 1
+    for key in keys[:j]:
+        policy.unpin(key)
+    return run

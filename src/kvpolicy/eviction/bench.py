@@ -74,8 +74,9 @@ def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, by
                 "gap_closed": (h - lru) / (bel - lru) if bel > lru else None,
                 "engine": "kernel" if name in KERNEL_POLICIES else "online",
             }
-            if "evictions_by_expert" in stats[name]:  # adaptive: who executed its evictions (over the whole replay)
+            if "evictions_by_expert" in stats[name]:  # adaptive: who executed its evictions, and what its judge saw (whole replay)
                 row["evictions_by_expert"] = stats[name]["evictions_by_expert"]
+                row["mini_sim_hit_ratio"] = stats[name]["mini_sim_hit_ratio"]
             if bytes_per_token:
                 row["hit_bytes"] = h * B * bytes_per_token
                 row["byte_hit_ratio"] = row["token_hit_ratio"]  # bytes ∝ tokens for one model
@@ -187,12 +188,14 @@ def render(res: dict[str, Any]) -> str:
     duel = [r for r in res["results"] if r.get("evictions_by_expert")]
     if duel:
         names = list(duel[0]["evictions_by_expert"])
-        lines += ["", f"who evicted ({' / '.join(names)}; share of the evictions over the whole replay)"]
+        lines += ["", f"who evicted ({' / '.join(names)}; share of the evictions over the whole replay) and what the judge saw "
+                      "(each expert's mini-simulation: block hit ratio on the sampled keys)"]
         for r in duel:
             ev = r["evictions_by_expert"]
             n = sum(ev.values())
             shares = " / ".join(f"{100 * ev[q] / n:.0f}" for q in names) + " %" if n else "no evictions"
-            lines.append(f"  {r['policy']} @ {r['capacity_blocks']:,} blocks: {shares}")
+            seen = " / ".join(f"{100 * r['mini_sim_hit_ratio'][q]:.1f}" for q in names)
+            lines.append(f"  {r['policy']} @ {r['capacity_blocks']:,} blocks: {shares}; mini-simulations {seen} %")
     wide = {c for c in caps if ("lru", c) in by and ("belady", c) in by
             and 100 * (by[("belady", c)]["token_hit_ratio"] - by[("lru", c)]["token_hit_ratio"]) >= GOAL_MIN_GAP_POINTS}
     rows = [w for w in res.get("gap_where") or [] if w["capacity_blocks"] in wide and w["extra_reuse_gap_s"] and w["lru_lifetime_s"]]

@@ -47,7 +47,7 @@ The Numba kernel ``hit_density_kernel`` makes the same decisions, victim for vic
 
 from __future__ import annotations
 
-import math
+import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
@@ -57,7 +57,8 @@ import numpy as np
 from .._validate import check_positive_int, check_positive_number, check_probability
 from ..errors import CapacityError, ConfigError
 from ..protocols import Clock
-from .base import EvictionPolicy, Node
+from ..clock import ManualClock
+from .base import EvictionPolicy, Node, serve
 
 _M64 = (1 << 64) - 1
 N_CLASSES = 8
@@ -93,7 +94,8 @@ def densities(hit_hist: np.ndarray, evict_hist: np.ndarray, excess: np.ndarray) 
 
 class HitDensityPolicy(EvictionPolicy):
     name = "hit-density"
-    duel = False
+    #: which expert picks the victim among the samples: 0 hit density, 1 LRU, 2 LFU (adaptive's mini-simulations)
+    _executing = 0
 
     def __init__(self, capacity_bytes: int, *, samples: int = 16, bins: int = 256, span: float = 8.0, interval: int = 50,
                  decay: float = 0.9, seed: int = 0, clock: Clock | None = None) -> None:
@@ -219,25 +221,21 @@ class HitDensityPolicy(EvictionPolicy):
         if n == 0:
             raise CapacityError("no eviction candidate")  # unreachable: victims() checks freeable bytes first
         now = self.clock.now_s()
+        expert = self._executing
         best: Node | None = None
-        oldest: Node | None = None
-        rarest: Node | None = None
-        best_rank = 0.0
+        best_key: Any = None
         for _ in range(self.samples):
             self._rng, z = splitmix64(self._rng)
             node = self._cand[((z >> 32) * n) >> 32]  # Lemire's multiply-shift: uniform enough in [0, n)
-            r = self.rank(node, now)
-            if best is None or r < best_rank:
-                best, best_rank = node, r
-            if self.duel:
-                if oldest is None or node.data[0] < oldest.data[0]:
-                    oldest = node
-                if rarest is None or (min(node.data[1], 3), node.data[0]) < (min(rarest.data[1], 3), rarest.data[0]):
-                    rarest = node
+            if expert == 0:
+                k: Any = self.rank(node, now)
+            elif expert == 1:
+                k = node.data[0]  # LRU: the oldest
+            else:
+                k = (min(node.data[1], 3), node.data[0])  # LFU: the fewest hits (0, 1, 2, 3+), then the oldest
+            if best is None or k < best_key:  # the first drawn wins ties
+                best, best_key = node, k
         assert best is not None
-        if self.duel:
-            assert oldest is not None and rarest is not None
-            return self._duel_choice(best, oldest, rarest)
         return best
 
     def _forget(self, node: Node) -> None:
@@ -258,87 +256,189 @@ class HitDensityPolicy(EvictionPolicy):
             del self._ghosts[k]
 
 
+def key_bits(key: Hashable) -> int:
+    """A key as 64 bits for sampling: an int as itself (mod 2**64), bytes and str by BLAKE2b (stable across processes,
+    unlike ``hash``), anything else by its repr."""
+    if isinstance(key, int):
+        return key & _M64
+    if isinstance(key, str):
+        key = key.encode()
+    elif not isinstance(key, (bytes, bytearray, memoryview)):
+        key = repr(key).encode()
+    return int.from_bytes(hashlib.blake2b(bytes(key), digest_size=8).digest(), "little")
+
+
+def sampled_mask(ids: np.ndarray, seed: int, rate: float) -> np.ndarray:
+    """Which of the int ``ids`` the mini-simulations see: ``splitmix64(id xor seed) < rate * 2**64`` — what
+    :meth:`AdaptivePolicy.is_sampled` says key by key, for a whole id array at once."""
+    if rate >= 1.0:
+        return np.ones(ids.shape, dtype=bool)
+    with np.errstate(over="ignore"):
+        z = (ids.astype(np.uint64) ^ np.uint64(seed)) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return z < np.uint64(int(rate * 2**64))
+
+
 class AdaptivePolicy(HitDensityPolicy):
-    """Hit density, LRU and LFU as three experts over the same samples; the one with the fewest recent mistakes evicts.
+    """Three experts — hit density, LRU and LFU — each replayed in a miniature simulation; the one that hits most evicts.
 
-    At every eviction each expert proposes a victim from the same samples: hit density the lowest density, LRU the
-    oldest, LFU the fewest hits (0, 1, 2, 3+) then the oldest. Every proposal is remembered — executed or not. A
-    proposed block used again (a hit, or a re-insert after it was evicted) within the ghost window (as many evicted
-    bytes as the capacity) is a miss that expert would have caused — one mistake per decision that proposed it, so
-    an expert that is not executing (and keeps proposing the same block) is charged like one whose every proposal
-    is carried out. Mistakes decay with the histograms (``decay`` at each reconfiguration). Hit density evicts
-    unless another expert made fewer mistakes by more than two standard deviations (Poisson counts); then the one
-    with the fewest does. No constant of its own: the window and the decay are the hit-density policy's, the
-    two-sigma test is a convention. The kernel runs the same duel (``replay_kernel(trace, "adaptive", ...)``).
+    Every expert picks from the same ``samples`` candidates: hit density the lowest density, LRU the oldest, LFU the
+    fewest hits (0, 1, 2, 3+) then the oldest. Which one does best on *this* trace at *this* size is not guessed: a
+    **miniature simulation** (Waldspurger et al., ATC'17; spatial sampling as in SHARDS, FAST'15) answers it. A
+    fixed pseudo-random ``sample_rate`` of the keys (``splitmix64(key xor seed) < rate · 2**64``) is replayed in
+    three small caches of ``sample_rate`` × the capacity, each evicting by one expert. A request's sampled blocks
+    form one request of the mini-simulations, each under the sampled block before it (the chain, compressed), so
+    the prefix rule holds there too. Each time the real cache recomputes its densities (every ``interval`` requests,
+    once 8 × ``bins`` uses and inserts were seen), the mini-simulations' hits since are scored — the scores decay by
+    ``decay``, as the histograms do — and the expert with the highest score evicts from the next request on; hit
+    density until one leads. The mini-simulations never see the real cache, so an expert is not judged in a cache another
+    expert shaped. The knobs are hit density's plus ``sample_rate`` (default 1/16).
 
-    ``expert`` pins the executing expert (``"hit-density"``, ``"lru"`` or ``"lfu"``; default ``None``: the duel picks)
-    while every expert is still judged — a diagnostic: what each expert does alone, and how the judge sees the others
-    in the cache that expert shapes. Pinned to hit density it evicts exactly what :class:`HitDensityPolicy` does.
-    ``evictions_by_expert`` counts the evictions each expert executed.
+    ``expert`` pins the executing expert (``"hit-density"``, ``"lru"`` or ``"lfu"``; default ``None``: the
+    mini-simulations pick) while the mini-simulations go on. Pinned to hit density it evicts exactly what
+    :class:`HitDensityPolicy` does. ``evictions_by_expert`` counts the evictions each expert executed;
+    :meth:`stats` adds each mini-simulation's hit ratio. The kernel makes the same decisions
+    (``replay_kernel(trace, "adaptive", ...)``).
+
+    A request is the run of blocks from one root block (depth 0) to the next, as the policy sees them (hits and
+    insertions); its time is the clock's at its root.
     """
 
     name = "adaptive"
-    duel = True
     EXPERTS = ("hit-density", "lru", "lfu")
 
-    def __init__(self, capacity_bytes: int, *, expert: str | None = None, **kw: Any) -> None:
+    def __init__(self, capacity_bytes: int, *, expert: str | None = None, sample_rate: float = 1 / 16, **kw: Any) -> None:
         if expert is not None and expert not in self.EXPERTS:
-            raise ConfigError("expert", f"must be one of {', '.join(self.EXPERTS)} (or None: the duel picks), got {expert!r}")
+            raise ConfigError("expert", f"must be one of {', '.join(self.EXPERTS)} (or None: the mini-simulations pick), got {expert!r}")
+        if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
+            raise ConfigError("sample_rate", f"must be a number in (0, 1], got {sample_rate!r}")
         super().__init__(capacity_bytes, **kw)
         self.expert = expert
-        self.mistakes = [0.0, 0.0, 0.0]
+        self.sample_rate = float(sample_rate)
+        self.seed = self._rng
+        self._bound = int(self.sample_rate * 2**64)
+        self.mini_capacity_bytes = round(capacity_bytes * self.sample_rate)
+        knobs = {"samples": self.samples, "bins": self.bins, "span": self.span, "interval": self.interval, "decay": self.decay, "seed": self.seed}
+        self.mini_sims = [_MiniSim(self.mini_capacity_bytes, self, q, clock=ManualClock(), **knobs) for q in range(3)]
+        self._executing = self.EXPERTS.index(expert) if expert else 0
         self.evictions_by_expert = [0, 0, 0]
-        # key -> per expert: [evicted bytes at its latest proposal of the block (None: never), decisions that proposed it]
-        self._proposals: dict[Hashable, list[list[Any]]] = {}
+        self.scores = [0.0, 0.0, 0.0]  # each mini-simulation's hits, decayed a window
+        self.mini_hits = [0, 0, 0]
+        self.mini_refs = 0
+        self._window_hits = [0, 0, 0]
+        self._pending: list[Hashable] = []  # this request's sampled blocks and their sizes
+        self._pending_sizes: list[int] = []
+        self._pending_t = 0.0
+        self._admitted_root: Any = _NONE
 
     @property
     def leader(self) -> str:
-        """Hit density, unless another expert made fewer mistakes by more than two standard deviations of the
-        difference (mistake counts taken as Poisson: sd = sqrt(m_density + m_other)); then the one with the fewest.
-        The judge's pick: with ``expert`` pinned, that expert evicts whatever this says."""
-        m = self.mistakes
-        lead = 0
-        for q in (1, 2):
-            if m[0] - m[q] > 2.0 * math.sqrt(m[0] + m[q]) and (lead == 0 or m[q] < m[lead]):
-                lead = q
-        return self.EXPERTS[lead]
+        """The expert evicting now: the pinned one, else the one whose mini-simulation led at the last window."""
+        return self.EXPERTS[self._executing]
 
-    def _duel_choice(self, density: Node, lru: Node, lfu: Node) -> Node:
-        leader = self.expert or self.leader  # read before this decision's proposals are recorded (they cannot change it, but be plain)
-        self.evictions_by_expert[self.EXPERTS.index(leader)] += 1
-        for q, node in enumerate((density, lru, lfu)):
-            rec = self._proposals.get(node.key)
-            if rec is None:
-                rec = self._proposals[node.key] = [[None, 0], [None, 0], [None, 0]]
-            if rec[q][0] is None or self._evicted_bytes - rec[q][0] > self.capacity_bytes:
-                rec[q][1] = 0  # its earlier proposals left the window: they no longer count
-            rec[q][0] = self._evicted_bytes
-            rec[q][1] += 1
-        return {"hit-density": density, "lru": lru, "lfu": lfu}[leader]
+    def is_sampled(self, key: Hashable) -> bool:
+        """Does the mini-simulation see ``key``? (:func:`sampled_mask` for int keys.)"""
+        return self._bound >= 2**64 or splitmix64(key_bits(key) ^ self.seed)[1] < self._bound
 
-    def _judge(self, key: Hashable) -> None:
-        """``key`` is used again: every decision that proposed it since the expert's proposals of it last entered the
-        window (and the latest still in it) is a mistake of that expert (counted per decision, so an expert that is not executing — and keeps
-        proposing the same block — is charged as often as one whose every proposal is carried out)."""
-        rec = self._proposals.pop(key, None)
-        if rec is None:
+    def sampled_ids(self, n_ids: int) -> np.ndarray:
+        """The sample over the int ids ``0 .. n_ids - 1`` (what the kernel replays)."""
+        return sampled_mask(np.arange(n_ids, dtype=np.int64), self.seed, self.sample_rate)
+
+    @staticmethod
+    def judge_stats(evictions_by_expert: list[int], mini_hits: list[int], mini_refs: int) -> dict:
+        ex = AdaptivePolicy.EXPERTS
+        return {"evictions_by_expert": dict(zip(ex, evictions_by_expert)),
+                "mini_sim_hit_ratio": dict(zip(ex, [h / mini_refs if mini_refs else 0.0 for h in mini_hits])), "mini_sim_references": mini_refs}
+
+    def stats(self) -> dict:
+        """Evictions per expert, each mini-simulation's block hit ratio and how many references it replayed."""
+        self._flush()
+        return self.judge_stats(self.evictions_by_expert, self.mini_hits, self.mini_refs)
+
+    # ------------------------------------------------------------------ the mini-simulations
+
+    def _begin(self) -> None:
+        """A request begins: the last one's sampled blocks go to the mini-simulations. If this request will recompute
+        the densities (its root's tick), the mini-simulations' hits since the last time are scored first — they ranked
+        by the densities those requests saw — the scores decay by ``decay``, as the histograms do, and the expert with
+        the highest score evicts from now on."""
+        self._flush()
+        if self._since_requests + 1 >= self.interval and self._since_events >= N_CLASSES * self.bins:
+            for q in range(3):
+                self.scores[q] = self.scores[q] * self.decay + self._window_hits[q]
+                self._window_hits[q] = 0
+            if self.expert is None:
+                lead = self._executing
+                for q in range(3):
+                    if self.scores[q] > self.scores[lead]:  # ties keep the current leader
+                        lead = q
+                self._executing = lead
+        self._pending_t = self.clock.now_s()
+
+    def _flush(self) -> None:
+        if not self._pending:
             return
-        for q in range(3):
-            seq, n = rec[q]
-            if seq is not None and self._evicted_bytes - seq <= self.capacity_bytes:
-                self.mistakes[q] += n
-        if len(self._proposals) > 4 * max(len(self.nodes), 1) + 64:  # forget proposals past the window (memory bound)
-            self._proposals = {k: v for k, v in self._proposals.items()
-                               if any(s is not None and self._evicted_bytes - s <= self.capacity_bytes for s, _ in v)}
+        for q, sim in enumerate(self.mini_sims):
+            sim.clock._now_s = self._pending_t  # type: ignore[attr-defined]
+            h = serve(sim, self._pending, self._pending_sizes)
+            self._window_hits[q] += h
+            self.mini_hits[q] += h
+        self.mini_refs += len(self._pending)
+        self._pending, self._pending_sizes = [], []
 
-    def reconfigure(self) -> None:
-        super().reconfigure()
-        self.mistakes = [m * self.decay for m in self.mistakes]
+    def _observe(self, node: Node) -> None:
+        if self.is_sampled(node.key):
+            self._pending.append(node.key)
+            self._pending_sizes.append(node.size)
 
-    def _admit(self, node: Node) -> None:
-        super()._admit(node)
-        self._judge(node.key)
+    # ------------------------------------------------------------------ hooks
+
+    def admit(self, key: Hashable, size: int, parent: Hashable | None = None) -> bool:
+        if parent is None:  # a request begins with its root's insertion: before anything is evicted for it
+            self._begin()
+            self._admitted_root = key
+        return True
 
     def _hit(self, node: Node) -> None:
+        if node.parent is None:
+            self._begin()
+            self._admitted_root = _NONE
         super()._hit(node)
-        self._judge(node.key)
+        self._observe(node)
+
+    def _admit(self, node: Node) -> None:
+        if node.parent is None:
+            if self._admitted_root == node.key:  # begun by admit() just before
+                self._admitted_root = _NONE
+            else:
+                self._begin()
+        super()._admit(node)
+        self._observe(node)
+
+    def _choose(self) -> Node:
+        self.evictions_by_expert[self._executing] += 1
+        return super()._choose()
+
+
+class _MiniSim(HitDensityPolicy):
+    """One expert's miniature simulation: a hit-density cache that evicts by ``expert`` and learns nothing — hit
+    density ranks by the real cache's densities (``teacher``), learned on every reference, not on the sample."""
+
+    def __init__(self, capacity_bytes: int, teacher: HitDensityPolicy, expert: int, **kw: Any) -> None:
+        super().__init__(capacity_bytes, **kw)
+        self._teacher = teacher
+        self._executing = expert
+
+    def rank(self, node: Node, now_s: float) -> float:
+        return self._teacher.rank(node, now_s)
+
+    def _event(self, hist: np.ndarray, cls: int, age_s: float) -> tuple[int, float]:
+        return 0, 0.0
+
+    def reconfigure(self) -> None:
+        pass
+
+
+_NONE = object()

@@ -1114,14 +1114,12 @@ def _hd_excess(age, inv_width, nbins):
 
 
 @nb.njit(cache=True)
-def _hd_reconfigure(H, E, X, D, mistakes, decay, span, age_sum, age_n, inv_width):
-    """Recompute the densities, decay the histograms and the duel's mistakes, re-derive the bin width from the mean
-    eviction age; returns the reset request and event counters, 1 / bin width and the decayed eviction-age sums."""
+def _hd_reconfigure(H, E, X, D, decay, span, age_sum, age_n, inv_width):
+    """Recompute the densities, decay the histograms, re-derive the bin width from the mean eviction age; returns the
+    reset request and event counters, 1 / bin width and the decayed eviction-age sums."""
     nbins = H.shape[1]
     if age_n > 0:
         inv_width = 1.0 / max(span * (age_sum / age_n) / nbins, 1e-9)
-    for q in range(3):  # a loop, not `mistakes *= decay`: an array expression in the replay loop cost 60 ns a reference
-        mistakes[q] *= decay
     for c in range(H.shape[0]):
         hu = 0.0
         eu = 0.0
@@ -1138,58 +1136,66 @@ def _hd_reconfigure(H, E, X, D, mistakes, decay, span, age_sum, age_n, inv_width
     return 0, 0, inv_width, age_sum * decay, age_n * decay
 
 
-GHOST_DELTA = (2, 3, 8)  # int32 slots of an evicted block's record the duel borrows (dead while it is a ghost)
-GHOST_COUNT = (9, 10, 12)
+# one hit-density cache's scalars between calls of _hd_run, as float64 slots (exact: every count stays under 2**31)
+S_NC, S_USED, S_NV, S_NEV, S_REQ, S_EVT, S_LEARNED, S_INVW, S_AGESUM, S_AGEN, S_HITS = range(11)
+N_SCALARS = 11
+BATCH_REQUESTS = 4096  # the mini-simulations' batch: requests and block references (plus the longest request)
+BATCH_REFS = 65536
 
 
 @nb.njit(cache=True)
-def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims, I, F, W, arrival, samples, nbins, span, interval, decay, seed, duel, pin, mistakes, executed):
-    """:class:`~kvpolicy.eviction.hit_density.HitDensityPolicy`, decision for decision.
+def _hd_run(offsets, ids, m_blocks, rid, t_now, r_lo, r_hi, cap, hits, victims, I, F, W, cand, crec, drawn, H, E, D, X, sc, su,
+            samples, nbins, span, interval, decay, expert, learn, b_off, b_ids, b_m, b_rid, b_now, b_room, no_judge_r):
+    """Requests ``r_lo .. r_hi - 1`` of ``(offsets, ids)`` through one hit-density cache whose state is the arrays
+    passed in (its records, candidates, histograms, scalars ``sc`` and generator ``su``): the main cache, or one of
+    adaptive's mini-simulations. ``expert`` picks the victim among the samples: 0 the lowest hit density, 1 the
+    oldest (LRU), 2 the fewest hits (0..3+) then the oldest (LFU). ``m_blocks[r]``: the blocks of request r that may
+    be hits; ``rid[r]`` its index in the trace (what pins a block); ``t_now[r]`` its time. ``hits``/``victims`` of size
+    0 are not written; the cache's hits are counted in ``sc[S_HITS]``. ``learn`` false (a mini-simulation): no
+    histograms are kept; hit density ranks by ``D`` and the bin width and learned flag in ``sc``, the real cache's.
 
-    Per block (its record, below): last use (s), hits and child inserts this residency, resident children, parent,
-    the request pinning it, its slot in the candidate array (swap-remove, in the order the online base adds and
-    drops candidates) and the ghost record (eviction count, last use, class and bin, excess). The caller allocates
-    the records (:func:`_hd_records`)."""
+    With ``b_off.size > 0``, each request's sampled references (record slot ``W[16x + 2]`` ≥ 0: the block's id in the
+    mini-simulations) are appended to the batch ``b_*`` as one request — the requests the mini-simulations replay
+    next — and the run stops before a request that will recompute the densities (the judge's turn: the
+    mini-simulations must rank by the densities those requests saw), except request ``no_judge_r``, or once fewer
+    than ``b_room`` slots are left in the batch. Returns how many requests the batch holds, the next request to run
+    and whether it stopped for the judge."""
     # one 64-byte record per block, in three views of the same memory (I int64, F float64, W int32 halves):
-    # F[8x] last use (kept while it is a ghost), F[8x+2] ghost's excess, I[8x+3] ghost's eviction count (-1: none),
-    # W[16x+8] hits, +9 child inserts, +10 resident children, +11 parent, +12 pinning request, +13 candidate slot,
-    # +14 ghost's class*bins+bin, +15 resident; while it is a ghost the duel borrows W +2, +3, +8, +9, +10, +12
-    # (GHOST_DELTA, GHOST_COUNT) — a block costs one cache line, not ten
-    cand = np.empty(min(n_ids, cap + 1) + 1, np.int32)
-    # a candidate's last use and class cannot change while it is one (a use pins it, a child makes it a parent):
-    # kept beside it, a sample reads only this array, not the block's record
+    # F[8x] last use (kept while it is a ghost), W[16x+2] its id in the mini-simulations (-1: not sampled), F[8x+2]
+    # ghost's excess, I[8x+3] ghost's eviction count (-1: none), W[16x+8] hits, +9 child inserts, +10 resident
+    # children, +11 parent, +12 pinning request, +13 candidate slot, +14 ghost's class*bins+bin, +15 resident
     # per candidate slot i: crec[2i] last use, crec[2i+1] (parent + 1) * 8 + class (exact in a float64) — all a
-    # sample reads; the duel's record of the proposals of the block apart (touched only for the three proposed):
-    # dp[6i+q] expert q's eviction count at its latest proposal (-1: none), dp[6i+3+q] its proposals since — int32:
-    # 24 bytes a slot instead of 48 (10 % faster on the one-block stream, A/B; 8-slot padding was slower); the
-    # driver keeps traces under 2**31 references, so an eviction count fits
-    crec = np.empty(2 * (min(n_ids, cap + 1) + 1), np.float64)  # candidates are resident leaves: at most cap of them
-    dp = np.empty(6 * (min(n_ids, cap + 1) + 1) if duel else 0, np.int32)
-    drawn = np.empty(samples, np.int64)
-    H = np.zeros((8, nbins))
-    E = np.zeros((8, nbins))
-    D = np.zeros((8, nbins))
-    X = np.zeros(8)  # per class: bins past the last one, summed over the events that fell there
-    for q in range(3):  # the caller's arrays: read back after the replay
-        mistakes[q] = 0.0
-        executed[q] = 0
-    nc = 0
-    used = 0
-    nv = 0
-    nev = 0
-    requests = 0  # since the last reconfiguration
-    events = 0  # uses and inserts since then
-    learned = False
-    inv_width = 1.0
-    age_sum = 0.0
-    age_n = 0.0
-    st = np.uint64(seed)
-    for r in range(offsets.size - 1):
+    # sample reads: a candidate's last use and class cannot change while it is one (a use pins it, a child makes it
+    # a parent)
+    nc = np.int64(sc[S_NC])
+    used = np.int64(sc[S_USED])
+    nv = np.int64(sc[S_NV])
+    nev = np.int64(sc[S_NEV])
+    requests = np.int64(sc[S_REQ])  # since the last reconfiguration
+    events = np.int64(sc[S_EVT])  # uses and inserts since then
+    learned = sc[S_LEARNED] != 0.0
+    inv_width = sc[S_INVW]
+    age_sum = sc[S_AGESUM]
+    age_n = sc[S_AGEN]
+    nhit = np.int64(sc[S_HITS])
+    st = su[0]
+    collect = b_off.size > 0
+    nb = 0
+    bp = 0
+    judge = False
+    r_next = r_hi
+    for r in range(r_lo, r_hi):
         s = offsets[r]
         e = offsets[r + 1]
         if s == e:
             continue
-        now = arrival[r] + r * 1e-9
+        if collect and r != no_judge_r and requests + 1 >= interval and events >= 8 * nbins:
+            judge = True
+            r_next = r
+            break
+        now = t_now[r]
+        g = rid[r]
+        bs = bp
         if s + PREFETCH_AHEAD < ids.size:
             y = ids[s + PREFETCH_AHEAD]
             _prefetch(I, 8 * y)
@@ -1197,32 +1203,31 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
         while j < e and W[16 * ids[j] + 15]:
             j += 1
         if j > s:
-            t = max(tokens[r] - 1, 0)
-            m = t >> shift if shift >= 0 else t // bsz
-            for k in range(s, s + min(j - s, m)):
-                hits[k] = True
+            mm = min(j - s, m_blocks[r])
+            nhit += mm
+            if hits.size:
+                for k in range(s, s + mm):
+                    hits[k] = True
         for k in range(s, j):
             x = ids[k]
             if k == s:
                 requests += 1
-                if requests >= interval and events >= 8 * nbins:  # rare: a call (not inlined) costs nothing here
-                    requests, events, inv_width, age_sum, age_n = _hd_reconfigure(H, E, X, D, mistakes, decay, span, age_sum, age_n, inv_width)
+                if learn and requests >= interval and events >= 8 * nbins:  # rare: a call (not inlined) costs nothing here
+                    requests, events, inv_width, age_sum, age_n = _hd_reconfigure(H, E, X, D, decay, span, age_sum, age_n, inv_width)
                     learned = True
             nh = W[16 * x + 8]
-            c = min(nh, 3) * 2 + (1 if W[16 * x + 9] >= 2 else 0)
-            age = now - F[8 * x]
-            H[c, _hd_bin(age, inv_width, nbins)] += 1.0
-            X[c] += _hd_excess(age, inv_width, nbins)
+            if learn:
+                c = min(nh, 3) * 2 + (1 if W[16 * x + 9] >= 2 else 0)
+                age = now - F[8 * x]
+                H[c, _hd_bin(age, inv_width, nbins)] += 1.0
+                X[c] += _hd_excess(age, inv_width, nbins)
             F[8 * x] = now
             W[16 * x + 8] = nh + 1
             events += 1
-            i = W[16 * x + 13]
-            if duel and i != NIL:  # a candidate used again: the proposals of it within the window were mistakes
-                for q in range(3):
-                    sq = dp[6 * i + q]
-                    if sq >= 0 and nev - sq <= cap:
-                        mistakes[q] += dp[6 * i + 3 + q]
-            W[16 * x + 12] = r
+            W[16 * x + 12] = g
+            if collect and W[16 * x + 2] >= 0:
+                b_ids[bp] = W[16 * x + 2]
+                bp += 1
         if j > s:
             x = ids[j - 1]
             i = W[16 * x + 13]
@@ -1233,9 +1238,6 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                     cand[i] = y
                     crec[2 * i] = crec[2 * nc]
                     crec[2 * i + 1] = crec[2 * nc + 1]
-                    if duel:
-                        for f in range(6):
-                            dp[6 * i + f] = dp[6 * nc + f]
                     W[16 * y + 13] = i
                 W[16 * x + 13] = NIL
         while j < e:
@@ -1245,11 +1247,8 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                     break  # everything resident is pinned by this request
                 bi = NIL
                 best_rank = np.inf  # every rank is finite: the first sample always takes it (first drawn wins ties)
-                bl = NIL  # LRU's choice among the same samples: the oldest
-                bf = NIL  # LFU's: the fewest hits (0..3+), then the oldest
-                t_l = np.inf
-                t_f = np.inf
-                c_f = 99
+                t_b = np.inf
+                c_b = 99
                 for q in range(samples):  # draw every sample first, prefetching its slot: the cache misses overlap
                     st, z = _splitmix64(st)
                     i = np.int64(((z >> np.uint64(32)) * np.uint64(nc)) >> np.uint64(32))  # Lemire's multiply-shift: [0, nc)
@@ -1258,43 +1257,24 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                 for q in range(samples):
                     i = drawn[q]
                     t_i = crec[2 * i]
-                    c_i = np.int64(crec[2 * i + 1]) & 7
-                    if learned:
-                        rk = D[c_i, _hd_bin(now - t_i, inv_width, nbins)]
+                    if expert == 0:
+                        if learned:
+                            rk = D[np.int64(crec[2 * i + 1]) & 7, _hd_bin(now - t_i, inv_width, nbins)]
+                        else:
+                            rk = -(now - t_i)
+                        if rk < best_rank:
+                            bi = i
+                            best_rank = rk
+                    elif expert == 1:
+                        if t_i < t_b:
+                            bi = i
+                            t_b = t_i
                     else:
-                        rk = -(now - t_i)
-                    if rk < best_rank:
-                        bi = i
-                        best_rank = rk
-                    if duel:
-                        if t_i < t_l:
-                            bl = i
-                            t_l = t_i
-                        if c_i // 2 < c_f // 2 or (c_i // 2 == c_f // 2 and t_i < t_f):
-                            bf = i
-                            c_f = c_i
-                            t_f = t_i
-                if duel:  # the expert with the fewest recent mistakes evicts; every expert's proposal is marked
-                    bh = bi
-                    lead = 0  # hit density, unless another expert erred less by two standard deviations (Poisson counts)
-                    if pin >= 0:  # AdaptivePolicy(expert=...): the executing expert is pinned, the judging goes on
-                        lead = pin
-                    else:
-                        for q in (1, 2):
-                            if mistakes[0] - mistakes[q] > 2.0 * np.sqrt(mistakes[0] + mistakes[q]) and (lead == 0 or mistakes[q] < mistakes[lead]):
-                                lead = q
-                    executed[lead] += 1
-                    if lead == 1:
-                        bi = bl
-                    elif lead == 2:
-                        bi = bf
-                    for q in range(3):
-                        iq = bh if q == 0 else (bl if q == 1 else bf)
-                        sq = dp[6 * iq + q]
-                        if sq < 0 or nev - sq > cap:
-                            dp[6 * iq + 3 + q] = 0  # its earlier proposals left the window: they no longer count
-                        dp[6 * iq + q] = np.int32(nev)
-                        dp[6 * iq + 3 + q] += 1
+                        c_i = (np.int64(crec[2 * i + 1]) & 7) // 2
+                        if c_i < c_b or (c_i == c_b and t_i < t_b):
+                            bi = i
+                            c_b = c_i
+                            t_b = t_i
                 v = cand[bi]
                 i = bi
                 # the victim's record is only written from here on: what is read comes from its candidate slot
@@ -1302,49 +1282,37 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                 c = np.int64(crec[2 * i + 1])
                 p = (c >> 3) - 1
                 c &= 7
-                if duel:  # the victim's proposals follow it into its record's free slots (its ghost): for each expert,
-                    # how many evictions before this one it last proposed the block (-1: never, or already out of the window,
-                    # where it stays: the window only moves on) and how many times — W[16v + 2, 3, 8] and W[16v + 9, 10, 12]
-                    for q in range(3):
-                        sq = dp[6 * i + q]
-                        W[16 * v + GHOST_DELTA[q]] = np.int32(nev - sq) if sq >= 0 and nev - sq <= cap else -1
-                        W[16 * v + GHOST_COUNT[q]] = np.int32(dp[6 * i + 3 + q])
                 nc -= 1
                 y = cand[nc]
                 if y != v:
                     cand[i] = y
                     crec[2 * i] = crec[2 * nc]
                     crec[2 * i + 1] = crec[2 * nc + 1]
-                    if duel:
-                        for f in range(6):
-                            dp[6 * i + f] = dp[6 * nc + f]
                     W[16 * y + 13] = i
                 W[16 * v + 13] = NIL
                 W[16 * v + 15] = 0
                 used -= 1
                 if p != NIL:
                     W[16 * p + 10] -= 1
-                    if W[16 * p + 10] == 0 and W[16 * p + 12] != r:
+                    if W[16 * p + 10] == 0 and W[16 * p + 12] != g:
                         cand[nc] = p
                         crec[2 * nc] = F[8 * p]
                         crec[2 * nc + 1] = ((W[16 * p + 11] + 1) << 3) | (min(W[16 * p + 8], 3) * 2 + (1 if W[16 * p + 9] >= 2 else 0))
-                        if duel:
-                            for f in range(2, 5):
-                                dp[6 * nc + f - 2] = -1
-                                dp[6 * nc + f + 1] = 0
                         W[16 * p + 13] = nc
                         nc += 1
                 age = now - t_v
                 b = _hd_bin(age, inv_width, nbins)
-                E[c, b] += 1.0
-                F[8 * v + 2] = _hd_excess(age, inv_width, nbins)
-                X[c] += F[8 * v + 2]
-                age_sum += age
-                age_n += 1.0
+                if learn:
+                    E[c, b] += 1.0
+                    F[8 * v + 2] = _hd_excess(age, inv_width, nbins)
+                    X[c] += F[8 * v + 2]
+                    age_sum += age
+                    age_n += 1.0
                 I[8 * v + 3] = nev  # its last use stays in F[8v] until it returns
                 W[16 * v + 14] = c * nbins + b
                 nev += 1
-                victims[nv] = v
+                if victims.size:
+                    victims[nv] = v
                 nv += 1
             p = ids[j - 1] if j > s else NIL
             W[16 * x + 11] = p
@@ -1353,24 +1321,18 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
                 W[16 * p + 9] += 1
             else:
                 requests += 1
-                if requests >= interval and events >= 8 * nbins:  # rare: a call (not inlined) costs nothing here
-                    requests, events, inv_width, age_sum, age_n = _hd_reconfigure(H, E, X, D, mistakes, decay, span, age_sum, age_n, inv_width)
+                if learn and requests >= interval and events >= 8 * nbins:  # rare: a call (not inlined) costs nothing here
+                    requests, events, inv_width, age_sum, age_n = _hd_reconfigure(H, E, X, D, decay, span, age_sum, age_n, inv_width)
                     learned = True
-            if duel and I[8 * x + 3] >= 0:  # an evicted block used again: the proposals of it within the window were mistakes
-                for q in range(3):
-                    dq = W[16 * x + GHOST_DELTA[q]]
-                    if dq >= 0 and nev - I[8 * x + 3] + dq <= cap:
-                        mistakes[q] += W[16 * x + GHOST_COUNT[q]]
-                W[16 * x + 10] = 0  # the slots it borrowed: resident children and candidate slot
-                W[16 * x + 13] = NIL
             if I[8 * x + 3] >= 0 and nev - I[8 * x + 3] <= cap:  # a ghost hit: the eviction is taken back, the hit counted
                 c = W[16 * x + 14] // nbins
-                b = W[16 * x + 14] % nbins
-                E[c, b] = max(E[c, b] - 1.0, 0.0)
-                X[c] = max(X[c] - F[8 * x + 2], 0.0)
-                age = now - F[8 * x]
-                H[c, _hd_bin(age, inv_width, nbins)] += 1.0
-                X[c] += _hd_excess(age, inv_width, nbins)
+                if learn:
+                    b = W[16 * x + 14] % nbins
+                    E[c, b] = max(E[c, b] - 1.0, 0.0)
+                    X[c] = max(X[c] - F[8 * x + 2], 0.0)
+                    age = now - F[8 * x]
+                    H[c, _hd_bin(age, inv_width, nbins)] += 1.0
+                    X[c] += _hd_excess(age, inv_width, nbins)
                 W[16 * x + 8] = min(c // 2 + 1, 3)  # back within the window: it keeps its history (+ this use), as ARC's B2 does
                 W[16 * x + 9] = 2 * (c & 1)
             else:
@@ -1380,21 +1342,129 @@ def hit_density_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victi
             W[16 * x + 15] = 1
             events += 1
             F[8 * x] = now
-            W[16 * x + 12] = r
+            W[16 * x + 12] = g
             used += 1
+            if collect and W[16 * x + 2] >= 0:
+                b_ids[bp] = W[16 * x + 2]
+                bp += 1
             j += 1
         d = ids[j - 1] if j > s else NIL
         if d != NIL and W[16 * d + 10] == 0:  # unpinned: the chain's deepest block is an evictable leaf again
             cand[nc] = d
             crec[2 * nc] = F[8 * d]
             crec[2 * nc + 1] = ((W[16 * d + 11] + 1) << 3) | (min(W[16 * d + 8], 3) * 2 + (1 if W[16 * d + 9] >= 2 else 0))
-            if duel:
-                for f in range(2, 5):
-                    dp[6 * nc + f - 2] = -1
-                    dp[6 * nc + f + 1] = 0
             W[16 * d + 13] = nc
             nc += 1
-    return nv
+        if collect and bp > bs:  # the request's sampled references: one request of the mini-simulations
+            b_m[nb] = bp - bs
+            b_rid[nb] = g
+            b_now[nb] = now
+            nb += 1
+            b_off[nb] = bp
+        if collect and (bp + b_room > b_ids.size or nb + 1 >= b_off.size):
+            r_next = r + 1
+            break
+    sc[S_NC] = nc
+    sc[S_USED] = used
+    sc[S_NV] = nv
+    sc[S_NEV] = nev
+    sc[S_REQ] = requests
+    sc[S_EVT] = events
+    sc[S_LEARNED] = 1.0 if learned else 0.0
+    sc[S_INVW] = inv_width
+    sc[S_AGESUM] = age_sum
+    sc[S_AGEN] = age_n
+    sc[S_HITS] = nhit
+    su[0] = st
+    return nb, r_next, judge
+
+
+@nb.njit(cache=True)
+def hit_density_kernel(offsets, ids, m_blocks, rid, t_now, cap, hits, victims, I, F, W, samples, nbins, span, interval, decay, seed,
+                       pin, sub_cap, SI, SF, SW, executed, sub_hits, sub_refs):
+    """:class:`~kvpolicy.eviction.hit_density.HitDensityPolicy` and :class:`~kvpolicy.eviction.hit_density.AdaptivePolicy`,
+    decision for decision.
+
+    ``pin`` ≥ 0: that expert evicts throughout (hit density: 0). ``pin`` < 0: adaptive — the mini-simulations, one
+    per expert, each a cache of ``sub_cap`` blocks whose records are ``SI``/``SF``/``SW`` (three equal parts), replay
+    the sampled references in batches; before each request that will recompute the real cache's densities, the
+    expert whose mini-simulation hit most (hits decayed by ``decay`` each time) takes over. ``executed``: evictions per expert;
+    ``sub_hits``/``sub_refs``: the mini-simulations' hits and references. Returns the number of victims."""
+    n_ids = W.size // 16
+    ncap = min(n_ids, cap + 1) + 1  # candidates are resident leaves: at most cap of them
+    cand = np.empty(ncap, np.int32)
+    crec = np.empty(2 * ncap, np.float64)
+    drawn = np.empty(samples, np.int64)
+    H = np.zeros((8, nbins))
+    E = np.zeros((8, nbins))
+    D = np.zeros((8, nbins))
+    X = np.zeros(8)
+    sc = np.zeros(N_SCALARS)
+    sc[S_INVW] = 1.0
+    su = np.full(1, seed, np.uint64)
+    judge = SW.size > 0
+    n_sub = SW.size // 48  # records per mini-simulation
+    scap = min(n_sub, sub_cap + 1) + 1
+    Q = 3 if judge else 0
+    cand3 = np.empty((Q, scap), np.int32)
+    crec3 = np.empty((Q, 2 * scap), np.float64)
+    sc3 = np.zeros((Q, N_SCALARS))
+    su3 = np.full((Q, 1), seed, np.uint64)
+    longest = 0
+    for r in range(offsets.size - 1):
+        longest = max(longest, offsets[r + 1] - offsets[r])
+    room = longest if judge else 0
+    b_off = np.zeros(BATCH_REQUESTS + 1 if judge else 0, np.int64)
+    b_ids = np.empty(BATCH_REFS + room if judge else 0, np.int64)
+    b_m = np.empty(b_off.size, np.int64)
+    b_rid = np.empty(b_off.size, np.int64)
+    b_now = np.empty(b_off.size, np.float64)
+    none_i = np.empty(0, np.int64)
+    none_f = np.empty(0, np.float64)
+    none_b = np.empty(0, np.bool_)
+    score = np.zeros(3)
+    window = np.zeros(3, np.int64)
+    for q in range(Q):
+        sc3[q, S_INVW] = 1.0
+    for q in range(3):
+        executed[q] = 0
+        sub_hits[q] = 0
+    sub_refs[0] = 0
+    lead = pin if pin >= 0 else 0
+    r = 0
+    n = offsets.size - 1
+    no_judge = -1
+    while r < n:
+        nv0 = np.int64(sc[S_NV])
+        nb, r_next, judged = _hd_run(offsets, ids, m_blocks, rid, t_now, r, n, cap, hits, victims, I, F, W, cand, crec, drawn, H, E, D, X,
+                                     sc, su, samples, nbins, span, interval, decay, lead, True, b_off, b_ids, b_m, b_rid, b_now, room, no_judge)
+        executed[lead] += np.int64(sc[S_NV]) - nv0
+        r = r_next
+        if not judge:
+            continue
+        if nb > 0:
+            sub_refs[0] += b_off[nb]
+            for q in range(3):
+                h0 = np.int64(sc3[q, S_HITS])
+                sc3[q, S_INVW] = sc[S_INVW]  # the mini-simulations rank by the real cache's densities
+                sc3[q, S_LEARNED] = sc[S_LEARNED]
+                _hd_run(b_off, b_ids, b_m, b_rid, b_now, 0, nb, sub_cap, none_b, none_i, SI[q * 8 * n_sub : (q + 1) * 8 * n_sub],
+                        SF[q * 8 * n_sub : (q + 1) * 8 * n_sub], SW[q * 16 * n_sub : (q + 1) * 16 * n_sub], cand3[q], crec3[q], drawn,
+                        H, E, D, X, sc3[q], su3[q], samples, nbins, span, interval, decay, q, False, none_i, none_i, none_i, none_i, none_f, 0, -1)
+                h = np.int64(sc3[q, S_HITS]) - h0
+                sub_hits[q] += h
+                window[q] += h
+        no_judge = -1
+        if judged:  # the next request recomputes the densities: the mini-simulations' hits since the last time are scored
+            no_judge = r
+            for q in range(3):
+                score[q] = score[q] * decay + window[q]
+                window[q] = 0
+            if pin < 0:
+                for q in range(3):
+                    if score[q] > score[lead]:  # ties keep the current leader
+                        lead = q
+    return np.int64(sc[S_NV])
 
 
 # ----------------------------------------------------------------------------- driver
@@ -1406,6 +1476,7 @@ def _hd_records(n_ids: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rec = buf[skip : skip + 8 * n_ids]
     w = rec.view(np.int32)
     rec[3::8] = -1  # no ghost
+    w[2::16] = -1  # not sampled by the mini-simulations
     w[11::16] = NIL  # no parent
     w[12::16] = -1  # not pinned
     w[13::16] = NIL  # not a candidate
@@ -1484,16 +1555,28 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
         if "clock" in kw:
             raise ConfigError("clock", "the kernel runs on the trace's arrival times; a clock is for the online policy")
         p = cls(capacity_blocks, **kw)  # validates the knobs as online
-        arrival = np.ascontiguousarray(trace.arrival_s, dtype=np.float64)
-        mistakes = np.zeros(3)
-        executed = np.zeros(3, np.int64)
-        pin = AdaptivePolicy.EXPERTS.index(p.expert) if getattr(p, "expert", None) else -1
+        n = len(trace)
+        rid = np.arange(n, dtype=np.int64)
+        t_now = np.ascontiguousarray(trace.arrival_s, dtype=np.float64) + rid * 1e-9  # as replay's clock reads
+        m_blocks = np.ascontiguousarray(trace.matchable_blocks, dtype=np.int64)
         rec_i, rec_f, rec_w = _hd_records(n_ids)
-        nv = hit_density_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims, rec_i, rec_f, rec_w, arrival, p.samples, p.bins, p.span,
-                                p.interval, p.decay, np.uint64(p._rng), p.duel, pin, mistakes, executed)
+        executed = np.zeros(3, np.int64)
+        sub_hits = np.zeros(3, np.int64)
+        sub_refs = np.zeros(1, np.int64)
         if policy == "adaptive":
-            stats = {"mistakes": dict(zip(AdaptivePolicy.EXPERTS, mistakes.tolist())),
-                     "evictions_by_expert": dict(zip(AdaptivePolicy.EXPERTS, executed.tolist()))}
+            sampled = p.sampled_ids(n_ids)
+            n_sub = int(sampled.sum())
+            rec_w[2::16] = np.where(sampled, np.cumsum(sampled) - 1, -1)
+            si, sf, sw = _hd_records(3 * max(n_sub, 1))
+            pin = AdaptivePolicy.EXPERTS.index(p.expert) if p.expert else -1
+            sub_cap = p.mini_capacity_bytes
+        else:
+            si, sf, sw = np.empty(0, np.int64), np.empty(0, np.float64), np.empty(0, np.int32)
+            pin, sub_cap = 0, 0
+        nv = hit_density_kernel(off, ids, m_blocks, rid, t_now, capacity_blocks, hits, victims, rec_i, rec_f, rec_w, p.samples, p.bins,
+                                p.span, p.interval, p.decay, np.uint64(p._rng), pin, sub_cap, si, sf, sw, executed, sub_hits, sub_refs)
+        if policy == "adaptive":
+            stats = AdaptivePolicy.judge_stats(executed.tolist(), sub_hits.tolist(), int(sub_refs[0]))
     else:
         if ids.size >= 2**31 - 1:
             raise ConfigError("trace", f"the Belady kernel replays fewer than 2**31 block references, got {ids.size:,}; use replay()")

@@ -24,8 +24,8 @@ import attrs
 import numpy as np
 
 from ..clock import ManualClock
-from ..errors import CapacityError, ConfigError
-from .base import EvictionPolicy
+from ..errors import ConfigError
+from .base import EvictionPolicy, serve
 from .policies import POLICIES, BeladyPolicy, TraceOracle, TTLPolicy
 from .hit_density import AdaptivePolicy, HitDensityPolicy
 from .reuse_distance import ReuseDistancePolicy
@@ -87,7 +87,7 @@ class ReplayResult:
     victims: Any  # evicted keys in order: a list (online) or an int64 array (kernels)
     block_size_tokens: int
     total_input_tokens: int
-    #: what the policy learned, where it says (adaptive: each expert's decayed mistakes at the end, and the evictions each executed)
+    #: what the policy learned, where it says (adaptive: the evictions each expert executed, each mini-simulation's hit ratio)
     stats: dict = attrs.field(factory=dict)
 
     @property
@@ -119,7 +119,6 @@ def replay(trace: Any, policy: EvictionPolicy | str, capacity_blocks: int | None
     ids = trace.block_ids.tolist()
     matchable = trace.matchable_blocks.tolist()
     arrival = trace.arrival_s.tolist()
-    nodes = policy.nodes
     for r in range(len(trace)):
         clock._now_s = arrival[r] + r * 1e-9  # same time within a request, strictly increasing across requests
         if oracle is not None:
@@ -127,32 +126,8 @@ def replay(trace: Any, policy: EvictionPolicy | str, capacity_blocks: int | None
         if is_ttl:
             policy.expire()  # type: ignore[attr-defined]
         s, e = offsets[r], offsets[r + 1]
-        j = s
-        while j < e and ids[j] in nodes:
-            policy.on_access(ids[j])
-            policy.pin(ids[j])
-            j += 1
-        m = min(j - s, matchable[r])
+        m = min(serve(policy, ids[s:e], victims=victims if record_victims else None), matchable[r])
         if m:
             hits[s : s + m] = True
-        pinned = ids[s:j]
-        while j < e:
-            key = ids[j]
-            parent = ids[j - 1] if j > s else None
-            if not policy.admit(key, 1, parent):
-                break
-            try:
-                v = policy.victims(1, incoming=key)
-            except CapacityError:
-                break
-            if record_victims:
-                victims.extend(v)
-            policy.on_insert(key, 1, parent)
-            policy.pin(key)
-            pinned.append(key)
-            j += 1
-        for key in pinned:
-            policy.unpin(key)
-    stats = ({"mistakes": dict(zip(policy.EXPERTS, policy.mistakes)), "evictions_by_expert": dict(zip(policy.EXPERTS, policy.evictions_by_expert))}
-             if isinstance(policy, AdaptivePolicy) else {})
+    stats = policy.stats() if isinstance(policy, AdaptivePolicy) else {}
     return ReplayResult(policy.name, capacity_blocks, hits, victims, trace.block_size_tokens, trace.total_input_tokens, stats)

@@ -1,13 +1,12 @@
-"""How ``adaptive``'s duel judges its experts, against what each expert does when it alone evicts.
+"""How ``adaptive``'s judge picks its expert, against what each expert does when it alone evicts.
 
-For each trace and capacity: the best of LRU/ARC/S3-FIFO; the free duel (token hit ratio, who executed its
-evictions); and the duel pinned to each expert (``AdaptivePolicy(expert=...)``): the hit ratio that expert gets alone,
-and the mistakes the judge counts for all three while it evicts. The judge picks the expert whose proposals are
-used again least often; those counts are taken in the cache the executing expert shapes, so they can favour an
-expert that does worse once it evicts (docs/eviction.md, "How the duel judges").
+For each trace and capacity: the best of LRU/ARC/S3-FIFO; adaptive (token hit ratio, who executed its evictions,
+and each expert's mini-simulation hit ratio — what the judge saw); and each expert pinned
+(``AdaptivePolicy(expert=...)``): the hit ratio it gets alone. The judge is right where adaptive lands on or near
+the best expert alone; "regret" is that expert's points minus adaptive's.
 
-    python benchmarks/bench_duel.py                          # mixed seeds 1, 101, 202 and the conversation trace
-    python benchmarks/bench_duel.py --presets rag --seeds 202 --fractions 64 --no-trace --judge-second-half
+    python benchmarks/bench_experts.py                          # mixed seeds 1, 101, 202 and the conversation trace
+    python benchmarks/bench_experts.py --presets rag --seeds 202 --fractions 64 --no-trace --judge-second-half
 """
 
 from __future__ import annotations
@@ -39,9 +38,11 @@ def point(trace, cap: int, k: int) -> dict:
     free = replay_kernel(trace, "adaptive", cap)
     pinned = {q: replay_kernel(trace, "adaptive", cap, expert=q) for q in EXPERTS}
     alone = replay_kernel(trace, "hit-density", cap)
-    return {"pinned_density_is_hit_density": bool(np.array_equal(alone.victims, pinned["hit-density"].victims)),"capacity_blocks": cap, "best_classic": best, "best_classic_points": classic[best], "duel_points": pts(free),
-            "duel_evictions_by_expert": free.stats["evictions_by_expert"], "duel_mistakes": free.stats["mistakes"],
-            "pinned": {q: {"points": pts(r), "mistakes": r.stats["mistakes"]} for q, r in pinned.items()}}
+    alone_pts = {q: pts(r) for q, r in pinned.items()}
+    return {"pinned_density_is_hit_density": bool(np.array_equal(alone.victims, pinned["hit-density"].victims)), "capacity_blocks": cap,
+            "best_classic": best, "best_classic_points": classic[best], "adaptive_points": pts(free),
+            "evictions_by_expert": free.stats["evictions_by_expert"], "mini_sim_hit_ratio": free.stats["mini_sim_hit_ratio"],
+            "alone_points": alone_pts, "regret_points": max(alone_pts.values()) - pts(free)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,20 +74,20 @@ def main(argv: list[str] | None = None) -> int:
             res = point(trace, max(distinct // f, 1), k)
             res["trace"] = label + (", 2nd half" if k else "")
             out.append(res)
-            ev = res["duel_evictions_by_expert"]
+            ev = res["evictions_by_expert"]
             n = max(sum(ev.values()), 1)
+            seen = res["mini_sim_hit_ratio"]
             row = [res["trace"], f"{res['capacity_blocks']:,} (1/{f})", f"{res['best_classic']} {res['best_classic_points']:.2f}",
-                   f"{res['duel_points']:.2f} ({'/'.join(f'{100 * ev[q] / n:.0f}' for q in EXPERTS)} %)"]
-            for q in EXPERTS:
-                m = res["pinned"][q]["mistakes"]
-                row.append(f"{res['pinned'][q]['points']:.2f} [{'/'.join(f'{m[e]:.0f}' for e in EXPERTS)}]")
+                   f"{res['adaptive_points']:.2f}", "/".join(f"{100 * ev[q] / n:.0f}" for q in EXPERTS), "/".join(f"{100 * seen[q]:.1f}" for q in EXPERTS)]
+            row += [f"{res['alone_points'][q]:.2f}" for q in EXPERTS] + [f"{res['regret_points']:+.2f}"]
             rows.append(row)
             print(f"  {res['trace']} 1/{f} done", file=sys.stderr, flush=True)
-    print("token hit ratio (%); the duel's evictions by hit-density/lru/lfu; pinned: the expert alone [the mistakes the judge counts "
-          "for hit-density/lru/lfu while it evicts]\n")
-    print_table(["trace", "capacity", "best classic", "duel (who evicted)", "pinned hit-density", "pinned lru", "pinned lfu"], rows)
-    print(f"\nwrote {write_json('bench_duel', {'points': out}, args.json)}")
-    # correctness: pinned to hit density, the duel only watches — hit density's own victims, at every point
+    print("token hit ratio (%); who evicted: share of adaptive's evictions by hit-density/lru/lfu; mini-simulations: their block hit "
+          "ratio on the sampled keys (%); alone: each expert pinned; regret: the best expert alone minus adaptive\n")
+    print_table(["trace", "capacity", "best classic", "adaptive", "who evicted %", "mini-simulations %", "alone hit-density", "alone lru",
+                 "alone lfu", "regret"], rows)
+    print(f"\nwrote {write_json('bench_experts', {'points': out}, args.json)}")
+    # correctness: pinned to hit density, adaptive only watches — hit density's own victims, at every point
     return report_targets({"pinned hit-density evicts what hit-density does": all(p["pinned_density_is_hit_density"] for p in out)}, args.check)
 
 
