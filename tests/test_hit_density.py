@@ -106,7 +106,7 @@ def test_knobs_are_validated():
 
 @pytest.mark.parametrize("policy", ["hit-density", "adaptive"])
 @settings(max_examples=80, deadline=None)
-@given(tr=prefix_traces(max_requests=40), cap=st.integers(0, 14), seed=st.integers(0, 2**64 - 1), rate=st.sampled_from([1 / 16, 0.5, 1.0]))
+@given(tr=prefix_traces(max_requests=40), cap=st.integers(0, 14), seed=st.integers(0, 2**64 - 1), rate=st.sampled_from([None, 1 / 16, 0.5, 1.0]))
 def test_kernel_makes_the_online_decisions_while_learning(policy, tr, cap, seed, rate):
     kw = dict(FAST, sample_rate=rate) if policy == "adaptive" else FAST
     online = replay(tr, policy, cap, record_victims=True, seed=seed, **kw)
@@ -211,17 +211,31 @@ def _node(key, t_last, hits):
 
 
 def test_the_sample_is_the_same_key_by_key_and_id_array_at_once():
-    p = AdaptivePolicy(64, seed=12345, clock=ManualClock())
+    p = AdaptivePolicy(64, seed=12345, sample_rate=1 / 16, clock=ManualClock())
     ids = np.arange(20000)
     mask = p.sampled_ids(ids.size)
     assert mask.tolist() == [p.is_sampled(int(k)) for k in ids]
     assert abs(mask.mean() - 1 / 16) < 0.01  # splitmix64 spreads even consecutive ids
-    assert not np.array_equal(mask, AdaptivePolicy(64, seed=1, clock=ManualClock()).sampled_ids(ids.size))  # the seed picks the sample
+    assert not np.array_equal(mask, AdaptivePolicy(64, seed=1, sample_rate=1 / 16, clock=ManualClock()).sampled_ids(ids.size))  # the seed picks the sample
     assert sampled_mask(ids, 7, 1.0).all() and AdaptivePolicy(64, sample_rate=1.0, clock=ManualClock()).is_sampled("any key")
     # str and bytes keys by BLAKE2b, not hash(): the same sample in every process
     q = AdaptivePolicy(64, sample_rate=0.5, clock=ManualClock())
     bits = int.from_bytes(hashlib.blake2b(b"system-prompt", digest_size=8).digest(), "little")
     assert q.is_sampled("system-prompt") == q.is_sampled(b"system-prompt") == (splitmix64(bits ^ q.seed)[1] < 2**63)
+
+
+def test_the_default_sample_rate_keeps_a_mini_simulation_at_256_blocks_or_more():
+    rate = AdaptivePolicy.default_sample_rate
+    assert rate(100_000) == 1 / 16 and rate(4096) == 1 / 16 and rate(256) == 1.0 and rate(10) == 1.0 and rate(0) == 1 / 16
+    assert rate(1024) == 0.25 and round(1024 * rate(1024)) == 256
+    for cap in (300, 1000, 4095, 4097, 10**6):
+        p = AdaptivePolicy(cap, clock=ManualClock())
+        assert p.sample_rate == rate(cap) and p.mini_capacity_bytes >= min(256, cap) and p.mini_sims[0].capacity_bytes == p.mini_capacity_bytes
+    assert AdaptivePolicy(10**6, sample_rate=0.5, clock=ManualClock()).sample_rate == 0.5  # an explicit rate is kept
+    for bad in (0, 1.5, True, "1/16", float("nan")):
+        with pytest.raises(ConfigError) as e:
+            AdaptivePolicy(64, sample_rate=bad)
+        assert e.value.field == "sample_rate"
 
 
 @pytest.mark.parametrize("expert", AdaptivePolicy.EXPERTS)

@@ -295,13 +295,16 @@ class PriorityPolicy(EvictionPolicy):
         raise CapacityError("no eviction candidate")  # unreachable: victims() checks freeable bytes first
 
 
-def serve(policy: EvictionPolicy, keys: list[Hashable], sizes: list[int] | None = None, victims: list[Hashable] | None = None) -> int:
+def serve(policy: EvictionPolicy, keys: list[Hashable], sizes: list[int] | None = None, victims: list[Hashable] | None = None,
+          *, lenient: bool = False) -> int:
     """One request through ``policy``, as a prefix cache serves it; returns the resident prefix's length in blocks.
 
     The leading run of resident keys is accessed (root first) and pinned; the rest is inserted root first, each
     under the one before it, until the policy declines one (``admit``) or nothing more can be evicted
     (``CapacityError``) — nothing after it can be cached without its parent; then the request's pins are released.
-    Evicted keys are appended to ``victims`` when it is given. ``sizes``: bytes per key (default 1)."""
+    Evicted keys are appended to ``victims`` when it is given. ``sizes``: bytes per key (default 1). A key that is
+    already resident after the run (not a prefix chain: a trace error) raises ``ConfigError``; with ``lenient`` it
+    ends the request instead (adaptive's mini-simulations, fed in whatever order an engine uses the cache)."""
     nodes = policy.nodes
     n = len(keys)
     j = 0
@@ -312,6 +315,8 @@ def serve(policy: EvictionPolicy, keys: list[Hashable], sizes: list[int] | None 
     run = j
     while j < n:
         key = keys[j]
+        if lenient and key in nodes:
+            break
         size = 1 if sizes is None else sizes[j]
         parent = keys[j - 1] if j else None
         if not policy.admit(key, size, parent):

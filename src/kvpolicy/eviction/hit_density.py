@@ -290,11 +290,13 @@ class AdaptivePolicy(HitDensityPolicy):
     fixed pseudo-random ``sample_rate`` of the keys (``splitmix64(key xor seed) < rate · 2**64``) is replayed in
     three small caches of ``sample_rate`` × the capacity, each evicting by one expert. A request's sampled blocks
     form one request of the mini-simulations, each under the sampled block before it (the chain, compressed), so
-    the prefix rule holds there too. Each time the real cache recomputes its densities (every ``interval`` requests,
-    once 8 × ``bins`` uses and inserts were seen), the mini-simulations' hits since are scored — the scores decay by
-    ``decay``, as the histograms do — and the expert with the highest score evicts from the next request on; hit
-    density until one leads. The mini-simulations never see the real cache, so an expert is not judged in a cache another
-    expert shaped. The knobs are hit density's plus ``sample_rate`` (default 1/16).
+    the prefix rule holds there too. They learn nothing themselves: hit density ranks there by the real cache's
+    densities, learned on every reference. Before each request that will recompute the real cache's densities
+    (every ``interval`` requests, once 8 × ``bins`` uses and inserts were seen), the mini-simulations' hits since the
+    last time are scored — the scores decay by ``decay``, as the histograms do — and the expert with the highest
+    score evicts from that request on (ties keep the current one); hit density until one leads. The
+    mini-simulations never see the real cache, so no expert is judged in a cache another expert shaped. The knobs are hit density's plus ``sample_rate`` (default :meth:`default_sample_rate`: 1/16,
+    more for caches under 4,096 blocks).
 
     ``expert`` pins the executing expert (``"hit-density"``, ``"lru"`` or ``"lfu"``; default ``None``: the
     mini-simulations pick) while the mini-simulations go on. Pinned to hit density it evicts exactly what
@@ -308,10 +310,23 @@ class AdaptivePolicy(HitDensityPolicy):
 
     name = "adaptive"
     EXPERTS = ("hit-density", "lru", "lfu")
+    SAMPLE_RATE = 1 / 16  # the default share of the keys the mini-simulations replay ...
+    MIN_MINI_CAPACITY = 256  # ... raised so that each mini-simulation holds at least this many (unit) blocks
 
-    def __init__(self, capacity_bytes: int, *, expert: str | None = None, sample_rate: float = 1 / 16, **kw: Any) -> None:
+    @classmethod
+    def default_sample_rate(cls, capacity_bytes: int) -> float:
+        """1/16, raised for small caches so a mini-simulation holds at least 256 blocks (all keys, at a capacity
+        of 256 or less). Counted in unit-size blocks, as replay sizes them; an engine with byte sizes passes
+        ``sample_rate`` itself. Chosen on the presets at seeds 1–2 (128, 256, 512: 256 scored best)."""
+        if capacity_bytes <= 0:
+            return cls.SAMPLE_RATE
+        return max(cls.SAMPLE_RATE, min(1.0, cls.MIN_MINI_CAPACITY / capacity_bytes))
+
+    def __init__(self, capacity_bytes: int, *, expert: str | None = None, sample_rate: float | None = None, **kw: Any) -> None:
         if expert is not None and expert not in self.EXPERTS:
             raise ConfigError("expert", f"must be one of {', '.join(self.EXPERTS)} (or None: the mini-simulations pick), got {expert!r}")
+        if sample_rate is None:
+            sample_rate = self.default_sample_rate(capacity_bytes)
         if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
             raise ConfigError("sample_rate", f"must be a number in (0, 1], got {sample_rate!r}")
         super().__init__(capacity_bytes, **kw)
@@ -330,6 +345,7 @@ class AdaptivePolicy(HitDensityPolicy):
         self._window_hits = [0, 0, 0]
         self._pending: list[Hashable] = []  # this request's sampled blocks and their sizes
         self._pending_sizes: list[int] = []
+        self._pending_set: set[Hashable] = set()
         self._pending_t = 0.0
         self._admitted_root: Any = _NONE
 
@@ -382,14 +398,16 @@ class AdaptivePolicy(HitDensityPolicy):
             return
         for q, sim in enumerate(self.mini_sims):
             sim.clock._now_s = self._pending_t  # type: ignore[attr-defined]
-            h = serve(sim, self._pending, self._pending_sizes)
+            h = serve(sim, self._pending, self._pending_sizes, lenient=True)
             self._window_hits[q] += h
             self.mini_hits[q] += h
         self.mini_refs += len(self._pending)
         self._pending, self._pending_sizes = [], []
+        self._pending_set.clear()
 
     def _observe(self, node: Node) -> None:
-        if self.is_sampled(node.key):
+        if node.key not in self._pending_set and self.is_sampled(node.key):  # an engine may use a block twice in a request
+            self._pending_set.add(node.key)
             self._pending.append(node.key)
             self._pending_sizes.append(node.size)
 
