@@ -185,12 +185,12 @@ def render(res: dict[str, Any]) -> str:
             cls = (f"{'PASS' if g['classic_goal'] else 'MISS'} {g['policy_points']:.2f}% vs {g['best_classic']} {g['best_classic_points']:.2f}% "
                    f"({-g['deficit_points']:+.2f} points)")
             lines.append(f"  {g['policy']} @ {g['capacity_blocks']:,} blocks: gap {gap}; best classic {cls}")
-    duel = [r for r in res["results"] if r.get("evictions_by_expert")]
-    if duel:
-        names = list(duel[0]["evictions_by_expert"])
+    judged = [r for r in res["results"] if r.get("evictions_by_expert")]
+    if judged:
+        names = list(judged[0]["evictions_by_expert"])
         lines += ["", f"who evicted ({' / '.join(names)}; share of the evictions over the whole replay) and what the judge saw "
                       "(each expert's mini-simulation: block hit ratio on the sampled keys)"]
-        for r in duel:
+        for r in judged:
             ev = r["evictions_by_expert"]
             n = sum(ev.values())
             shares = " / ".join(f"{100 * ev[q] / n:.0f}" for q in names) + " %" if n else "no evictions"
