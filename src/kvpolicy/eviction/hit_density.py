@@ -295,8 +295,9 @@ class AdaptivePolicy(HitDensityPolicy):
     (every ``interval`` requests, once 8 × ``bins`` uses and inserts were seen), the mini-simulations' hits since the
     last time are scored — the scores decay by ``decay``, as the histograms do — and the expert with the highest
     score evicts from that request on (ties keep the current one); hit density until one leads. The
-    mini-simulations never see the real cache, so no expert is judged in a cache another expert shaped. The knobs are hit density's plus ``sample_rate`` (default :meth:`default_sample_rate`: 1/16,
-    more for caches under 4,096 blocks).
+    mini-simulations never see the real cache, so no expert is judged in a cache another expert shaped. The knobs
+    are hit density's plus ``sample_rate`` (default :meth:`default_sample_rate`: 1/16, more for caches under 4,096
+    blocks).
 
     ``expert`` pins the executing expert (``"hit-density"``, ``"lru"`` or ``"lfu"``; default ``None``: the
     mini-simulations pick) while the mini-simulations go on. Pinned to hit density it evicts exactly what

@@ -1388,8 +1388,8 @@ def hit_density_kernel(offsets, ids, m_blocks, rid, t_now, cap, hits, victims, I
     ``pin`` ≥ 0: that expert evicts throughout (hit density: 0). ``pin`` < 0: adaptive — the mini-simulations, one
     per expert, each a cache of ``sub_cap`` blocks whose records are ``SI``/``SF``/``SW`` (three equal parts), replay
     the sampled references in batches; before each request that will recompute the real cache's densities, the
-    expert whose mini-simulation hit most (hits decayed by ``decay`` each time) takes over. ``executed``: evictions per expert;
-    ``sub_hits``/``sub_refs``: the mini-simulations' hits and references. Returns the number of victims."""
+    expert whose mini-simulation hit most (hits decayed by ``decay`` each time) takes over. ``executed``: evictions
+    per expert; ``sub_hits``/``sub_refs``: the mini-simulations' hits and references. Returns the number of victims."""
     n_ids = W.size // 16
     ncap = min(n_ids, cap + 1) + 1  # candidates are resident leaves: at most cap of them
     cand = np.empty(ncap, np.int32)
