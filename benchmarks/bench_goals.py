@@ -11,7 +11,7 @@ round-robin, llama-3-8b's KV bytes).
     python benchmarks/bench_goals.py --seeds 303,404 --no-trace
     python benchmarks/bench_goals.py --markdown            # also every point, as the tables in docs/benchmarks.md
 
-Every run of the matrix is independent (one process each, ``--jobs`` at a time); ~25 min on 2 cores for the default
+Every run of the matrix is independent (one process each, ``--jobs`` at a time); ~2.5 min on 2 cores for the default
 matrix. The knobs of ``adaptive``, ``hit-density`` and ``structure-aware`` were chosen on the presets at seeds 1 and 2:
 do not judge them there.
 """
