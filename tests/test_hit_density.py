@@ -202,14 +202,6 @@ def test_a_pinned_parent_whose_last_child_is_evicted_is_not_a_candidate(policy, 
     assert np.array_equal(online.hits, kernel.hits) and online.victims == kernel.victims.tolist()
 
 
-def _node(key, t_last, hits):
-    from kvpolicy.eviction.base import Node
-
-    n = Node(key, 1, None, 0, t_last)
-    n.data = [t_last, hits, 0]
-    return n
-
-
 def test_the_sample_is_the_same_key_by_key_and_id_array_at_once():
     p = AdaptivePolicy(64, seed=12345, sample_rate=1 / 16, clock=ManualClock())
     ids = np.arange(20000)
