@@ -189,6 +189,9 @@ def test_it_learns_to_keep_a_reused_class_through_a_scan():
     hd = replay_kernel(tr, "hit-density", 20).hit_blocks
     unlearned = replay_kernel(tr, "hit-density", 20, interval=10**9).hit_blocks
     assert lru == 0 and unlearned == 0 and hd > 0.2 * 3000, (lru, unlearned, hd)
+    # adaptive's mini-simulations (every key: the cache is under 256 blocks) find LFU, judged from the 50th request on
+    adaptive = replay_kernel(tr, "adaptive", 20)
+    assert adaptive.hit_blocks > 0.95 * 3000 and adaptive.stats["evictions_by_expert"]["lfu"] > 0.95 * len(adaptive.victims), adaptive.stats
 
 
 @pytest.mark.parametrize("policy", ["hit-density", "adaptive"])
@@ -274,6 +277,21 @@ def test_the_leader_changes_only_when_a_mini_simulation_scores_higher_and_decays
     pinned._since_requests, pinned._since_events, pinned._window_hits = 10**6, 10**6, [9, 0, 0]
     pinned._begin()
     assert pinned.scores == [9.0, 0.0, 0.0] and pinned.leader == "lfu"  # judged, but the pin holds
+
+
+def test_until_the_densities_are_first_computed_it_judges_every_interval_requests():
+    p = AdaptivePolicy(8, clock=ManualClock(), **{k: v for k, v in FAST.items() if k != "interval"}, interval=3)
+    p._window_hits = [0, 0, 4]
+    p._begin()
+    p._begin()
+    assert p.leader == "hit-density" and p.scores == [0.0, 0.0, 0.0]  # nothing learned, no uses seen: only the count
+    p._begin()  # the third request since: judged
+    assert p.scores == [0.0, 0.0, 4.0] and p.leader == "lfu"
+    p.learned = True  # once computed, only a request that recomputes them is judged
+    p._window_hits = [7, 0, 0]
+    for _ in range(5):
+        p._begin()
+    assert p.scores == [0.0, 0.0, 4.0] and p.leader == "lfu"
 
 
 def test_it_follows_the_expert_this_trace_rewards():

@@ -292,8 +292,8 @@ class AdaptivePolicy(HitDensityPolicy):
     form one request of the mini-simulations, each under the sampled block before it (the chain, compressed), so
     the prefix rule holds there too. They learn nothing themselves: hit density ranks there by the real cache's
     densities, learned on every reference. Before each request that will recompute the real cache's densities
-    (every ``interval`` requests, once 8 × ``bins`` uses and inserts were seen), the mini-simulations' hits since the
-    last time are scored — the scores decay by ``decay``, as the histograms do — and the expert with the highest
+    (every ``interval`` requests, once 8 × ``bins`` uses and inserts were seen; until they are first computed, every
+    ``interval`` requests), the mini-simulations' hits since the last time are scored — the scores decay by ``decay``, as the histograms do — and the expert with the highest
     score evicts from that request on (ties keep the current one); hit density until one leads. The
     mini-simulations never see the real cache, so no expert is judged in a cache another expert shaped. The knobs
     are hit density's plus ``sample_rate`` (default :meth:`default_sample_rate`: 1/16, more for caches under 4,096
@@ -344,6 +344,7 @@ class AdaptivePolicy(HitDensityPolicy):
         self.mini_hits = [0, 0, 0]
         self.mini_refs = 0
         self._window_hits = [0, 0, 0]
+        self._since_judge = 0  # requests since the last judging
         self._pending: list[Hashable] = []  # this request's sampled blocks and their sizes
         self._pending_sizes: list[int] = []
         self._pending_set: set[Hashable] = set()
@@ -378,11 +379,14 @@ class AdaptivePolicy(HitDensityPolicy):
 
     def _begin(self) -> None:
         """A request begins: the last one's sampled blocks go to the mini-simulations. If this request will recompute
-        the densities (its root's tick), the mini-simulations' hits since the last time are scored first — they ranked
-        by the densities those requests saw — the scores decay by ``decay``, as the histograms do, and the expert with
-        the highest score evicts from now on."""
+        the densities (its root's tick) — or, until they are first computed, every ``interval`` requests — the
+        mini-simulations' hits since the last time are scored first (they ranked by the densities those requests
+        saw), the scores decay by ``decay``, as the histograms do, and the expert with the highest score evicts from
+        now on."""
         self._flush()
-        if self._since_requests + 1 >= self.interval and self._since_events >= N_CLASSES * self.bins:
+        if (self._since_requests + 1 >= self.interval and self._since_events >= N_CLASSES * self.bins) or (
+                not self.learned and self._since_judge + 1 >= self.interval):
+            self._since_judge = 0
             for q in range(3):
                 self.scores[q] = self.scores[q] * self.decay + self._window_hits[q]
                 self._window_hits[q] = 0
@@ -392,6 +396,7 @@ class AdaptivePolicy(HitDensityPolicy):
                     if self.scores[q] > self.scores[lead]:  # ties keep the current leader
                         lead = q
                 self._executing = lead
+        self._since_judge += 1
         self._pending_t = self.clock.now_s()
 
     def _flush(self) -> None:

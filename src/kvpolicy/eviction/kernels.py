@@ -1137,8 +1137,8 @@ def _hd_reconfigure(H, E, X, D, decay, span, age_sum, age_n, inv_width):
 
 
 # one hit-density cache's scalars between calls of _hd_run, as float64 slots (exact: every count stays under 2**31)
-S_NC, S_USED, S_NV, S_NEV, S_REQ, S_EVT, S_LEARNED, S_INVW, S_AGESUM, S_AGEN, S_HITS = range(11)
-N_SCALARS = 11
+S_NC, S_USED, S_NV, S_NEV, S_REQ, S_EVT, S_LEARNED, S_INVW, S_AGESUM, S_AGEN, S_HITS, S_SJ = range(12)  # S_SJ: adaptive's
+N_SCALARS = 12
 BATCH_REQUESTS = 4096  # the mini-simulations' batch: requests and block references (plus the longest request)
 BATCH_REFS = 65536
 
@@ -1157,7 +1157,8 @@ def _hd_run(offsets, ids, m_blocks, rid, t_now, r_lo, r_hi, cap, hits, victims, 
     With ``b_off.size > 0``, each request's sampled references (record slot ``W[16x + 2]`` ≥ 0: the block's id in the
     mini-simulations) are appended to the batch ``b_*`` as one request — the requests the mini-simulations replay
     next — and the run stops before a request that will recompute the densities (the judge's turn: the
-    mini-simulations must rank by the densities those requests saw), except request ``no_judge_r``, or once fewer
+    mini-simulations must rank by the densities those requests saw; until they are first computed, every
+    ``interval`` requests), except request ``no_judge_r``, or once fewer
     than ``b_room`` slots are left in the batch. Returns how many requests the batch holds, the next request to run
     and whether it stopped for the judge."""
     # one 64-byte record per block, in three views of the same memory (I int64, F float64, W int32 halves):
@@ -1189,10 +1190,11 @@ def _hd_run(offsets, ids, m_blocks, rid, t_now, r_lo, r_hi, cap, hits, victims, 
         e = offsets[r + 1]
         if s == e:
             continue
-        if collect and r != no_judge_r and requests + 1 >= interval and events >= 8 * nbins:
-            judge = True
+        if collect and r != no_judge_r and ((requests + 1 >= interval and events >= 8 * nbins) or (not learned and sc[S_SJ] + 1 >= interval)):
+            judge = True  # this request recomputes the densities (or, until they are first computed, `interval` went by)
             r_next = r
             break
+        sc[S_SJ] += 1  # requests since the last judging
         now = t_now[r]
         g = rid[r]
         bs = bp
@@ -1387,7 +1389,8 @@ def hit_density_kernel(offsets, ids, m_blocks, rid, t_now, cap, hits, victims, I
 
     ``pin`` ≥ 0: that expert evicts throughout (hit density: 0). ``pin`` < 0: adaptive — the mini-simulations, one
     per expert, each a cache of ``sub_cap`` blocks whose records are ``SI``/``SF``/``SW`` (three equal parts), replay
-    the sampled references in batches; before each request that will recompute the real cache's densities, the
+    the sampled references in batches; before each request that will recompute the real cache's densities (and
+    every ``interval`` requests until they are first computed), the
     expert whose mini-simulation hit most (hits decayed by ``decay`` each time) takes over. ``executed``: evictions
     per expert; ``sub_hits``/``sub_refs``: the mini-simulations' hits and references. Returns the number of victims."""
     n_ids = W.size // 16
@@ -1457,6 +1460,7 @@ def hit_density_kernel(offsets, ids, m_blocks, rid, t_now, cap, hits, victims, I
         no_judge = -1
         if judged:  # the next request recomputes the densities: the mini-simulations' hits since the last time are scored
             no_judge = r
+            sc[S_SJ] = 0
             for q in range(3):
                 score[q] = score[q] * decay + window[q]
                 window[q] = 0
