@@ -11,8 +11,8 @@ from kvpolicy.clock import ManualClock
 from kvpolicy.errors import ConfigError
 from kvpolicy.eviction import AdaptivePolicy, HitDensityPolicy, replay
 from kvpolicy.eviction.base import serve
-from kvpolicy.eviction.hit_density import block_class, densities, sampled_mask, splitmix64
-from kvpolicy.eviction.kernels import replay_kernel
+from kvpolicy.eviction.hit_density import block_class, densities, splitmix64
+from kvpolicy.eviction.kernels import replay_kernel, sampled_ids
 from kvpolicy.traces import first_appearance_ids
 
 # small histograms and a reconfiguration every request once 8 x bins events were seen: the learned ranks,
@@ -208,11 +208,14 @@ def test_a_pinned_parent_whose_last_child_is_evicted_is_not_a_candidate(policy, 
 def test_the_sample_is_the_same_key_by_key_and_id_array_at_once():
     p = AdaptivePolicy(64, seed=12345, sample_rate=1 / 16, clock=ManualClock())
     ids = np.arange(20000)
-    mask = p.sampled_ids(ids.size)
+    mask = sampled_ids(p, ids.size)  # the kernel's form, against the online policy's key-by-key answer
     assert mask.tolist() == [p.is_sampled(int(k)) for k in ids]
     assert abs(mask.mean() - 1 / 16) < 0.01  # splitmix64 spreads even consecutive ids
-    assert not np.array_equal(mask, AdaptivePolicy(64, seed=1, sample_rate=1 / 16, clock=ManualClock()).sampled_ids(ids.size))  # the seed picks the sample
-    assert sampled_mask(ids, 7, 1.0).all() and AdaptivePolicy(64, sample_rate=1.0, clock=ManualClock()).is_sampled("any key")
+    assert not np.array_equal(mask, sampled_ids(AdaptivePolicy(64, seed=1, sample_rate=1 / 16, clock=ManualClock()), ids.size))  # the seed picks the sample
+    top = AdaptivePolicy(64, seed=2**64 - 1, sample_rate=1 / 16, clock=ManualClock())  # a seed past int64
+    assert sampled_ids(top, 2000).tolist() == [top.is_sampled(k) for k in range(2000)]
+    every = AdaptivePolicy(64, seed=7, sample_rate=1.0, clock=ManualClock())
+    assert sampled_ids(every, ids.size).all() and every.is_sampled("any key")
     # str and bytes keys by BLAKE2b, not hash(): the same sample in every process
     q = AdaptivePolicy(64, sample_rate=0.5, clock=ManualClock())
     bits = int.from_bytes(hashlib.blake2b(b"system-prompt", digest_size=8).digest(), "little")

@@ -268,19 +268,6 @@ def key_bits(key: Hashable) -> int:
     return int.from_bytes(hashlib.blake2b(bytes(key), digest_size=8).digest(), "little")
 
 
-def sampled_mask(ids: np.ndarray, seed: int, rate: float) -> np.ndarray:
-    """Which of the int ``ids`` the mini-simulations see: ``splitmix64(id xor seed) < rate * 2**64`` — what
-    :meth:`AdaptivePolicy.is_sampled` says key by key, for a whole id array at once."""
-    if rate >= 1.0:
-        return np.ones(ids.shape, dtype=bool)
-    with np.errstate(over="ignore"):
-        z = (ids.astype(np.uint64) ^ np.uint64(seed)) + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return z < np.uint64(int(rate * 2**64))
-
-
 class AdaptivePolicy(HitDensityPolicy):
     """Three experts — hit density, LRU and LFU — each replayed in a miniature simulation; the one that hits most evicts.
 
@@ -357,12 +344,8 @@ class AdaptivePolicy(HitDensityPolicy):
         return self.EXPERTS[self._executing]
 
     def is_sampled(self, key: Hashable) -> bool:
-        """Does the mini-simulation see ``key``? (:func:`sampled_mask` for int keys.)"""
+        """Does the mini-simulation see ``key``? (:func:`~kvpolicy.eviction.kernels.sampled_ids` for a range of int ids.)"""
         return self._bound >= 2**64 or splitmix64(key_bits(key) ^ self.seed)[1] < self._bound
-
-    def sampled_ids(self, n_ids: int) -> np.ndarray:
-        """The sample over the int ids ``0 .. n_ids - 1`` (what the kernel replays)."""
-        return sampled_mask(np.arange(n_ids, dtype=np.int64), self.seed, self.sample_rate)
 
     @staticmethod
     def judge_stats(evictions_by_expert: list[int], mini_hits: list[int], mini_refs: int) -> dict:

@@ -1158,9 +1158,8 @@ def _hd_run(offsets, ids, m_blocks, rid, t_now, r_lo, r_hi, cap, hits, victims, 
     mini-simulations) are appended to the batch ``b_*`` as one request — the requests the mini-simulations replay
     next — and the run stops before a request that will recompute the densities (the judge's turn: the
     mini-simulations must rank by the densities those requests saw; until they are first computed, every
-    ``interval`` requests), except request ``no_judge_r``, or once fewer
-    than ``b_room`` slots are left in the batch. Returns how many requests the batch holds, the next request to run
-    and whether it stopped for the judge."""
+    ``interval`` requests), except request ``no_judge_r``, or once fewer than ``b_room`` slots are left in the
+    batch. Returns how many requests the batch holds, the next request to run and whether it stopped for the judge."""
     # one 64-byte record per block, in three views of the same memory (I int64, F float64, W int32 halves):
     # F[8x] last use (kept while it is a ghost), W[16x+2] its id in the mini-simulations (-1: not sampled), F[8x+2]
     # ghost's excess, I[8x+3] ghost's eviction count (-1: none), W[16x+8] hits, +9 child inserts, +10 resident
@@ -1473,6 +1472,23 @@ def hit_density_kernel(offsets, ids, m_blocks, rid, t_now, cap, hits, victims, I
 
 # ----------------------------------------------------------------------------- driver
 
+@nb.njit(cache=True)
+def _sampled_ids_kernel(seed, bound, out):
+    s = np.uint64(seed)
+    for x in range(out.size):
+        _, z = _splitmix64(np.uint64(x) ^ s)
+        out[x] = z < bound
+
+
+def sampled_ids(policy: Any, n_ids: int) -> np.ndarray:
+    """Which of the int ids ``0 .. n_ids - 1`` an :class:`~kvpolicy.eviction.hit_density.AdaptivePolicy`'s
+    mini-simulations see: its ``is_sampled``, id by id, at kernel speed."""
+    out = np.ones(n_ids, dtype=np.bool_)
+    if policy.sample_rate < 1.0:
+        _sampled_ids_kernel(np.uint64(policy.seed), np.uint64(policy._bound), out)
+    return out
+
+
 def _hd_records(n_ids: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The hit-density kernel's block records: 8 int64 slots per block, 64-byte aligned, as int64/float64/int32 views."""
     buf = np.zeros(8 * n_ids + 8, dtype=np.int64)
@@ -1568,7 +1584,7 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
         sub_hits = np.zeros(3, np.int64)
         sub_refs = np.zeros(1, np.int64)
         if policy == "adaptive":
-            sampled = p.sampled_ids(n_ids)
+            sampled = sampled_ids(p, n_ids)
             n_sub = int(sampled.sum())
             rec_w[2::16] = np.where(sampled, np.cumsum(sampled) - 1, -1)
             si, sf, sw = _hd_records(3 * max(n_sub, 1))
