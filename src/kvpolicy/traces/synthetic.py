@@ -32,6 +32,9 @@ from ..keys import BlockHasher, Namespace
 from .model import Trace, canonicalize
 
 KINDS = ("chat", "rag", "agent")
+#: seconds a session waits per output token before its user starts thinking: the next turn comes
+#: ``output_tokens × DECODE_S_PER_TOKEN + Exp(think_time_s)`` after the last one
+DECODE_S_PER_TOKEN = 0.02
 
 
 def _pos(inst: Any, a: attrs.Attribute, v: Any) -> None:
@@ -174,7 +177,7 @@ def generate(spec: SyntheticSpec | str = "mixed", *, keep_tokens: bool = False) 
             history = history + [user, answer]
             if kind == "agent":
                 history.append(seg.get((6, s_idx, turn), rint(spec.tool_output_tokens), cache=False))
-            t += out_len * 0.02 + rng.exponential(spec.think_time_s)
+            t += out_len * DECODE_S_PER_TOKEN + rng.exponential(spec.think_time_s)
     plans.sort(key=lambda p: (p[0], p[1]))
     plans = plans[: spec.n_requests]
     if len(plans) < spec.n_requests:  # pragma: no cover - the 1.5× session margin makes this unreachable in practice
