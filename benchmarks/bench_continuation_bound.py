@@ -72,8 +72,7 @@ class LawOracle(HitDensityPolicy):
     def __init__(self, capacity_bytes: int, trace, spec, horizon_s: float, decode: bool, samples: int = 64) -> None:
         super().__init__(capacity_bytes, samples=samples, clock=ManualClock())
         self.request = 0
-        kinds = [k for k in trace.class_names]
-        self.p_continue = np.asarray([1.0 - 1.0 / spec.turns_mean.get(k, 1.0) for k in kinds])[trace.request_class]
+        self.p_continue = np.asarray([1.0 - 1.0 / spec.turns_mean.get(k, 1.0) for k in trace.class_names])[trace.request_class]
         self.t_s = trace.arrival_s + np.arange(len(trace)) * 1e-9  # as replay's clock reads
         decode_s = trace.output_tokens * DECODE_S_PER_TOKEN
         self.decode_s = decode_s if decode else np.full(len(trace), float(decode_s.mean()))
