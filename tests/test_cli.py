@@ -192,6 +192,9 @@ def test_publish_bench_and_plan_warmup_commands(capsys, tmp_path):
         assert set(r) >= {"blocks_written", "bytes_written", "reread_bytes", "wasted_write_bytes"}
     assert runs["never"]["bytes_written"] == 0 and runs["all"]["reread_bytes"] == runs["oracle"]["reread_bytes"]
     assert all(r["reread_bytes"] <= runs["oracle"]["reread_bytes"] for r in runs.values())
+    for bad in ("threshold-0", "sometimes", "all+nope"):  # refused before the trace is read: a missing file is not what is reported
+        rc, _, err = run(capsys, "publish-bench", str(tmp_path / "not-there.jsonl"), "--policies", f"all,{bad}", "--no-progress")
+        assert rc == 2 and bad.split("+")[-1] in err and "no such file" not in err and "Traceback" not in err
     rc, text, _ = run(capsys, "plan-warmup", str(p), "--block-size", "64", "--bytes-per-token", "1024", "--replicas", "3", "--window-s", "5",
                       "--bandwidth-gbps", "10", "--max-loads-per-replica", "2", "--max-loads-pool", "4", "--json")
     assert rc == 0

@@ -168,8 +168,10 @@ def test_allof_and_protocol():
     assert f.publishable(r, [1, 2, 3, 4]) == 2
     with pytest.raises(ConfigError, match="unknown publish policy"):
         make_filter("sometimes")
-    with pytest.raises(ConfigError, match="threshold"):
-        make_filter("threshold-x")
+    for spec in ("threshold-x", "threshold-0", "threshold--2", "threshold-"):
+        with pytest.raises(ConfigError, match=r"threshold-K needs a positive integer K, got '" + spec + "'"):
+            make_filter(spec)
+    assert make_filter("threshold-3").k == 3
     with pytest.raises(ConfigError, match="boundary_tokens"):
         PublishRequest(request_id=1, num_tokens=4, block_size_tokens=B, boundary_tokens=9)
 

@@ -404,6 +404,10 @@ def _cmd_publish_bench(args: argparse.Namespace) -> int:
     from .progress import Progress
     from .publish_sim import publish_bench, render
 
+    from .publish import check_spec
+
+    for spec in args.policies:
+        check_spec(spec)  # a misspelt policy fails here, before a large trace is read
     prog = Progress("publish-bench", enabled=None if not args.no_progress else False)
     bpt, model_note = _bytes_per_token(args)
     prog("reading trace")

@@ -580,12 +580,31 @@ def _find_values(f: Any, request: PublishRequest, keys: Sequence[Hashable]) -> l
     return None
 
 
+_NAMES = ("all", "never", "boundary", "reuse-aware", "structure-aware")
+
+
+def check_spec(spec: str) -> list[str]:
+    """The names in a filter spec (``a+b`` → both), each checked: a known name or ``threshold-K`` with an integer K ≥ 1.
+    Builds nothing, so a caller can refuse a misspelt spec before any work."""
+    parts = [p.strip() for p in spec.split("+") if p.strip()]
+    if not parts:
+        raise ConfigError("policy", f"empty publish policy {spec!r}")
+    for name in parts:
+        if name.startswith("threshold-"):
+            k = name.split("-", 1)[1]
+            if not k.isdigit() or int(k) < 1:  # here, not in ThresholdPublish: its error would name its argument, not the spec
+                raise ConfigError("policy", f"threshold-K needs a positive integer K, got {name!r}")
+        elif name not in _NAMES:
+            raise ConfigError("policy", f"unknown publish policy {name!r}; known: all, never, threshold-K, boundary, reuse-aware, structure-aware (compose with +)")
+    return parts
+
+
 def make_filter(spec: str, **kw: Any) -> Any:
     """``all``, ``never``, ``threshold-K``, ``boundary``, ``reuse-aware``, ``structure-aware``; ``a+b`` composes with AllOf."""
-    parts = [p.strip() for p in spec.split("+") if p.strip()]
+    parts = check_spec(spec)
     if len(parts) > 1:
         return AllOf(*(make_filter(p, **kw) for p in parts))
-    name = parts[0] if parts else ""
+    name = parts[0]
     if name == "all":
         return PublishAll()
     if name == "never":
@@ -593,12 +612,7 @@ def make_filter(spec: str, **kw: Any) -> Any:
     if name == "boundary":
         return BoundaryPublish()
     if name.startswith("threshold-"):
-        try:
-            return ThresholdPublish(int(name.split("-", 1)[1]))
-        except ValueError:
-            raise ConfigError("policy", f"threshold needs an integer: {name!r}") from None
+        return ThresholdPublish(int(name.split("-", 1)[1]))
     if name == "reuse-aware":
         return ReuseAwarePublish(**kw)
-    if name == "structure-aware":
-        return StructureAwarePublish(**{k: v for k, v in kw.items() if k in ("cross_replica_share",)})
-    raise ConfigError("policy", f"unknown publish policy {name!r}; known: all, never, threshold-K, boundary, reuse-aware, structure-aware (compose with +)")
+    return StructureAwarePublish(**{k: v for k, v in kw.items() if k in ("cross_replica_share",)})
