@@ -168,7 +168,7 @@ def test_allof_and_protocol():
     assert f.publishable(r, [1, 2, 3, 4]) == 2
     with pytest.raises(ConfigError, match="unknown publish policy"):
         make_filter("sometimes")
-    for spec in ("threshold-x", "threshold-0", "threshold--2", "threshold-"):
+    for spec in ("threshold-x", "threshold-0", "threshold--2", "threshold-", "threshold-²"):
         with pytest.raises(ConfigError, match=r"threshold-K needs a positive integer K, got '" + spec + "'"):
             make_filter(spec)
     assert make_filter("threshold-3").k == 3

@@ -592,7 +592,7 @@ def check_spec(spec: str) -> list[str]:
     for name in parts:
         if name.startswith("threshold-"):
             k = name.split("-", 1)[1]
-            if not k.isdigit() or int(k) < 1:  # here, not in ThresholdPublish: its error would name its argument, not the spec
+            if not (k.isascii() and k.isdigit()) or int(k) < 1:  # here, not in ThresholdPublish: its error would name its argument, not the spec
                 raise ConfigError("policy", f"threshold-K needs a positive integer K, got {name!r}")
         elif name not in _NAMES:
             raise ConfigError("policy", f"unknown publish policy {name!r}; known: all, never, threshold-K, boundary, reuse-aware, structure-aware (compose with +)")
