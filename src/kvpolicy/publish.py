@@ -595,7 +595,7 @@ def check_spec(spec: str) -> list[str]:
             if not (k.isascii() and k.isdigit()) or int(k) < 1:  # here, not in ThresholdPublish: its error would name its argument, not the spec
                 raise ConfigError("policy", f"threshold-K needs a positive integer K, got {name!r}")
         elif name not in _NAMES:
-            raise ConfigError("policy", f"unknown publish policy {name!r}; known: all, never, threshold-K, boundary, reuse-aware, structure-aware (compose with +)")
+            raise ConfigError("policy", f"unknown publish policy {name!r}; known: {', '.join(_NAMES)}, threshold-K (compose with +)")
     return parts
 
 
