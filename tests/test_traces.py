@@ -52,6 +52,11 @@ def test_mooncake_partial_block_kept_apart(tmp_path):
         (json.dumps(mc(0, 10, "abc")), "must be a list"),
         (json.dumps(mc("soon", 10, [1])), "timestamp"),
         (json.dumps(mc(0, 10.5, [1])), "input_length"),
+        # integers past int64 are bad lines, not an OverflowError from numpy (or from float()) after the read
+        (json.dumps(mc(0, 10, [2**63])), r"hash_ids\[0\] must be an integer in \[0, 2\*\*63\)"),
+        (json.dumps({**mc(0, 10, [1]), "output_length": 10**23}), "'output_length' is too large"),
+        ('{"timestamp": 1' + "0" * 400 + ', "input_length": 10, "output_length": 1, "hash_ids": [1]}', "'timestamp' must be a finite number"),
+        ('{"timestamp": NaN, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "'timestamp' must be a finite number"),
     ],
 )
 def test_mooncake_malformed_lines_name_file_and_line(tmp_path, line, what):

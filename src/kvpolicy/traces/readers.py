@@ -9,6 +9,8 @@ the line numbers in ``Trace.skipped_lines``; nothing is ever skipped silently.
 
 from __future__ import annotations
 
+import math
+
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -85,6 +87,9 @@ class _Lines:
         self.skipped.append(lineno)
 
 
+_INT64_END = 2**63  # the columns are int64: a larger integer cannot be stored, so it is a bad line, not an OverflowError
+
+
 class _Reject(Exception):
     """A line-level problem, turned into TraceFormatError (or a skip) by the caller."""
 
@@ -97,6 +102,8 @@ def _int_field(obj: dict[str, Any], name: str, default: int | None = None) -> in
     v = obj[name]
     if isinstance(v, bool) or not isinstance(v, int):
         raise _Reject(f"field {name!r} must be an integer, got {v!r}")
+    if v >= _INT64_END:
+        raise _Reject(f"field {name!r} is too large ({v}; at most 2**63 - 1)")
     if v < 0:
         raise _Reject(f"field {name!r} is negative ({v})")
     return v
@@ -108,11 +115,19 @@ def _num_field(obj: dict[str, Any], name: str, default: float | None = None) -> 
             return default
         raise _Reject(f"missing field {name!r}")
     v = obj[name]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v if isinstance(v, float) else _float_or_inf(v)):
         raise _Reject(f"field {name!r} must be a finite number, got {v!r}")
     if v < 0:
         raise _Reject(f"field {name!r} is negative ({v})")
     return float(v)
+
+
+def _float_or_inf(v: int) -> float:
+    """An int as a float, or inf where it has no float (beyond ~1.8e308): such a time is not finite."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf
 
 
 def _hash_ids(obj: dict[str, Any], input_length: int, block_size: int) -> list[int]:
@@ -125,8 +140,8 @@ def _hash_ids(obj: dict[str, Any], input_length: int, block_size: int) -> list[i
     if len(ids) != want:
         raise _Reject(f"hash_ids has {len(ids)} ids but input_length {input_length} needs ceil({input_length}/{block_size}) = {want}")
     for i, h in enumerate(ids):
-        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
-            raise _Reject(f"hash_ids[{i}] must be a non-negative integer, got {h!r}")
+        if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < _INT64_END:
+            raise _Reject(f"hash_ids[{i}] must be an integer in [0, 2**63), got {h!r}")
     return ids
 
 
