@@ -74,6 +74,8 @@ def test_fit_never_goes_negative_on_concave_data():
         ("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms\n10,1,1\n", 2, "expected 4 fields"),
         ("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms\n10.5,1,1,1\n", 2, "positive integer"),
         ("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms\n10,1,0,1\n", 2, "must be positive"),
+        # past int64 (and past what a float holds exactly): a named row, not an OverflowError from numpy
+        ("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms\n10,1,1,1\n99999999999999999999999999,1,1,1\n", 3, "larger than any prompt"),
         ("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms,kv_bytes\n", 1, "duplicate"),
     ],
 )

@@ -25,6 +25,8 @@ import numpy as np
 
 from .errors import ConfigError, ProfileFormatError
 
+#: the longest prefix a profile row may describe (tokens)
+MAX_PREFIX_TOKENS = 2**40
 REQUIRED_COLUMNS = ("prefix_tokens", "kv_bytes", "cold_prefill_ms", "local_hit_ttft_ms")
 
 
@@ -222,6 +224,8 @@ def parse_profile(text: str, source: str = "<string>") -> MeasuredProfile:
         t = cols["prefix_tokens"][-1]
         if not t.is_integer() or t <= 0:
             raise ProfileFormatError(source, line, f"column 'prefix_tokens': {t!r} must be a positive integer")
+        if t > MAX_PREFIX_TOKENS:  # past this a float no longer holds every integer, and past 2**63 int64 overflows
+            raise ProfileFormatError(source, line, f"column 'prefix_tokens': {r[header.index('prefix_tokens')].strip()!r} is larger than any prompt (at most 2**40)")
         if t <= prev_tokens:
             raise ProfileFormatError(source, line, f"column 'prefix_tokens': {int(t)} does not increase (previous row {int(prev_tokens)})")
         if cols["cold_prefill_ms"][-1] <= 0:
