@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -426,3 +427,12 @@ def test_progress_logs_each_finished_unit_off_a_terminal_and_nothing_when_quiet(
     assert rc == 0 and err == ""
     rc, _, err = run(capsys, "evict-bench", "--capacities-blocks", "64", "--policies", "lru")
     assert rc == 0 and "evict-bench: done in" in err
+
+
+@pytest.mark.parametrize("cmd", ["analyze", "compare"])
+@pytest.mark.parametrize("value, what", [("1e300", r"expected GiB in \[0, 1048576\]"), ("nan", "finite"), ("-1", "finite number >= 0")])
+def test_local_kv_gib_out_of_range_is_a_flag_error(capsys, tmp_path, cmd, value, what):
+    """A GiB figure whose byte count overflows (1e300 GiB is inf bytes) is refused at the flag, before any trace is read —
+    not an OverflowError from int(inf) in the capacity model."""
+    rc, _, err = run(capsys, cmd, str(tmp_path / "no-such-trace.jsonl"), "--local-kv-gib", value)
+    assert rc == 2 and "--local-kv-gib" in err and re.search(what, err) and "no-such-trace" not in err

@@ -224,6 +224,9 @@ def test_bad_configuration_names_the_field(trace):
     with pytest.raises(ConfigError) as e:
         cluster(trace, failure_rate=1.5)
     assert e.value.field == "failure_rate"
+    with pytest.raises(ConfigError) as e:  # inf bytes: a named error, not an OverflowError from int(inf)
+        default_cluster(trace, bytes_per_token=BPT, prefill=DEFAULT_PREFILL, local_kv_gib=1e300)
+    assert e.value.field == "local_kv_gib"
     with pytest.raises(ConfigError) as e:
         Simulator(trace, cluster(trace), policy_set("kvpolicy"), events=(Degrade(5, 0.0, 1.0),))
     assert e.value.field == "node"

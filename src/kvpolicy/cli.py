@@ -68,6 +68,17 @@ def _non_negative_float(text: str) -> float:
     return v
 
 
+#: the most GiB of KV per replica a flag takes (1 PiB): past it the byte count stops being an exact int64
+MAX_CLI_GIB = 2**20
+
+
+def _gib(text: str) -> float:
+    v = _non_negative_float(text)
+    if v > MAX_CLI_GIB:
+        raise argparse.ArgumentTypeError(f"expected GiB in [0, {MAX_CLI_GIB}], got {text!r}")
+    return v
+
+
 def _positive_int(text: str) -> int:
     return _one_int(text, 1)
 
@@ -726,7 +737,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--replicas", type=_positive_int, default=8)
     a.add_argument("--routing", choices=["random", "round-robin", "prefix-affinity"], default="round-robin", help="how the current deployment routes (default round-robin)")
     a.add_argument("--affinity-blocks", type=_positive_int, default=4, help="prefix-affinity hashes the first k full blocks (default 4)")
-    a.add_argument("--local-kv-gib", type=_non_negative_float, default=32.0, help="physical KV cache per replica in GiB (default 32; minus the decode/reserved/fragmentation shares below = 20.8 GiB for prefixes)")
+    a.add_argument("--local-kv-gib", type=_gib, default=32.0, help="physical KV cache per replica in GiB (default 32; minus the decode/reserved/fragmentation shares below = 20.8 GiB for prefixes)")
     a.add_argument("--decode-share", type=_non_negative_float, default=0.25, help="share of it held by active decodes (default 0.25)")
     a.add_argument("--reserved-share", type=_non_negative_float, default=0.05, help="reserved share (default 0.05)")
     a.add_argument("--fragmentation-share", type=_non_negative_float, default=0.05, help="fragmentation share (default 0.05)")
@@ -812,7 +823,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--allow-mismatch", action="store_true", help="use a --profile whose measured KV bytes/token differs from the model's by more than 10%%")
     cp.add_argument("--replicas", type=_positive_int, default=8)
     cp.add_argument("--router", choices=list(ROUTERS), default="round-robin", help="request router (default round-robin)")
-    cp.add_argument("--local-kv-gib", type=_non_negative_float, default=28.0, help="local KV per replica, GiB, after reserved and fragmentation (default 28 = analyze's 32 GiB physical less 5%%+5%%, rounded); running decodes pin their blocks in it during the run, so no decode share is taken off up front")
+    cp.add_argument("--local-kv-gib", type=_gib, default=28.0, help="local KV per replica, GiB, after reserved and fragmentation (default 28 = analyze's 32 GiB physical less 5%%+5%%, rounded); running decodes pin their blocks in it during the run, so no decode share is taken off up front")
     cp.add_argument("--storage-nodes", type=_positive_int, default=4)
     cp.add_argument("--pool-share", type=_non_negative_float, default=0.25, help="pool capacity as a share of the trace's distinct KV bytes (default 0.25)")
     cp.add_argument("--node-gbps", type=_non_negative_float, default=40.0, help="useful bandwidth per storage node, Gbit/s (default 40)")

@@ -16,6 +16,7 @@ Cluster defaults sized to the trace (:func:`default_cluster`): 8 replicas of
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -33,8 +34,8 @@ def default_cluster(trace: Any, *, bytes_per_token: int, prefill: PrefillModel, 
     """A cluster sized to ``trace``: local caches from GPU memory, the pool from the trace's distinct bytes."""
     if not 0 < pool_share:
         raise ConfigError("pool_share", f"must be positive, got {pool_share}")
-    if not local_kv_gib >= 0:
-        raise ConfigError("local_kv_gib", f"must be non-negative, got {local_kv_gib}")
+    if not local_kv_gib >= 0 or not math.isfinite(local_kv_gib * 2**30):
+        raise ConfigError("local_kv_gib", f"must be a finite non-negative number of GiB, got {local_kv_gib}")
     block_bytes = bytes_per_token * trace.block_size_tokens
     distinct = int(trace.summary()["distinct_blocks"])
     pool_blocks_per_node = max(int(distinct * pool_share / storage_nodes), 1)
