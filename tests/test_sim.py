@@ -320,3 +320,14 @@ def test_background_publishes_leave_loads_alone(trace, prepared):
         cluster(trace, publish_priority="urgent")
     assert fair.link_series and all(len(v[0]) == len(v[1]) == len(v[2]) for v in fair.link_series.values())
     assert all(0.0 <= u <= 1.0 for v in fair.link_series.values() for u in v[1])
+
+
+def test_a_long_decode_tail_costs_a_few_samples_not_one_per_period(trace, prepared):
+    """Decodes that end long after the last arrival (here up to ~6e4 s: 0.01 tokens/s) must not keep the utilisation
+    sampler ticking every duration/200 until they do — ~1e5 samples here, billions at 1e-10 tokens/s (memory, then a
+    hang). Past the last arrival with the network idle, the sampler skips to 4 samples before the next event."""
+    res = run(prepared, cluster(trace, decode_tokens_per_s=0.01), "kvpolicy", seed=0)
+    check_conservation(res, trace)
+    t = next(iter(res.link_series.values()))[0]
+    assert t[-1] > 1e4  # it did sample through the tail
+    assert 200 <= t.size < 200 + 10 * len(trace)  # the arrivals' ~200, then a handful per tail event
