@@ -212,6 +212,29 @@ def test_publish_bench_and_plan_warmup_commands(capsys, tmp_path):
     assert rc == 0 and "verdict" in text
 
 
+
+@pytest.mark.parametrize("entry, what", [
+    ({"prefix": "p", "access_count": 5, "tokens": 100.5}, r"prefixes\[0\]\.tokens must be an integer"),  # was rounded down
+    ({"prefix": "p", "access_count": True, "tokens": 100}, r"prefixes\[0\]\.access_count must be an integer"),  # was taken as 1
+    ({"prefix": ["x"], "access_count": 5, "tokens": 100}, r"prefixes\[0\]\.prefix must be a string or an integer"),
+    ({"prefix": "p", "access_count": 5, "tokens": 10**23}, r"prefixes\[0\]\.tokens must be an integer in \[1, "),
+    ({"prefix": "p", "access_count": 5, "tokens": 100, "recompute_s": -1}, r"prefixes\[0\]\.recompute_s must be a finite number"),
+    ({"prefix": "p", "access_count": 5, "tokens": 100, "blocks": [1, [2]]}, r"prefixes\[0\]\.blocks\[1\] must be a string or an integer"),
+    ({"prefix": "p", "access_count": 5, "bytes": 4096}, r"prefixes\[0\] gives bytes without tokens"),
+])
+def test_hot_json_fields_are_read_strictly(capsys, tmp_path, entry, what):
+    hot = tmp_path / "hot.json"
+    hot.write_text(json.dumps({"prefixes": [entry]}))
+    rc, _, err = run(capsys, "plan-warmup", str(hot), "--replicas", "2", "--window-s", "5", "--bandwidth-gbps", "10")
+    assert rc == 2 and "hot.json" in err and re.search(what, err), err
+
+
+def test_hot_json_infinite_count_is_an_error_not_an_overflow(capsys, tmp_path):
+    hot = tmp_path / "hot.json"
+    hot.write_text('{"prefixes": [{"prefix": "p", "access_count": 1e400, "tokens": 100}]}')  # json reads 1e400 as inf
+    rc, _, err = run(capsys, "plan-warmup", str(hot), "--replicas", "2", "--window-s", "5", "--bandwidth-gbps", "10")
+    assert rc == 2 and "prefixes[0].access_count" in err
+
 # a profile of the reference engine: 512 KV bytes/token and a slow numpy prefill
 REF_PROFILE = """prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms
 256,131072,180.0,12.0

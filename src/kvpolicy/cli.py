@@ -436,6 +436,35 @@ def _cmd_publish_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+class _HotFields:
+    """One entry of HOT.json, read strictly: a wrong type or range is an error naming the file, entry and field — not a
+    value quietly rounded (``tokens: 100.5``), a bool taken for 1, or an OverflowError from ``int(inf)``."""
+
+    def __init__(self, src: str, i: int, item: dict[str, Any]) -> None:
+        self.src, self.i, self.item = src, i, item
+
+    def _bad(self, name: str, want: str, v: Any) -> ConfigError:
+        return ConfigError("HOT.json", f"{self.src}: prefixes[{self.i}].{name} must be {want}, got {v!r}")
+
+    def integer(self, name: str, low: int, high: int) -> int:
+        v = self.item[name]
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+            raise self._bad(name, f"an integer in [{low}, {high}]", v)
+        return v
+
+    def number(self, name: str) -> float:
+        v = self.item[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise self._bad(name, "a finite number >= 0", v)
+        return float(v)
+
+    def key(self, name: str, v: Any = None, j: int | None = None) -> str | int:
+        v = self.item[name] if j is None else v
+        if isinstance(v, bool) or not isinstance(v, (str, int)):
+            raise self._bad(name if j is None else f"{name}[{j}]", "a string or an integer", v)
+        return v
+
+
 def _load_hot(args: argparse.Namespace, bpt: int) -> list[Any]:
     from .traces import detect_format, generate, preset, read_trace
     from .warmup import HotPrefix, hot_prefixes_from_trace
@@ -453,13 +482,22 @@ def _load_hot(args: argparse.Namespace, bpt: int) -> list[Any]:
         for i, item in enumerate(data["prefixes"]):
             if not isinstance(item, dict) or "prefix" not in item or "access_count" not in item or not ("tokens" in item or "bytes" in item):
                 raise ConfigError("HOT.json", f"{src}: prefixes[{i}] needs 'prefix', 'access_count' and 'tokens' or 'bytes'")
-            tokens = item.get("tokens")
-            size = item.get("bytes", (tokens or 0) * bpt)
-            rec = item.get("recompute_s", float(prefill(tokens)) if tokens else None)
-            if rec is None:
+            field = _HotFields(src, i, item)
+            prefix = field.key("prefix")
+            count = field.integer("access_count", 0, 2**63 - 1)
+            tokens = field.integer("tokens", 1, MAX_CLI_INT) if "tokens" in item else None
+            size = field.integer("bytes", 1, 2**63 - 1) if "bytes" in item else tokens * bpt  # type: ignore[operator]
+            if "recompute_s" in item:
+                rec = field.number("recompute_s")
+            elif tokens is not None:
+                rec = float(prefill(tokens))
+            else:
                 raise ConfigError("HOT.json", f"{src}: prefixes[{i}] gives bytes without tokens: add 'recompute_s'")
-            out.append(HotPrefix(prefix=item["prefix"], size_bytes=int(size), access_count=int(item["access_count"]), recompute_s=float(rec),
-                                 blocks=tuple(item.get("blocks", ()))))
+            blocks = item.get("blocks", [])
+            if not isinstance(blocks, list):
+                raise ConfigError("HOT.json", f"{src}: prefixes[{i}].blocks must be a list of block ids, got {type(blocks).__name__}")
+            out.append(HotPrefix(prefix=prefix, size_bytes=size, access_count=count, recompute_s=rec,
+                                 blocks=tuple(field.key("blocks", b, j) for j, b in enumerate(blocks))))
         return out
     if src:
         detect_format(src)
