@@ -7,7 +7,7 @@ from kvpolicy.cli import main
 from kvpolicy.diagnose import diagnose, explain
 from kvpolicy.errors import ConfigError
 from kvpolicy.testing.assembly import assembly_trace, tokens_trace
-from kvpolicy.traces import generate, preset, write_tokens_jsonl
+from kvpolicy.traces import generate, preset, read_tokens_jsonl, write_tokens_jsonl
 
 
 def dominant(kw):
@@ -59,6 +59,23 @@ def test_explain_a_request():
     with pytest.raises(ConfigError, match="no request"):
         explain(tr, "nope")
 
+
+
+def test_explain_a_shared_request_id_names_the_positions(tmp_path):
+    """A retry reuses its request id: explaining "a" must not silently pick the first of them (here a cold miss, while
+    the retry was served from the cache) — it is an error listing both, and '#N' names one."""
+    rows = [{"tokens": list(range(40)), "timestamp": 0, "request_id": "a"},
+            {"tokens": list(range(100, 140)), "timestamp": 1, "request_id": "b"},
+            {"tokens": list(range(40)), "timestamp": 2, "request_id": "a"}]
+    p = tmp_path / "t.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tr = read_tokens_jsonl(p, 16)
+    with pytest.raises(ConfigError, match=r"2 requests .* have the id 'a' \(#0, #2\)"):
+        explain(tr, "a")
+    assert explain(tr, "#2")["reusable_tokens_infinite_cache"] == 32 and explain(tr, "#0")["reusable_tokens_infinite_cache"] == 0
+    assert explain(tr, "b")["reusable_tokens_infinite_cache"] == 0
+    with pytest.raises(ConfigError, match="#0 to #2"):
+        explain(tr, "#3")
 
 def test_diagnose_needs_tokens():
     with pytest.raises(ConfigError, match="raw tokens"):

@@ -908,7 +908,7 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("trace", help="token trace (JSONL with raw token ids)")
     dg.add_argument("--block-size", type=_positive_int, default=None, help="block size in tokens (default 16)")
     dg.add_argument("--min-shared", type=_non_negative_float, default=0.8, help="share of content a request must share with an earlier one (default 0.8)")
-    dg.add_argument("--request", default=None, help="explain this request id")
+    dg.add_argument("--request", default=None, help="explain this request: its id, or #N for the N-th request (from 0) when several share an id")
     dg.add_argument("--capacity-blocks", type=_positive_int, default=None, help="with --request: replay an LRU cache of this size to find evictions")
     dg.add_argument("--sort", action="store_true")
     dg.add_argument("--skip-bad-lines", action="store_true")

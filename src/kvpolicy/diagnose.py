@@ -36,6 +36,7 @@ cost and one worked example.
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from typing import Any
 
@@ -229,13 +230,28 @@ def diagnose(trace: Any, *, min_shared: float = 0.8, min_lost_tokens: int | None
     return Diagnosis(tuple(flags), trace.total_input_tokens, ceiling, B)
 
 
+def _request_index(trace: Any, request_id: str) -> int:
+    """The request ``request_id`` names: its id (the row's position when the trace has none), or ``#N`` — the N-th
+    request (from 0) in arrival order, for an id several requests share (a retry reuses its id); a shared id is an
+    error listing their positions, not the first of them picked silently."""
+    if re.fullmatch(r"#[0-9]+", request_id):
+        r = int(request_id[1:])
+        if r >= len(trace):
+            raise ConfigError("--request", f"{request_id}: {trace.source} has {len(trace)} requests (#0 to #{len(trace) - 1})")
+        return r
+    ids = [str(x) for x in trace.request_ids] if trace.request_ids else [str(i) for i in range(len(trace))]
+    where = [i for i, x in enumerate(ids) if x == request_id]
+    if not where:
+        raise ConfigError("--request", f"no request {request_id!r} in {trace.source}")
+    if len(where) > 1:
+        shown = ", ".join(f"#{i}" for i in where[:5]) + (", ..." if len(where) > 5 else "")
+        raise ConfigError("--request", f"{len(where)} requests in {trace.source} have the id {request_id!r} ({shown}): name one by its position, e.g. --request '#{where[-1]}'")
+    return where[0]
+
+
 def explain(trace: Any, request_id: str, diagnosis: Diagnosis | None = None, capacity_blocks: int | None = None) -> dict[str, Any]:
     """Why did this request miss what it missed — in the ledger's terms where they apply."""
-    ids = list(trace.request_ids or (str(i) for i in range(len(trace))))
-    try:
-        r = ids.index(str(request_id))
-    except ValueError:
-        raise ConfigError("--request", f"no request {request_id!r} in {trace.source}") from None
+    r = _request_index(trace, str(request_id))
     from .analysis.stack import request_stack_distances
 
     B = trace.block_size_tokens
