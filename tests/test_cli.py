@@ -459,3 +459,16 @@ def test_local_kv_gib_out_of_range_is_a_flag_error(capsys, tmp_path, cmd, value,
     not an OverflowError from int(inf) in the capacity model."""
     rc, _, err = run(capsys, cmd, str(tmp_path / "no-such-trace.jsonl"), "--local-kv-gib", value)
     assert rc == 2 and "--local-kv-gib" in err and re.search(what, err) and "no-such-trace" not in err
+
+
+@pytest.mark.parametrize("cmd", ["evict-bench", "publish-bench"])
+def test_judge_second_half_of_one_request_is_an_error(capsys, tmp_path, cmd):
+    """len // 2 of one request is 0 — which means "no split": the whole trace would be judged under a flag that says
+    the second half."""
+    p = tmp_path / "one.jsonl"
+    p.write_text(json.dumps({"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}) + "\n")
+    rc, _, err = run(capsys, cmd, str(p), "--judge-second-half", "--no-progress")
+    assert rc == 2 and "--judge-second-half" in err and "has 1" in err
+    p.write_text("".join(json.dumps({"timestamp": t, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}) + "\n" for t in (0, 1)))
+    rc, out, _ = run(capsys, cmd, str(p), "--judge-second-half", "--no-progress")
+    assert rc == 0

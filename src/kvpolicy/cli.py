@@ -372,6 +372,16 @@ def _cmd_breakeven(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- evict-bench
 
 
+def _second_half(args: argparse.Namespace, trace: Any) -> int:
+    """The first judged request of ``--judge-second-half`` (0: the whole trace). A trace of one request has no halves:
+    judging "the second half" would silently judge all of it."""
+    if not args.judge_second_half:
+        return 0
+    if len(trace) < 2:
+        raise ConfigError("--judge-second-half", f"needs at least 2 requests to split; {trace.source} has {len(trace)}")
+    return len(trace) // 2
+
+
 def _cmd_evict_bench(args: argparse.Namespace) -> int:
     from .eviction.bench import compare, default_capacities, render
     from .progress import Progress
@@ -382,7 +392,7 @@ def _cmd_evict_bench(args: argparse.Namespace) -> int:
     bpt = _bytes_per_token(args)[0] if (args.config or args.bytes_per_token) else None
     caps = args.capacities_blocks or default_capacities(trace)
     res = compare(trace, args.policies, caps, bytes_per_token=bpt, progress=prog,
-                  judge_from_request=len(trace) // 2 if args.judge_second_half else 0)
+                  judge_from_request=_second_half(args, trace))
     prog.done()
     _write_report(args.json, res)
     print(render(res))
@@ -425,7 +435,7 @@ def _cmd_publish_bench(args: argparse.Namespace) -> int:
     trace = _load_trace(args)
     res = publish_bench(trace, args.policies, replicas=args.replicas, routing=args.routing, pool_capacity_blocks=args.pool_capacity_blocks,
                         bytes_per_token=bpt, prefill=_prefill_model(args, bpt), write_bytes_per_s=args.write_gbps * 1e9 / 8, seed=args.seed, progress=prog,
-                        judge_from_request=len(trace) // 2 if args.judge_second_half else 0)
+                        judge_from_request=_second_half(args, trace))
     prog.done()
     res["model"] = model_note
     _write_report(args.json, res)
