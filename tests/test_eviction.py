@@ -175,6 +175,9 @@ def test_facade_too_large_and_empty():
     c["a"] = "ab"
     c["b"] = "cd"  # evicts a
     assert "a" not in c and c["b"] == "cd" and c.currsize == 2
+    for bad in (10.7, "10", True, float("inf"), -1):  # int() cut 10.7 to 10, read "10" and True, and raised OverflowError on inf
+        with pytest.raises(ConfigError, match="maxsize"):
+            PolicyCache(bad)
 
 
 @settings(max_examples=40, deadline=None)
