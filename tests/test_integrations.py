@@ -67,6 +67,12 @@ def test_batch_round_trip_has_the_engines_map_shape():
     ({"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 2], "block_size": 2, "group_idx": "0"}, "events[0].group_idx"),
     ({"type": "BlockStored", "block_hashes": [1], "block_size": 2}, "events[0].token_ids"),
     (["BlockRemoved"], "events[0].block_hashes"),
+    # found by mutating the engines' real frames: a medium becomes part of a holder name and a stored tier, and token
+    # ids past 2**32 cannot be hashed — both raised out of ingest() (which must never raise) instead of being refused here
+    ({"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 2], "block_size": 2, "medium": "cpu_pin|ed"}, "events[0].medium"),
+    (["BlockRemoved", [1], "GPU/../x"], "events[0].medium"),
+    (["AllBlocksCleared", ""], "events[0].medium"),
+    ({"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 1 << 32], "block_size": 2}, "events[0].token_ids"),
 ])
 def test_malformed_events_name_the_field(raw, field):
     with pytest.raises(EventFormatError) as e:
@@ -130,6 +136,24 @@ def test_malformed_frames_are_counted_never_raised():
     ev, _ = stored(PROMPT[:B])
     assert ing.ingest(encode_batch(1.0, [["Bogus", 1], ev])) == 1
     assert ing.counts["malformed_frames"] == 2 and ing.counts["malformed_events"] == 1 and ing.counts["stored_blocks"] == 1
+
+
+def test_an_event_the_directory_refuses_is_counted_not_raised():
+    """ingest() never raises: what decode_event cannot see — here a directory that refuses the write — is a malformed
+    event, and the next event still applies."""
+
+    class Refusing(InMemoryDirectory):
+        def publish(self, tenant, entries):
+            if any(e.holder.endswith("/cpu/g0") for e in entries):
+                raise ConfigError("tier", "this directory keeps GPU copies only")
+            return super().publish(tenant, entries)
+
+    d = Refusing()
+    ing = ingestor(d)
+    ev, _ = stored(PROMPT[:B])
+    cpu = BlockStored(ev.block_hashes, None, ev.token_ids, B, None, "CPU")
+    assert ing.ingest(encode_batch(1.0, [cpu, ev])) == 1
+    assert ing.counts["malformed_events"] == 1 and ing.refused["malformed_event"] == 1 and d.match_prefix("acme", list(HASHER.hash_blocks(PROMPT[:B]))) == 1
 
 
 def test_real_zmq_socket_on_loopback():

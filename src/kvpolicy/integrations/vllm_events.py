@@ -50,7 +50,7 @@ from typing import Any
 import attrs
 
 from ..directory.base import Entry, check_tenant
-from ..errors import ConfigError
+from ..errors import ConfigError, KVPolicyError
 from ..keys import BlockHasher
 
 log = logging.getLogger("kvpolicy.events")
@@ -58,6 +58,7 @@ log = logging.getLogger("kvpolicy.events")
 #: the engines' medium names -> the directory's tier names
 MEDIA = {"GPU": "gpu", "CPU": "cpu", "CPU_PINNED": "cpu", "STORAGE": "storage", "DISK": "disk", "EXTERNAL": "external", "LOCAL_FILE": "disk"}
 _M64 = (1 << 64) - 1
+_U32 = (1 << 32) - 1
 
 
 @attrs.frozen
@@ -119,9 +120,18 @@ def _opt(v: Any, kind: type | tuple[type, ...], where: str) -> Any:
 def _tokens(v: Any, where: str) -> tuple[int, ...]:
     if not isinstance(v, (list, tuple)):
         raise EventFormatError(where, "must be an array of token ids")
-    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in v):
-        raise EventFormatError(where, "must be non-negative ints")
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _U32 for t in v):
+        raise EventFormatError(where, "must be ints in [0, 2**32) (token ids)")
     return tuple(v)
+
+
+def _medium(v: Any, where: str) -> str | None:
+    """A medium name: it becomes part of the directory holder ``{holder}/{tier}/g{group}`` and a stored tier, so it is a
+    short name without '/', '|' or NUL (a frame that says otherwise is malformed, not a holder to create)."""
+    v = _opt(v, str, where)
+    if v is not None and (not 1 <= len(v) <= 64 or any(c in v for c in "/|\x00")):
+        raise EventFormatError(where, f"must be a medium name (1-64 characters, no '/', '|' or NUL), got {v!r:.80}")
+    return v
 
 
 def _extra(v: Any, n: int, where: str) -> tuple[tuple[Any, ...] | None, ...] | None:
@@ -159,7 +169,7 @@ def _stored(f: dict[str, Any], where: str) -> BlockStored:
     look = f.get("lookahead_token_ids")
     return BlockStored(
         tuple(_hash(h, f"{where}.block_hashes") for h in hashes), None if parent is None else _hash(parent, f"{where}.parent_block_hash"),
-        tokens, bs, _opt(f.get("lora_id"), int, f"{where}.lora_id"), _opt(f.get("medium"), str, f"{where}.medium"),
+        tokens, bs, _opt(f.get("lora_id"), int, f"{where}.lora_id"), _medium(f.get("medium"), f"{where}.medium"),
         _opt(f.get("lora_name"), str, f"{where}.lora_name"), _extra(f.get("extra_keys"), len(hashes), f"{where}.extra_keys"),
         _opt(f.get("group_idx"), int, f"{where}.group_idx"), _opt(f.get("kv_cache_spec_kind"), str, f"{where}.kv_cache_spec_kind"),
         _opt(f.get("kv_cache_spec_sliding_window"), int, f"{where}.kv_cache_spec_sliding_window"),
@@ -192,11 +202,11 @@ def decode_event(raw: Any, i: int = 0) -> BlockStored | BlockRemoved | AllBlocks
         hashes = f.get("block_hashes")
         if not isinstance(hashes, (list, tuple)):
             raise EventFormatError(f"{where}.block_hashes", "BlockRemoved needs an array of block hashes")
-        return BlockRemoved(tuple(_hash(h, f"{where}.block_hashes") for h in hashes), _opt(f.get("medium"), str, f"{where}.medium"),
+        return BlockRemoved(tuple(_hash(h, f"{where}.block_hashes") for h in hashes), _medium(f.get("medium"), f"{where}.medium"),
                             _opt(f.get("group_idx"), int, f"{where}.group_idx"), _opt(f.get("locality"), str, f"{where}.locality"),
                             _opt(f.get("ownership"), str, f"{where}.ownership"))
     if tag == "AllBlocksCleared":
-        return AllBlocksCleared(_opt(f.get("medium"), str, f"{where}.medium"))
+        return AllBlocksCleared(_medium(f.get("medium"), f"{where}.medium"))
     raise EventFormatError(f"{where}.type", f"unknown event type {tag!r}")
 
 
@@ -323,7 +333,13 @@ class KVEventIngestor:
                 self._refuse("malformed_event")
                 log.warning("kvpolicy events: dropped a malformed event: %s", e)
                 continue
-            self.apply(ev)
+            try:
+                self.apply(ev)
+            except KVPolicyError as e:  # what decode_event cannot see (a value the directory or the hasher refuses)
+                self.counts["malformed_events"] += 1
+                self._refuse("malformed_event")
+                log.warning("kvpolicy events: dropped an event the directory refused: %s", e)
+                continue
             applied += 1
         return applied
 
