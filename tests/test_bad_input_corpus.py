@@ -63,11 +63,12 @@ def files(tmp_path_factory):
     binary.write_bytes(b"\xff\xfe\x00\x9c" * 256)
     a_file = d / "a-file"
     a_file.write_text("x")
-    bad_traces = {
-        "hash id >= 2^63": {"timestamp": 0, "input_length": 32, "output_length": 1, "hash_ids": [2**63, 1]},
-        "length 1e30": {"timestamp": 0, "input_length": 10**30, "output_length": 1, "hash_ids": [1]},
-        "negative length": {"timestamp": 0, "input_length": -5, "output_length": 1, "hash_ids": [1]},
-        "NaN timestamp": {"timestamp": float("nan"), "input_length": 16, "output_length": 1, "hash_ids": [1]},
+    bad_traces = {  # a first line with chat_id: these files are Bailian (detected, or --format bailian)
+        # with chat_id, so each is refused for the field it names — not for a missing chat_id
+        "hash id >= 2^63": {"chat_id": 1, "timestamp": 0, "input_length": 32, "output_length": 1, "hash_ids": [2**63, 1]},
+        "length 1e30": {"chat_id": 1, "timestamp": 0, "input_length": 10**30, "output_length": 1, "hash_ids": [1]},
+        "negative length": {"chat_id": 1, "timestamp": 0, "input_length": -5, "output_length": 1, "hash_ids": [1]},
+        "NaN timestamp": {"chat_id": 1, "timestamp": float("nan"), "input_length": 16, "output_length": 1, "hash_ids": [1]},
         "chat_id as a dict": {"chat_id": {"a": 1}, "parent_chat_id": -1, "timestamp": 0, "input_length": 16, "output_length": 1,
                               "hash_ids": [1]},
         "parent_chat_id as a list": {"chat_id": 1, "parent_chat_id": [1], "timestamp": 0, "input_length": 16, "output_length": 1,
@@ -78,6 +79,15 @@ def files(tmp_path_factory):
         f = d / f"bad{i}.jsonl"
         good = {"chat_id": 0, "parent_chat_id": -1, "timestamp": 0, "input_length": 16, "output_length": 1, "hash_ids": [7]}
         f.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
+        out[name] = f
+    bad_mooncake = {  # the same rows without chat_id are Mooncake: block ids go into an int64 column as they are (Bailian's are remapped)
+        "hash id >= 2^63 (mooncake)": {"timestamp": 0, "input_length": 32, "output_length": 1, "hash_ids": [2**63, 1]},
+        "output length 1e23 (mooncake)": {"timestamp": 0, "input_length": 16, "output_length": 10**23, "hash_ids": [1]},
+        "timestamp past float range (mooncake)": {"timestamp": 10**400, "input_length": 16, "output_length": 1, "hash_ids": [1]},
+    }
+    for i, (name, row) in enumerate(bad_mooncake.items()):
+        f = d / f"badmc{i}.jsonl"
+        f.write_text(json.dumps({"timestamp": 0, "input_length": 16, "output_length": 1, "hash_ids": [7]}) + "\n" + json.dumps(row) + "\n")
         out[name] = f
     bad_token_traces = {
         "token id >= 2^63": {"timestamp": 1, "tokens": [2**63, 1]},
@@ -154,7 +164,8 @@ def cases():
                 for bad in ("directory", "binary", "missing"):
                     out.append(pytest.param(cmd, a.dest, "file", bad, id=f"{cmd} {label}={bad}"))
             if kind == "trace":
-                bads = ("hash id >= 2^63", "length 1e30", "negative length", "NaN timestamp", "chat_id as a dict", "parent_chat_id as a list")
+                bads = ("hash id >= 2^63", "length 1e30", "negative length", "NaN timestamp", "chat_id as a dict", "parent_chat_id as a list",
+                        "hash id >= 2^63 (mooncake)", "output length 1e23 (mooncake)", "timestamp past float range (mooncake)")
                 if cmd in TOKEN_TRACE_COMMANDS:
                     bads = ("token id >= 2^63", "token id 1e30", "tokens not a list", "NaN timestamp (tokens)")
                 for bad in bads:
