@@ -814,6 +814,22 @@ def test_the_loadable_connector_decides_in_front_of_the_inner_one():
         KVPolicyConnector(vllm_config({"kvpolicy": {"link_gbps": float("nan")}}), "scheduler", None, inner=inner)
 
 
+@pytest.mark.parametrize("kvp, field", [
+    ({"link_gpbs": 200}, "kvpolicy.link_gpbs"),  # a typo: the default link would have been used without a word
+    ("link_gbps=200", "kv_connector_extra_config.kvpolicy"),  # a string where the object goes
+    ({"bytes_per_token": 2048.5}, "kvpolicy.bytes_per_token"),  # int() cut it to 2048
+    ({"bytes_per_token": "131072"}, "kvpolicy.bytes_per_token"),
+    ({"block_size": 0}, "kvpolicy.block_size"),
+    ({"publish": 2}, "kvpolicy.publish"),
+])
+def test_connector_settings_are_read_strictly(kvp, field):
+    from kvpolicy.integrations.vllm_kv_connector import KVPolicyConnector
+
+    with pytest.raises(ConfigError) as e:
+        KVPolicyConnector(vllm_config({"kvpolicy": kvp}), "scheduler", None, inner=InnerConnector(can_load=0))
+    assert e.value.field.endswith(field)
+
+
 # --------------------------------------------------------------------------- SGLang HiCache storage backend
 
 
@@ -874,6 +890,11 @@ def test_hicache_backend_stores_only_what_will_be_reread_and_prefetches_only_wha
         from kvpolicy.integrations.sglang_hicache import KVPolicyHiCacheStorage
 
         KVPolicyHiCacheStorage(type("C", (), {"extra_config": {}})(), {})
+    for kvp, field in (({"page_token": 64}, "kvpolicy.page_token"), ({"bytes_per_page": 2.5e6}, "kvpolicy.bytes_per_page"), ([1], "kvpolicy"),
+                       ({"publish": None}, "kvpolicy.publish")):
+        with pytest.raises(ConfigError) as e:
+            KVPolicyHiCacheStorage(type("C", (), {"extra_config": {"inner": {"backend_name": "file"}, "kvpolicy": kvp}})(), {}, inner=DictStore())
+        assert e.value.field == f"extra_config.{field}"
 
 
 def test_prepare_store_offers_only_what_the_publish_filter_allows():

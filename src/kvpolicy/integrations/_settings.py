@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ..admission import AdmissionConfig, AdmissionController, LatencyModel, LinkPrior
@@ -10,6 +11,34 @@ from ..profile import PrefillModel
 
 #: the settings an adapter reads from its engine's extra config under "kvpolicy"
 ADMISSION_DEFAULTS: dict[str, Any] = {"link_gbps": 100.0, "prefill_tokens_per_s": 20000.0, "margin": 0.8, "publish": "threshold-2"}
+
+
+def read_settings(raw: Any, defaults: dict[str, Any], where: str) -> dict[str, Any]:
+    """The ``kvpolicy`` block of an engine's extra config over ``defaults``. A key that is not a setting here is an
+    error naming it — a typo (``link_gpbs``) would otherwise leave the default in force without a word — and so is a
+    block that is not a mapping (a JSON string where an object goes)."""
+    if raw is None:
+        return dict(defaults)
+    if not isinstance(raw, Mapping):
+        raise ConfigError(where, f"must be an object of kvpolicy settings, got {type(raw).__name__}")
+    unknown = sorted(str(k) for k in raw if k not in defaults)
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}", f"is not a kvpolicy setting here; the settings: {', '.join(sorted(defaults))}")
+    return {**defaults, **raw}
+
+
+def positive_int_setting(cfg: dict[str, Any], key: str, where: str) -> int:
+    v = cfg[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ConfigError(f"{where}.{key}", f"must be a positive int, got {v!r}")
+    return v
+
+
+def string_setting(cfg: dict[str, Any], key: str, where: str) -> str:
+    v = cfg[key]
+    if not isinstance(v, str):
+        raise ConfigError(f"{where}.{key}", f"must be a string, got {v!r}")
+    return v
 
 
 def controller_from_settings(cfg: dict[str, Any], where: str) -> AdmissionController:

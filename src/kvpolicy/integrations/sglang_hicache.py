@@ -34,7 +34,7 @@ from ..admission import AdmissionContext, LoadOutcome
 from ..errors import ConfigError
 from ..matching import PrefixMatch
 from ..publish import PublishRequest, make_filter
-from ._settings import ADMISSION_DEFAULTS, controller_from_settings
+from ._settings import ADMISSION_DEFAULTS, controller_from_settings, positive_int_setting, read_settings, string_setting
 
 try:  # pragma: no cover - depends on the environment
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base  # type: ignore[import-not-found]
@@ -62,15 +62,11 @@ class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         if inner is None and not isinstance(self._inner_spec, dict):
             raise ConfigError("extra_config.inner", "names the real store: {\"backend_name\": \"file\"} or another SGLang backend")
         self.inner = inner
-        cfg = {**DEFAULTS, **(extra.get("kvpolicy") or {})}
-        for k in ("bytes_per_page", "page_tokens"):
-            v = cfg[k]
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"extra_config.kvpolicy.{k}", f"must be a positive int, got {v!r}")
-        self.page_tokens = cfg["page_tokens"]
-        self.bytes_per_page = cfg["bytes_per_page"]
+        cfg = read_settings(extra.get("kvpolicy"), DEFAULTS, "extra_config.kvpolicy")
+        self.page_tokens = positive_int_setting(cfg, "page_tokens", "extra_config.kvpolicy")
+        self.bytes_per_page = positive_int_setting(cfg, "bytes_per_page", "extra_config.kvpolicy")
         self.controller = controller_from_settings(cfg, "extra_config.kvpolicy")
-        self.filter = make_filter(str(cfg["publish"]))
+        self.filter = make_filter(string_setting(cfg, "publish", "extra_config.kvpolicy"))
         self._ids = itertools.count()
         self.counts = {"exists_pages": 0, "exposed_pages": 0, "set_pages": 0, "stored_pages": 0, "loads_timed": 0}
 

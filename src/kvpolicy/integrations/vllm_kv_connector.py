@@ -34,7 +34,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..publish import make_filter
-from ._settings import ADMISSION_DEFAULTS, controller_from_settings
+from ._settings import ADMISSION_DEFAULTS, controller_from_settings, positive_int_setting, read_settings, string_setting
 from .vllm_connector import VllmConnectorPolicy, _tokens
 
 try:  # pragma: no cover - depends on the environment
@@ -84,16 +84,20 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
                 raise ConfigError("kv_connector_extra_config.inner_connector", "names the connector whose transfers kvpolicy decides")
             inner = _inner_class(name, extra.get("inner_connector_module_path"))(vllm_config, role, kv_cache_config)
         self.inner = inner
-        cfg = {**DEFAULTS, **(extra.get("kvpolicy") or {})}
-        controller = controller_from_settings(cfg, "kv_connector_extra_config.kvpolicy")
+        where = "kv_connector_extra_config.kvpolicy"
+        cfg = read_settings(extra.get("kvpolicy"), DEFAULTS, where)
+        controller = controller_from_settings(cfg, where)
+        bytes_per_token = positive_int_setting(cfg, "bytes_per_token", where)
+        kv_dtype, publish = string_setting(cfg, "kv_dtype", where), string_setting(cfg, "publish", where)
         cache = getattr(vllm_config, "cache_config", None)
-        B = int(getattr(cache, "block_size", None) or cfg["block_size"])
+        block_size = positive_int_setting(cfg, "block_size", where)  # checked even where vLLM's cache config gives it
+        B = int(getattr(cache, "block_size", None) or block_size)
         from ..keys import BlockHasher, Namespace
 
         model = getattr(getattr(vllm_config, "model_config", None), "model", None) or "model"
-        ns = Namespace(model_id=str(model), model_revision="main", tokenizer_version="vllm", kv_dtype=str(cfg["kv_dtype"]), block_size_tokens=B)
-        self.policy = _Counted(BlockHasher(ns, "fast"), _NoIndex(), controller, make_filter(str(cfg["publish"])),
-                               bytes_per_token=int(cfg["bytes_per_token"]))
+        ns = Namespace(model_id=str(model), model_revision="main", tokenizer_version="vllm", kv_dtype=kv_dtype, block_size_tokens=B)
+        self.policy = _Counted(BlockHasher(ns, "fast"), _NoIndex(), controller, make_filter(publish),
+                               bytes_per_token=bytes_per_token)
 
     # ---------------------------------------------------------------- scheduler side
 
