@@ -248,3 +248,33 @@ def test_docs_cachetools_example_runs():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "eviction.md").read_text()
     block = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "cachetools.cached" in b)
     exec(compile(block, "docs/eviction.md", "exec"), {})
+
+
+@pytest.mark.parametrize("name, option, value", [
+    ("ttl", "ttl_s", None), ("ttl", "ttl_s", "300"), ("ttl", "ttl_s", True), ("ttl", "ttl_s", float("nan")),
+    ("s3fifo", "small_fraction", "x"), ("s3fifo", "small_fraction", 1.5),
+    ("gdsf", "cost", 2.5),  # not callable: it failed at the first insert, far from the constructor
+    ("reuse-distance", "aging", float("nan")), ("reuse-distance", "boost", "x"), ("reuse-distance", "ewma", None),
+    ("reuse-distance", "effective_bytes", -1), ("reuse-distance", "effective_bytes", float("nan")),
+    ("hit-density", "samples", 10**30),  # drawn per eviction: it hung
+    ("hit-density", "bins", 10**30),  # numpy's "maximum allowed dimension exceeded"
+    ("adaptive", "samples", 4097),
+])
+def test_a_bad_option_is_refused_by_name_at_construction(name, option, value):
+    """Every policy option is checked where it is given: a wrong type or range is a ConfigError naming the option — not
+    a TypeError at the first comparison, a hang, or a NaN that quietly ranks everything alike."""
+    with pytest.raises(ConfigError) as e:
+        make_policy(name, 100, **{option: value})
+    assert e.value.field == option
+
+
+def test_the_s3fifo_kernel_checks_small_fraction_as_the_policy_does():
+    from kvpolicy.eviction.kernels import replay_kernel
+
+    tr = generate(preset("chat", n_requests=40))
+    for bad in (1.5, "x"):  # 1.5 ran (a small queue larger than the cache); "x" failed inside Numba's type inference
+        with pytest.raises(ConfigError, match="small_fraction"):
+            replay_kernel(tr, "s3fifo", 50, small_fraction=bad)
+    with pytest.raises(ConfigError, match="small_fraction"):
+        replay_kernel(tr, "lru", 50, small_fraction=0.2)  # not an LRU option: it was ignored
+    assert np.array_equal(replay_kernel(tr, "s3fifo", 50, small_fraction=0.25).hits, replay(tr, "s3fifo", 50, small_fraction=0.25).hits)

@@ -62,6 +62,8 @@ from .base import EvictionPolicy, Node, serve
 
 _M64 = (1 << 64) - 1
 N_CLASSES = 8
+MAX_SAMPLES = 4096  # candidates drawn per eviction, at most
+MAX_BINS = 1 << 16  # age bins per class, at most
 
 
 def splitmix64(state: int) -> tuple[int, int]:
@@ -102,8 +104,10 @@ class HitDensityPolicy(EvictionPolicy):
         check_positive_int("samples", samples)
         check_positive_int("interval", interval)
         check_positive_int("bins", bins)
-        if bins < 2:
-            raise ConfigError("bins", f"must be at least 2, got {bins!r}")
+        if samples > MAX_SAMPLES:  # each eviction draws this many: past it a victim costs more than a sort would
+            raise ConfigError("samples", f"must be at most {MAX_SAMPLES}, got {samples!r}")
+        if not 2 <= bins <= MAX_BINS:  # the histograms are classes x bins floats, recomputed every interval
+            raise ConfigError("bins", f"must be in [2, {MAX_BINS}], got {bins!r}")
         check_positive_number("span", span)
         check_probability("decay", decay)
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:

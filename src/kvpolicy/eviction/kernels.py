@@ -1535,12 +1535,18 @@ def next_use_per_ref(trace: Any) -> np.ndarray:
     return out
 
 
-def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fraction: float = 0.1, **kw: Any) -> ReplayResult:
+def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fraction: float | None = None, **kw: Any) -> ReplayResult:
     """Kernel replay of ``policy`` (one of KERNEL_POLICIES): the same result as :func:`replay`."""
     if policy not in KERNEL_POLICIES:
         raise ConfigError("policy", f"no kernel for {policy!r}; kernels: {KERNEL_POLICIES}")
     if kw and policy not in ("hit-density", "adaptive"):
         raise ConfigError(next(iter(kw)), f"the {policy} kernel takes no such option")
+    if small_fraction is not None:
+        if policy != "s3fifo":
+            raise ConfigError("small_fraction", f"the {policy} kernel takes no such option (S3-FIFO's)")
+        from .policies import check_small_fraction
+
+        check_small_fraction(small_fraction)  # the kernel would run with 1.5 or fail deep in Numba's typing on a string
     if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, int) or capacity_blocks < 0:
         raise ConfigError("capacity_blocks", f"must be a non-negative int, got {capacity_blocks!r}")
     off = trace.block_offsets
@@ -1561,7 +1567,7 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
     elif policy == "s3fifo":
         if capacity_blocks >= S3_MAX_CAP:
             raise ConfigError("capacity_blocks", f"the s3fifo kernel holds fewer than {S3_MAX_CAP:,} blocks; use replay() beyond that")
-        nv = s3fifo_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims, small_fraction)
+        nv = s3fifo_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims, 0.1 if small_fraction is None else float(small_fraction))
     elif policy == "arc":
         nv = arc_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, hits, victims)
     elif policy in ("hit-density", "adaptive"):

@@ -64,8 +64,8 @@ class TTLPolicy(PriorityPolicy):
     name = "ttl"
 
     def __init__(self, capacity_bytes: int, *, ttl_s: float = 300.0, clock: Clock | None = None) -> None:
-        if not ttl_s > 0:
-            raise ConfigError("ttl_s", f"must be positive, got {ttl_s}")
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not ttl_s > 0:  # inf: nothing expires
+            raise ConfigError("ttl_s", f"must be a positive number of seconds (inf: never), got {ttl_s!r}")
         super().__init__(capacity_bytes, clock=clock)
         self.ttl_s = ttl_s
         self.expired = 0
@@ -107,6 +107,8 @@ class GDSFPolicy(PriorityPolicy):
 
     def __init__(self, capacity_bytes: int, *, cost: Callable[[int], float] | None = None, clock: Clock | None = None) -> None:
         super().__init__(capacity_bytes, clock=clock)
+        if cost is not None and not callable(cost):
+            raise ConfigError("cost", f"must be a callable depth -> cost (or None: depth_cost()), got {cost!r}")
         self.cost = cost or depth_cost()
         self.L = 0.0
 
@@ -269,12 +271,17 @@ class SIEVEPolicy(EvictionPolicy):
                 k = self._oldest
 
 
+def check_small_fraction(v: Any) -> None:
+    """S3-FIFO's small queue as a share of the capacity (the policy and its kernel)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1:
+        raise ConfigError("small_fraction", f"must be a number in (0, 1), got {v!r}")
+
+
 class S3FIFOPolicy(EvictionPolicy):
     name = "s3fifo"
 
     def __init__(self, capacity_bytes: int, *, small_fraction: float = 0.1, clock: Clock | None = None) -> None:
-        if not 0 < small_fraction < 1:
-            raise ConfigError("small_fraction", f"must be in (0, 1), got {small_fraction}")
+        check_small_fraction(small_fraction)
         super().__init__(capacity_bytes, clock=clock)
         self.small_bytes = small_fraction * capacity_bytes
         self.S, self.M = _Queue(), _Queue()

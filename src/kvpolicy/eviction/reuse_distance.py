@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 
+from .._validate import check_positive_number
 from ..errors import ConfigError
 from ..protocols import Clock
 from .base import Node, PriorityPolicy
@@ -45,10 +46,13 @@ class ReuseDistancePolicy(PriorityPolicy):
 
     def __init__(self, capacity_bytes: int, *, effective_bytes: int | None = None, ewma: float = 0.5, aging: float = 1.0, boost: float = 1.0,
                  clock: Clock | None = None) -> None:
-        if not 0 < ewma <= 1:
-            raise ConfigError("ewma", f"must be in (0, 1], got {ewma}")
-        if aging < 0 or boost < 0:
-            raise ConfigError("aging", f"aging and boost must be non-negative, got {aging}, {boost}")
+        if isinstance(ewma, bool) or not isinstance(ewma, (int, float)) or not 0 < ewma <= 1:
+            raise ConfigError("ewma", f"must be a number in (0, 1], got {ewma!r}")
+        for name, v in (("aging", aging), ("boost", boost)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ConfigError(name, f"must be a finite number >= 0, got {v!r}")
+        if effective_bytes is not None:
+            check_positive_number("effective_bytes", effective_bytes)
         super().__init__(capacity_bytes, clock=clock)
         self.c_eff = float(effective_bytes if effective_bytes is not None else max(capacity_bytes, 1))
         self.ewma = ewma
