@@ -295,6 +295,12 @@ def test_config_validation():
         AdmissionContext(block_bytes=0)
     with pytest.raises(ConfigError, match="load_id"):
         controller().record(LoadOutcome(999, "ok", 0))
+    # the wrong type is a ConfigError naming the field, not a TypeError from the first comparison; NaN is not a number
+    for field, bad in (("timeout_factor", None), ("timeout_factor", float("nan")), ("max_queue_bytes_per_source", "8GiB"),
+                       ("probe_interval_s", "30"), ("probe_interval_s", float("inf")), ("compute_while_loading", "yes")):
+        with pytest.raises(ConfigError) as e:
+            AdmissionConfig(**{field: bad})
+        assert e.value.field == field
 
 
 def test_breakeven_table():

@@ -210,3 +210,13 @@ def test_replicas_share_a_block_server_publishing_into_it_and_loading_from_it():
         a.close()
         b.close()
         server.close()
+
+
+def test_model_config_refuses_the_wrong_types_by_name():
+    from kvpolicy.errors import ConfigError
+    from kvpolicy.reference.model import ModelConfig
+
+    for field, bad in (("rope_theta", None), ("rope_theta", float("nan")), ("dtype", ["float32"]), ("seed", "x")):
+        with pytest.raises(ConfigError) as e:
+            ModelConfig(**{field: bad})
+        assert e.value.field == field

@@ -234,3 +234,17 @@ def test_shipped_trace_is_the_mooncake_conversation_trace():
     assert p.exists(), "data/mooncake_conversation_trace.jsonl.gz is missing from the repository"
     tr = read_trace(p)
     assert tr.block_size_tokens == 512 and len(tr) > 10_000
+
+
+@pytest.mark.parametrize("field, bad", [
+    ("mix", "chat"), ("mix", (("chat", float("nan")),)), ("mix", (("chat",),)),  # not pairs: a ValueError from unpacking
+    ("seed", "x"), ("seed", -1),  # numpy refused it later, inside generate()
+    ("n_requests", 2.5), ("rate_per_s", float("nan")), ("rate_per_s", float("inf")),
+    ("user_tokens", (20.5, 400)), ("turns_mean", {"chat": 0.5}),
+])
+def test_synthetic_spec_refuses_bad_fields_by_name(field, bad):
+    from kvpolicy.traces.synthetic import SyntheticSpec
+
+    with pytest.raises(ConfigError) as e:
+        SyntheticSpec(**{field: bad})
+    assert e.value.field == field

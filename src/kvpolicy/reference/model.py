@@ -10,6 +10,8 @@ all a cache needs to be checked against.
 
 from __future__ import annotations
 
+import math
+
 
 import attrs
 import numpy as np
@@ -41,10 +43,12 @@ class ModelConfig:
             raise ConfigError("num_kv_heads", f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}")
         if self.head_dim % 2:
             raise ConfigError("head_dim", "must be even (RoPE rotates pairs)")
-        if self.dtype not in DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if not self.rope_theta > 0:
-            raise ConfigError("rope_theta", "must be positive")
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or not math.isfinite(self.rope_theta) or self.rope_theta <= 0:
+            raise ConfigError("rope_theta", f"must be a finite positive number, got {self.rope_theta!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError("seed", f"must be a non-negative int, got {self.seed!r}")
 
     @property
     def d_model(self) -> int:

@@ -21,6 +21,7 @@ shared content ends and private history begins.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -38,29 +39,39 @@ DECODE_S_PER_TOKEN = 0.02
 
 
 def _pos(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-        raise ConfigError(a.name, f"must be positive, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ConfigError(a.name, f"must be a finite positive number, got {v!r}")
+
+
+def _pos_int(inst: Any, a: attrs.Attribute, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ConfigError(a.name, f"must be a positive int, got {v!r}")
 
 
 def _range(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if not (isinstance(v, tuple) and len(v) == 2 and 0 <= v[0] <= v[1]):
-        raise ConfigError(a.name, f"must be a (min, max) pair with 0 <= min <= max, got {v!r}")
+    if not (isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in v) and 0 <= v[0] <= v[1]):
+        raise ConfigError(a.name, f"must be a (min, max) pair of ints with 0 <= min <= max, got {v!r}")
+
+
+def _seed(inst: Any, a: attrs.Attribute, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ConfigError(a.name, f"must be a non-negative int, got {v!r}")
 
 
 @attrs.frozen
 class SyntheticSpec:
-    n_requests: int = attrs.field(default=4000, validator=_pos)
-    block_size_tokens: int = attrs.field(default=64, validator=_pos)
+    n_requests: int = attrs.field(default=4000, validator=_pos_int)
+    block_size_tokens: int = attrs.field(default=64, validator=_pos_int)
     mix: tuple[tuple[str, float], ...] = (("chat", 0.5), ("rag", 0.3), ("agent", 0.2))
     rate_per_s: float = attrs.field(default=4.0, validator=_pos)
     burst_every_s: float = attrs.field(default=300.0, validator=_pos)
     burst_duration_s: float = attrs.field(default=30.0, validator=_pos)
     burst_factor: float = attrs.field(default=4.0, validator=_pos)
-    n_tenants: int = attrs.field(default=3, validator=_pos)
-    apps_per_kind: int = attrs.field(default=4, validator=_pos)
+    n_tenants: int = attrs.field(default=3, validator=_pos_int)
+    apps_per_kind: int = attrs.field(default=4, validator=_pos_int)
     system_prompt_tokens: tuple[int, int] = attrs.field(default=(500, 3000), validator=_range)
     tool_tokens: tuple[int, int] = attrs.field(default=(2000, 6000), validator=_range)
-    n_docs: int = attrs.field(default=2000, validator=_pos)
+    n_docs: int = attrs.field(default=2000, validator=_pos_int)
     doc_zipf: float = attrs.field(default=1.1, validator=_pos)
     doc_tokens: tuple[int, int] = attrs.field(default=(300, 2500), validator=_range)
     docs_per_request: tuple[int, int] = attrs.field(default=(1, 4), validator=_range)
@@ -69,12 +80,18 @@ class SyntheticSpec:
     output_tokens: tuple[int, int] = attrs.field(default=(50, 600), validator=_range)
     tool_output_tokens: tuple[int, int] = attrs.field(default=(100, 1500), validator=_range)
     think_time_s: float = attrs.field(default=20.0, validator=_pos)
-    vocab: int = attrs.field(default=128_000, validator=_pos)
-    seed: int = 0
+    vocab: int = attrs.field(default=128_000, validator=_pos_int)
+    seed: int = attrs.field(default=0, validator=_seed)
 
     def __attrs_post_init__(self) -> None:
-        if not self.mix or any(k not in KINDS or w < 0 for k, w in self.mix) or sum(w for _, w in self.mix) <= 0:
+        pairs = self.mix if isinstance(self.mix, (tuple, list)) else ()
+        if (not pairs or any(not (isinstance(p, (tuple, list)) and len(p) == 2) for p in pairs)
+                or any(k not in KINDS or isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0 for k, w in pairs)
+                or sum(w for _, w in pairs) <= 0):
             raise ConfigError("mix", f"must be (kind, weight) pairs over {KINDS} with positive total weight, got {self.mix!r}")
+        if not isinstance(self.turns_mean, dict) or any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 1 for v in self.turns_mean.values()):
+            raise ConfigError("turns_mean", f"must map kinds to a mean number of turns >= 1, got {self.turns_mean!r}")
 
 
 PRESETS: dict[str, dict[str, Any]] = {
