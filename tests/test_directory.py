@@ -65,7 +65,7 @@ def test_tenants_can_neither_list_nor_match_each_other(directory):
     assert d.keys("tenant-b") == []
     assert d.evict("tenant-b", KEYS[:4], force=True) == 0
     assert d.match_prefix("tenant-a", KEYS[:4]) == 4
-    for bad in ("", "a:b", "a b", "x" * 200, None):
+    for bad in ("", "a:b", "a b", "x" * 200, None, "tenant-a\n", "x" * 128 + "\n"):  # regex $ matched before a trailing newline
         with pytest.raises(ConfigError) as e:
             d.match_prefix(bad, KEYS[:1])
         assert e.value.field == "tenant"

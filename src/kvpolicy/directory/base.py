@@ -19,11 +19,12 @@ import attrs
 from .._validate import non_negative_int
 from ..errors import ConfigError
 
-TENANT_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+#: a tenant name; matched whole (``fullmatch``: ``$`` alone would let "acme\n" through, a newline in keys and logs)
+TENANT_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 
 
 def check_tenant(tenant: Any) -> str:
-    if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
+    if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
         raise ConfigError("tenant", f"must be 1..128 characters of [A-Za-z0-9_.-], got {tenant!r}")
     return tenant
 

@@ -137,7 +137,7 @@ class KVPolicyStorePolicyCore:
 def _tenant_ok(t: str) -> bool:
     from ..directory.base import TENANT_RE
 
-    return bool(TENANT_RE.match(t))
+    return bool(TENANT_RE.fullmatch(t))
 
 
 def register(name: str = "kvpolicy") -> type:
