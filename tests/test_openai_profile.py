@@ -104,3 +104,31 @@ def test_computed_kv_bytes_when_metrics_say_nothing(server, monkeypatch):
     with pytest.raises(ConfigError, match="another replica"):
         t.remote_load(256)
     t.close()
+
+
+def test_the_server_bounds_what_a_client_can_make_it_hold(server, monkeypatch):
+    """serve-reference listens on a port: a Content-Length of 1e11 made it try to read (allocate) 100 GB — a
+    MemoryError in the handler — a negative one read to EOF, and a client that announces a body and stops sending
+    held a thread for ever. Now: 413/400 before reading, and an idle connection is dropped after the handler's timeout."""
+    import socket
+
+    from kvpolicy.reference import http_server
+
+    host, port = server.server_address[:2]
+
+    def raw(request: bytes) -> bytes:
+        with socket.create_connection((host, port), timeout=10) as s:
+            s.sendall(request)
+            return s.recv(4096)
+
+    for length, code in (("99999999999", b"413"), ("-5", b"400"), ("abc", b"400")):
+        reply = raw(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\nx".encode())
+        assert reply.split(b"\r\n")[0].split(b" ")[1] == code and b"Content-Length" in reply
+    assert server.max_body_bytes == 12 * server.max_model_len + (64 << 10)
+    assert http_server._Handler.timeout is not None and 0 < http_server._Handler.timeout <= 60  # the stdlib's default is None: wait for ever
+    monkeypatch.setattr(http_server._Handler, "timeout", 0.5)
+    with socket.create_connection((host, port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")  # then silence
+        t0 = time.perf_counter()
+        assert s.recv(4096) == b""  # the server hung up on the idle client
+        assert time.perf_counter() - t0 < 5

@@ -35,6 +35,9 @@ from .model import ModelConfig
 class _Handler(BaseHTTPRequestHandler):
     server: ReferenceHTTPServer
     protocol_version = "HTTP/1.1"
+    #: seconds a connection may sit between bytes: a client that announces a body and stops sending (or never sends a
+    #: request line) releases its thread instead of holding it for ever
+    timeout = 30.0
 
     def setup(self) -> None:
         super().setup()
@@ -87,6 +90,13 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             n = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            n = -1
+        if not 0 <= n <= srv.max_body_bytes:  # read(n) would allocate n bytes (a MemoryError at 1e11), read(-1) to EOF
+            self.close_connection = True
+            self._error(413 if n > 0 else 400, f"Content-Length: a body of 0 to {srv.max_body_bytes} bytes, got {self.headers.get('Content-Length')!r}")
+            return
+        try:
             req = json.loads(self.rfile.read(n) or b"{}")
         except (ValueError, json.JSONDecodeError) as exc:
             self._error(400, f"the body is not JSON ({exc})")
@@ -156,6 +166,8 @@ class ReferenceHTTPServer(ThreadingHTTPServer):
         self.requests = 0
         self.model_name = model_name
         self.max_model_len = (capacity_blocks // 2) * block_size_tokens
+        #: the largest request body read: a prompt of max_model_len token ids as JSON (at most 12 bytes each), plus 64 KiB
+        self.max_body_bytes = 12 * self.max_model_len + (64 << 10)
         self.verbose = verbose
         super().__init__((host, port), _Handler)
 
