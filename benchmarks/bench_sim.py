@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         table += goals_table(label, report)
     print("\n## goals\n" + "\n".join(table))
     out["goals_table"] = table
-    targets = {f"{label} / {ch['scenario']}: {ch['check']}": ch["ok"] for label, _, _ in traces for ch in out[label].get("checks", [])}
+    targets = {f"{label} / {ch['scenario']}: {ch['check']}": ch["ok"] for label, _, _ in traces for ch in out[label].get("checks", [])
+               if ch["ok"] is not None}  # None: not applicable on that trace
     rc = report_targets(targets, args.check)
     path = write_json("sim", out, args.json)
     print(f"\nwrote {path}")

@@ -382,6 +382,22 @@ def test_goal_check_details_show_the_difference_that_failed():
     assert win["ok"] and win["detail"] == "3,202 ms vs 3,500 ms (-298 ms)"
 
 
+
+def test_a_share_of_nothing_is_not_a_pass():
+    """The oracle saving 0 s (a trace with no reuse) made "kvpolicy saves >= 60% of the oracle's GPU seconds" print
+    PASS with a share of inf%; it is not applicable, and says so."""
+    from kvpolicy.sim.compare import checks, render
+
+    def run_(p, saved):
+        return {"scenario": "steady", "policy": p, "ttft_p95_ms": 10.0, "gpu_saved_s": saved, "loads": 0, "loads_timeout": 0}
+
+    got = {c["check"]: c for c in checks({"runs": [run_("kvpolicy", 0.0), run_("oracle", 0.0)]})}
+    share = got["kvpolicy saves >= 60% of the oracle's GPU seconds"]
+    assert share["ok"] is None and share["detail"].startswith("n/a")
+    got = {c["check"]: c for c in checks({"runs": [run_("kvpolicy", 5.0), run_("oracle", 10.0)]})}
+    assert got["kvpolicy saves >= 60% of the oracle's GPU seconds"]["ok"] is False
+
+
 def test_publish_bench_says_why_boundary_writes_nothing():
     import attrs
 
