@@ -488,3 +488,8 @@ def test_judge_second_half_of_one_request_is_an_error(capsys, tmp_path, cmd):
     p.write_text("".join(json.dumps({"timestamp": t, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}) + "\n" for t in (0, 1)))
     rc, out, _ = run(capsys, cmd, str(p), "--judge-second-half", "--no-progress")
     assert rc == 0
+
+
+def test_analyze_memory_shares_over_one_name_their_flags(capsys, tmp_path):
+    rc, _, err = run(capsys, "analyze", str(tmp_path / "not-read.jsonl"), "--decode-share", "0.6", "--reserved-share", "0.6", "-q")
+    assert rc == 2 and "--decode-share + --reserved-share + --fragmentation-share is 1.25" in err and "not-read" not in err

@@ -305,6 +305,9 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     from .analysis import EffectiveCapacity, analyze, render
     from .progress import Progress
 
+    shares = args.decode_share + args.reserved_share + args.fragmentation_share
+    if shares > 1:  # checked before the trace is read, and named by its flags (not as bytes of the capacity model)
+        raise ConfigError("--decode-share", f"--decode-share + --reserved-share + --fragmentation-share is {shares:g}: the parts of the KV memory sum to at most 1")
     prog = Progress("analyze", enabled=None if not args.no_progress else False)
     bpt, model_note = _bytes_per_token(args)
     prog("reading trace")
