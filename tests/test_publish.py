@@ -260,3 +260,21 @@ def test_the_docs_publish_page_examples_run_and_print_what_they_say(capsys):
         exec(compile(block, f"docs/publish.md block {i}", "exec"), {})
         printed = capsys.readouterr().out.splitlines()
         assert [line.strip() for line in printed] == expected, (i, printed, expected)
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: CountMinSketch(width=2.5), "width"),  # "cannot convert 'float' object to bytes" from array()
+    (lambda: CountMinSketch(depth=10**30), "depth"),  # it hung, building 1e30 rows
+    (lambda: CountMinSketch(half_life_s=float("nan")), "half_life_s"),  # accepted: every weight NaN
+    (lambda: CountMinSketch(seed="x"), "seed"),
+    (lambda: ReuseAwarePublish(block_bytes=1024, recompute_s=0.5), "recompute_s"),  # not callable: failed at the first verdict
+    (lambda: ReuseAwarePublish(block_bytes=1024, recompute_s=lambda t: t, buckets=10**30), "buckets"),
+    (lambda: ReuseAwarePublish(block_bytes=1024, recompute_s=lambda t: t, sketch="x"), "sketch"),
+    (lambda: ReuseAwarePublish(block_bytes=1024, recompute_s=lambda t: t, index_s=float("nan")), "index_s"),
+    (lambda: WriteBudget(PublishAll(), bytes_per_s=float("nan"), burst_bytes=1e6, block_bytes=1024), "bytes_per_s"),
+    (lambda: WriteBudget(PublishAll(), bytes_per_s=1e6, burst_bytes=1e6, block_bytes=1024, value_floor_s="x"), "value_floor_s"),
+])
+def test_publish_options_are_refused_by_name(make, field):
+    with pytest.raises(ConfigError) as e:
+        make()
+    assert e.value.field == field

@@ -213,8 +213,13 @@ class CountMinSketch:
     """Decayed counts in fixed memory; estimates never undercount."""
 
     def __init__(self, width: int = 1 << 18, depth: int = 4, half_life_s: float = 600.0, seed: int = 0) -> None:
-        if width <= 0 or depth <= 0 or half_life_s <= 0:
-            raise ConfigError("width", "width, depth and half_life_s must be positive")
+        check_positive_int("width", width)
+        check_positive_int("depth", depth)
+        if width > 1 << 28 or depth > 64:  # depth x width doubles are allocated here, and each add touches every row
+            raise ConfigError("width" if width > 1 << 28 else "depth", f"width at most 2**28 and depth at most 64, got {width!r} x {depth!r}")
+        check_positive_number("half_life_s", half_life_s)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ConfigError("seed", f"must be a non-negative int, got {seed!r}")
         self.width, self.depth = width, depth
         self.lam = math.log(2) / half_life_s
         # rows as array('d'): scalar reads and writes are several times cheaper than numpy indexing;
@@ -284,12 +289,21 @@ class ReuseAwarePublish:
         origin_capacity: int = 200_000,
         sketch: CountMinSketch | None = None,
     ) -> None:
-        if block_bytes <= 0 or write_bytes_per_s <= 0 or lifetime_s <= 0:
-            raise ConfigError("block_bytes", "block_bytes, write_bytes_per_s and lifetime_s must be positive")
-        if not 0 <= cross_replica_share <= 1:
-            raise ConfigError("cross_replica_share", "is a probability")
-        if buckets <= 0 or origin_capacity <= 0:
-            raise ConfigError("buckets", "buckets and origin_capacity must be positive")
+        check_positive_int("block_bytes", block_bytes)
+        if not callable(recompute_s):
+            raise ConfigError("recompute_s", f"must be a callable tokens -> seconds, got {recompute_s!r}")
+        for name, v in (("write_bytes_per_s", write_bytes_per_s), ("lifetime_s", lifetime_s), ("half_life_s", half_life_s)):
+            check_positive_number(name, v)
+        for name, v in (("index_s", index_s), ("eviction_s", eviction_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ConfigError(name, f"must be a finite number >= 0, got {v!r}")
+        check_probability("cross_replica_share", cross_replica_share)
+        check_positive_int("buckets", buckets)
+        if buckets > 64:
+            raise ConfigError("buckets", f"must be at most 64 (buckets of a request's reused share), got {buckets!r}")
+        check_positive_int("origin_capacity", origin_capacity)
+        if sketch is not None and not isinstance(sketch, CountMinSketch):
+            raise ConfigError("sketch", f"must be a CountMinSketch (or None: a default one), got {sketch!r}")
         self.block_bytes = block_bytes
         self.recompute_s = recompute_s
         self.write_s = block_bytes / write_bytes_per_s
@@ -538,8 +552,11 @@ class WriteBudget:
     """Token bucket on published bytes; sheds the lowest-value blocks first."""
 
     def __init__(self, inner: Any, *, bytes_per_s: float, burst_bytes: float, block_bytes: int, value_floor_s: float = 0.0) -> None:
-        if bytes_per_s <= 0 or burst_bytes <= 0 or block_bytes <= 0:
-            raise ConfigError("bytes_per_s", "bytes_per_s, burst_bytes and block_bytes must be positive")
+        check_positive_number("bytes_per_s", bytes_per_s)
+        check_positive_number("burst_bytes", burst_bytes)
+        check_positive_int("block_bytes", block_bytes)
+        if isinstance(value_floor_s, bool) or not isinstance(value_floor_s, (int, float)) or not math.isfinite(value_floor_s) or value_floor_s < 0:
+            raise ConfigError("value_floor_s", f"must be a finite number >= 0, got {value_floor_s!r}")
         self.inner = inner
         self.rate = bytes_per_s
         self.burst = burst_bytes
