@@ -284,3 +284,11 @@ def test_vllm_group_block_sizes_and_int_hashes():
     with pytest.raises(ConfigError, match="target_block_size"):
         vllm_group_block_hashes(h16, 16, 24)
     assert vllm_int_hash(h16[0]) == int.from_bytes(h16[0][-8:], "big") < 2**64
+
+
+@pytest.mark.parametrize("bad", [["bf16"], {"dtype": "bf16"}, None, 16, "fp4"])
+def test_namespace_kv_dtype_is_a_known_name(bad):
+    """A list or a dict for kv_dtype was a TypeError (unhashable) from the membership test; any non-name is a ConfigError."""
+    with pytest.raises(ConfigError) as e:
+        Namespace(model_id="m", model_revision="r", tokenizer_version="t", kv_dtype=bad, block_size_tokens=16)
+    assert e.value.field == "kv_dtype"

@@ -87,7 +87,7 @@ def _optional_str(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 
 def _kv_dtype(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value not in KV_DTYPE_BYTES:
+    if not isinstance(value, str) or value not in KV_DTYPE_BYTES:  # a list is unhashable: a TypeError from `in`
         raise ConfigError(attribute.name, f"unknown KV dtype {value!r}; known: {sorted(KV_DTYPE_BYTES)}")
 
 
