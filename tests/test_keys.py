@@ -6,7 +6,7 @@ from hypothesis import given, strategies as st
 
 from helpers import SECRET, ns
 from kvpolicy.errors import ConfigError, KVPolicyError
-from kvpolicy.keys import BlockHasher, BlockKeys, cbor, extra_digest
+from kvpolicy.keys import BlockHasher, BlockKeys, Namespace, cbor, extra_digest
 
 tokens_st = st.lists(st.integers(0, 2**32 - 1), max_size=60)
 small_tokens_st = st.lists(st.integers(0, 7), max_size=60)
