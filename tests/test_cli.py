@@ -386,7 +386,7 @@ def test_goal_check_details_show_the_difference_that_failed():
 def test_a_share_of_nothing_is_not_a_pass():
     """The oracle saving 0 s (a trace with no reuse) made "kvpolicy saves >= 60% of the oracle's GPU seconds" print
     PASS with a share of inf%; it is not applicable, and says so."""
-    from kvpolicy.sim.compare import checks, render
+    from kvpolicy.sim.compare import checks
 
     def run_(p, saved):
         return {"scenario": "steady", "policy": p, "ttft_p95_ms": 10.0, "gpu_saved_s": saved, "loads": 0, "loads_timeout": 0}
