@@ -105,6 +105,9 @@ def test_bad_inputs_are_named():
         match(keys, 20, None, block_size_tokens=8)
     with pytest.raises(ConfigError, match="num_tokens"):
         match(keys, -1, None)
+    for one_key in (b"k" * 16, "k" * 16, None):  # a single key (its bytes became 16 "keys") or nothing: not a chain
+        with pytest.raises(ConfigError, match="keys: must be BlockKeys or a sequence"):
+            match(one_key, 1000, None, block_size_tokens=16)
     with pytest.raises(ConfigError, match="'liar'"):
         match(keys, 20, None, Liar(), tier_names=["liar"])
     with pytest.raises(ConfigError, match="tier_names"):

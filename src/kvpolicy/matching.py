@@ -117,6 +117,8 @@ def match(
             raise ConfigError("block_size_tokens", f"{block_size_tokens} disagrees with the keys' block size {keys.block_size_tokens}")
         bs = keys.block_size_tokens
     else:
+        if isinstance(keys, (bytes, bytearray, str)) or not hasattr(keys, "__len__") or not hasattr(keys, "__getitem__"):  # one key is not a chain
+            raise ConfigError("keys", f"must be BlockKeys or a sequence of block keys, got {type(keys).__name__}")
         if block_size_tokens is None:
             raise ConfigError("block_size_tokens", "required when keys are a plain sequence")
         bs = block_size_tokens
