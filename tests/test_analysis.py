@@ -136,6 +136,13 @@ def test_shards_arguments():
         shards(np.array([0, 1]), rate=0.0)
     with pytest.raises(ConfigError, match="ids"):
         stack_distances(np.array([-1, 0]))
+    with pytest.raises(ConfigError, match="rate"):
+        shards(np.array([0, 1]), rate="0.5")  # a TypeError from the comparison
+    with pytest.raises(ConfigError, match="s_max"):
+        shards(np.array([0, 1]), s_max=10**30)  # an OverflowError entering the kernel
+    with pytest.raises(ConfigError, match="ids must be dense"):
+        stack_distances(np.array([2**63 - 1, 0]))  # a slot per id: numpy's "maximum allowed dimension exceeded"
+    assert stack_distances(np.array([5, 3, 5])).tolist() == [-1, -1, 1]  # sparse but small is still fine
 
 
 @given(prefix_traces(), st.integers(1, 5), st.sampled_from(["random", "round-robin", "prefix-affinity"]))

@@ -295,12 +295,12 @@ def shards(ids: np.ndarray, *, rate: float | None = None, s_max: int | None = No
     if (rate is None) == (s_max is None):
         raise ConfigError("rate", "give exactly one of rate= (fixed-rate) or s_max= (fixed-size)")
     if rate is not None:
-        if not 0 < rate <= 1:
-            raise ConfigError("rate", f"must be in (0, 1], got {rate}")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1:
+            raise ConfigError("rate", f"must be a number in (0, 1], got {rate!r}")
         threshold, smax = max(1, int(round(rate * SHARDS_MODULUS))), 0
     else:
-        if isinstance(s_max, bool) or not isinstance(s_max, int) or s_max <= 0:
-            raise ConfigError("s_max", f"must be a positive int, got {s_max!r}")
+        if isinstance(s_max, bool) or not isinstance(s_max, int) or not 0 < s_max <= 1 << 40:
+            raise ConfigError("s_max", f"must be an int in [1, 2**40], got {s_max!r}")
         threshold, smax = SHARDS_MODULUS, s_max
     out_d = np.empty(a.size, dtype=np.int64)
     out_t = np.empty(a.size, dtype=np.int64)

@@ -285,6 +285,9 @@ def _dense(ids: np.ndarray, field: str) -> tuple[np.ndarray, int]:
     if a.size and a.min() < 0:
         raise ConfigError(field, "ids must be non-negative (remap them with kvpolicy.traces.first_appearance_ids)")
     n_ids = int(a.max()) + 1 if a.size else 0
+    if n_ids > max(64 * a.size, 1 << 24):  # the kernels keep a slot per id: raw hashes as ids would allocate 2**63 of them
+        raise ConfigError(field, f"ids must be dense: the largest is {n_ids - 1:,} for {a.size:,} accesses "
+                                 "(remap them with kvpolicy.traces.first_appearance_ids)")
     return a, n_ids
 
 
