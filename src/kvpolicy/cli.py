@@ -68,7 +68,7 @@ def _non_negative_float(text: str) -> float:
     return v
 
 
-#: the most GiB of KV per replica a flag takes (1 PiB): past it the byte count stops being an exact int64
+#: the most GiB of KV per replica a flag takes (1 PiB: past any accelerator, and its byte count far inside int64 — 1e300 GiB was inf bytes)
 MAX_CLI_GIB = 2**20
 
 
