@@ -336,8 +336,12 @@ def test_keys_secret_file_and_the_documented_namespace_json(capsys, tmp_path, mo
     ns.write_text(ns_json)
     sec = tmp_path / "secret.hex"
     sec.write_text("ab" * 32 + "\n")
+    sec.chmod(0o644)  # readable by others: it still works, with a warning naming the file
     rc, out, err = run(capsys, "keys", str(f), "--scheme", "keyed", "--block-size", "16", "--namespace", str(ns), "--secret-file", str(sec), "--json")
-    assert rc == 0, err
+    assert rc == 0 and "readable by other users (mode 0644); chmod 600 it" in err and str(sec) in err
+    sec.chmod(0o600)
+    rc, out, err = run(capsys, "keys", str(f), "--scheme", "keyed", "--block-size", "16", "--namespace", str(ns), "--secret-file", str(sec), "--json")
+    assert rc == 0 and err == "", err
     expect = BlockHasher(Namespace.from_dict(json.loads(ns_json)), "keyed", secret=bytes.fromhex("ab" * 32)).hash_blocks(list(range(40))).hex()
     assert json.loads(out)["block_hashes"] == expect
     # a different secret gives different keys: the file is really read

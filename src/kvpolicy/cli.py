@@ -248,6 +248,10 @@ def _cmd_keys(args: argparse.Namespace) -> int:
         secret_hex = args.secret_hex or os.environ.get("KVPOLICY_SECRET_HEX")
         if args.secret_file:
             secret_hex = read_text(args.secret_file, "--secret-file").strip()
+            mode = os.stat(args.secret_file).st_mode
+            if mode & 0o077:  # as ssh says of a private key: others on this host can read the deployment's secret
+                print(f"kvpolicy keys: warning: {args.secret_file} is readable by other users (mode {mode & 0o777:04o}); chmod 600 it",
+                      file=sys.stderr)
         if secret_hex:
             try:
                 secret = bytes.fromhex(secret_hex)
