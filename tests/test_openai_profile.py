@@ -132,3 +132,43 @@ def test_the_server_bounds_what_a_client_can_make_it_hold(server, monkeypatch):
         t0 = time.perf_counter()
         assert s.recv(4096) == b""  # the server hung up on the idle client
         assert time.perf_counter() - t0 < 5
+
+
+def test_a_server_that_answers_nonsense_is_named_not_a_traceback():
+    """A /v1/models that is not an OpenAI model list (an HTML page, a bare list) was a JSONDecodeError or an
+    AttributeError; a /metrics gauge of 1e400 was an OverflowError from int(inf). Each is now a ConfigError naming
+    --openai-url, or (for the gauge) no metrics — what --config is for."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kvpolicy.openai_profile import OpenAIProfileTarget
+
+    answers = {}
+
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = answers.get(self.path, b"").encode() if isinstance(answers.get(self.path, b""), str) else answers.get(self.path, b"")
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        for listing in ("<html>oops</html>", "[1, 2]", '{"data": "m"}'):
+            answers["/v1/models"] = listing
+            with pytest.raises(ConfigError, match="did not answer an OpenAI model list"):
+                OpenAIProfileTarget(url, "m")
+        answers["/v1/models"] = '{"data": [{"id": "m"}]}'
+        answers["/metrics"] = "kvpolicy_kv_allocated_bytes 1e400\n"
+        with pytest.raises(ConfigError, match="exposes no KV bytes"):  # no usable gauge: asks for --config
+            OpenAIProfileTarget(url, "m")
+        assert OpenAIProfileTarget(url, "m", bytes_per_token=512).kv_bytes_source == "computed"
+    finally:
+        srv.shutdown()
+        srv.server_close()

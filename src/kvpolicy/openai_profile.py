@@ -26,6 +26,7 @@ breakeven`` with this profile and your link.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -62,7 +63,13 @@ class OpenAIProfileTarget:
             raise ConfigError("--openai-url", f"cannot reach {self.base}/v1/models ({exc})") from None
         if models.status_code != 200:
             raise ConfigError("--openai-url", f"{self.base}/v1/models answered HTTP {models.status_code}")
-        entries = {m.get("id"): m for m in models.json().get("data", []) if isinstance(m, dict)}
+        try:
+            listing = models.json()
+        except ValueError:
+            listing = None
+        if not isinstance(listing, dict) or not isinstance(listing.get("data", []), list):
+            raise ConfigError("--openai-url", f"{self.base}/v1/models did not answer an OpenAI model list: {models.text[:200]!r}")
+        entries = {m.get("id"): m for m in listing.get("data", []) if isinstance(m, dict)}
         if model not in entries:
             raise ConfigError("--model", f"{model!r} is not served at {self.base}; it serves {sorted(k for k in entries if k)}")
         vocab = entries[model].get("vocab_size")
@@ -101,7 +108,11 @@ class OpenAIProfileTarget:
         except Exception:  # noqa: BLE001 - no metrics endpoint is an answer, not an error
             return None
         m = re.search(r"^kvpolicy_kv_allocated_bytes(?:\{[^}]*\})?\s+([0-9.eE+]+)\s*$", text, re.M)
-        return int(float(m.group(1))) if m else None
+        try:
+            v = float(m.group(1)) if m else math.nan
+        except ValueError:  # "..." matches the pattern and is not a number
+            return None
+        return int(v) if math.isfinite(v) and v >= 0 else None  # 1e400 is inf: int() would raise
 
     # ------------------------------------------------------------------ ProfileTarget
 
