@@ -125,3 +125,7 @@ def test_record_validation():
         RequestRecord(prompt_tokens=5 * B, block_size_tokens=B, remote_not_loaded_blocks=1)
     with pytest.raises(ConfigError, match="bytes_per_token"):
         Ledger(bytes_per_token=0)
+    led = Ledger(bytes_per_token=2)
+    for bad in (float("nan"), -1.0, "3"):  # a NaN eviction time made the age of every later miss on that key NaN
+        with pytest.raises(ConfigError, match="t_s"):
+            led.record_eviction(b"k" * 16, bad)

@@ -391,6 +391,7 @@ class Ledger:
         self._time(t_s)
 
     def record_eviction(self, key: bytes, t_s: float) -> None:
+        _check_flow(t_s, 0.0)  # a NaN eviction time made every later miss's age since eviction NaN
         self.pub.evicted(key, t_s)
 
     def record_read(self, key: bytes) -> None:
