@@ -68,6 +68,14 @@ def _non_negative_float(text: str) -> float:
     return v
 
 
+def _positive_float(text: str) -> float:
+    """A finite number > 0: for rates, windows and bandwidths, where 0 means nothing (--stage-gbps 0 meant "no staging")."""
+    v = _non_negative_float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return v
+
+
 #: the most GiB of KV per replica a flag takes (1 PiB: past any accelerator, and its byte count far inside int64 — 1e300 GiB was inf bytes)
 MAX_CLI_GIB = 2**20
 
@@ -605,7 +613,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {"router": args.router, "prefill_slots": args.prefill_slots, "decode_tokens_per_s": args.decode_tokens_per_s,
                                  "node_bandwidth_bytes_per_s": args.node_gbps * 1e9 / 8, "replica_bandwidth_bytes_per_s": args.replica_gbps * 1e9 / 8,
                                  "failure_rate": args.failure_rate, "timeout_rate": args.timeout_rate}
-    if args.stage_gbps:
+    if args.stage_gbps is not None:
         overrides["stage_bytes_per_s"] = args.stage_gbps * 1e9 / 8
     for name, value in (("--node-gbps", args.node_gbps), ("--replica-gbps", args.replica_gbps), ("--local-kv-gib", args.local_kv_gib),
                         ("--pool-share", args.pool_share)):
@@ -807,12 +815,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--bytes-per-token", type=_positive_int, default=None)
     b.add_argument("--profile", required=True, help="measured profile CSV (prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms)")
     b.add_argument("--allow-mismatch", action="store_true", help="use a --profile whose measured KV bytes/token differs from the model's by more than 10%%")
-    b.add_argument("--bandwidth-gbps", type=_non_negative_float, required=True, help="useful bandwidth under contention, Gbit/s (10^9 bits)")
+    b.add_argument("--bandwidth-gbps", type=_positive_float, required=True, help="useful bandwidth under contention, Gbit/s (10^9 bits)")
     for flag, default, what in (("--lookup-ms", 0.5, "hash + metadata lookup"), ("--queue-ms", 0.0, "waiting for link/staging/server"),
                                 ("--stage-ms", 0.0, "copy through CPU memory"), ("--install-ms", 0.0, "placing blocks into the cache"),
                                 ("--dispatch-ms", 0.0, "recompute dispatch overhead"), ("--interference-ms-per-gb", 0.5, "time stolen from active requests per GB loaded")):
         b.add_argument(flag, type=_non_negative_float, default=default, help=f"{what} (default {default})")
-    b.add_argument("--margin", type=_non_negative_float, default=0.8, help="load iff T_remote + T_interf < margin x T_recompute (default 0.8)")
+    b.add_argument("--margin", type=_positive_float, default=0.8, help="load iff T_remote + T_interf < margin x T_recompute (default 0.8)")
     b.add_argument("--block-size", type=_positive_int, default=16)
     b.add_argument("--prefix-tokens", type=_int_list, default=[1024, 4096, 16384, 32768, 65536])
     b.add_argument("--json", action="store_true")
@@ -838,7 +846,7 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--pool-capacity-blocks", type=_positive_int, default=None, help="LRU pool capacity (default infinite)")
     pb.add_argument("--profile", default=None, help="measured profile CSV for recompute seconds (default: an order-of-magnitude model)")
     pb.add_argument("--allow-mismatch", action="store_true", help="use a --profile whose measured KV bytes/token differs from the model's by more than 10%%")
-    pb.add_argument("--write-gbps", type=_non_negative_float, default=100.0, help="pool write bandwidth for the reuse-aware cost (default 100)")
+    pb.add_argument("--write-gbps", type=_positive_float, default=100.0, help="pool write bandwidth for the reuse-aware cost (default 100)")
     pb.add_argument("--judge-second-half", action="store_true",
                     help="a held-out split: every filter learns over the whole trace but only writes and re-reads of the second half's requests count")
     pb.add_argument("--json", default=None, metavar="OUT")
@@ -856,8 +864,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--profile", default=None, help="measured profile CSV for recompute seconds")
     w.add_argument("--allow-mismatch", action="store_true", help="use a --profile whose measured KV bytes/token differs from the model's by more than 10%%")
     w.add_argument("--replicas", type=_positive_int, required=True)
-    w.add_argument("--window-s", type=_non_negative_float, required=True)
-    w.add_argument("--bandwidth-gbps", type=_non_negative_float, required=True, help="useful link bandwidth, Gbit/s")
+    w.add_argument("--window-s", type=_positive_float, required=True)
+    w.add_argument("--bandwidth-gbps", type=_positive_float, required=True, help="useful link bandwidth, Gbit/s")
     w.add_argument("--current-load-gbps", type=_non_negative_float, default=0.0)
     w.add_argument("--max-loads-per-replica", type=_positive_int, default=2)
     w.add_argument("--max-loads-pool", type=_positive_int, default=8)
@@ -883,11 +891,11 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--pool-share", type=_non_negative_float, default=0.25, help="pool capacity as a share of the trace's distinct KV bytes (default 0.25)")
     cp.add_argument("--node-gbps", type=_non_negative_float, default=40.0, help="useful bandwidth per storage node, Gbit/s (default 40)")
     cp.add_argument("--replica-gbps", type=_non_negative_float, default=40.0, help="useful NIC bandwidth per replica, Gbit/s (default 40)")
-    cp.add_argument("--stage-gbps", type=_non_negative_float, default=None, help="staging copy through CPU memory, Gbit/s (default: direct path)")
+    cp.add_argument("--stage-gbps", type=_positive_float, default=None, help="staging copy through CPU memory, Gbit/s (default: direct path)")
     cp.add_argument("--failure-rate", type=_non_negative_float, default=0.0, help="probability a transfer fails outside degradation windows (default 0)")
     cp.add_argument("--timeout-rate", type=_non_negative_float, default=0.0, help="probability a transfer hangs until it times out (default 0)")
     cp.add_argument("--prefill-slots", type=_positive_int, default=1, help="concurrent prefills per replica (default 1)")
-    cp.add_argument("--decode-tokens-per-s", type=_non_negative_float, default=30.0, help="decode rate per request (default 30)")
+    cp.add_argument("--decode-tokens-per-s", type=_positive_float, default=30.0, help="decode rate per request (default 30)")
     cp.add_argument("--json", default=None, metavar="OUT", help="write every run as JSON")
     cp.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures (needs matplotlib)")
     cp.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a progress bar on a terminal, one line per finished unit elsewhere)")
