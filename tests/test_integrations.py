@@ -417,7 +417,10 @@ def test_lmcache_store_policy_config_is_validated_and_registers_as_a_real_subcla
     import types
 
     for bad, field in (('{"filter": "all", "colour": 1}', "KVPOLICY_LMCACHE_STORE_POLICY"), ("[1]", "KVPOLICY_LMCACHE_STORE_POLICY"),
-                       ('{"chunk_tokens": 0}', "KVPOLICY_LMCACHE_STORE_POLICY.chunk_tokens"), ("{nope", "KVPOLICY_LMCACHE_STORE_POLICY")):
+                       ('{"chunk_tokens": 0}', "KVPOLICY_LMCACHE_STORE_POLICY.chunk_tokens"), ("{nope", "KVPOLICY_LMCACHE_STORE_POLICY"),
+                       # "false" is truthy: L1 copies would have been deleted after every store
+                       ('{"delete_l1_after_store": "false"}', "KVPOLICY_LMCACHE_STORE_POLICY.delete_l1_after_store"),
+                       ('{"filter": 2}', "KVPOLICY_LMCACHE_STORE_POLICY.filter")):
         with pytest.raises(ConfigError) as e:
             load_config(bad)
         assert e.value.field == field

@@ -70,6 +70,10 @@ def load_config(raw: str | None = None) -> dict[str, Any]:
     v = cfg["prefill_tokens_per_s"]
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == float("inf"):
         raise ConfigError(f"{ENV}.prefill_tokens_per_s", f"must be a finite positive number, got {v!r}")
+    if not isinstance(cfg["delete_l1_after_store"], bool):  # "false" is truthy: it would have deleted L1 copies
+        raise ConfigError(f"{ENV}.delete_l1_after_store", f"must be true or false, got {cfg['delete_l1_after_store']!r}")
+    if not isinstance(cfg["filter"], str):
+        raise ConfigError(f"{ENV}.filter", f"must be a publish filter spec such as \"threshold-2\", got {cfg['filter']!r}")
     if cfg["adapters"] is not None and not isinstance(cfg["adapters"], list):
         raise ConfigError(f"{ENV}.adapters", "must be a list of adapter type names or indexes, or null (every adapter)")
     return cfg
