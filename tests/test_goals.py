@@ -246,3 +246,19 @@ def test_evict_bench_says_who_evicted_and_what_the_judge_saw():
     shares = " / ".join(f"{100 * direct[q] / n:.0f}" for q in ("hit-density", "lru", "lfu"))
     seen_txt = " / ".join(f"{100 * seen[q]:.1f}" for q in ("hit-density", "lru", "lfu"))
     assert f"  adaptive @ {cap:,} blocks: {shares} %; mini-simulations {seen_txt} %" in render(res)
+
+
+def test_compare_names_bad_capacities_and_policies():
+    """A string capacity was a TypeError from min(); 10**30 failed inside Numba's typing; a policy string was read as
+    its characters ('unknown policy 'l''); a negative bytes_per_token would have priced byte flows negative."""
+    from kvpolicy.errors import ConfigError
+    from kvpolicy.traces import generate, preset
+
+    tr = generate(preset("chat", n_requests=30))
+    for caps in (["10"], [10**30], [2.5], [0], []):
+        with pytest.raises(ConfigError, match="--capacities-blocks"):
+            compare(tr, ["lru"], caps)
+    with pytest.raises(ConfigError, match="give a list of policy names"):
+        compare(tr, "lru", [10])
+    with pytest.raises(ConfigError, match="bytes_per_token"):
+        compare(tr, ["lru"], [10], bytes_per_token=-1)

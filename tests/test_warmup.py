@@ -85,3 +85,14 @@ def test_no_bandwidth_means_prefill():
         WarmupConfig(replicas=1, window_s=1, bandwidth_bytes_per_s=1, readiness_share=0)
     with pytest.raises(ConfigError, match="size_bytes"):
         HotPrefix(prefix="x", size_bytes=0, access_count=1, recompute_s=1)
+
+
+def test_a_plan_names_distinct_prefixes_of_the_right_type():
+    """The same prefix listed twice was planned twice (its bytes counted twice in W); a string where the list goes
+    was an AttributeError from inside the planner."""
+    cfg = WarmupConfig(replicas=2, window_s=10, bandwidth_bytes_per_s=1e9)
+    p = HotPrefix(prefix="a", size_bytes=1 << 20, access_count=5, recompute_s=0.1)
+    with pytest.raises(ConfigError, match="'a' is listed twice"):
+        plan_warmup([p, p], cfg)
+    with pytest.raises(ConfigError, match="not a HotPrefix"):
+        plan_warmup("ab", cfg)

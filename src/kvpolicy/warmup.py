@@ -122,6 +122,15 @@ def _jsonable(x: Any) -> Any:
 
 def plan_warmup(prefixes: Sequence[HotPrefix], config: WarmupConfig) -> WarmupPlan:
     cfg = config
+    seen: set = set()
+    for i, p in enumerate(prefixes):
+        if not isinstance(p, HotPrefix):
+            raise ConfigError("prefixes", f"item {i} is a {type(p).__name__}, not a HotPrefix")
+        if p.prefix in seen:  # it would be scheduled (and its bytes counted) twice
+            raise ConfigError("prefixes", f"prefix {p.prefix!r} is listed twice (items of one plan name distinct prefixes)")
+        seen.add(p.prefix)
+    if not isinstance(cfg, WarmupConfig):
+        raise ConfigError("config", f"must be a WarmupConfig, got {type(cfg).__name__}")
     hot = [p for p in prefixes if p.access_count >= cfg.min_access_count]
     cold = tuple(p.prefix for p in prefixes if p.access_count < cfg.min_access_count)
     hot.sort(key=lambda p: (-p.value_per_byte, str(p.prefix)))

@@ -32,11 +32,15 @@ def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, by
 
     ``judge_from_request`` = k > 0 is a held-out split: every policy runs over the whole trace (its online
     learning and its cache warm up on requests < k) but only the references of requests >= k are scored."""
+    if isinstance(policies, str):  # "lru" would be read as the policies 'l', 'r', 'u'
+        raise ConfigError("--policies", f"give a list of policy names, got the string {policies!r}")
     bad = [p for p in policies if p not in ALL_POLICIES]
     if bad:
         raise ConfigError("--policies", f"unknown policy {bad[0]!r}; known: {', '.join(ALL_POLICIES)}")
-    if not capacities_blocks or min(capacities_blocks) <= 0:
-        raise ConfigError("--capacities-blocks", "give one or more positive capacities")
+    if not capacities_blocks or any(isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 < c <= 1 << 40 for c in capacities_blocks):
+        raise ConfigError("--capacities-blocks", f"give one or more capacities, ints in [1, 2**40], got {capacities_blocks!r:.80}")
+    if bytes_per_token is not None and (isinstance(bytes_per_token, bool) or not isinstance(bytes_per_token, int) or bytes_per_token <= 0):
+        raise ConfigError("bytes_per_token", f"must be a positive int or None, got {bytes_per_token!r}")
     step = progress or (lambda _m: None)
     n_req = len(trace)
     k = check_split(judge_from_request, n_req)
