@@ -91,6 +91,13 @@ def test_the_publish_split_counts_only_the_second_half(trace):
     assert [g["policy"] for g in res["goals"]] == ["structure-aware"]
     with pytest.raises(ConfigError, match="judge_from_request"):
         publish_bench(trace, ["all"], replicas=4, bytes_per_token=bpt, judge_from_request=-1)
+    # a string was read as its characters ('unknown publish policy 'a''); the others raised TypeError or went unchecked
+    for kw, field in (({"policies": "all"}, "--policies"), ({"pool_capacity_blocks": "5"}, "--pool-capacity-blocks"),
+                      ({"write_bytes_per_s": float("nan")}, "write_bytes_per_s"), ({"seed": -1}, "seed")):
+        args = {"policies": ["all"], **kw}
+        with pytest.raises(ConfigError) as e:
+            publish_bench(trace, args.pop("policies"), replicas=4, bytes_per_token=bpt, **args)
+        assert e.value.field == field
 
 
 def test_first_sighting_bound_by_hand():

@@ -43,8 +43,13 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
                   progress: Any = None, judge_from_request: int = 0) -> dict[str, Any]:
     """``judge_from_request`` = k > 0 is a held-out split: every filter sees the whole trace (it learns on requests < k)
     but only writes and re-reads made by requests >= k are counted — for the oracle too."""
-    if pool_capacity_blocks is not None and pool_capacity_blocks <= 0:
-        raise ConfigError("--pool-capacity-blocks", "must be positive")
+    if isinstance(policies, str):  # "all" would be read as the policies 'a', 'l', 'l'
+        raise ConfigError("--policies", f"give a list of publish policy specs, got the string {policies!r}")
+    if pool_capacity_blocks is not None and (isinstance(pool_capacity_blocks, bool) or not isinstance(pool_capacity_blocks, int) or pool_capacity_blocks <= 0):
+        raise ConfigError("--pool-capacity-blocks", f"must be a positive int (or None: infinite), got {pool_capacity_blocks!r}")
+    check_positive_number("write_bytes_per_s", write_bytes_per_s)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError("seed", f"must be a non-negative int, got {seed!r}")
     k = check_split(judge_from_request, len(trace))
     step = progress or (lambda _m: None)
     B = trace.block_size_tokens
