@@ -293,6 +293,11 @@ def test_config_validation():
         LinkPrior(bandwidth_bytes_per_s=0)
     with pytest.raises(ConfigError, match="block_bytes"):
         AdmissionContext(block_bytes=0)
+    # a list as the replica's name was a TypeError (unhashable) at the first decision; a number for the flows, a TypeError here
+    for field, bad in (("replica", ["r0"]), ("source", ""), ("request_class", None), ("warming", "yes"), ("path_flows_bytes", 5.0)):
+        with pytest.raises(ConfigError) as e:
+            AdmissionContext(block_bytes=1024, **{field: bad})
+        assert e.value.field == field
     with pytest.raises(ConfigError, match="load_id"):
         controller().record(LoadOutcome(999, "ok", 0))
     # the wrong type is a ConfigError naming the field, not a TypeError from the first comparison; NaN is not a number

@@ -133,8 +133,15 @@ class AdmissionContext:
             raise ConfigError("active_decodes", f"must be a non-negative int, got {self.active_decodes!r}")
         if self.path_backlog_bytes is not None and not _finite_nonneg(self.path_backlog_bytes):
             raise ConfigError("path_backlog_bytes", f"must be finite and >= 0 or None, got {self.path_backlog_bytes!r}")
-        if not all(_finite_nonneg(r) for r in self.path_flows_bytes):
-            raise ConfigError("path_flows_bytes", "every flow's remaining bytes must be finite and >= 0")
+        for name in ("replica", "source", "request_class"):  # keys of the controller's per-replica / per-source state
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v:
+                raise ConfigError(name, f"must be a non-empty string, got {v!r}")
+        if not isinstance(self.warming, bool):
+            raise ConfigError("warming", f"must be True or False, got {self.warming!r}")
+        if isinstance(self.path_flows_bytes, (str, bytes)) or not hasattr(self.path_flows_bytes, "__iter__") or not all(
+                _finite_nonneg(r) for r in self.path_flows_bytes):
+            raise ConfigError("path_flows_bytes", f"must be the remaining bytes of each flow, each finite and >= 0, got {self.path_flows_bytes!r:.80}")
         if not _finite_nonneg(self.queue_wait_s):
             raise ConfigError("queue_wait_s", f"must be finite and >= 0, got {self.queue_wait_s!r}")
         n = self.prefill_queue_requests
