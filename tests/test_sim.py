@@ -227,6 +227,15 @@ def test_bad_configuration_names_the_field(trace):
     with pytest.raises(ConfigError) as e:  # inf bytes: a named error, not an OverflowError from int(inf)
         default_cluster(trace, bytes_per_token=BPT, prefill=DEFAULT_PREFILL, local_kv_gib=1e300)
     assert e.value.field == "local_kv_gib"
+    with pytest.raises(ConfigError) as e:  # a ZeroDivisionError sizing the pool per node
+        default_cluster(trace, bytes_per_token=BPT, prefill=DEFAULT_PREFILL, storage_nodes=0)
+    assert e.value.field == "storage_nodes"
+    with pytest.raises(ConfigError) as e:  # a TypeError at the first failure draw
+        Simulator(trace, cluster(trace), policy_set("kvpolicy"), seed="x")
+    assert e.value.field == "seed"
+    with pytest.raises(ConfigError) as e:  # read as the scenarios 's', 't', ...
+        compare(trace, cluster(trace), scenarios="steady")
+    assert e.value.field == "--scenario"
     with pytest.raises(ConfigError) as e:
         Simulator(trace, cluster(trace), policy_set("kvpolicy"), events=(Degrade(5, 0.0, 1.0),))
     assert e.value.field == "node"

@@ -71,6 +71,9 @@ def compare(trace: Any, cluster: ClusterConfig, *, scenarios: list[str] | None =
     """Run every (scenario, policy set); returns the report and the raw results. ``load`` is
     :func:`offered_load` of the trace on the cluster, computed here when not given."""
     load = load if load is not None else offered_load(trace, cluster)
+    for name, v in (("--scenario", scenarios), ("--policies", policies)):
+        if isinstance(v, str):  # "steady" would be read as the scenarios 's', 't', ...
+            raise ConfigError(name, f"give a list of names, got the string {v!r}")
     scenarios = list(scenarios or SCENARIOS)
     policies = list(policies or POLICY_SETS)
     for s in scenarios:

@@ -394,6 +394,8 @@ class Simulator:
             raise ConfigError("cluster", "must be a kvpolicy.sim.ClusterConfig")
         if not isinstance(policy_set, PolicySet):
             raise ConfigError("policy_set", "must be a kvpolicy.sim.PolicySet")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # mixed into every failure and routing draw
+            raise ConfigError("seed", f"must be a non-negative int, got {seed!r}")
         self.c = cluster
         self.ps = policy_set
         self.seed = seed
