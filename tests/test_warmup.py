@@ -96,3 +96,5 @@ def test_a_plan_names_distinct_prefixes_of_the_right_type():
         plan_warmup([p, p], cfg)
     with pytest.raises(ConfigError, match="not a HotPrefix"):
         plan_warmup("ab", cfg)
+    cold = HotPrefix(prefix="b", size_bytes=1 << 20, access_count=1, recompute_s=0.1)
+    assert plan_warmup(iter([p, cold]), cfg).cold == ("b",) == plan_warmup([p, cold], cfg).cold  # a generator is read once

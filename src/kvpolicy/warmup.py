@@ -122,6 +122,7 @@ def _jsonable(x: Any) -> Any:
 
 def plan_warmup(prefixes: Sequence[HotPrefix], config: WarmupConfig) -> WarmupPlan:
     cfg = config
+    prefixes = list(prefixes)  # read more than once below: a generator would be empty the second time
     seen: set = set()
     for i, p in enumerate(prefixes):
         if not isinstance(p, HotPrefix):
