@@ -481,3 +481,21 @@ def test_killing_redis_under_four_writers_leaves_nothing_stale_or_phantom(redis_
             present += n
     assert present > 0, "the writers published again after the restart"
     assert d.errors == 0
+
+
+
+def test_lease_ttl_holder_and_expiry_are_checked(directory):
+    """A lease of inf seconds pinned its keys for ever in memory and was an OverflowError on Redis (int(inf * 1000));
+    "5" was a TypeError; an int holder evicted nothing without a word; a NaN expiry never expires (NaN compares false)."""
+    d = directory
+    for bad in (float("inf"), "5", float("nan"), 0):
+        with pytest.raises(ConfigError) as e:
+            d.lease("t", [KEYS[0]], ttl_s=bad)
+        assert e.value.field == "ttl_s"
+    for call in (lambda: d.evict("t", [KEYS[0]], holder=5), lambda: d.clear_holder("t", "")):
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert e.value.field == "holder"
+    with pytest.raises(ConfigError) as e:
+        Entry(KEYS[0], "n", 1, expires_at_s=float("nan"))
+    assert e.value.field == "expires_at_s"

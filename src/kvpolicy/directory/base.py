@@ -10,6 +10,7 @@ eviction (and from ``evict`` without ``force``) until it is released or expires.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +28,20 @@ def check_tenant(tenant: Any) -> str:
     if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
         raise ConfigError("tenant", f"must be 1..128 characters of [A-Za-z0-9_.-], got {tenant!r}")
     return tenant
+
+
+def check_ttl(ttl_s: Any) -> float:
+    """A lease's seconds: finite and positive (an infinite lease would pin its keys for ever; Redis needs whole ms)."""
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s) or ttl_s <= 0:
+        raise ConfigError("ttl_s", f"must be a finite positive number of seconds, got {ttl_s!r}")
+    return float(ttl_s)
+
+
+def check_holder(holder: Any) -> str:
+    """A holder named in a call (evict, clear): what an Entry's holder may be."""
+    if not isinstance(holder, str) or not 1 <= len(holder) <= 256 or "\x00" in holder:
+        raise ConfigError("holder", f"must be a non-empty string, got {holder!r}")
+    return holder
 
 
 def check_keys(keys: Any, field: str = "keys") -> list[bytes]:
@@ -56,6 +71,11 @@ def _tier(inst: Any, a: attrs.Attribute, v: Any) -> None:
         raise ConfigError(a.name, f"must not contain '|' (the stored value's separator), got {v!r}")
 
 
+def _expiry(a: attrs.Attribute, v: Any) -> None:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):  # NaN compares false: never expired
+        raise ConfigError(a.name, f"must be a finite time in seconds or None, got {v!r}")
+
+
 @attrs.frozen
 class Entry:
     key: bytes = attrs.field(validator=_key)
@@ -63,7 +83,7 @@ class Entry:
     size_bytes: int = attrs.field(default=0, validator=non_negative_int)
     tier: str = attrs.field(default="pool", validator=_tier)
     namespace_digest: bytes = b""
-    expires_at_s: float | None = None
+    expires_at_s: float | None = attrs.field(default=None, validator=lambda i, a, v: _expiry(a, v))
 
     def pack(self) -> bytes:
         """Compact value for a backend: size|tier|digest-hex|expiry."""

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from ..clock import WallClock
 from ..errors import ConfigError
 from ..protocols import Clock
-from .base import Entry, Lease, TenantIndex, check_keys, check_tenant
+from .base import Entry, Lease, TenantIndex, check_holder, check_keys, check_tenant, check_ttl
 
 
 class InMemoryDirectory:
@@ -125,6 +125,8 @@ class InMemoryDirectory:
 
     def evict(self, tenant: str, keys: Sequence[bytes], holder: str | None = None, force: bool = False) -> int:
         ks = check_keys(keys)
+        if holder is not None:
+            check_holder(holder)  # an int matched no entry and evicted nothing, without a word
         table = self._table(tenant)
         now = self.clock.now_s()
         if not force:
@@ -147,6 +149,7 @@ class InMemoryDirectory:
         return n
 
     def clear_holder(self, tenant: str, holder: str) -> int:
+        check_holder(holder)
         table = self._table(tenant)
         now = self.clock.now_s()
         n = 0
@@ -161,8 +164,7 @@ class InMemoryDirectory:
     def lease(self, tenant: str, keys: Sequence[bytes], ttl_s: float) -> Lease:
         ks = check_keys(keys)
         check_tenant(tenant)
-        if not ttl_s > 0:
-            raise ConfigError("ttl_s", f"must be positive, got {ttl_s}")
+        ttl_s = check_ttl(ttl_s)
         lease = Lease(f"mem-{next(self._ids)}", tenant, tuple(ks), self.clock.now_s() + ttl_s)
         counts = self._leases.setdefault(tenant, {})
         for k in ks:

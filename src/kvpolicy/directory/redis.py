@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ConfigError
-from .base import Entry, Lease, TenantIndex, check_keys, check_tenant
+from .base import Entry, Lease, TenantIndex, check_holder, check_keys, check_tenant, check_ttl
 
 # A holder's value ends in its own expiry (absolute seconds; '' = none): the entry is live while that is ahead.
 # A hash lives as long as its longest-lived holder — persistent if any holder is, else until the latest expiry —
@@ -326,6 +326,8 @@ class RedisDirectory:
 
     def evict(self, tenant: str, keys: Sequence[bytes], holder: str | None = None, force: bool = False) -> int:
         ks = check_keys(keys)
+        if holder is not None:
+            check_holder(holder)  # an int matched no entry and evicted nothing, without a word
         base = self._base(tenant)
         if not ks:
             return 0
@@ -335,14 +337,14 @@ class RedisDirectory:
         return int(self._call(lambda: self._evict(keys=names, args=args), 0))
 
     def clear_holder(self, tenant: str, holder: str) -> int:
+        check_holder(holder)
         base = self._base(tenant)
         return int(self._call(lambda: self._clear(keys=[base + "lru"], args=[holder]), 0))
 
     def lease(self, tenant: str, keys: Sequence[bytes], ttl_s: float) -> Lease:
         ks = check_keys(keys)
         base = self._base(tenant)
-        if not ttl_s > 0:
-            raise ConfigError("ttl_s", f"must be positive, got {ttl_s}")
+        ttl_s = check_ttl(ttl_s)
         names = [base + "lease:" + k.hex() for k in ks]
         lease_id = f"redis-{uuid.uuid4().hex}"
         if names:
