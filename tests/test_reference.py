@@ -220,3 +220,18 @@ def test_model_config_refuses_the_wrong_types_by_name():
         with pytest.raises(ConfigError) as e:
             ModelConfig(**{field: bad})
         assert e.value.field == field
+
+
+def test_engine_refuses_float_token_ids_and_an_unallocatable_pool():
+    """Float token ids were cast to int64 (1.5 became 1: a different prompt, silently); a pool of 1e30 blocks was
+    numpy's "maximum allowed dimension exceeded"."""
+    from kvpolicy.errors import ConfigError
+    from kvpolicy.reference import ModelConfig
+    from kvpolicy.reference.engine import ReferenceEngine
+
+    eng = ReferenceEngine(ModelConfig(), block_size_tokens=16, capacity_blocks=16)
+    with pytest.raises(ConfigError, match="token ids must be integers"):
+        eng.prefill([1.5, 2.0] * 20)
+    with pytest.raises(ConfigError) as e:
+        ReferenceEngine(ModelConfig(), block_size_tokens=16, capacity_blocks=10**30)
+    assert e.value.field == "capacity_blocks"

@@ -95,8 +95,12 @@ class ReferenceEngine:
             raise ConfigError("hasher", "serving or publishing blocks to peers needs the keyed scheme: with 'fast' anyone who can "
                                         "guess a prompt can compute its keys (pass the deployment secret=)")
         shape = (capacity_blocks, c.num_layers, block_size_tokens, c.num_kv_heads, c.head_dim)
-        self.k_pool = np.zeros(shape, dtype=c.dtype)
-        self.v_pool = np.zeros(shape, dtype=c.dtype)
+        try:
+            self.k_pool = np.zeros(shape, dtype=c.dtype)
+            self.v_pool = np.zeros(shape, dtype=c.dtype)
+        except (MemoryError, ValueError) as exc:  # numpy's "maximum allowed dimension exceeded" past 2**63 elements
+            per_block = 2 * c.num_layers * block_size_tokens * c.num_kv_heads * c.head_dim * np.dtype(c.dtype).itemsize
+            raise ConfigError("capacity_blocks", f"{capacity_blocks:,} blocks of {per_block:,} KV bytes cannot be allocated ({exc})") from None
         self.block_bytes = int(self.k_pool[0].nbytes + self.v_pool[0].nbytes)
         self.capacity_blocks = capacity_blocks
         self.slot_of: dict[bytes, int] = {}
@@ -227,7 +231,10 @@ class ReferenceEngine:
 
     def prefill(self, tokens: Sequence[int], *, request_id: Any = None, publish: bool = True, boundary_tokens: int | None = None) -> PrefillResult:
         t_start = time.perf_counter()
-        toks = np.asarray(tokens, dtype=np.int64)
+        raw = np.asarray(tokens)
+        if raw.size and (raw.dtype == np.bool_ or not np.issubdtype(raw.dtype, np.integer)):  # 1.5 was cut to 1 by the cast
+            raise ConfigError("tokens", f"token ids must be integers, got an array of {raw.dtype}")
+        toks = raw.astype(np.int64)
         T = int(toks.size)
         if T == 0:
             raise ConfigError("tokens", "an empty prompt has nothing to prefill")
