@@ -37,9 +37,14 @@ def check_ttl(ttl_s: Any) -> float:
     return float(ttl_s)
 
 
+def _is_name(v: Any) -> bool:
+    """A holder or tier name: a non-empty string of at most 256 characters, no NUL."""
+    return isinstance(v, str) and 1 <= len(v) <= 256 and "\x00" not in v
+
+
 def check_holder(holder: Any) -> str:
     """A holder named in a call (evict, clear): what an Entry's holder may be."""
-    if not isinstance(holder, str) or not 1 <= len(holder) <= 256 or "\x00" in holder:
+    if not _is_name(holder):
         raise ConfigError("holder", f"must be a non-empty string, got {holder!r}")
     return holder
 
@@ -61,7 +66,7 @@ def _key(inst: Any, a: attrs.Attribute, v: Any) -> None:
 
 
 def _holder(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if not isinstance(v, str) or not 1 <= len(v) <= 256 or "\x00" in v:
+    if not _is_name(v):
         raise ConfigError(a.name, f"must be a non-empty string, got {v!r}")
 
 
