@@ -31,6 +31,13 @@ def test_text_config_nesting(tmp_path):
     p = tmp_path / "config.json"
     p.write_text(json.dumps({"model_type": "llava", "text_config": LLAMA3_8B}))
     assert KVGeometry.from_hf_config(p).bytes_per_token == 131072
+    # the dtype stated once, at the top (Qwen2-VL's layout): the text model's KV is in it
+    inner = {k: v for k, v in LLAMA3_8B.items() if k != "torch_dtype"}
+    p.write_text(json.dumps({"model_type": "qwen2_vl", "torch_dtype": "float32", "text_config": inner}))
+    assert KVGeometry.from_hf_config(p).bytes_per_token == 262144
+    p.write_text(json.dumps({"model_type": "qwen2_vl", "text_config": inner}))
+    with pytest.raises(ConfigError, match="torch_dtype"):
+        KVGeometry.from_hf_config(p)
 
 
 def test_mla_has_its_own_formula():

@@ -132,8 +132,12 @@ class KVGeometry:
             raise ConfigError("config", f"{where}: must be a JSON object")
         cfg: Mapping[str, Any] = config
         if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), Mapping):
+            outer = cfg
             cfg = cfg["text_config"]
             where += ".text_config"
+            if cfg.get("torch_dtype", cfg.get("dtype")) is None and outer.get("torch_dtype", outer.get("dtype")) is not None:
+                # a multimodal config (Qwen2-VL, LLaVA) often states the dtype once, at the top: the text model's too
+                cfg = {**cfg, "torch_dtype": outer.get("torch_dtype", outer.get("dtype"))}
 
         def need_int(name: str) -> int:
             v = cfg.get(name)
