@@ -325,6 +325,24 @@ def test_sglang_strategy_orders_like_the_kvpolicy_policy():
         PriorityStrategy(lru.policy)  # a policy already mirroring a tree cannot serve a second one
 
 
+def test_sglang_strategy_answers_at_once_for_a_node_with_millions_of_hits():
+    """get_priority runs inside SGLang's eviction loop: a hot node whose hit count jumped by 10**8 since the last look
+    replayed 10**8 accesses into the mirror (minutes). It replays at most MAX_REPLAYED_HITS and syncs the count whole."""
+    import time
+
+    from kvpolicy.integrations.sglang import MAX_REPLAYED_HITS
+
+    root = TreeNode(None, 0.0)
+    strat = PriorityStrategy(LFUPolicy(1 << 20))
+    hot = TreeNode(root, 1.0)
+    strat.get_priority(hot)
+    hot.hit_count, hot.last_access_time = 10**8, 2.0
+    t0 = time.perf_counter()
+    strat.get_priority(hot)
+    assert time.perf_counter() - t0 < 1.0 and MAX_REPLAYED_HITS <= 1024
+    assert strat.policy.nodes[strat._mirror[id(hot)].token].hits == 10**8
+
+
 def test_sglang_strategy_keeps_state_so_reuse_distance_and_gdsf_learn():
     import gc
 

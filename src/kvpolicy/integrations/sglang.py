@@ -49,6 +49,10 @@ def _size(node: Any) -> int:
     return max(int(n), 1)
 
 
+#: accesses replayed into the mirror per get_priority call, at most (hits beyond it are counted, not replayed)
+MAX_REPLAYED_HITS = 64
+
+
 class PriorityStrategy:
     """``get_priority(node)`` from a kvpolicy priority policy (lowest is evicted first), stateful across calls."""
 
@@ -117,7 +121,9 @@ class PriorityStrategy:
         t = float(getattr(node, "last_access_time", 0.0))
         if hits > m.hits or t > m.t_access:
             self._at(t)
-            for _ in range(max(hits - m.hits, 1)):
+            # one access per hit since the last look, at most MAX_REPLAYED_HITS: a hot node first seen at eviction time may
+            # carry millions, and this runs inside SGLang's eviction loop (the count itself is synced below, whole)
+            for _ in range(min(max(hits - m.hits, 1), MAX_REPLAYED_HITS)):
                 self.policy.on_access(m.token)
             m.hits, m.t_access = hits, t
             self._sync(node, m)
