@@ -20,6 +20,16 @@ def check_positive_number(field: str, v: Any) -> None:
         raise ConfigError(field, f"must be a finite positive number, got {v!r}")
 
 
+def check_non_negative_number(field: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ConfigError(field, f"must be a finite non-negative number, got {v!r}")
+
+
+def check_non_negative_int(field: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ConfigError(field, f"must be a non-negative int, got {v!r}")
+
+
 def check_probability(field: str, v: Any) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
         raise ConfigError(field, f"must be a probability in [0, 1], got {v!r}")
@@ -37,8 +47,7 @@ def positive_int(inst: Any, a: attrs.Attribute, v: Any) -> None:
 
 
 def non_negative_int(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ConfigError(a.name, f"must be a non-negative int, got {v!r}")
+    check_non_negative_int(a.name, v)
 
 
 def positive_number(inst: Any, a: attrs.Attribute, v: Any) -> None:
@@ -46,8 +55,7 @@ def positive_number(inst: Any, a: attrs.Attribute, v: Any) -> None:
 
 
 def non_negative_number(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ConfigError(a.name, f"must be a finite non-negative number, got {v!r}")
+    check_non_negative_number(a.name, v)
 
 
 def probability(inst: Any, a: attrs.Attribute, v: Any) -> None:

@@ -72,7 +72,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import numpy as np
 
-from ._validate import check_positive_int, check_positive_number, check_probability
+from ._validate import check_non_negative_int, check_non_negative_number, check_positive_int, check_positive_number, check_probability
 from .errors import ConfigError
 
 DATA_CLASSES = ("public", "shared", "internal", "private")
@@ -218,8 +218,7 @@ class CountMinSketch:
         if width > 1 << 28 or depth > 64:  # depth x width doubles are allocated here, and each add touches every row
             raise ConfigError("width" if width > 1 << 28 else "depth", f"width at most 2**28 and depth at most 64, got {width!r} x {depth!r}")
         check_positive_number("half_life_s", half_life_s)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ConfigError("seed", f"must be a non-negative int, got {seed!r}")
+        check_non_negative_int("seed", seed)
         self.width, self.depth = width, depth
         self.lam = math.log(2) / half_life_s
         # rows as array('d'): scalar reads and writes are several times cheaper than numpy indexing;
@@ -294,9 +293,8 @@ class ReuseAwarePublish:
             raise ConfigError("recompute_s", f"must be a callable tokens -> seconds, got {recompute_s!r}")
         for name, v in (("write_bytes_per_s", write_bytes_per_s), ("lifetime_s", lifetime_s), ("half_life_s", half_life_s)):
             check_positive_number(name, v)
-        for name, v in (("index_s", index_s), ("eviction_s", eviction_s)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ConfigError(name, f"must be a finite number >= 0, got {v!r}")
+        check_non_negative_number("index_s", index_s)
+        check_non_negative_number("eviction_s", eviction_s)
         check_probability("cross_replica_share", cross_replica_share)
         check_positive_int("buckets", buckets)
         if buckets > 64:
@@ -555,8 +553,7 @@ class WriteBudget:
         check_positive_number("bytes_per_s", bytes_per_s)
         check_positive_number("burst_bytes", burst_bytes)
         check_positive_int("block_bytes", block_bytes)
-        if isinstance(value_floor_s, bool) or not isinstance(value_floor_s, (int, float)) or not math.isfinite(value_floor_s) or value_floor_s < 0:
-            raise ConfigError("value_floor_s", f"must be a finite number >= 0, got {value_floor_s!r}")
+        check_non_negative_number("value_floor_s", value_floor_s)
         self.inner = inner
         self.rate = bytes_per_s
         self.burst = burst_bytes

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .analysis.replicas import replica_view, route
-from ._validate import check_positive_number, check_probability, check_split
+from ._validate import check_non_negative_int, check_positive_int, check_positive_number, check_probability, check_split
 from .errors import ConfigError
 from .profile import PrefillModel
 from .publish import PublishRequest, make_filter
@@ -45,11 +45,10 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
     but only writes and re-reads made by requests >= k are counted — for the oracle too."""
     if isinstance(policies, str):  # "all" would be read as the policies 'a', 'l', 'l'
         raise ConfigError("--policies", f"give a list of publish policy specs, got the string {policies!r}")
-    if pool_capacity_blocks is not None and (isinstance(pool_capacity_blocks, bool) or not isinstance(pool_capacity_blocks, int) or pool_capacity_blocks <= 0):
-        raise ConfigError("--pool-capacity-blocks", f"must be a positive int (or None: infinite), got {pool_capacity_blocks!r}")
+    if pool_capacity_blocks is not None:  # None: infinite
+        check_positive_int("--pool-capacity-blocks", pool_capacity_blocks)
     check_positive_number("write_bytes_per_s", write_bytes_per_s)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ConfigError("seed", f"must be a non-negative int, got {seed!r}")
+    check_non_negative_int("seed", seed)
     k = check_split(judge_from_request, len(trace))
     step = progress or (lambda _m: None)
     B = trace.block_size_tokens

@@ -44,6 +44,7 @@ from typing import Any, Literal
 
 import attrs
 
+from .._validate import check_positive_number
 from ..clock import MonotonicClock
 from ..errors import ConfigError, RemoteLoadError
 from ..matching import PrefixMatch
@@ -84,19 +85,14 @@ class AdmissionConfig:
     def __attrs_post_init__(self) -> None:
         if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or not 0 < self.margin <= 1:
             raise ConfigError("margin", f"must be in (0, 1], got {self.margin!r}")
-        for name in ("max_queue_bytes_per_source", "timeout_factor"):
-            if not _finite_positive(getattr(self, name)):
-                raise ConfigError(name, f"must be a finite positive number, got {getattr(self, name)!r}")
-        if self.probe_interval_s is not None and not _finite_positive(self.probe_interval_s):
-            raise ConfigError("probe_interval_s", f"must be a finite positive number of seconds or None (never probe), got {self.probe_interval_s!r}")
+        check_positive_number("max_queue_bytes_per_source", self.max_queue_bytes_per_source)
+        check_positive_number("timeout_factor", self.timeout_factor)
+        if self.probe_interval_s is not None:  # None: never probe
+            check_positive_number("probe_interval_s", self.probe_interval_s)
         if not isinstance(self.compute_while_loading, bool):
             raise ConfigError("compute_while_loading", f"must be True or False, got {self.compute_while_loading!r}")
         if self.failure_policy not in ("recompute", "fail"):
             raise ConfigError("failure_policy", f"must be 'recompute' or 'fail', got {self.failure_policy!r}")
-
-
-def _finite_positive(v: Any) -> bool:
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
 
 
 def _finite_nonneg(v: Any) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from .._validate import non_negative_int
+from .._validate import check_positive_number, non_negative_int
 from ..errors import ConfigError
 
 #: a tenant name; matched whole (``fullmatch``: ``$`` alone would let "acme\n" through, a newline in keys and logs)
@@ -32,8 +32,7 @@ def check_tenant(tenant: Any) -> str:
 
 def check_ttl(ttl_s: Any) -> float:
     """A lease's seconds: finite and positive (an infinite lease would pin its keys for ever; Redis needs whole ms)."""
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s) or ttl_s <= 0:
-        raise ConfigError("ttl_s", f"must be a finite positive number of seconds, got {ttl_s!r}")
+    check_positive_number("ttl_s", ttl_s)
     return float(ttl_s)
 
 

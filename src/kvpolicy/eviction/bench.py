@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..analysis import PrefixMRC
-from .._validate import check_split
+from .._validate import check_positive_int, check_split
 from ..errors import ConfigError
 from .kernels import KERNEL_POLICIES, replay_kernel
 from .replay import ALL_POLICIES, replay
@@ -39,8 +39,8 @@ def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, by
         raise ConfigError("--policies", f"unknown policy {bad[0]!r}; known: {', '.join(ALL_POLICIES)}")
     if not capacities_blocks or any(isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 < c <= 1 << 40 for c in capacities_blocks):
         raise ConfigError("--capacities-blocks", f"give one or more capacities, ints in [1, 2**40], got {capacities_blocks!r:.80}")
-    if bytes_per_token is not None and (isinstance(bytes_per_token, bool) or not isinstance(bytes_per_token, int) or bytes_per_token <= 0):
-        raise ConfigError("bytes_per_token", f"must be a positive int or None, got {bytes_per_token!r}")
+    if bytes_per_token is not None:
+        check_positive_int("bytes_per_token", bytes_per_token)
     step = progress or (lambda _m: None)
     n_req = len(trace)
     k = check_split(judge_from_request, n_req)

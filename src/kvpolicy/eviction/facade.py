@@ -15,14 +15,14 @@ from typing import Any
 
 import cachetools
 
-from ..errors import CapacityError, ConfigError
+from .._validate import check_non_negative_int
+from ..errors import CapacityError
 from .replay import make_policy
 
 
 class PolicyCache(cachetools.Cache):
     def __init__(self, maxsize: int, policy: str = "lru", getsizeof: Callable[[Any], int] | None = None, **policy_kw: Any) -> None:
-        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:  # int() would cut 10.7 to 10, read "10", fail on inf
-            raise ConfigError("maxsize", f"must be a non-negative int (the capacity in size units), got {maxsize!r}")
+        check_non_negative_int("maxsize", maxsize)  # int() would cut 10.7 to 10, read "10", fail on inf
         super().__init__(maxsize, getsizeof)
         self._policy = make_policy(policy, maxsize, **policy_kw)
         self._data: dict[Hashable, Any] = {}

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 
-from .._validate import check_positive_number
+from .._validate import check_non_negative_number, check_positive_number
 from ..errors import ConfigError
 from ..protocols import Clock
 from .base import Node, PriorityPolicy
@@ -48,9 +48,8 @@ class ReuseDistancePolicy(PriorityPolicy):
                  clock: Clock | None = None) -> None:
         if isinstance(ewma, bool) or not isinstance(ewma, (int, float)) or not 0 < ewma <= 1:
             raise ConfigError("ewma", f"must be a number in (0, 1], got {ewma!r}")
-        for name, v in (("aging", aging), ("boost", boost)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ConfigError(name, f"must be a finite number >= 0, got {v!r}")
+        check_non_negative_number("aging", aging)
+        check_non_negative_number("boost", boost)
         if effective_bytes is not None:
             check_positive_number("effective_bytes", effective_bytes)
         super().__init__(capacity_bytes, clock=clock)

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..admission import AdmissionConfig, AdmissionController, LatencyModel, LinkPrior
+from .._validate import check_positive_int
 from ..errors import ConfigError
 from ..profile import PrefillModel
 
@@ -28,10 +29,8 @@ def read_settings(raw: Any, defaults: dict[str, Any], where: str) -> dict[str, A
 
 
 def positive_int_setting(cfg: dict[str, Any], key: str, where: str) -> int:
-    v = cfg[key]
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ConfigError(f"{where}.{key}", f"must be a positive int, got {v!r}")
-    return v
+    check_positive_int(f"{where}.{key}", cfg[key])
+    return cfg[key]
 
 
 def string_setting(cfg: dict[str, Any], key: str, where: str) -> str:

@@ -10,11 +10,10 @@ all a cache needs to be checked against.
 
 from __future__ import annotations
 
-import math
-
 import attrs
 import numpy as np
 
+from .._validate import check_non_negative_int, check_positive_number
 from .._validate import positive_int as _pos
 from ..errors import ConfigError
 from ..geometry import KVGeometry
@@ -44,10 +43,8 @@ class ModelConfig:
             raise ConfigError("head_dim", "must be even (RoPE rotates pairs)")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or not math.isfinite(self.rope_theta) or self.rope_theta <= 0:
-            raise ConfigError("rope_theta", f"must be a finite positive number, got {self.rope_theta!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError("seed", f"must be a non-negative int, got {self.seed!r}")
+        check_positive_number("rope_theta", self.rope_theta)
+        check_non_negative_int("seed", self.seed)
 
     @property
     def d_model(self) -> int:

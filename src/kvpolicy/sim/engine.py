@@ -51,6 +51,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from .._validate import check_non_negative_int
 from ..admission import AdmissionConfig, AdmissionContext, AdmissionController, LatencyModel, LinkPrior, LoadOutcome
 from ..errors import CapacityError, ConfigError
 from ..eviction.kernels import next_use_per_ref
@@ -394,8 +395,7 @@ class Simulator:
             raise ConfigError("cluster", "must be a kvpolicy.sim.ClusterConfig")
         if not isinstance(policy_set, PolicySet):
             raise ConfigError("policy_set", "must be a kvpolicy.sim.PolicySet")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # mixed into every failure and routing draw
-            raise ConfigError("seed", f"must be a non-negative int, got {seed!r}")
+        check_non_negative_int("seed", seed)  # mixed into every failure and routing draw
         self.c = cluster
         self.ps = policy_set
         self.seed = seed

@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 
+from .._validate import check_positive_int
 from ..errors import ConfigError
 from ..profile import PrefillModel
 from .config import ClusterConfig, Degrade, ScaleOut, Spike
@@ -36,8 +37,7 @@ def default_cluster(trace: Any, *, bytes_per_token: int, prefill: PrefillModel, 
         raise ConfigError("pool_share", f"must be positive, got {pool_share}")
     if not local_kv_gib >= 0 or not math.isfinite(local_kv_gib * 2**30):
         raise ConfigError("local_kv_gib", f"must be a finite non-negative number of GiB, got {local_kv_gib}")
-    if isinstance(storage_nodes, bool) or not isinstance(storage_nodes, int) or storage_nodes <= 0:  # divided by just below
-        raise ConfigError("storage_nodes", f"must be a positive int, got {storage_nodes!r}")
+    check_positive_int("storage_nodes", storage_nodes)  # divided by just below
     block_bytes = bytes_per_token * trace.block_size_tokens
     distinct = int(trace.summary()["distinct_blocks"])
     pool_blocks_per_node = max(int(distinct * pool_share / storage_nodes), 1)

@@ -28,6 +28,9 @@ from typing import Any
 import attrs
 import numpy as np
 
+from .._validate import non_negative_int as _seed
+from .._validate import positive_int as _pos_int
+from .._validate import positive_number as _pos
 from ..errors import ConfigError
 from ..keys import BlockHasher, Namespace
 from .model import Trace, canonicalize
@@ -38,24 +41,9 @@ KINDS = ("chat", "rag", "agent")
 DECODE_S_PER_TOKEN = 0.02
 
 
-def _pos(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ConfigError(a.name, f"must be a finite positive number, got {v!r}")
-
-
-def _pos_int(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ConfigError(a.name, f"must be a positive int, got {v!r}")
-
-
 def _range(inst: Any, a: attrs.Attribute, v: Any) -> None:
     if not (isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in v) and 0 <= v[0] <= v[1]):
         raise ConfigError(a.name, f"must be a (min, max) pair of ints with 0 <= min <= max, got {v!r}")
-
-
-def _seed(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ConfigError(a.name, f"must be a non-negative int, got {v!r}")
 
 
 @attrs.frozen
