@@ -496,3 +496,20 @@ def test_interference_with_active_decodes_can_turn_a_win_into_a_recompute():
     # the best candidate's interference alone exceeds what recompute would cost: 0.1 s/GB x 51 requests
     assert busy.terms["interference_s"] > busy.terms["t_recompute_only_s"]
     assert busy.terms["t_remote_p95_s"] < busy.terms["t_recompute_p50_s"], "without interference this load would win"
+
+
+def test_t_recompute_charges_the_profiles_measured_cross_term():
+    """T_recompute of the stretch after the local hit is the profile's marginal, cross term included:
+    an engine measured to pay less per (new × cached token) than causal skipping is cheaper to
+    recompute after a long local hit, and a load must beat that."""
+    import attrs
+
+    def prefill_p50(model, local):
+        c = AdmissionController(LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), model), AdmissionConfig(), clock=ManualClock())
+        return c.decide(pm(local, 100), ctx).terms["prefill_p50_s"]
+
+    dense = attrs.evolve(PREFILL, cross_s_per_token2=PREFILL.c_s_per_token2)
+    start, end = 2000 * B, 2100 * B
+    assert prefill_p50(PREFILL, 2000) == pytest.approx(PREFILL.marginal_s(start, end), rel=1e-3)
+    assert prefill_p50(dense, 2000) == pytest.approx(dense.marginal_s(start, end), rel=1e-3)
+    assert prefill_p50(PREFILL, 2000) - prefill_p50(dense, 2000) == pytest.approx(PREFILL.c_s_per_token2 * (end - start) * start, rel=1e-3)

@@ -60,6 +60,9 @@ def test_profile_over_http_agrees_with_the_engine_in_process_and_drives_compare(
     # a local hit over HTTP is faster than a cold prefill at the longest prefix: the server really caches
     assert prof.local_hit_ttft_ms[-1] < prof.cold_prefill_ms[-1]
     assert "cold_prefill_c2_p50_ms" in prof.extra and "remote_load_p50_ms" not in prof.extra
+    # half hits cache whole 256-token granules of the prefix: none at 256, then half of it
+    assert prof.extra["half_hit_cached_tokens"].tolist() == [0, 256, 512]
+    assert prof.extra["half_hit_ttft_ms"][-1] < prof.cold_prefill_ms[-1], "half the prefix was served from the server's cache"
     # the CSV drives compare with its own model (512 B/token)
     rc, out, err = run(capsys, "compare", "--profile", str(csv), "--bytes-per-token", "512", "--scenario", "steady", "--policies", "kvpolicy", "-q")
     assert rc == 0, err

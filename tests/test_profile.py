@@ -1,3 +1,4 @@
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -107,3 +108,93 @@ def test_prefill_model_learns_what_reading_a_cached_prefix_costs():
 
     c = ClusterConfig(bytes_per_token=512, prefill=m)
     assert c.prefill_s(4096, 4096 + 16) - ClusterConfig(bytes_per_token=512, prefill=flat).prefill_s(4096, 4096 + 16) == pytest.approx(2e-6 * 4096)
+
+
+@given(
+    st.floats(0.0, 0.05),
+    st.floats(1e-6, 1e-4),
+    st.floats(0.0, 1e-9),
+    st.floats(0.0, 1e-6),
+    st.floats(0.0, 4e-9),
+)
+def test_half_hit_rows_recover_the_cross_term(a, b, c, d, x):
+    """Rows made by an engine whose every new token pays x per cached token: the fit gives x back,
+    and the model then predicts a prefill at any split of cached and new."""
+    from kvpolicy.profile import MeasuredProfile
+
+    L = np.array([1024, 4096, 16384, 32768, 65536], dtype=np.int64)
+    r = L // 2
+
+    def engine_s(start, end):
+        q = end - start
+        return a + b * q + c * q * q + x * q * start + d * start
+
+    prof = MeasuredProfile(prefix_tokens=L, kv_bytes=L * 512.0, cold_prefill_ms=1e3 * engine_s(0, L), local_hit_ttft_ms=1e3 * engine_s(L, L),
+                           extra={"half_hit_cached_tokens": r.astype(np.float64), "half_hit_ttft_ms": 1e3 * engine_s(r, L)})
+    m = prof.prefill_model()
+    assert m.cross_s_per_token2 == pytest.approx(x, rel=1e-6, abs=1e-15)
+    assert m.cross_rms_rel_error < 1e-6
+    for start, end in ((0, 8192), (8192, 8192 + 512), (60000, 70000)):
+        assert m.prefill_s(start, end) == pytest.approx(engine_s(start, end), rel=1e-6)
+
+
+def test_without_half_hit_rows_the_cross_term_is_the_causal_one():
+    """No half-hit rows: a prefill after a cached prefix costs T_prefill(end) − T_prefill(start) + d·start,
+    the formula the simulator and the admission controller used before the cross term existed."""
+    from kvpolicy.profile import MeasuredProfile
+
+    L = np.array([1024, 2048, 4096, 8192])
+    cold = 1e3 * (0.01 + 5e-5 * L + 1e-9 * L * L)
+    m = MeasuredProfile(prefix_tokens=L, kv_bytes=L * 512.0, cold_prefill_ms=cold, local_hit_ttft_ms=1e3 * (0.004 + 2e-6 * L)).prefill_model()
+    assert m.cross_s_per_token2 is None and m.cross_rms_rel_error is None
+    for start, end in ((0, 100), (1000, 1016), (5000, 9000)):
+        want = m(end) - m(start) + m.a_s + m.d_s_per_cached_token * start
+        assert m.prefill_s(start, end) == pytest.approx(want, rel=1e-12)
+        assert m.marginal_s(start, end) == pytest.approx(m(end) - m(start), rel=1e-12)
+
+
+def test_a_dense_engine_is_cheaper_after_a_hit_than_the_causal_formula_says():
+    """The reference engine computes a dense score block per chunk: with half its prompt cached it
+    costs less than c·(T² − r²). The half-hit rows see it and the model follows."""
+    from kvpolicy.profile import MeasuredProfile
+
+    L = np.array([512, 1024, 2048, 4096], dtype=np.int64)
+    c = 1e-9
+
+    def dense_s(start, end):  # q new tokens each attend to all `end` keys: q·end = q² + q·start
+        q = end - start
+        return 1e-3 + 1e-5 * q + c * q * end
+
+    r = L // 2
+    prof = MeasuredProfile(prefix_tokens=L, kv_bytes=L * 512.0, cold_prefill_ms=1e3 * dense_s(0, L), local_hit_ttft_ms=1e3 * dense_s(L, L),
+                           extra={"half_hit_cached_tokens": r.astype(np.float64), "half_hit_ttft_ms": 1e3 * dense_s(r, L)})
+    m = prof.prefill_model()
+    assert m.cross_s_per_token2 == pytest.approx(c, rel=1e-3)
+    assert m.prefill_s(4000, 4100) == pytest.approx(dense_s(4000, 4100), rel=1e-3)
+    causal = attrs.evolve(m, cross_s_per_token2=None)
+    # the causal formula charges each new token 2c per cached token, this engine c
+    assert causal.prefill_s(4000, 4100) - dense_s(4000, 4100) == pytest.approx(c * 100 * 4000, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "text, line, what",
+    [
+        ("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms,half_hit_cached_tokens\n10,1,1,1,5\n", 1, "needs its partner"),
+        ("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms,half_hit_ttft_ms\n10,1,1,1,5\n", 1, "needs its partner"),
+        ("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms,half_hit_cached_tokens,half_hit_ttft_ms\n10,1,1,1,10,1\n", 2, "below prefix_tokens"),
+        ("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms,half_hit_cached_tokens,half_hit_ttft_ms\n10,1,1,1,4.5,1\n", 2, "whole number"),
+        ("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms,half_hit_cached_tokens,half_hit_ttft_ms\n10,1,1,1,4,0\n", 2, "half_hit_ttft_ms"),
+    ],
+)
+def test_malformed_half_hit_columns_name_the_line(text, line, what):
+    with pytest.raises(ProfileFormatError, match=what) as exc:
+        parse_profile(text, source="p.csv")
+    assert exc.value.line == line
+
+
+def test_a_negative_cross_term_is_refused():
+    from kvpolicy.errors import ConfigError
+    from kvpolicy.profile import PrefillModel
+
+    with pytest.raises(ConfigError, match="cross_s_per_token2"):
+        PrefillModel(a_s=0.0, b_s_per_token=1e-5, c_s_per_token2=0.0, rms_rel_error=0.0, max_rel_error=0.0, cross_s_per_token2=-1e-9)

@@ -173,6 +173,10 @@ def test_profile_runs_and_its_csv_reads_back():
         assert col in back.extra
     assert {r["concurrency"] for r in report["rows"]} == {1, 2}
     assert all(r["samples"] >= 2 for r in report["rows"])
+    # half hits: the prompt again with half its prefix (whole blocks) cached — they fit the cross term
+    assert back.extra["half_hit_cached_tokens"].tolist() == [2 * B, 4 * B]
+    assert np.all(back.extra["half_hit_ttft_ms"] > 0)
+    assert back.prefill_model().cross_s_per_token2 is not None
 
 
 def test_replicas_share_a_block_server_publishing_into_it_and_loading_from_it():

@@ -203,6 +203,12 @@ def _render_size(p: dict[str, Any]) -> str:
             f"prefill model    T_prefill(T) = {m['a_s'] * 1e3:.3f} ms + {m['b_s_per_token'] * 1e6:.4f} us*T + "
             f"{m['c_s_per_token2'] * 1e12:.4f} ps*T^2   (rms rel err {m['rms_rel_error']:.1%}, max {m['max_rel_error']:.1%})"
         )
+        if m["cross_s_per_token2"] is None:
+            lines.append("cross term       2c per (new x cached token), causal skipping: no half-hit rows measured it")
+        else:
+            lines.append(f"cross term       {m['cross_s_per_token2'] * 1e12:.4f} ps per (new x cached token) = "
+                         f"{m['cross_s_per_token2'] / m['c_s_per_token2'] if m['c_s_per_token2'] > 0 else float('inf'):.2f}c, "
+                         f"from the half-hit rows (rms rel err {m['cross_rms_rel_error']:.1%})")
     return "\n".join(lines)
 
 

@@ -132,10 +132,20 @@ class OpenAIProfileTarget:
     def cold_prefill_s(self, prefix_tokens: int, tail_tokens: int) -> float:
         return self._ttft_s(self._ids(self._rng(), prefix_tokens + tail_tokens))
 
-    def local_hit_ttft_s(self, prefix_tokens: int, tail_tokens: int) -> float:
+    #: half hits cache a multiple of this many tokens: a multiple of every common block size
+    #: (vLLM 16, SGLang pages, LMCache's 256-token chunks), so the server holds exactly that part
+    cache_granule_tokens = 256
+
+    def local_hit_ttft_s(self, prefix_tokens: int, tail_tokens: int, cached_tokens: int | None = None) -> float:
+        """The prefix plus a new tail, after a request that shares the prefix's first ``cached_tokens``
+        (all of it by default) put them in the server's prefix cache."""
         rng = self._rng()
         prefix = self._ids(rng, prefix_tokens)
-        self._ttft_s(prefix + self._ids(rng, tail_tokens))
+        cached = prefix_tokens if cached_tokens is None else cached_tokens
+        if not 0 <= cached <= prefix_tokens:
+            raise ConfigError("cached_tokens", f"{cached}: must be within the prefix's {prefix_tokens} tokens")
+        if cached:
+            self._ttft_s(prefix[:cached] + self._ids(rng, tail_tokens))
         return self._ttft_s(prefix + self._ids(rng, tail_tokens))
 
     def remote_load(self, prefix_tokens: int) -> dict[str, float]:

@@ -9,6 +9,12 @@ prefill time is fitted with a non-negative quadratic
 ``T_prefill(T) = a + b·T + c·T²`` (attention makes prefill superlinear), by least
 squares on *relative* error so short and long prefixes weigh alike; the fit
 error is reported, and the model is usable between and beyond measured points.
+
+A prefill with part of its prompt cached costs more than the cold prefill of its
+new tokens alone: each new token attends to every cached one. Two optional
+columns, ``half_hit_cached_tokens,half_hit_ttft_ms`` (the row's prompt again with
+about its first half cached), measure that cross term; without them it is the
+one a causal-skipping attention kernel pays (see :class:`PrefillModel`).
 """
 
 from __future__ import annotations
@@ -19,22 +25,34 @@ import itertools
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
 
+from ._validate import non_negative_number
 from .errors import ConfigError, ProfileFormatError
 
 #: the longest prefix a profile row may describe (tokens)
 MAX_PREFIX_TOKENS = 2**40
 REQUIRED_COLUMNS = ("prefix_tokens", "kv_bytes", "cold_prefill_ms", "local_hit_ttft_ms")
+#: optional, together: the prompt of each row again, with its first ``half_hit_cached_tokens``
+#: (about half, whole blocks) cached locally — what fits the cross term of :class:`PrefillModel`
+HALF_HIT_COLUMNS = ("half_hit_cached_tokens", "half_hit_ttft_ms")
 
 
 @attrs.frozen
 class PrefillModel:
     """``T_prefill(T) = a_s + b_s_per_token·T + c_s_per_token2·T²`` (seconds), and for a prefill
-    of tokens [start, end) with [0, start) already cached: ``a + b·(end − start) + c·(end² − start²)
-    + d_s_per_cached_token·start`` — d is what reading the cached prefix costs the engine (gathering
+    of the q = end − start new tokens of [start, end) with [0, start) already cached::
+
+        a + b·q + c·q² + x·q·start + d·start
+
+    x (``cross``) is what each new token pays per cached token it attends to. An engine that
+    skips masked work (FlashAttention's causal kernels) pays ``x = 2c``, which makes the
+    marginal ``c·(end² − start²)`` — the default when x was not measured. One that computes a
+    dense score block per chunk pays less or more: x is fitted from half-hit rows of the
+    profile when it has them. d is what reading the cached prefix costs the engine (gathering
     its KV; 0 for engines that attend to cached pages in place), measured from local-hit rows."""
 
     a_s: float
@@ -43,11 +61,31 @@ class PrefillModel:
     rms_rel_error: float
     max_rel_error: float
     d_s_per_cached_token: float = 0.0
+    #: seconds per (new token × cached token); None: 2c, causal skipping (not measured)
+    cross_s_per_token2: float | None = attrs.field(default=None, validator=attrs.validators.optional(non_negative_number))
+    #: rms relative error of the model on the half-hit rows x was fitted from (None: not measured)
+    cross_rms_rel_error: float | None = None
+
+    @property
+    def cross(self) -> float:
+        """x: the measured cross term, else 2c."""
+        return 2.0 * self.c_s_per_token2 if self.cross_s_per_token2 is None else self.cross_s_per_token2
 
     def __call__(self, tokens: float | np.ndarray) -> float | np.ndarray:
         t = np.asarray(tokens, dtype=np.float64)
         out = self.a_s + self.b_s_per_token * t + self.c_s_per_token2 * t * t
         return float(out) if out.ndim == 0 else out
+
+    def marginal_s(self, start_tokens: Any, end_tokens: Any) -> Any:
+        """Seconds the new tokens [start, end) add, [0, start) cached: ``b·q + c·q² + x·q·start``
+        (no fixed term, no cost of reading the cache). Scalars or numpy arrays."""
+        q = end_tokens - start_tokens
+        return self.b_s_per_token * q + self.c_s_per_token2 * q * q + self.cross * q * start_tokens
+
+    def prefill_s(self, start_tokens: Any, end_tokens: Any) -> Any:
+        """Seconds to prefill [start, end) with [0, start) cached: fixed term + marginal + reading
+        the cached prefix."""
+        return self.a_s + self.marginal_s(start_tokens, end_tokens) + self.d_s_per_cached_token * start_tokens
 
     def to_dict(self) -> dict[str, float]:
         return attrs.asdict(self)
@@ -90,6 +128,27 @@ def fit_prefill(prefix_tokens: Sequence[float], seconds: Sequence[float]) -> Pre
     )
 
 
+def fit_cross(model: PrefillModel, prefix_tokens: Sequence[float], cached_tokens: Sequence[float], seconds: Sequence[float]) -> PrefillModel:
+    """x, the seconds per (new token × cached token), from half-hit rows: prompts of ``prefix_tokens``
+    whose first ``cached_tokens`` were cached. With a, b, c, d fixed (cold and local-hit rows),
+    x is the least-squares fit on relative error of what is left, clipped at 0. Rows with nothing
+    cached say nothing about x; without any other, the model is returned unchanged (x = 2c)."""
+    t = np.asarray(prefix_tokens, dtype=np.float64)
+    r = np.asarray(cached_tokens, dtype=np.float64)
+    y = np.asarray(seconds, dtype=np.float64)
+    use = r > 0
+    if not np.any(use):
+        return model
+    t, r, y = t[use], r[use], y[use]
+    q = t - r
+    rest = y - (model.a_s + model.b_s_per_token * q + model.c_s_per_token2 * q * q + model.d_s_per_cached_token * r)
+    xq = q * r / y  # the cross term's column, weighted by 1/y
+    x = max(float(np.sum(xq * rest / y) / np.sum(xq * xq)), 0.0)
+    fitted = attrs.evolve(model, cross_s_per_token2=x)
+    rel = fitted.prefill_s(r, t) / y - 1.0
+    return attrs.evolve(fitted, cross_rms_rel_error=float(np.sqrt(np.mean(rel**2))))
+
+
 @attrs.frozen(eq=False)
 class MeasuredProfile:
     """Rows of the measured profile, as numpy columns (sorted by prefix length)."""
@@ -124,6 +183,8 @@ class MeasuredProfile:
         if len(self) >= 2 and np.all(np.isfinite(hit)):
             d = float(np.polyfit(self.prefix_tokens.astype(np.float64), hit, 1)[0])
             m = attrs.evolve(m, d_s_per_cached_token=max(d, 0.0))
+        if HALF_HIT_COLUMNS[0] in self.extra:
+            m = fit_cross(m, self.prefix_tokens, self.extra[HALF_HIT_COLUMNS[0]], self.extra[HALF_HIT_COLUMNS[1]] / 1e3)
         return m
 
     def to_csv(self) -> str:
@@ -202,6 +263,9 @@ def parse_profile(text: str, source: str = "<string>") -> MeasuredProfile:
     dup = [c for c in header if header.count(c) > 1]
     if dup:
         raise ProfileFormatError(source, header_line, f"duplicate column {dup[0]!r}")
+    half = [c for c in HALF_HIT_COLUMNS if c in header]
+    if len(half) == 1:
+        raise ProfileFormatError(source, header_line, f"column {half[0]!r} needs its partner: {','.join(HALF_HIT_COLUMNS)} come together")
     data = numbered[1:]
     if not data:
         raise ProfileFormatError(source, header_line, "the profile has a header but no rows")
@@ -230,6 +294,13 @@ def parse_profile(text: str, source: str = "<string>") -> MeasuredProfile:
             raise ProfileFormatError(source, line, f"column 'prefix_tokens': {int(t)} does not increase (previous row {int(prev_tokens)})")
         if cols["cold_prefill_ms"][-1] <= 0:
             raise ProfileFormatError(source, line, "column 'cold_prefill_ms': must be positive")
+        if HALF_HIT_COLUMNS[0] in cols:
+            cached = cols[HALF_HIT_COLUMNS[0]][-1]
+            if not cached.is_integer() or cached >= t:
+                raise ProfileFormatError(source, line, f"column {HALF_HIT_COLUMNS[0]!r}: {cached:g} must be a whole number of tokens "
+                                         f"below prefix_tokens ({int(t)})")
+            if cols[HALF_HIT_COLUMNS[1]][-1] <= 0:
+                raise ProfileFormatError(source, line, f"column {HALF_HIT_COLUMNS[1]!r}: must be positive")
         prev_tokens = t
     return MeasuredProfile(
         prefix_tokens=np.asarray(cols["prefix_tokens"], dtype=np.int64),

@@ -58,12 +58,18 @@ class ProfileTarget(Protocol):
     loaded from another replica (``lookup_s``, ``transfer_s``, ``stage_s``,
     ``install_s``, ``total_s``). Calls may come from several threads at once
     (the concurrency levels).
+
+    A target that also has an int ``cache_granule_tokens`` (what its cache holds
+    whole: its block size, or a multiple of it) is measured with half hits too:
+    ``local_hit_ttft_s(prefix, tail, cached_tokens=r)`` with only the prefix's
+    first r tokens (a multiple of the granule) cached — what fits the cross term
+    of the prefill model.
     """
 
     def kv_bytes(self, prefix_tokens: int) -> int: ...
 
     def cold_prefill_s(self, prefix_tokens: int, tail_tokens: int) -> float: ...
 
-    def local_hit_ttft_s(self, prefix_tokens: int, tail_tokens: int) -> float: ...
+    def local_hit_ttft_s(self, prefix_tokens: int, tail_tokens: int, cached_tokens: int | None = None) -> float: ...
 
     def remote_load(self, prefix_tokens: int) -> dict[str, float]: ...

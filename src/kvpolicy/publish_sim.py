@@ -32,8 +32,7 @@ DEFAULT_PREFILL = PrefillModel(a_s=0.0, b_s_per_token=5e-5, c_s_per_token2=1e-10
 
 def block_recompute_s(prefill: PrefillModel, block_size_tokens: int):
     def f(depth: int) -> float:
-        a, b = depth * block_size_tokens, (depth + 1) * block_size_tokens
-        return prefill.b_s_per_token * (b - a) + prefill.c_s_per_token2 * (b * b - a * a)
+        return float(prefill.marginal_s(depth * block_size_tokens, (depth + 1) * block_size_tokens))
 
     return f
 

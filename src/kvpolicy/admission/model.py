@@ -30,9 +30,10 @@ its observations once it has ``min_samples`` of them, the prior before that.
 * Stage (copy through CPU memory when the path is not direct): ``β_stage · S``,
   a second leg with its own prior and observations.
 * Install: per block. Dispatch: per request.
-* Prefill: the profile's fitted ``T_prefill(T)``, as the marginal cost of the
-  loaded stretch ``T_prefill(L + k blocks) − T_prefill(L blocks)`` (the fit's
-  fixed per-request term is paid either way), scaled by the observed ratio of
+* Prefill: the profile's fitted model, as the marginal cost of the loaded
+  stretch [L, L + k blocks) after L cached blocks (``PrefillModel.marginal_s``:
+  ``T_prefill(L + k) − T_prefill(L)`` with the causal cross term; the fit's fixed
+  per-request term is paid either way), scaled by the observed ratio of
   measured to predicted prefill (its p50 for p50).
 * Interference: seconds stolen from active requests per byte moved, scaled by the
   active decodes on the receiving replica: ``s_per_byte × S × (1 + active_decodes)``
@@ -186,6 +187,8 @@ class Coefficients:
     prefill_ratio: float
     prefill_b_s_per_token: float
     prefill_c_s_per_token2: float
+    #: seconds per (new token × cached token): the profile's cross term (2c unless measured)
+    prefill_cross_s_per_token2: float
     interference_s_per_byte: float
 
     def remote(self, load_bytes: float, n_blocks: int, queue_bytes: float) -> float:
@@ -193,7 +196,8 @@ class Coefficients:
         return self.lookup_s + queue_bytes * self.s_per_byte + xfer + self.stage_s_per_byte * load_bytes + self.install_s_per_block * n_blocks
 
     def recompute(self, start_tokens: int, end_tokens: int) -> float:
-        marginal = self.prefill_b_s_per_token * (end_tokens - start_tokens) + self.prefill_c_s_per_token2 * (end_tokens * end_tokens - start_tokens * start_tokens)
+        q = end_tokens - start_tokens
+        marginal = self.prefill_b_s_per_token * q + self.prefill_c_s_per_token2 * q * q + self.prefill_cross_s_per_token2 * q * start_tokens
         return self.dispatch_s + self.prefill_ratio * max(marginal, 0.0)
 
 
@@ -275,7 +279,7 @@ class LatencyModel:
             lookup_s=self.lookup.q(q), transfer_overhead_s=alpha, s_per_byte=beta, stage_s_per_byte=self.stage_per_byte.q(q),
             install_s_per_block=self.install_per_block.q(q), dispatch_s=self.dispatch.q(q), prefill_ratio=self.prefill_ratio.q(q),
             prefill_b_s_per_token=self.prefill.b_s_per_token, prefill_c_s_per_token2=self.prefill.c_s_per_token2,
-            interference_s_per_byte=self.interference_per_byte.q(0.5),
+            interference_s_per_byte=self.interference_per_byte.q(0.5), prefill_cross_s_per_token2=self.prefill.cross,
         )
         self._snap[(q, source)] = (key, c)
         return c
@@ -352,13 +356,14 @@ class LatencyModel:
     def prefill_seconds(self, start_tokens: int, end_tokens: int) -> float:
         """Marginal model seconds to prefill tokens [start, end) given [0, start) cached.
 
-        ``T_prefill(end) − T_prefill(start)``: the fit's fixed per-request term
-        cancels, because it is paid whether or not the prefix is loaded (the tail
-        and the last token are always prefilled).
+        :meth:`PrefillModel.marginal_s` — ``T_prefill(end) − T_prefill(start)`` when the cross
+        term is the causal one: the fit's fixed per-request term is left out, because it is
+        paid whether or not the prefix is loaded (the tail and the last token are always
+        prefilled).
         """
         if end_tokens <= start_tokens:
             return 0.0
-        return max(float(self.prefill(end_tokens)) - float(self.prefill(start_tokens)), 0.0)
+        return max(float(self.prefill.marginal_s(start_tokens, end_tokens)), 0.0)
 
     def t_remote(self, load_bytes: float, n_blocks: int, queue_bytes: float, q: float, source: str | None = None) -> dict[str, float]:
         c = self.coefficients(q, source)

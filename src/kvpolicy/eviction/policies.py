@@ -96,8 +96,7 @@ def depth_cost(prefill: Any = None, block_size_tokens: int = 16) -> Callable[[in
         return lambda depth: 1.0 + depth
 
     def cost(depth: int) -> float:
-        a, b = depth * block_size_tokens, (depth + 1) * block_size_tokens
-        return prefill.b_s_per_token * (b - a) + prefill.c_s_per_token2 * (b * b - a * a)
+        return float(prefill.marginal_s(depth * block_size_tokens, (depth + 1) * block_size_tokens))
 
     return cost
 

@@ -1,7 +1,8 @@
 """``kvpolicy profile``: the brief's minimal measurement, on any :class:`~kvpolicy.protocols.ProfileTarget`.
 
 For each prefix length: the allocated KV bytes; cold prefill; TTFT with the
-prefix cached locally; the prefix's blocks loaded from another replica (lookup,
+prefix cached locally; TTFT with about half of it cached (targets with a
+``cache_granule_tokens``: what fits the prefill model's cross term); the prefix's blocks loaded from another replica (lookup,
 transfer, staging copy, install) — alone and under each concurrency level,
 repeated for p50 and p95. The result is a profile CSV the foundation's reader
 takes (``prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms`` from the
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from ..profile import MeasuredProfile
+from ..profile import HALF_HIT_COLUMNS, MeasuredProfile
 from .model import ModelConfig
 
 
@@ -85,17 +86,27 @@ class ReferenceProfileTarget:
         e.prefill(prompt, publish=False)
         return time.perf_counter() - t0
 
-    def local_hit_ttft_s(self, prefix_tokens: int, tail_tokens: int) -> float:
+    @property
+    def cache_granule_tokens(self) -> int:
+        return self.B
+
+    def local_hit_ttft_s(self, prefix_tokens: int, tail_tokens: int, cached_tokens: int | None = None) -> float:
+        """The prefix plus a new tail, with the prefix's first ``cached_tokens`` (all of it by
+        default; whole blocks) cached locally by an earlier request."""
         e = self._engine()
         e.reset()
         pre = self._prefix(prefix_tokens)
-        e.prefill(np.concatenate([pre, self._tail(tail_tokens)]), publish=False)
+        cached = prefix_tokens if cached_tokens is None else cached_tokens
+        if cached % self.B or not 0 <= cached <= prefix_tokens:
+            raise ConfigError("cached_tokens", f"{cached}: must be whole blocks of {self.B} tokens, at most the prefix's {prefix_tokens}")
+        if cached:
+            e.prefill(np.concatenate([pre[:cached], self._tail(tail_tokens)]), publish=False)
         prompt = np.concatenate([pre, self._tail(tail_tokens)])
         t0 = time.perf_counter()
         r = e.prefill(prompt, publish=False)
         dt = time.perf_counter() - t0
-        if r.local_blocks != prefix_tokens // self.B:
-            raise RuntimeError(f"expected a local hit of {prefix_tokens // self.B} blocks, got {r.local_blocks}")
+        if r.local_blocks != cached // self.B:
+            raise RuntimeError(f"expected a local hit of {cached // self.B} blocks, got {r.local_blocks}")
         return dt
 
     def remote_load(self, prefix_tokens: int) -> dict[str, float]:
@@ -170,19 +181,24 @@ def run_profile(target: Any, lengths: Sequence[int], concurrency: Sequence[int] 
         step(f"kv bytes at {L} tokens")
         kv.append(int(target.kv_bytes(L)))
     rows: dict[int, dict[int, dict[str, list[float]]]] = {c: {} for c in conc}
+    granule = getattr(target, "cache_granule_tokens", None)  # half hits: about half of each prefix, whole granules, cached
+    half_cached = {L: (L // 2 // granule) * granule for L in lengths} if isinstance(granule, int) and granule > 0 else None
     for c in conc:
         rounds = repeats if c == 1 else max(2, math.ceil(repeats / c))
         for L in lengths:
             cold: list[float] = []
             local: list[float] = []
+            half: list[float] = []
             remote: list[dict[str, float]] = []
             for r in range(rounds):
                 step(f"concurrency {c}, {L} tokens, round {r + 1}/{rounds}")
                 cold += _concurrent(lambda: target.cold_prefill_s(L, tail_tokens), c)
                 local += _concurrent(lambda: target.local_hit_ttft_s(L, tail_tokens), c)
+                if half_cached is not None and c == 1:
+                    half.append(target.local_hit_ttft_s(L, tail_tokens, cached_tokens=half_cached[L]))
                 if has_remote:
                     remote += _concurrent(lambda: target.remote_load(L), c)
-            rows[c][L] = {"cold": cold, "local": local, "remote": [x["total_s"] for x in remote],
+            rows[c][L] = {"cold": cold, "local": local, "half": half, "remote": [x["total_s"] for x in remote],
                           **{k: [x[k] for x in remote] for k in ("lookup_s", "transfer_s", "stage_s", "install_s")}}
     one = rows[1]
     extra: dict[str, np.ndarray] = {}
@@ -192,6 +208,9 @@ def run_profile(target: Any, lengths: Sequence[int], concurrency: Sequence[int] 
 
     col("cold_prefill_p95_ms", [_q(one[L]["cold"], 0.95) * 1e3 for L in lengths])
     col("local_hit_ttft_p95_ms", [_q(one[L]["local"], 0.95) * 1e3 for L in lengths])
+    if half_cached is not None:
+        col(HALF_HIT_COLUMNS[0], [float(half_cached[L]) for L in lengths])
+        col(HALF_HIT_COLUMNS[1], [_q(one[L]["half"], 0.5) * 1e3 for L in lengths])
     if has_remote:
         col("remote_load_p50_ms", [_q(one[L]["remote"], 0.5) * 1e3 for L in lengths])
         col("remote_load_p95_ms", [_q(one[L]["remote"], 0.95) * 1e3 for L in lengths])

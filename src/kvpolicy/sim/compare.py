@@ -45,8 +45,7 @@ def offered_load(trace: Any, cluster: ClusterConfig) -> dict[str, Any]:
             k += 1
         cached[i] = min(k * B, max(T[i] - 1.0, 0.0))
         seen.update(blk)
-    inf_s = float(np.sum(m.a_s + m.b_s_per_token * (T - cached) + m.c_s_per_token2 * (T * T - cached * cached)
-                         + m.d_s_per_cached_token * cached)) if n else 0.0
+    inf_s = float(np.sum(m.prefill_s(cached, T))) if n else 0.0
     capacity_s = span_s * cluster.replicas * cluster.prefill_slots
     util = (lambda w: (w / capacity_s) if capacity_s > 0 else None)
     return {"span_s": span_s, "prefill_slots_total": cluster.replicas * cluster.prefill_slots, "cold_prefill_s": cold_s,

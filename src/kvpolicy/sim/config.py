@@ -81,9 +81,7 @@ class ClusterConfig:
     def prefill_s(self, start_tokens: int, end_tokens: int) -> float:
         """GPU seconds to prefill tokens [start, end) with [0, start) cached: fixed term + marginal
         + reading the cached prefix (the profile's local-hit slope; 0 unless measured)."""
-        p = self.prefill
-        return (p.a_s + p.b_s_per_token * (end_tokens - start_tokens) + p.c_s_per_token2 * (end_tokens * end_tokens - start_tokens * start_tokens)
-                + p.d_s_per_cached_token * start_tokens)
+        return float(self.prefill.prefill_s(start_tokens, end_tokens))
 
 
 @attrs.frozen
