@@ -36,6 +36,14 @@ def test_size_text_and_profile(capsys, tmp_path):
     rc, out, _ = run(capsys, "size", "--config", "llama-3-8b", "--block-size", "512", "--prefix-tokens", "1000,5000", "--profile", str(p))
     assert rc == 0
     assert "131,072" in out and "prefill model" in out and "formula / measured = 1.000" in out
+    assert "cross term       2c per (new x cached token), causal skipping" in out
+    # with half-hit rows the measured cross term is printed, as a multiple of c
+    head, *rows = PROFILE.strip().splitlines()
+    p.write_text("\n".join([head + ",half_hit_cached_tokens,half_hit_ttft_ms"]
+                           + [f"{r},{int(r.split(',')[0]) // 2},{float(r.split(',')[2]) * 0.6}" for r in rows]) + "\n")
+    rc, out, err = run(capsys, "size", "--config", "llama-3-8b", "--block-size", "512", "--profile", str(p))
+    assert rc == 0, err
+    assert "from the half-hit rows" in out
     rc, out, _ = run(capsys, "size", "--config", "llama-3-8b", "--block-size", "512", "--prefix-tokens", "1000", "--profile", str(p), "--json")
     data = json.loads(out)
     assert data["prefixes"][0]["useful_tokens"] == 512
