@@ -262,6 +262,7 @@ def end_to_end(n_requests: int, seed: int) -> dict[str, Any]:
     compute = np.zeros(len(trace))  # the replica's own prefill time (its forward pass)
     inside = np.zeros(len(trace))  # the replica's own time for the request (match, load, forward, cache, publish)
     reused = np.zeros(len(trace), dtype=np.int64)
+    parts: list[dict[str, float]] = [{} for _ in range(len(trace))]  # the replica's own timings, per request
     queues: list[list[int]] = [[], []]
     for i in range(len(trace)):
         queues[i % 2].append(i)
@@ -278,6 +279,7 @@ def end_to_end(n_requests: int, seed: int) -> dict[str, Any]:
             compute[i] = out["prefill_ms"] / 1e3
             inside[i] = out["ttft_ms"] / 1e3
             reused[i] = out["local_blocks"] + out["loaded_blocks"]
+            parts[i] = out["timings"]
 
     try:
         threads = [threading.Thread(target=serve, args=(r,)) for r in range(2)]
@@ -305,8 +307,17 @@ def end_to_end(n_requests: int, seed: int) -> dict[str, Any]:
         return float(np.quantile(x, p))
 
     # how much slower the replicas' forward passes ran in the replay than the profile says (CPU contention)
-    model_compute = np.asarray([prefill(int(T)) - prefill(int(r * B)) for T, r in zip(trace.input_tokens, reused)])
+    model_compute = np.asarray([prefill.marginal_s(int(r * B), int(T)) for T, r in zip(trace.input_tokens, reused)])
     slowdown = float(np.median(compute / np.maximum(model_compute, 1e-9)))
+    # where a request's time went, real (medians over the replay) beside the figure the simulator was given for it
+    part = {k: np.asarray([p.get(k, 0.0) for p in parts]) for k in ("match_s", "prefill_s", "ttft_s")}
+    fixed = np.asarray([prefill.a_s + prefill.d_s_per_cached_token * r * B for r in reused])
+    breakdown = {
+        "dispatch": (q(ttft - inside, 0.5), dispatch_s),
+        "hash_and_lookup": (q(part["match_s"], 0.5), lookup_s),
+        "forward": (q(part["prefill_s"], 0.5), q(model_compute, 0.5)),
+        "rest_of_the_request": (q(part["ttft_s"] - part["match_s"] - part["prefill_s"], 0.5), q(fixed, 0.5)),
+    }
 
     out = {"requests": len(trace), "bytes_per_token": bpt, "dispatch_s": dispatch_s, "link_bytes_per_s": link_bw, "lookup_s": lookup_s, "transfer_overhead_s": alpha,
            "install_s_per_block": install_s_per_block, "prefill": prefill.to_dict(),
@@ -315,9 +326,10 @@ def end_to_end(n_requests: int, seed: int) -> dict[str, Any]:
            "bytes_loaded": {"real": float(loaded.sum()), "sim": float(res.bytes_read)},
            "per_request_error_median": float(np.median(np.abs(sim - ttft) / ttft)),
            "compute_slowdown_vs_profile": slowdown,
+           "breakdown_s": {k: {"real_p50": a, "model": m} for k, (a, m) in breakdown.items()},
            "per_request": {"real_ttft_s": ttft.tolist(), "sim_ttft_s": sim.tolist(), "prompt_tokens": trace.input_tokens.tolist(),
                            "replica_s": inside.tolist(), "forward_s": compute.tolist(), "reused_blocks": reused.tolist(),
-                           "real_loaded_bytes": loaded.tolist()}}
+                           "real_loaded_bytes": loaded.tolist(), "replica_timings_s": parts}}
     t = out["ttft_ms"]
     out["error_p50"] = abs(t["sim_p50"] - t["real_p50"]) / t["real_p50"]
     out["error_p95"] = abs(t["sim_p95"] - t["real_p95"]) / t["real_p95"]
@@ -342,6 +354,12 @@ def render_end_to_end(e: dict[str, Any]) -> str:
         f"(target: p50 and p95 within 20 %: {'PASS' if e['target_met'] else 'MISS'})",
         f"the replicas' forward passes ran {e['compute_slowdown_vs_profile']:.2f}x the profile's prediction (median): two replicas, "
         f"a block server, background publishing and the driver share {os.cpu_count()} cores",
+        f"where a request's time went (median ms) {'replay':>8} {'simulator':>10}  (the simulator's figure)",
+        *(f"  {label:<44} {e['breakdown_s'][k]['real_p50'] * 1e3:>8.2f} {e['breakdown_s'][k]['model'] * 1e3:>10.2f}  ({what})" for k, label, what in (
+            ("dispatch", "driver to replica and back, queue included", "dispatch_s, measured at idle"),
+            ("hash_and_lookup", "hashing, local and remote lookup", "lookup_s"),
+            ("forward", "forward pass", "the profile's marginal"),
+            ("rest_of_the_request", "loads, gather, cache, publish", "the fit's a + d x cached"))),
     ])
 
 

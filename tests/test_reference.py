@@ -239,3 +239,18 @@ def test_engine_refuses_float_token_ids_and_an_unallocatable_pool():
     with pytest.raises(ConfigError) as e:
         ReferenceEngine(ModelConfig(), block_size_tokens=16, capacity_blocks=10**30)
     assert e.value.field == "capacity_blocks"
+
+
+def test_prefill_timings_account_for_the_call(engine_b):
+    """Each part of a prefill is timed, the parts never overlap (their sum stays within the whole
+    call), and a load's parts appear only when it loaded."""
+    prompt = SYSTEM + [5, 6, 7]
+    r = engine_b.prefill(prompt)
+    parts = ("match_s", "gather_s", "prefill_s", "cache_s", "publish_s")
+    assert all(r.timings[k] >= 0 for k in parts)
+    load = sum(r.timings.get(k, 0.0) for k in ("transfer_s", "stage_s", "install_s"))
+    assert r.loaded_blocks > 0 and load > 0
+    assert sum(r.timings[k] for k in parts) + load <= r.timings["ttft_s"]
+    again = engine_b.prefill(prompt)  # all local now: nothing loaded
+    assert again.loaded_blocks == 0 and "transfer_s" not in again.timings
+    assert sum(again.timings[k] for k in parts) <= again.timings["ttft_s"]

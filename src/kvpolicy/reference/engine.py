@@ -241,12 +241,12 @@ class ReferenceEngine:
         keys = list(self.hasher.hash_blocks(toks))
         B = self.B
         m = match(keys, T, self.local_index, *self.peers, block_size_tokens=B)
+        timings: dict[str, float] = {"match_s": time.perf_counter() - t_start}  # hashing + the local and remote lookups
         L = m.local_blocks
         pinned = keys[:L]
         for k in pinned:
             self.policy.on_access(k)
             self.policy.pin(k)
-        timings: dict[str, float] = {}
         decision = None
         status = None
         loaded = 0
@@ -280,10 +280,13 @@ class ReferenceEngine:
                                                            transfer_s=timings.get("transfer_s"), stage_s=timings.get("stage_s"),
                                                            install_s=timings.get("install_s")))
             reused = L + loaded
-            pk, pv = self._gather(keys[:reused])
             t0 = time.perf_counter()
+            pk, pv = self._gather(keys[:reused])
+            t1 = time.perf_counter()
+            timings["gather_s"] = t1 - t0
             logits, nk, nv = self.model.forward(toks[reused * B:], reused * B, pk, pv)
-            timings["prefill_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            timings["prefill_s"] = t0 - t1
             # cache every full block computed here
             c = self.config
             parent = keys[reused - 1] if reused else None
@@ -300,10 +303,12 @@ class ReferenceEngine:
                     self.k_pool[slot, li] = nk[li][a:b]
                     self.v_pool[slot, li] = nv[li][a:b]
                 parent = key
+            timings["cache_s"] = time.perf_counter() - t0
         finally:
             for k in pinned:
                 if k in self.policy.nodes and self.policy.nodes[k].pins:
                     self.policy.unpin(k)
+        t0 = time.perf_counter()
         if publish:
             cached = keys[: self.local_index.match_prefix(keys)]  # publishing is prefix-closed
             req = PublishRequest(request_id=request_id if request_id is not None else id(toks), num_tokens=T, block_size_tokens=B,
@@ -317,7 +322,9 @@ class ReferenceEngine:
                     fresh.append((key, payload))
             if fresh and self._outbox is not None:
                 self._outbox.put(([k for k, _ in fresh], [p for _, p in fresh]))
-        timings["ttft_s"] = time.perf_counter() - t_start
+        t1 = time.perf_counter()
+        timings["publish_s"] = t1 - t0
+        timings["ttft_s"] = t1 - t_start
         if self.ledger is not None:
             not_loaded = R - loaded
             reason = None if not not_loaded else ("declined" if status in (None, "ok") else ("timeout" if status == "timeout" else "transfer_error"))

@@ -57,7 +57,7 @@ def _serve(conn: Any, config: ModelConfig, block_size_tokens: int, capacity_bloc
             conn.send({"published_blocks": len(eng.store.blocks), "local_blocks": r.local_blocks, "remote_found": r.remote_found,
                        "loaded_blocks": r.loaded_blocks, "load_status": r.load_status, "reason": r.decision.reason if r.decision else None,
                        "ttft_ms": r.timings["ttft_s"] * 1e3, "prefill_ms": r.timings["prefill_s"] * 1e3,
-                       "load_bytes": r.timings.get("bytes", 0.0)})
+                       "load_bytes": r.timings.get("bytes", 0.0), "timings": dict(r.timings)})
         elif cmd == "flush":
             eng.flush_publishes()
             conn.send(True)
