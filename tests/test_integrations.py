@@ -1039,3 +1039,31 @@ def test_mutated_engine_frames_never_raise_out_of_ingest(data, verify):
     finally:
         logging.disable(logging.NOTSET)
     assert 0 <= n <= ing.counts["events"]
+
+
+@pytest.mark.parametrize("extra, problem", [
+    ({"kvpolicy_publish": 2}, "publish filter spec"),
+    ({"kvpolicy_publish": None}, "publish filter spec"),
+    ({"kvpolicy_publish": "threshold-0"}, "positive integer"),
+    ({"kvpolicy_publish": "everything"}, "unknown publish policy"),
+])
+def test_the_offloading_specs_publish_setting_is_checked_by_name(extra, problem):
+    """kv_connector_extra_config.kvpolicy_publish: a number or null was str()-ed into a spec, and a bad
+    spec's error named no config key."""
+    from kvpolicy.integrations.vllm_offload import offload_publish_filter
+
+    with pytest.raises(ConfigError, match=problem) as e:
+        offload_publish_filter(extra)
+    assert e.value.field == "kv_connector_extra_config.kvpolicy_publish"
+
+
+def test_the_offloading_specs_publish_setting_defaults_to_threshold_2():
+    from kvpolicy.integrations.vllm_offload import offload_publish_filter
+
+    for extra in (None, {}, {"cpu_bytes_to_use": 8e9}):
+        f = offload_publish_filter(extra)
+        assert isinstance(f, ThresholdPublish) and f.k == 2
+    assert isinstance(offload_publish_filter({"kvpolicy_publish": "all"}), PublishAll)
+    with pytest.raises(ConfigError) as e:
+        offload_publish_filter("threshold-2")
+    assert e.value.field == "kv_connector_extra_config"

@@ -31,7 +31,7 @@ the module imports, and is tested, without vLLM).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..clock import ManualClock
@@ -211,16 +211,31 @@ def filtered_prepare_store(prepare_store: Any, publish_filter: Any, block_size_t
     return wrapped
 
 
+def offload_publish_filter(extra_config: Any) -> Any:
+    """The publish filter named by ``kv_connector_extra_config["kvpolicy_publish"]`` (default
+    ``threshold-2``). Anything else than a valid spec string is an error naming that key."""
+    from ..publish import make_filter
+
+    where = "kv_connector_extra_config.kvpolicy_publish"
+    extra = {} if extra_config is None else extra_config
+    if not isinstance(extra, Mapping):
+        raise ConfigError("kv_connector_extra_config", f"must be an object, got {type(extra).__name__}")
+    spec = extra.get("kvpolicy_publish", "threshold-2")
+    if not isinstance(spec, str):
+        raise ConfigError(where, f"must be a publish filter spec such as 'threshold-2', got {spec!r}")
+    try:
+        return make_filter(spec)
+    except ConfigError as e:
+        raise ConfigError(where, e.problem) from None
+
+
 class KVPolicyOffloadingSpec(_SpecBase):  # type: ignore[misc,valid-type]
     """vLLM's CPU offloading spec whose manager offers only what kvpolicy's publish filter allows."""
 
     def get_manager(self) -> Any:  # pragma: no cover - needs vLLM
         manager = super().get_manager()
         if not getattr(manager, "_kvpolicy_wrapped", False):
-            from ..publish import make_filter
-
-            extra = getattr(self, "extra_config", {}) or {}
-            f = make_filter(str(extra.get("kvpolicy_publish", "threshold-2")))
+            f = offload_publish_filter(getattr(self, "extra_config", None))
             block = int(getattr(self, "block_size", None) or getattr(self, "offloaded_block_size", None) or 16)
             manager.prepare_store = filtered_prepare_store(manager.prepare_store, f, block)
             manager._kvpolicy_wrapped = True
