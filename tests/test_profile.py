@@ -198,3 +198,66 @@ def test_a_negative_cross_term_is_refused():
 
     with pytest.raises(ConfigError, match="cross_s_per_token2"):
         PrefillModel(a_s=0.0, b_s_per_token=1e-5, c_s_per_token2=0.0, rms_rel_error=0.0, max_rel_error=0.0, cross_s_per_token2=-1e-9)
+
+
+@given(
+    st.floats(0.0, 0.05),
+    st.floats(1e-6, 1e-4),
+    st.floats(0.0, 1e-9),
+    st.floats(0.0, 1e-6),
+    st.floats(0.0, 4e-9),
+    st.sampled_from([1, 16, 256]),
+)
+def test_with_the_tail_known_every_row_is_fitted_as_the_prefill_it_ran(a, b, c, d, x, tail):
+    """kvpolicy profile's rows are prompts of prefix + tail: cold [0, L + tail), local hit [L, L + tail),
+    half hit [r, L + tail). Told the tail, the fit gives back the engine that made them, d and x apart
+    (the sequential fit reads the tail's attention to the cache as cost per cached token)."""
+    from kvpolicy.profile import MeasuredProfile
+
+    L = np.array([1024, 4096, 16384, 32768, 65536], dtype=np.int64)
+    r = L // 2
+
+    def engine_s(start, end):
+        q = end - start
+        return a + b * q + c * q * q + x * q * start + d * start
+
+    T = L + tail
+    prof = MeasuredProfile(prefix_tokens=L, kv_bytes=L * 512.0, cold_prefill_ms=1e3 * engine_s(0, T), local_hit_ttft_ms=1e3 * engine_s(L, T),
+                           extra={"tail_tokens": np.full(5, float(tail)), "half_hit_cached_tokens": r.astype(np.float64),
+                                  "half_hit_ttft_ms": 1e3 * engine_s(r, T)})
+    m = prof.prefill_model()
+    assert m.rms_rel_error < 1e-6 and m.cross_rms_rel_error < 1e-6
+    for start, end in ((0, 8192), (8192, 8192 + 512), (60000, 70000), (100, 116)):
+        assert m.prefill_s(start, end) == pytest.approx(engine_s(start, end), rel=1e-6, abs=1e-12)
+
+
+def test_with_the_tail_known_and_no_half_hits_the_cross_term_stays_causal():
+    from kvpolicy.profile import MeasuredProfile
+
+    L = np.array([1024, 2048, 4096, 8192])
+
+    def causal_s(start, end):  # x = 2c: c·(end² − start²)
+        return 0.01 + 5e-5 * (end - start) + 1e-9 * (end * end - start * start) + 2e-6 * start
+
+    prof = MeasuredProfile(prefix_tokens=L, kv_bytes=L * 512.0, cold_prefill_ms=1e3 * causal_s(0, L + 16), local_hit_ttft_ms=1e3 * causal_s(L, L + 16),
+                           extra={"tail_tokens": np.full(4, 16.0)})
+    m = prof.prefill_model()
+    assert m.cross_s_per_token2 is None and m.cross_rms_rel_error is None
+    assert m.d_s_per_cached_token == pytest.approx(2e-6, rel=1e-6)
+    assert m.prefill_s(3000, 3500) == pytest.approx(causal_s(3000, 3500), rel=1e-6)
+
+
+@pytest.mark.parametrize("cell", ["16.5", "99999999999999"])
+def test_a_bad_tail_tokens_cell_names_the_line(cell):
+    with pytest.raises(ProfileFormatError, match="tail_tokens") as exc:
+        parse_profile(f"prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms,tail_tokens\n10,1,1,1,16\n20,2,2,2,{cell}\n", source="p.csv")
+    assert exc.value.line == 3
+
+
+def test_a_zero_local_hit_time_is_named_when_every_row_is_fitted():
+    from kvpolicy.errors import ConfigError
+
+    prof = parse_profile("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms,tail_tokens\n1024,1,5,0,16\n2048,2,9,1,16\n")
+    with pytest.raises(ConfigError) as exc:
+        prof.prefill_model()
+    assert exc.value.field == "local_hit_ttft_ms"

@@ -7,7 +7,7 @@ from kvpolicy.errors import ConfigError
 from kvpolicy.ledger import Ledger
 from kvpolicy.profile import PrefillModel, parse_profile
 from kvpolicy.reference import ModelConfig, PeerClient, ReferenceEngine
-from kvpolicy.reference.profiling import ReferenceProfileTarget, run_profile
+from kvpolicy.reference.profiling import ReferenceProfileTarget, render, run_profile
 from kvpolicy.reference.replica import PeerReplica
 
 CFG = ModelConfig(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=64, vocab_size=512)
@@ -175,8 +175,11 @@ def test_profile_runs_and_its_csv_reads_back():
     assert all(r["samples"] >= 2 for r in report["rows"])
     # half hits: the prompt again with half its prefix (whole blocks) cached — they fit the cross term
     assert back.extra["half_hit_cached_tokens"].tolist() == [2 * B, 4 * B]
+    assert back.extra["tail_tokens"].tolist() == [16, 16], "each row is fitted as the prompt it ran: prefix + tail"
     assert np.all(back.extra["half_hit_ttft_ms"] > 0)
     assert back.prefill_model().cross_s_per_token2 is not None
+    text = render(report)  # what the simulator will take from this profile is printed with it
+    assert "half-hit p50" in text and "prefill model    T_prefill(T)" in text and "from the half-hit rows" in text
 
 
 def test_replicas_share_a_block_server_publishing_into_it_and_loading_from_it():

@@ -199,16 +199,9 @@ def _render_size(p: dict[str, Any]) -> str:
                     f"MISMATCH         more than {MISMATCH_TOLERANCE:.0%} apart: this profile was measured on another model or KV dtype; "
                     "breakeven / compare / publish-bench / plan-warmup refuse it with this config unless --allow-mismatch"
                 )
-        lines.append(
-            f"prefill model    T_prefill(T) = {m['a_s'] * 1e3:.3f} ms + {m['b_s_per_token'] * 1e6:.4f} us*T + "
-            f"{m['c_s_per_token2'] * 1e12:.4f} ps*T^2   (rms rel err {m['rms_rel_error']:.1%}, max {m['max_rel_error']:.1%})"
-        )
-        if m["cross_s_per_token2"] is None:
-            lines.append("cross term       2c per (new x cached token), causal skipping: no half-hit rows measured it")
-        else:
-            lines.append(f"cross term       {m['cross_s_per_token2'] * 1e12:.4f} ps per (new x cached token) = "
-                         f"{m['cross_s_per_token2'] / m['c_s_per_token2'] if m['c_s_per_token2'] > 0 else float('inf'):.2f}c, "
-                         f"from the half-hit rows (rms rel err {m['cross_rms_rel_error']:.1%})")
+        from .profile import describe_prefill
+
+        lines += describe_prefill(m)
     return "\n".join(lines)
 
 

@@ -39,6 +39,9 @@ REQUIRED_COLUMNS = ("prefix_tokens", "kv_bytes", "cold_prefill_ms", "local_hit_t
 #: optional, together: the prompt of each row again, with its first ``half_hit_cached_tokens``
 #: (about half, whole blocks) cached locally — what fits the cross term of :class:`PrefillModel`
 HALF_HIT_COLUMNS = ("half_hit_cached_tokens", "half_hit_ttft_ms")
+#: optional: the new tokens after the prefix in every measured prompt (``kvpolicy profile``'s
+#: ``--tail-tokens``); with it each row is fitted as the prefill it really ran
+TAIL_COLUMN = "tail_tokens"
 
 
 @attrs.frozen
@@ -91,6 +94,29 @@ class PrefillModel:
         return attrs.asdict(self)
 
 
+def _nnls_relative(basis: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative coefficients minimising the squared *relative* error ``Σ (basis·coef / y − 1)²``,
+    exactly: least squares over every subset of the (few) columns, the best feasible one kept. A
+    subset with more columns than rows is skipped; the constant alone is always feasible."""
+    w = 1.0 / y
+    n = basis.shape[1]
+    best: tuple[float, np.ndarray] | None = None
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            if len(cols) > y.size:
+                continue
+            coef, *_ = np.linalg.lstsq(basis[:, cols] * w[:, None], np.ones_like(y), rcond=None)
+            if np.any(coef < 0):
+                continue
+            full = np.zeros(n)
+            full[list(cols)] = coef
+            sse = float(np.sum((basis @ full * w - 1.0) ** 2))
+            if best is None or sse < best[0] - 1e-15:
+                best = (sse, full)
+    assert best is not None
+    return best[1]
+
+
 def fit_prefill(prefix_tokens: Sequence[float], seconds: Sequence[float]) -> PrefillModel:
     """Non-negative least squares on relative error over subsets of {1, T, T²}."""
     t = np.asarray(prefix_tokens, dtype=np.float64)
@@ -101,23 +127,7 @@ def fit_prefill(prefix_tokens: Sequence[float], seconds: Sequence[float]) -> Pre
         raise ConfigError("cold_prefill_ms", "prefill times must be positive to fit")
     scale = max(float(t.max()), 1.0)
     basis = np.stack([np.ones_like(t), t / scale, (t / scale) ** 2], axis=1)
-    w = 1.0 / y
-    best: tuple[float, np.ndarray] | None = None
-    for k in (1, 2, 3):
-        for cols in itertools.combinations(range(3), k):
-            if len(cols) > t.size:
-                continue
-            A = basis[:, cols] * w[:, None]
-            coef, *_ = np.linalg.lstsq(A, np.ones_like(y), rcond=None)
-            if np.any(coef < 0):
-                continue
-            full = np.zeros(3)
-            full[list(cols)] = coef
-            sse = float(np.sum((basis @ full * w - 1.0) ** 2))
-            if best is None or sse < best[0] - 1e-15:
-                best = (sse, full)
-    assert best is not None  # the constant-only fit is always feasible
-    coef = best[1]
+    coef = _nnls_relative(basis, y)
     rel = basis @ coef / y - 1.0
     return PrefillModel(
         a_s=float(coef[0]),
@@ -126,6 +136,58 @@ def fit_prefill(prefix_tokens: Sequence[float], seconds: Sequence[float]) -> Pre
         rms_rel_error=float(np.sqrt(np.mean(rel**2))),
         max_rel_error=float(np.max(np.abs(rel))),
     )
+
+
+def fit_prefill_rows(prefix_tokens: Sequence[float], tail_tokens: Sequence[float], cold_s: Sequence[float], local_s: Sequence[float],
+                     half_cached_tokens: Sequence[float] | None = None, half_s: Sequence[float] | None = None) -> PrefillModel:
+    """Every term at once, each row as what it ran: the cold row is a prefill of [0, L + tail), the
+    local hit [L, L + tail), the half hit [r, L + tail) — a, b, c, d and x by non-negative least
+    squares on relative error over all rows (x tied to 2c without half-hit rows, which alone
+    tell it apart from d). ``rms_rel_error``/``max_rel_error`` are over the cold rows,
+    ``cross_rms_rel_error`` over the half-hit rows."""
+    L = np.asarray(prefix_tokens, dtype=np.float64)
+    t = np.asarray(tail_tokens, dtype=np.float64)
+    groups = [(np.zeros_like(L), L + t, np.asarray(cold_s, dtype=np.float64))]
+    local = np.asarray(local_s, dtype=np.float64)
+    ok = np.isfinite(local)
+    groups.append((L[ok], (L + t)[ok], local[ok]))
+    has_half = half_cached_tokens is not None and half_s is not None and bool(np.any(np.asarray(half_cached_tokens) > 0))
+    if has_half:
+        r = np.asarray(half_cached_tokens, dtype=np.float64)
+        use = r > 0
+        groups.append((r[use], (L + t)[use], np.asarray(half_s, dtype=np.float64)[use]))
+    for name, g in zip(("cold_prefill_ms", "local_hit_ttft_ms", HALF_HIT_COLUMNS[1]), groups):
+        if np.any(g[2] <= 0):
+            raise ConfigError(name, "prefill times must be positive to fit")
+    start = np.concatenate([g[0] for g in groups])
+    end = np.concatenate([g[1] for g in groups])
+    y = np.concatenate([g[2] for g in groups])
+    s = max(float(end.max()), 1.0)  # scaled columns keep the least squares well conditioned
+    q, r0 = (end - start) / s, start / s
+    cols = [np.ones_like(q), q, q * q] + ([q * r0] if has_half else [])
+    if not has_half:
+        cols[2] = q * q + 2.0 * q * r0  # causal: c·(end² − start²)
+    coef = _nnls_relative(np.stack(cols + [r0], axis=1), y)
+    m = PrefillModel(a_s=float(coef[0]), b_s_per_token=float(coef[1] / s), c_s_per_token2=float(coef[2] / s**2), rms_rel_error=0.0,
+                     max_rel_error=0.0, d_s_per_cached_token=float(coef[-1] / s),
+                     cross_s_per_token2=float(coef[3] / s**2) if has_half else None)
+    rel = [m.prefill_s(g[0], g[1]) / g[2] - 1.0 for g in groups]
+    return attrs.evolve(m, rms_rel_error=float(np.sqrt(np.mean(rel[0] ** 2))), max_rel_error=float(np.max(np.abs(rel[0]))),
+                        cross_rms_rel_error=float(np.sqrt(np.mean(rel[2] ** 2))) if has_half else None)
+
+
+def describe_prefill(m: dict[str, Any]) -> list[str]:
+    """Two lines for people: the cold fit and the cross term (``m``: :meth:`PrefillModel.to_dict`)."""
+    lines = [f"prefill model    T_prefill(T) = {m['a_s'] * 1e3:.3f} ms + {m['b_s_per_token'] * 1e6:.4f} us*T + "
+             f"{m['c_s_per_token2'] * 1e12:.4f} ps*T^2   (rms rel err {m['rms_rel_error']:.1%}, max {m['max_rel_error']:.1%})"]
+    x = m.get("cross_s_per_token2")
+    if x is None:
+        lines.append("cross term       2c per (new x cached token), causal skipping: no half-hit rows measured it")
+    else:
+        ratio = f"{x / m['c_s_per_token2']:.2f}c" if m["c_s_per_token2"] > 0 else "c = 0"
+        lines.append(f"cross term       {x * 1e12:.4f} ps per (new x cached token) = {ratio}, from the half-hit rows "
+                     f"(rms rel err {m['cross_rms_rel_error']:.1%})")
+    return lines
 
 
 def fit_cross(model: PrefillModel, prefix_tokens: Sequence[float], cached_tokens: Sequence[float], seconds: Sequence[float]) -> PrefillModel:
@@ -176,8 +238,14 @@ class MeasuredProfile:
         return float(slope)
 
     def prefill_model(self) -> PrefillModel:
-        """The cold-prefill fit, plus the cost per cached token: the slope of local-hit TTFT over
-        the cached prefix (least squares, clipped at 0), with one row or more."""
+        """With a ``tail_tokens`` column (what ``kvpolicy profile`` writes): every row as the prefill it
+        ran, all terms fitted at once (:func:`fit_prefill_rows`). Without it: the cold-prefill fit
+        over the prefix, the cost per cached token as the slope of local-hit TTFT over the cached
+        prefix (least squares, clipped at 0), then the cross term from half-hit rows if any."""
+        half = HALF_HIT_COLUMNS[0] in self.extra
+        if TAIL_COLUMN in self.extra:
+            return fit_prefill_rows(self.prefix_tokens, self.extra[TAIL_COLUMN], self.cold_prefill_ms / 1e3, self.local_hit_ttft_ms / 1e3,
+                                    self.extra[HALF_HIT_COLUMNS[0]] if half else None, self.extra[HALF_HIT_COLUMNS[1]] / 1e3 if half else None)
         m = fit_prefill(self.prefix_tokens, self.cold_prefill_ms / 1e3)
         hit = self.local_hit_ttft_ms / 1e3
         if len(self) >= 2 and np.all(np.isfinite(hit)):
@@ -294,6 +362,8 @@ def parse_profile(text: str, source: str = "<string>") -> MeasuredProfile:
             raise ProfileFormatError(source, line, f"column 'prefix_tokens': {int(t)} does not increase (previous row {int(prev_tokens)})")
         if cols["cold_prefill_ms"][-1] <= 0:
             raise ProfileFormatError(source, line, "column 'cold_prefill_ms': must be positive")
+        if TAIL_COLUMN in cols and (not cols[TAIL_COLUMN][-1].is_integer() or cols[TAIL_COLUMN][-1] > MAX_PREFIX_TOKENS):
+            raise ProfileFormatError(source, line, f"column {TAIL_COLUMN!r}: {cols[TAIL_COLUMN][-1]:g} must be a whole number of tokens, at most 2**40")
         if HALF_HIT_COLUMNS[0] in cols:
             cached = cols[HALF_HIT_COLUMNS[0]][-1]
             if not cached.is_integer() or cached >= t:

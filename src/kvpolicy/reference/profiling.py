@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from ..profile import HALF_HIT_COLUMNS, MeasuredProfile
+from ..profile import HALF_HIT_COLUMNS, TAIL_COLUMN, MeasuredProfile, describe_prefill
 from .model import ModelConfig
 
 
@@ -208,6 +208,7 @@ def run_profile(target: Any, lengths: Sequence[int], concurrency: Sequence[int] 
 
     col("cold_prefill_p95_ms", [_q(one[L]["cold"], 0.95) * 1e3 for L in lengths])
     col("local_hit_ttft_p95_ms", [_q(one[L]["local"], 0.95) * 1e3 for L in lengths])
+    col(TAIL_COLUMN, [float(tail_tokens)] * len(lengths))  # every row is then fitted as the prefill it ran
     if half_cached is not None:
         col(HALF_HIT_COLUMNS[0], [float(half_cached[L]) for L in lengths])
         col(HALF_HIT_COLUMNS[1], [_q(one[L]["half"], 0.5) * 1e3 for L in lengths])
@@ -234,10 +235,12 @@ def run_profile(target: Any, lengths: Sequence[int], concurrency: Sequence[int] 
         "lengths": lengths, "concurrency": conc, "repeats": repeats, "tail_tokens": tail_tokens,
         "kv_bytes": kv, "measured_bytes_per_token": slope, "formula_bytes_per_token": expected_bytes_per_token,
         "slope_matches_formula": None if expected_bytes_per_token is None else bool(abs(slope - expected_bytes_per_token) < 1e-6 * expected_bytes_per_token),
-        "breakeven_prefix_tokens": breakeven, "has_remote": has_remote,
+        "breakeven_prefix_tokens": breakeven, "has_remote": has_remote, "prefill_model": prof.prefill_model().to_dict(),
         "rows": [{"prefix_tokens": L, "concurrency": c, "cold_prefill_p50_ms": _q(rows[c][L]["cold"], 0.5) * 1e3,
                   "cold_prefill_p95_ms": _q(rows[c][L]["cold"], 0.95) * 1e3, "local_hit_ttft_p50_ms": _q(rows[c][L]["local"], 0.5) * 1e3,
                   "local_hit_ttft_p95_ms": _q(rows[c][L]["local"], 0.95) * 1e3,
+                  "half_hit_cached_tokens": half_cached[L] if half_cached is not None and c == 1 else None,
+                  "half_hit_ttft_p50_ms": _q(rows[c][L]["half"], 0.5) * 1e3 if half_cached is not None and c == 1 else None,
                   "remote_load_p50_ms": _q(rows[c][L]["remote"], 0.5) * 1e3 if has_remote else None,
                   "remote_load_p95_ms": _q(rows[c][L]["remote"], 0.95) * 1e3 if has_remote else None, "samples": len(rows[c][L]["cold"])}
                  for c in conc for L in lengths],
@@ -246,16 +249,19 @@ def run_profile(target: Any, lengths: Sequence[int], concurrency: Sequence[int] 
 
 
 def render(report: dict[str, Any]) -> str:
-    lines = [f"{'prefix':>7} {'conc':>4} {'cold p50':>9} {'cold p95':>9} {'local p50':>10} {'remote p50':>11} {'remote p95':>11}  (ms)  samples"]
+    lines = [f"{'prefix':>7} {'conc':>4} {'cold p50':>9} {'cold p95':>9} {'local p50':>10} {'half-hit p50 (cached)':>21} {'remote p50':>11} {'remote p95':>11}  (ms)  samples"]
     for r in report["rows"]:
         rp50 = "-" if r["remote_load_p50_ms"] is None else f"{r['remote_load_p50_ms']:.2f}"
         rp95 = "-" if r["remote_load_p95_ms"] is None else f"{r['remote_load_p95_ms']:.2f}"
+        half = "-" if r.get("half_hit_ttft_p50_ms") is None else f"{r['half_hit_ttft_p50_ms']:.1f} ({r['half_hit_cached_tokens']:,})"
         lines.append(f"{r['prefix_tokens']:>7} {r['concurrency']:>4} {r['cold_prefill_p50_ms']:>9.1f} {r['cold_prefill_p95_ms']:>9.1f} "
-                     f"{r['local_hit_ttft_p50_ms']:>10.2f} {rp50:>11} {rp95:>11}        {r['samples']}")
+                     f"{r['local_hit_ttft_p50_ms']:>10.2f} {half:>21} {rp50:>11} {rp95:>11}        {r['samples']}")
     f = report["formula_bytes_per_token"]
     lines.append("")
     lines.append(f"byte slope       {report['measured_bytes_per_token']:,.1f} bytes/token measured"
                  + ("" if f is None else f"; formula 2 x L x Hkv x D x q = {f:,} ({'equal' if report['slope_matches_formula'] else 'DIFFERENT'})"))
+    if report.get("prefill_model") is not None:
+        lines += describe_prefill(report["prefill_model"])
     be = report["breakeven_prefix_tokens"]
     if not report.get("has_remote", True):
         lines.append("break-even       not measured: this target cannot load from another replica; run kvpolicy breakeven --profile with your link")
