@@ -263,6 +263,7 @@ def end_to_end(n_requests: int, seed: int) -> dict[str, Any]:
     inside = np.zeros(len(trace))  # the replica's own time for the request (match, load, forward, cache, publish)
     reused = np.zeros(len(trace), dtype=np.int64)
     parts: list[dict[str, float]] = [{} for _ in range(len(trace))]  # the replica's own timings, per request
+    queued = np.zeros(len(trace))  # arrival to the driver sending it: waiting for the replica
     queues: list[list[int]] = [[], []]
     for i in range(len(trace)):
         queues[i % 2].append(i)
@@ -273,6 +274,7 @@ def end_to_end(n_requests: int, seed: int) -> dict[str, Any]:
             wait = t0 + t_arr[i] - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
+            queued[i] = max(time.monotonic() - (t0 + t_arr[i]), 0.0)  # behind this replica's previous request
             out = reps[r].prefill(prompts[i])
             ttft[i] = time.monotonic() - (t0 + t_arr[i])
             loaded[i] = out["load_bytes"]
@@ -313,7 +315,8 @@ def end_to_end(n_requests: int, seed: int) -> dict[str, Any]:
     part = {k: np.asarray([p.get(k, 0.0) for p in parts]) for k in ("match_s", "prefill_s", "ttft_s")}
     fixed = np.asarray([prefill.a_s + prefill.d_s_per_cached_token * r * B for r in reused])
     breakdown = {
-        "dispatch": (q(ttft - inside, 0.5), dispatch_s),
+        "queue": (q(queued, 0.5), q(res.queue_s, 0.5)),
+        "dispatch": (q(ttft - queued - inside, 0.5), dispatch_s),
         "hash_and_lookup": (q(part["match_s"], 0.5), lookup_s),
         "forward": (q(part["prefill_s"], 0.5), q(model_compute, 0.5)),
         "rest_of_the_request": (q(part["ttft_s"] - part["match_s"] - part["prefill_s"], 0.5), q(fixed, 0.5)),
@@ -356,7 +359,8 @@ def render_end_to_end(e: dict[str, Any]) -> str:
         f"a block server, background publishing and the driver share {os.cpu_count()} cores",
         f"where a request's time went (median ms) {'replay':>8} {'simulator':>10}  (the simulator's figure)",
         *(f"  {label:<44} {e['breakdown_s'][k]['real_p50'] * 1e3:>8.2f} {e['breakdown_s'][k]['model'] * 1e3:>10.2f}  ({what})" for k, label, what in (
-            ("dispatch", "driver to replica and back, queue included", "dispatch_s, measured at idle"),
+            ("queue", "waiting for the replica", "the simulator's own queue"),
+            ("dispatch", "driver to replica and back", "dispatch_s, measured at idle"),
             ("hash_and_lookup", "hashing, local and remote lookup", "lookup_s"),
             ("forward", "forward pass", "the profile's marginal"),
             ("rest_of_the_request", "loads, gather, cache, publish", "the fit's a + d x cached"))),

@@ -42,6 +42,8 @@ def run(prepared, c, name, **kw):
 def check_conservation(res, trace):
     assert np.all(res.completed == 1), "every request finishes exactly once"
     assert np.all(np.isfinite(res.ttft_s)) and np.all(res.ttft_s >= 0)
+    # a request waits for a slot after it joins the queue, never before, and within its TTFT
+    assert np.all(np.isfinite(res.queue_s)) and np.all(res.queue_s >= 0) and np.all(res.queue_s <= res.ttft_s + 1e-9)
     assert sum(res.node_bytes_out) == sum(res.replica_bytes_in) == res.bytes_sent
     assert res.bytes_read <= res.bytes_sent
     assert res.bytes_read + res.bytes_unused == res.bytes_sent, "every byte sent is either used or counted as unused"
@@ -340,3 +342,13 @@ def test_a_long_decode_tail_costs_a_few_samples_not_one_per_period(trace, prepar
     t = next(iter(res.link_series.values()))[0]
     assert t[-1] > 1e4  # it did sample through the tail
     assert 200 <= t.size < 200 + 10 * len(trace)  # the arrivals' ~200, then a handful per tail event
+
+
+def test_a_load_that_ends_in_time_queues_only_once_its_blocks_are_installed(trace, prepared):
+    """A plain load that ended while its request waited joined the prefill queue stamped at 'now + install'
+    and could take a slot at an earlier event — a negative queue wait, a prefill before its KV was in place.
+    This configuration had one (found by the conservation property)."""
+    c = cluster(trace, router="round-robin", prefill_slots=1, failure_rate=0.3, timeout_rate=0.0, storage_nodes=2, transport_timeout_s=2.0)
+    res = run(prepared, c, "kvpolicy", seed=0)
+    check_conservation(res, trace)
+    assert res.ledger.to_dict()["distributions"]["remote_hit"]["queue_s"]["count"] > 0, "the ledger keeps the queue wait apart"

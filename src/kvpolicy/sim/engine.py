@@ -354,6 +354,8 @@ class SimResult:
     warm_loads: tuple[int, int, int, int] = (0, 0, 0, 0)
     #: per link: (sample times s, utilisation 0..1, flows on it) — the physical cause of a queue
     link_series: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = attrs.field(factory=dict)
+    #: per request: seconds from joining its replica's prefill queue to getting a slot (its last attempt)
+    queue_s: np.ndarray = attrs.field(factory=lambda: np.zeros(0))
 
     def quantile_ms(self, q: float) -> float:
         return float(np.quantile(self.ttft_s, q) * 1e3) if self.ttft_s.size else float("nan")
@@ -463,6 +465,7 @@ class Simulator:
         self.warm_loads = self.warm_loads_ok = self.warm_loads_failed = self.warm_loads_timeout = 0
         n = len(trace)
         self.ttft = np.full(n, np.nan)
+        self.queue = np.full(n, np.nan)  # seconds each request waited for a prefill slot (its last attempt)
         self.completed = np.zeros(n, dtype=np.int64)
         self.routes = np.full(n, -1, dtype=np.int64)
         self.t_last = 0.0
@@ -554,6 +557,7 @@ class Simulator:
             completed=self.completed.copy(), routes=self.routes.copy(), bytes_unused=self.bytes_unused,
             warm_loads=(self.warm_loads, self.warm_loads_ok, self.warm_loads_failed, self.warm_loads_timeout),
             link_series={k: (np.asarray(a), np.asarray(b), np.asarray(c)) for k, (a, b, c) in self._series.items()},
+            queue_s=self.queue.copy(),
         )
 
     # ------------------------------------------------------------------ routing
@@ -1080,7 +1084,8 @@ class Simulator:
             self._cake_record(req, load, t)
         if req.waiting:  # a plain load that ended in time: now it queues, its bytes already here
             req.waiting = False
-            self._enqueue(req.replica, req, t + self.c.install_s_per_block * load.arrived_blocks(self.block_bytes), req.local)
+            req.reused = req.local  # it queues once its blocks are installed: an event then, not a queue entry stamped ahead of now
+            self._push(t + self.c.install_s_per_block * load.arrived_blocks(self.block_bytes), READY, req)
 
     def _cake_record(self, req: _Req, load: _Load, t: float) -> int:
         status = load.status
@@ -1189,8 +1194,8 @@ class Simulator:
             rep.running.add(req)
             debt, rep.debt_s = rep.debt_s, 0.0
             load = req.xfer
+            req.slot_s = t + debt
             if req.cake and load is not None:
-                req.slot_s = t + debt
                 if not load.ended:  # the GPU prefills the range from the front while it loads from the back
                     self.cake_in_slot.add(req)
                     self._cake_schedule(req, t)
@@ -1217,6 +1222,7 @@ class Simulator:
         T = p.input_tokens[i]
         rep.load_tokens -= req.queued_tokens
         self.ttft[i] = t - req.first_arrival_s
+        self.queue[i] = req.slot_s - req.queue_enter_s
         self.completed[i] += 1
         self.t_last = max(self.t_last, t)
         keys = p.keys[i]
@@ -1228,7 +1234,7 @@ class Simulator:
             prompt_tokens=T, block_size_tokens=self.B, local_blocks=req.local, remote_loaded_blocks=req.load,
             remote_not_loaded_blocks=req.not_loaded, not_loaded_reason=req.not_loaded_reason if req.not_loaded else None,
             missing_keys=tuple(keys[used:m]), request_class=cls, arrival_s=req.first_arrival_s, ttft_s=t - req.first_arrival_s,
-            prefill_s=req.prefill_s, load_s=req.load_s, queue_s=None, predicted_recompute_s=req.predicted_s if req.load else None,
+            prefill_s=req.prefill_s, load_s=req.load_s, queue_s=self.queue[i], predicted_recompute_s=req.predicted_s if req.load else None,
             load_attempted=req.load_attempted, stall_s=req.stall_s if self.ps.uses_pool else None, split_blocks=req.split,
         )
         self.ledger.record(rec)
