@@ -14,7 +14,10 @@ A prefill with part of its prompt cached costs more than the cold prefill of its
 new tokens alone: each new token attends to every cached one. Two optional
 columns, ``half_hit_cached_tokens,half_hit_ttft_ms`` (the row's prompt again with
 about its first half cached), measure that cross term; without them it is the
-one a causal-skipping attention kernel pays (see :class:`PrefillModel`).
+one a causal-skipping attention kernel pays (see :class:`PrefillModel`). With a
+``tail_tokens`` column (the new tokens after the prefix in every measured
+prompt) each row is fitted as the prefill it ran and all terms at once
+(:func:`fit_prefill_rows`); ``kvpolicy profile`` writes all three columns.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ class PrefillModel:
     marginal ``c·(end² − start²)`` — the default when x was not measured. One that computes a
     dense score block per chunk pays less or more: x is fitted from half-hit rows of the
     profile when it has them. d is what reading the cached prefix costs the engine (gathering
-    its KV; 0 for engines that attend to cached pages in place), measured from local-hit rows."""
+    its KV; 0 for engines that attend to cached pages in place), measured from local-hit rows.
+    (With the profile's tail known, every term is fitted from every row: :func:`fit_prefill_rows`.)"""
 
     a_s: float
     b_s_per_token: float
