@@ -197,7 +197,9 @@ def test_the_fit_gives_back_the_engine_that_made_the_rows(a, b, c, d, x, tail):
     assert m.cross_s_per_token2 == pytest.approx(x, rel=1e-5, abs=1e-15)
     assert m.rms_rel_error < 1e-6 and m.cross_rms_rel_error < 1e-6
     for start, end in ((0, 8192), (8192, 8192 + 512), (60000, 70000), (100, 116)):
-        assert m.prefill_s(start, end) == pytest.approx(engine_s(start, end), rel=1e-6, abs=1e-12)
+        # 10 ns absolute: a fixed term far below what relative error resolves on 1,024+ token rows
+        # (a = 7.5e-10 s beside 29 ms) need not be recovered to predict a 16-token prefill
+        assert m.prefill_s(start, end) == pytest.approx(engine_s(start, end), rel=1e-6, abs=1e-8)
 
 
 def test_with_the_tail_known_and_no_half_hits_the_cross_term_stays_causal():
