@@ -27,7 +27,8 @@ def controller():
 @pytest.fixture(scope="module")
 def peer():
     p = PeerReplica.start(CFG, secret=SECRET, block_size_tokens=B, capacity_blocks=512)
-    assert p.prefill(SYSTEM)["published_blocks"] == 20
+    p.prefill(SYSTEM)
+    assert p.stats()["published_blocks"] == 20, "published after answering, before the next command"
     yield p
     p.close()
 
@@ -245,15 +246,23 @@ def test_engine_refuses_float_token_ids_and_an_unallocatable_pool():
 
 
 def test_prefill_timings_account_for_the_call(engine_b):
-    """Each part of a prefill is timed, the parts never overlap (their sum stays within the whole
-    call), and a load's parts appear only when it loaded."""
+    """Each part of a prefill is timed, the parts up to the first token never overlap (their sum stays
+    within TTFT), the write-back comes after TTFT and within the call, and a load's parts appear only
+    when it loaded."""
+    import time
+
     prompt = SYSTEM + [5, 6, 7]
+    t0 = time.perf_counter()
     r = engine_b.prefill(prompt)
-    parts = ("match_s", "gather_s", "prefill_s", "cache_s", "publish_s")
-    assert all(r.timings[k] >= 0 for k in parts)
+    call_s = time.perf_counter() - t0
+    parts = ("match_s", "gather_s", "prefill_s", "cache_s")
+    assert all(r.timings[k] >= 0 for k in parts + ("publish_s",))
     load = sum(r.timings.get(k, 0.0) for k in ("transfer_s", "stage_s", "install_s"))
     assert r.loaded_blocks > 0 and load > 0
     assert sum(r.timings[k] for k in parts) + load <= r.timings["ttft_s"]
-    again = engine_b.prefill(prompt)  # all local now: nothing loaded
-    assert again.loaded_blocks == 0 and "transfer_s" not in again.timings
+    assert r.timings["ttft_s"] + r.timings["publish_s"] <= call_s, "TTFT does not include the write-back"
+    again = engine_b.prefill(prompt, publish=False)  # all local now: nothing loaded, nothing offered
+    assert again.loaded_blocks == 0 and "transfer_s" not in again.timings and "publish_s" not in again.timings
     assert sum(again.timings[k] for k in parts) <= again.timings["ttft_s"]
+    assert engine_b.publish(again) == 0, "published already: nothing new"
+    assert "publish_s" in again.timings

@@ -55,6 +55,9 @@ class PrefillResult:
     load_status: str | None
     decision: Decision | None
     timings: dict[str, float]
+    #: the prompt's full-block keys, in order (what :meth:`ReferenceEngine.publish` offers the filter)
+    keys: tuple[bytes, ...] = ()
+    prompt_tokens: int = 0
 
 
 class _LocalIndex:
@@ -308,23 +311,7 @@ class ReferenceEngine:
             for k in pinned:
                 if k in self.policy.nodes and self.policy.nodes[k].pins:
                     self.policy.unpin(k)
-        t0 = time.perf_counter()
-        if publish:
-            cached = keys[: self.local_index.match_prefix(keys)]  # publishing is prefix-closed
-            req = PublishRequest(request_id=request_id if request_id is not None else id(toks), num_tokens=T, block_size_tokens=B,
-                                 boundary_tokens=boundary_tokens, replica=self.replica, reused_blocks=reused)
-            self.filter.observe(req, cached)
-            fresh = []
-            for key in cached[: self.filter.publishable(req, cached)]:
-                if key not in self.store.blocks:
-                    payload = self.payload(key)
-                    self.store.put(key, payload)
-                    fresh.append((key, payload))
-            if fresh and self._outbox is not None:
-                self._outbox.put(([k for k, _ in fresh], [p for _, p in fresh]))
-        t1 = time.perf_counter()
-        timings["publish_s"] = t1 - t0
-        timings["ttft_s"] = t1 - t_start
+        timings["ttft_s"] = time.perf_counter() - t_start  # the first token is ready: write-back comes after it
         if self.ledger is not None:
             not_loaded = R - loaded
             reason = None if not not_loaded else ("declined" if status in (None, "ok") else ("timeout" if status == "timeout" else "transfer_error"))
@@ -334,7 +321,33 @@ class ReferenceEngine:
                                              load_s=(timings.get("transfer_s", 0) + timings.get("stage_s", 0) + timings.get("install_s", 0)) if loaded else None,
                                              predicted_recompute_s=decision.t_recompute_p50_s if decision is not None and loaded else None,
                                              load_attempted=status is not None))
-        return PrefillResult(logits, L, R, loaded, T - (L + loaded) * B, status, decision, timings)
+        result = PrefillResult(logits, L, R, loaded, T - (L + loaded) * B, status, decision, timings, tuple(keys), T)
+        if publish:
+            self.publish(result, request_id=request_id if request_id is not None else id(toks), boundary_tokens=boundary_tokens)
+        return result
+
+    def publish(self, result: PrefillResult, *, request_id: Any = None, boundary_tokens: int | None = None) -> int:
+        """Offer a finished prefill's cached blocks to the publish filter and serve what it allows (to the
+        shared server in the background when there is one) — after the first token, as engines write
+        back. ``prefill(publish=True)`` calls it; a caller that answers first calls it itself. Returns
+        the blocks newly published; their time is ``result.timings["publish_s"]``."""
+        t0 = time.perf_counter()
+        keys = list(result.keys)
+        cached = keys[: self.local_index.match_prefix(keys)]  # publishing is prefix-closed
+        req = PublishRequest(request_id=request_id if request_id is not None else id(result), num_tokens=result.prompt_tokens,
+                             block_size_tokens=self.B, boundary_tokens=boundary_tokens, replica=self.replica,
+                             reused_blocks=result.local_blocks + result.loaded_blocks)
+        self.filter.observe(req, cached)
+        fresh = []
+        for key in cached[: self.filter.publishable(req, cached)]:
+            if key not in self.store.blocks:
+                payload = self.payload(key)
+                self.store.put(key, payload)
+                fresh.append((key, payload))
+        if fresh and self._outbox is not None:
+            self._outbox.put(([k for k, _ in fresh], [p for _, p in fresh]))
+        result.timings["publish_s"] = time.perf_counter() - t0
+        return len(fresh)
 
     def generate(self, tokens: Sequence[int], max_new_tokens: int) -> list[int]:
         """Greedy decoding after a prefill; decode steps attend to the request's own KV."""

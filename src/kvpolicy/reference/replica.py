@@ -3,7 +3,7 @@
 ``PeerReplica.start(config)`` spawns the process, which builds an engine with a
 :class:`~kvpolicy.reference.transport.BlockServer` on a free loopback port and
 answers commands: ``prefill(tokens)`` (computes — loading from its ``peer`` through an admission
-controller when given one — and publishes), ``set_faults(...)`` (drop / delay /
+controller when given one — answers, then publishes before it reads the next command), ``set_faults(...)`` (drop / delay /
 corrupt its transfers, for tests), ``reset()`` (drop its cache), ``stats()``,
 ``ledger()``, ``close()``. Other replicas reach
 its blocks only through TCP (:class:`~kvpolicy.reference.transport.PeerClient`),
@@ -51,13 +51,16 @@ def _serve(conn: Any, config: ModelConfig, block_size_tokens: int, capacity_bloc
             break
         if cmd == "prefill":
             tokens, boundary = arg
-            r = eng.prefill(tokens, boundary_tokens=boundary)
+            r = eng.prefill(tokens, boundary_tokens=boundary, publish=False)
             if controller is not None:  # feed the measured prefill back: the model learns this machine's speed
                 controller.model.observe_prefill((r.local_blocks + r.loaded_blocks) * block_size_tokens, r.computed_tokens, r.timings["prefill_s"])
-            conn.send({"published_blocks": len(eng.store.blocks), "local_blocks": r.local_blocks, "remote_found": r.remote_found,
+            # the first token goes out before the write-back, as an engine answers before it offloads;
+            # the next command (a request, stats, flush) is read after the publish
+            conn.send({"local_blocks": r.local_blocks, "remote_found": r.remote_found,
                        "loaded_blocks": r.loaded_blocks, "load_status": r.load_status, "reason": r.decision.reason if r.decision else None,
                        "ttft_ms": r.timings["ttft_s"] * 1e3, "prefill_ms": r.timings["prefill_s"] * 1e3,
                        "load_bytes": r.timings.get("bytes", 0.0), "timings": dict(r.timings)})
+            eng.publish(r, boundary_tokens=boundary)
         elif cmd == "flush":
             eng.flush_publishes()
             conn.send(True)
@@ -119,7 +122,9 @@ class PeerReplica:
         return self.conn.recv()
 
     def prefill(self, tokens: Any, boundary_tokens: int | None = None) -> dict[str, Any]:
-        """Prefill (and publish) on the replica; returns what happened (blocks served, loads, TTFT)."""
+        """Prefill on the replica; returns what happened (blocks found and loaded, TTFT, every timing) as
+        soon as the first token is ready. The replica publishes after answering; any later command
+        (``stats``, ``flush``, the next prefill) sees the blocks published."""
         return self._ask("prefill", (list(map(int, tokens)), boundary_tokens))
 
     def reset(self) -> None:
