@@ -367,7 +367,7 @@ def render_end_to_end(e: dict[str, Any]) -> str:
             ("dispatch", "driver to replica and back", "dispatch_s, measured at idle"),
             ("hash_and_lookup", "hashing, local and remote lookup", "lookup_s"),
             ("forward", "forward pass", "the profile's marginal"),
-            ("rest_of_the_request", "loads, gather, cache, publish", "the fit's a + d x cached"))),
+            ("rest_of_the_request", "loads, gather, cache", "the fit's a + d x cached"))),
     ])
 
 
