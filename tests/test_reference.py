@@ -266,3 +266,6 @@ def test_prefill_timings_account_for_the_call(engine_b):
     assert sum(again.timings[k] for k in parts) <= again.timings["ttft_s"]
     assert engine_b.publish(again) == 0, "published already: nothing new"
     assert "publish_s" in again.timings
+    with pytest.raises(ConfigError) as err:
+        engine_b.publish(prompt)
+    assert err.value.field == "result"

@@ -331,6 +331,8 @@ class ReferenceEngine:
         shared server in the background when there is one) — after the first token, as engines write
         back. ``prefill(publish=True)`` calls it; a caller that answers first calls it itself. Returns
         the blocks newly published; their time is ``result.timings["publish_s"]``."""
+        if not isinstance(result, PrefillResult):
+            raise ConfigError("result", f"must be the PrefillResult of this engine's prefill, got {type(result).__name__}")
         t0 = time.perf_counter()
         keys = list(result.keys)
         cached = keys[: self.local_index.match_prefix(keys)]  # publishing is prefix-closed
