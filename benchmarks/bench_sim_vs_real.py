@@ -312,7 +312,7 @@ def end_to_end(n_requests: int, seed: int) -> dict[str, Any]:
     def q(x: Any, p: float) -> float:
         return float(np.quantile(x, p))
 
-    # how much slower the replicas' forward passes ran in the replay than the profile says (CPU contention)
+    # how much slower the replicas' forward passes ran in the replay than the profile's marginal says
     model_compute = np.asarray([prefill.marginal_s(int(r * B), int(T)) for T, r in zip(trace.input_tokens, reused)])
     slowdown = float(np.median(compute / np.maximum(model_compute, 1e-9)))
     # where a request's time went, real (medians over the replay) beside the figure the simulator was given for it
@@ -334,6 +334,8 @@ def end_to_end(n_requests: int, seed: int) -> dict[str, Any]:
            "per_request_error_median": float(np.median(np.abs(sim - ttft) / ttft)),
            "compute_slowdown_vs_profile": slowdown,
            "breakdown_s": {k: {"real_p50": a, "model": m} for k, (a, m) in breakdown.items()},
+           "forward_over_marginal": forward_ratios(compute / np.maximum(model_compute, 1e-9), trace.input_tokens - reused * B,
+                                                   t_arr + ttft - inside, t_arr + ttft),
            "per_request": {"real_ttft_s": ttft.tolist(), "sim_ttft_s": sim.tolist(), "prompt_tokens": trace.input_tokens.tolist(),
                            "replica_s": inside.tolist(), "forward_s": compute.tolist(), "reused_blocks": reused.tolist(),
                            "real_loaded_bytes": loaded.tolist(), "replica_timings_s": parts}}
@@ -341,6 +343,20 @@ def end_to_end(n_requests: int, seed: int) -> dict[str, Any]:
     out["error_p50"] = abs(t["sim_p50"] - t["real_p50"]) / t["real_p50"]
     out["error_p95"] = abs(t["sim_p95"] - t["real_p95"]) / t["real_p95"]
     out["target_met"] = out["error_p50"] <= 0.2 and out["error_p95"] <= 0.2
+    return out
+
+
+def forward_ratios(ratio: Any, new_tokens: Any, start_s: Any, end_s: Any) -> dict[str, Any]:
+    """Medians of forward pass / the profile's marginal, by the request's new tokens, and by whether the
+    other replica was serving at the same time (requests alternate between two replicas)."""
+    import numpy as np
+
+    idx = np.arange(len(ratio))
+    other_busy = np.array([bool(np.any((idx % 2 != i % 2) & (start_s < end_s[i]) & (end_s > start_s[i]))) for i in idx])
+    out: dict[str, Any] = {}
+    for label, sel in (("new < 64", new_tokens < 64), ("new 64-159", (new_tokens >= 64) & (new_tokens < 160)), ("new >= 160", new_tokens >= 160),
+                       ("other replica busy", other_busy), ("other replica idle", ~other_busy)):
+        out[label] = {"requests": int(sel.sum()), "median": float(np.median(ratio[sel])) if sel.any() else None}
     return out
 
 
@@ -359,8 +375,8 @@ def render_end_to_end(e: dict[str, Any]) -> str:
         f"{'loaded MiB':>14} {b['real'] / 2**20:>10.2f} {b['sim'] / 2**20:>10.2f}",
         f"per-request TTFT error, median: {e['per_request_error_median']:.1%}   "
         f"(target: p50 and p95 within 20 %: {'PASS' if e['target_met'] else 'MISS'})",
-        f"the replicas' forward passes ran {e['compute_slowdown_vs_profile']:.2f}x the profile's prediction (median): two replicas, "
-        f"a block server, background publishing and the driver share {os.cpu_count()} cores",
+        f"the replicas' forward passes ran {e['compute_slowdown_vs_profile']:.2f}x the profile's marginal (median; by size and by "
+        f"overlap with the other replica below; {os.cpu_count()} cores)",
         f"where a request's time went (median ms) {'replay':>8} {'simulator':>10}  (the simulator's figure)",
         *(f"  {label:<44} {e['breakdown_s'][k]['real_p50'] * 1e3:>8.2f} {e['breakdown_s'][k]['model'] * 1e3:>10.2f}  ({what})" for k, label, what in (
             ("queue", "waiting for the replica", "the simulator's own queue"),
@@ -368,6 +384,8 @@ def render_end_to_end(e: dict[str, Any]) -> str:
             ("hash_and_lookup", "hashing, local and remote lookup", "lookup_s"),
             ("forward", "forward pass", "the profile's marginal"),
             ("rest_of_the_request", "loads, gather, cache", "the fit's a + d x cached"))),
+        "forward pass / the profile's marginal (median, requests): " + ", ".join(
+            f"{k} {v['median']:.2f} ({v['requests']})" for k, v in e.get("forward_over_marginal", {}).items() if v["median"] is not None),
     ])
 
 
