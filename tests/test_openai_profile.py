@@ -63,6 +63,7 @@ def test_profile_over_http_agrees_with_the_engine_in_process_and_drives_compare(
     # half hits cache whole 256-token granules of the prefix: none at 256, then half of it
     assert prof.extra["half_hit_cached_tokens"].tolist() == [0, 256, 512]
     assert prof.extra["half_hit_ttft_ms"][-1] < prof.cold_prefill_ms[-1], "half the prefix was served from the server's cache"
+    assert prof.extra["half_hit_ttft_ms"][-1] > prof.local_hit_ttft_ms[-1], "and only half: the other 512 tokens were recomputed"
     # the CSV drives compare with its own model (512 B/token)
     rc, out, err = run(capsys, "compare", "--profile", str(csv), "--bytes-per-token", "512", "--scenario", "steady", "--policies", "kvpolicy", "-q")
     assert rc == 0, err
