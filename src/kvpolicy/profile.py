@@ -168,10 +168,10 @@ def fit_prefill_rows(prefix_tokens: Sequence[float], tail_tokens: Sequence[float
     y = np.concatenate([g[2] for g in groups])
     s = max(float(end.max()), 1.0)  # scaled columns keep the least squares well conditioned
     q, r0 = (end - start) / s, start / s
-    cols = [np.ones_like(q), q, q * q] + ([q * r0] if has_half else [])
-    if not has_half:
-        cols[2] = q * q + 2.0 * q * r0  # causal: c·(end² − start²)
-    coef = _nnls_relative(np.stack(cols + [r0], axis=1), y)
+    one = np.ones_like(q)
+    # columns a, b, c, [x,] d; without half hits x is tied to 2c: c·(q² + 2q·start) = c·(end² − start²)
+    cols = [one, q, q * q, q * r0, r0] if has_half else [one, q, q * q + 2.0 * q * r0, r0]
+    coef = _nnls_relative(np.stack(cols, axis=1), y)
     m = PrefillModel(a_s=float(coef[0]), b_s_per_token=float(coef[1] / s), c_s_per_token2=float(coef[2] / s**2), rms_rel_error=0.0,
                      max_rel_error=0.0, d_s_per_cached_token=float(coef[-1] / s),
                      cross_s_per_token2=float(coef[3] / s**2) if has_half else None)
@@ -255,7 +255,7 @@ class MeasuredProfile:
         if len(self) >= 2 and np.all(np.isfinite(hit)):
             d = float(np.polyfit(self.prefix_tokens.astype(np.float64), hit, 1)[0])
             m = attrs.evolve(m, d_s_per_cached_token=max(d, 0.0))
-        if HALF_HIT_COLUMNS[0] in self.extra:
+        if half:
             m = fit_cross(m, self.prefix_tokens, self.extra[HALF_HIT_COLUMNS[0]], self.extra[HALF_HIT_COLUMNS[1]] / 1e3)
         return m
 

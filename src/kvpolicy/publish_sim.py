@@ -23,6 +23,7 @@ import numpy as np
 from .analysis.replicas import replica_view, route
 from ._validate import check_non_negative_int, check_positive_int, check_positive_number, check_probability, check_split
 from .errors import ConfigError
+from .eviction.policies import depth_cost
 from .profile import PrefillModel
 from .publish import PublishRequest, make_filter
 
@@ -31,10 +32,8 @@ DEFAULT_PREFILL = PrefillModel(a_s=0.0, b_s_per_token=5e-5, c_s_per_token2=1e-10
 
 
 def block_recompute_s(prefill: PrefillModel, block_size_tokens: int):
-    def f(depth: int) -> float:
-        return float(prefill.marginal_s(depth * block_size_tokens, (depth + 1) * block_size_tokens))
-
-    return f
+    """Seconds to recompute the block at each depth: the prefill model's marginal (as GDSF's cost)."""
+    return depth_cost(prefill, block_size_tokens)
 
 
 def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing: str = "round-robin", pool_capacity_blocks: int | None = None,
