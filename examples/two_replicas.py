@@ -53,7 +53,7 @@ def main() -> None:
     with PeerReplica.start(cfg, secret=secret, name="replica-a", publish="boundary") as a, \
             PeerReplica.start(cfg, secret=secret, name="replica-b", publish="boundary", peer=a, link_bytes_per_s=1e9,
                               breaker_open_s=1.0, window_s=2.0, probe_interval_s=1.0) as b:
-        first = a.prefill(system + rng.integers(0, cfg.vocab_size, 40).tolist(), boundary_tokens=len(system))
+        first = a.prefill(system + rng.integers(0, cfg.vocab_size, 40).tolist(), boundary_tokens=len(system), wait_published=True)
         print(f"replica-a published {first['published_blocks']} blocks of the system prompt ({len(system)} tokens)\n")
         print("admission: the controller's verdict before the load (wins = predicted p95 load + interference < margin x recompute)")
         print("done: what happened — loaded, or recomputed (declined, nothing found, or the load timed out / failed and fell back)\n")

@@ -515,3 +515,19 @@ def test_zero_where_zero_means_nothing_is_a_flag_error(capsys, tmp_path, cmd, fl
     argv = [cmd, str(tmp_path / "not-read.jsonl"), *extra, flag, "0"]
     rc, _, err = run(capsys, *argv)
     assert rc == 2 and f"argument {flag}: expected a finite number > 0, got '0'" in err
+
+
+def test_two_replicas_example_runs_end_to_end():
+    """The README's example script, run as a user runs it: it must finish and report what replica-a published."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "two_replicas.py"
+    out = subprocess.run([sys.executable, str(path), "--requests", "3"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import re
+
+    m = re.search(r"replica-a published (\d+) blocks of the system prompt", out.stdout)
+    assert m and int(m.group(1)) > 0, out.stdout[:2000]
+    assert "replica-b ledger" in out.stdout

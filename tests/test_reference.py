@@ -269,3 +269,18 @@ def test_prefill_timings_account_for_the_call(engine_b):
     with pytest.raises(ConfigError) as err:
         engine_b.publish(prompt)
     assert err.value.field == "result"
+
+
+def test_wait_published_returns_only_once_another_replica_can_load_the_blocks():
+    """A replica answers at the first token and publishes after; a caller that lets another replica load
+    next (the profiler, the example) asks to wait. Without the wait this matched 0–50 of 64 blocks."""
+    rng = np.random.default_rng(11)
+    hasher = ReferenceEngine(CFG, block_size_tokens=B, secret=SECRET).hasher
+    with PeerReplica.start(CFG, secret=SECRET, block_size_tokens=B, capacity_blocks=512) as p:
+        client = PeerClient(p.address, p.namespace_digest, secret=SECRET, block_bytes=BLOCK_BYTES, name="p", timeout_s=5.0)
+        for i in range(5):
+            p.reset()
+            tokens = rng.integers(0, 512, 64 * B)
+            out = p.prefill(tokens, wait_published=True)
+            keys = list(hasher.hash_blocks(tokens))
+            assert client.match_prefix(keys) == 64 and out["published_blocks"] == 64 * (i + 1)  # the store keeps earlier ones

@@ -42,7 +42,8 @@ class ReferenceProfileTarget:
         self.capacity_blocks = 2 * (max_prefix_tokens // block_size_tokens) + 64
         self._secret = secrets.token_bytes(32)  # this measurement's own deployment: the peer and the profiler share it
         self.peer = PeerReplica.start(self.config, secret=self._secret, block_size_tokens=block_size_tokens, capacity_blocks=self.capacity_blocks)
-        self.peer.prefill(self.base)  # the peer computes and publishes every full block of the longest prefix
+        # the peer computes and publishes every full block of the longest prefix, served before we measure
+        self.peer.prefill(self.base, wait_published=True)
         self._local = threading.local()
         self._seed = seed
         self._n = 0

@@ -121,11 +121,17 @@ class PeerReplica:
         self.conn.send((cmd, arg))
         return self.conn.recv()
 
-    def prefill(self, tokens: Any, boundary_tokens: int | None = None) -> dict[str, Any]:
+    def prefill(self, tokens: Any, boundary_tokens: int | None = None, *, wait_published: bool = False) -> dict[str, Any]:
         """Prefill on the replica; returns what happened (blocks found and loaded, TTFT, every timing) as
         soon as the first token is ready. The replica publishes after answering; any later command
-        (``stats``, ``flush``, the next prefill) sees the blocks published."""
-        return self._ask("prefill", (list(map(int, tokens)), boundary_tokens))
+        (``stats``, ``flush``, the next prefill) sees the blocks published, but another replica asking
+        over TCP may not yet. ``wait_published=True`` returns only once the blocks are served (and, with a
+        shared server, have reached it); the reply then also holds ``published_blocks``."""
+        out = self._ask("prefill", (list(map(int, tokens)), boundary_tokens))
+        if wait_published:
+            self.flush()
+            out["published_blocks"] = self.stats()["published_blocks"]
+        return out
 
     def reset(self) -> None:
         """Drop the replica's local cache (other traffic evicted it)."""
