@@ -59,6 +59,20 @@ def test_miss_causes_are_kept_apart():
     assert led.dists["fallback_recompute"].summary()["ttft_s"]["count"] == 1
 
 
+def test_a_published_block_stranded_behind_an_evicted_one_is_an_eviction_miss_never_never_published():
+    """Pool nodes shard a chain: node A evicts block 1 while node B still holds blocks 2 and 3. The run ends at
+    block 1, and 2 and 3 are missed because of that eviction; they were published, so never 'never published'."""
+    led = Ledger(bytes_per_token=1)
+    chain = [bytes([i]) * 16 for i in range(5)]
+    for k in chain[:4]:
+        led.record_write(k, 1.0, 10.0, tier="pool")
+    led.record_eviction(chain[1], 2.0)
+    led.record(RequestRecord(prompt_tokens=5 * B + 1, block_size_tokens=B, remote_loaded_blocks=1, missing_keys=tuple(chain[1:]), arrival_s=3.0))
+    t = led.tokens
+    assert t["remote_hit"] == B and t["miss_evicted"] == 3 * B and t["miss_never_published"] == B and t["tail"] == 1
+    assert led.evicted_by_tier == {"pool": 1} and led.stranded_blocks == 2 and led.to_dict()["stranded_blocks"] == 2
+
+
 def test_bloom_keeps_dropped_keys_as_evicted():
     log = PublicationLog(max_exact_keys=2, bloom_bits=1 << 16)
     keys = [bytes([i]) * 16 for i in range(5)]

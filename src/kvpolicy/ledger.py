@@ -9,7 +9,7 @@ or ``miss`` (no reuse) — and its prompt tokens are split, exactly, into:
 |---|---|
 | ``local_hit`` / ``remote_hit`` | served from the local cache / loaded from a remote tier |
 | ``miss_never_published`` | the block was never in any shared tier |
-| ``miss_evicted`` | it was published, then evicted (tier and age kept) |
+| ``miss_evicted`` | it was published, then evicted (tier and age kept) — or it is still resident but an evicted block before it ended the prefix run (``stranded_blocks``) |
 | ``miss_incompatible`` / ``miss_transfer_error`` / ``miss_timeout`` | found but not loaded |
 | ``miss_declined`` | found, but admission judged the load slower than recompute (or a guard rail refused) |
 | ``split_recompute`` | found, and recomputed on purpose while the rest of the range loaded (compute while loading: the plan's split) |
@@ -266,6 +266,8 @@ class Ledger:
         self.tokens = {c: 0 for c in TOKEN_CATEGORIES}
         self.evicted_by_tier: dict[str, int] = {}
         self.evicted_age_s = LogHistogram()
+        #: published blocks still resident that a request missed: past an evicted block, the prefix run had ended
+        self.stranded_blocks = 0
         self.dists = {d: _Dist() for d in DISTRIBUTIONS}
         self.flows = {k: _Flow() for k in ("read", "write", "replica")}
         self.window_s = window_s
@@ -300,12 +302,14 @@ class Ledger:
                 kind, tier, age = pub.classify(key, r.arrival_s)
                 if kind == "never_published":
                     break
+                evicted += 1
                 if kind == "evicted":
-                    evicted += 1
                     tier = tier or "unknown"
                     self.evicted_by_tier[tier] = self.evicted_by_tier.get(tier, 0) + 1
                     if age is not None:
                         self.evicted_age_s.record(age)
+                else:  # still resident, past the end of the run: stranded behind an evicted block
+                    self.stranded_blocks += 1
             tok["miss_evicted"] += evicted * B
         tok["miss_never_published"] += (rest - evicted) * B
         tok["tail"] += T - matchable * B
@@ -447,6 +451,7 @@ class Ledger:
             "total_tokens": self.total_tokens,
             "bytes": {k: v * bpt for k, v in self.tokens.items()},
             "evicted_by_tier": dict(self.evicted_by_tier),
+            "stranded_blocks": self.stranded_blocks,
             "evicted_age_s": self.evicted_age_s.summary(),
             "distributions": {d: v.summary() for d, v in self.dists.items()},
             "flows": flows,
