@@ -143,3 +143,32 @@ def test_record_validation():
     for bad in (float("nan"), -1.0, "3"):  # a NaN eviction time made the age of every later miss on that key NaN
         with pytest.raises(ConfigError, match="t_s"):
             led.record_eviction(b"k" * 16, bad)
+
+
+@given(st.integers(1, 12), st.data())
+def test_a_miss_is_never_published_exactly_when_the_block_never_was(n, data):
+    """Prefix-closed publishing, any evictions and re-publications, some of them only after the request arrived:
+    of the blocks after the reused run, those published before the request count as eviction misses (evicted
+    themselves, or still listed resident but past the end of the run: stranded), the rest as never published."""
+    arrival_s = 10.0
+    chain = [bytes([i + 1]) * 16 for i in range(n)]
+    published = data.draw(st.integers(0, n), label="published")  # chain[:published] went to the shared tier ...
+    late = data.draw(st.integers(0, published), label="late")  # ... chain[late:published] only after the request arrived
+    evicted = data.draw(st.sets(st.integers(0, max(late - 1, 0)), max_size=late), label="evicted")
+    republished = data.draw(st.sets(st.sampled_from(sorted(evicted)), max_size=len(evicted)) if evicted else st.just(set()), label="again")
+    led = Ledger(bytes_per_token=1)
+    for i in range(published):
+        led.record_write(chain[i], 1.0 if i < late else arrival_s + 1.0, 16.0)
+    for i in evicted:
+        led.record_eviction(chain[i], 2.0)
+    for i in republished:  # back in the tier after the request: it was evicted when the request looked
+        led.record_write(chain[i], arrival_s + 2.0, 16.0)
+    # the run ends at the first block not resident when the request looked (or earlier: it may have reused fewer)
+    first_gone = min([i for i in range(n) if i >= late or i in evicted], default=n)
+    reused = data.draw(st.integers(0, first_gone), label="reused")
+    led.record(RequestRecord(prompt_tokens=n * B + 1, block_size_tokens=B, remote_loaded_blocks=reused,
+                             missing_keys=tuple(chain[reused:]), arrival_s=arrival_s))
+    t = led.tokens
+    assert t["miss_never_published"] == B * (n - max(late, reused))
+    assert t["miss_evicted"] == B * max(late - reused, 0)
+    assert led.stranded_blocks == sum(1 for i in range(reused, late) if i not in evicted or i in republished)

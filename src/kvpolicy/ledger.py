@@ -9,7 +9,7 @@ or ``miss`` (no reuse) — and its prompt tokens are split, exactly, into:
 |---|---|
 | ``local_hit`` / ``remote_hit`` | served from the local cache / loaded from a remote tier |
 | ``miss_never_published`` | the block was never in any shared tier |
-| ``miss_evicted`` | it was published, then evicted (tier and age kept) — or it is still resident but an evicted block before it ended the prefix run (``stranded_blocks``) |
+| ``miss_evicted`` | it was published, then evicted (tier and age kept) — or it is still listed resident but an evicted block before it ended the prefix run (``stranded_blocks``) |
 | ``miss_incompatible`` / ``miss_transfer_error`` / ``miss_timeout`` | found but not loaded |
 | ``miss_declined`` | found, but admission judged the load slower than recompute (or a guard rail refused) |
 | ``split_recompute`` | found, and recomputed on purpose while the rest of the range loaded (compute while loading: the plan's split) |
@@ -132,7 +132,7 @@ class PublicationLog:
         if max_exact_keys <= 0 or bloom_bits < 64:
             raise ConfigError("max_exact_keys", "max_exact_keys must be > 0 and bloom_bits >= 64")
         self.max_exact_keys = max_exact_keys
-        self._exact: dict[bytes, tuple[str, float, float | None]] = {}  # key → (tier, published_s, evicted_s)
+        self._exact: dict[bytes, tuple[str, float, float | None]] = {}  # key → (tier, first published_s, evicted_s)
         self.dropped_keys = 0
         self._bits = bytearray((bloom_bits + 7) // 8)
         self._m = bloom_bits
@@ -156,8 +156,8 @@ class PublicationLog:
         return bool(bits[a >> 3] >> (a & 7) & bits[b >> 3] >> (b & 7) & bits[c >> 3] >> (c & 7) & bits[d >> 3] >> (d & 7) & 1)
 
     def published(self, key: bytes, tier: str = "pool", t_s: float = 0.0, size_bytes: float = 0.0, request_class: str = "default") -> None:
-        self._exact.pop(key, None)
-        self._exact[key] = (tier, t_s, None)
+        old = self._exact.pop(key, None)
+        self._exact[key] = (tier, t_s if old is None else min(old[1], t_s), None)  # a re-publication keeps the first time
         if size_bytes:
             self.bytes_written_by_class[request_class] = self.bytes_written_by_class.get(request_class, 0.0) + size_bytes
             if len(self._written) < self.max_exact_keys:
@@ -177,10 +177,13 @@ class PublicationLog:
         self._reads.add(key)
 
     def classify(self, key: bytes, now_s: float) -> tuple[str, str | None, float | None]:
-        """("never_published" | "evicted" | "resident", tier, age_s since eviction)."""
+        """("never_published" | "evicted" | "resident", tier, age_s since eviction), as of ``now_s``: a block
+        first published after it had not been published yet."""
         e = self._exact.get(key)
         if e is not None:
-            tier, _, ev = e
+            tier, first_s, ev = e
+            if first_s > now_s:
+                return "never_published", None, None
             if ev is None:
                 return "resident", tier, None
             return "evicted", tier, max(now_s - ev, 0.0)  # 0 when the log only knows a re-eviction after now_s
@@ -266,7 +269,8 @@ class Ledger:
         self.tokens = {c: 0 for c in TOKEN_CATEGORIES}
         self.evicted_by_tier: dict[str, int] = {}
         self.evicted_age_s = LogHistogram()
-        #: published blocks still resident that a request missed: past an evicted block, the prefix run had ended
+        #: blocks published before a request and still listed resident that it missed: past an evicted block the
+        #: prefix run had ended (a pool sharding a chain across nodes), or a tier dropped them without telling the log
         self.stranded_blocks = 0
         self.dists = {d: _Dist() for d in DISTRIBUTIONS}
         self.flows = {k: _Flow() for k in ("read", "write", "replica")}
@@ -308,7 +312,7 @@ class Ledger:
                     self.evicted_by_tier[tier] = self.evicted_by_tier.get(tier, 0) + 1
                     if age is not None:
                         self.evicted_age_s.record(age)
-                else:  # still resident, past the end of the run: stranded behind an evicted block
+                else:  # published before the request, still listed resident, yet past the end of its run
                     self.stranded_blocks += 1
             tok["miss_evicted"] += evicted * B
         tok["miss_never_published"] += (rest - evicted) * B
