@@ -430,7 +430,9 @@ class Simulator:
         for e in events:
             if isinstance(e, Degrade):
                 self.nodes[e.node].windows.append(e)
-        self.cake_in_slot: set[_Req] = set()
+        # requests computing while they load, in the order they took their slots: a dict, not a set — a set of
+        # objects iterates in address order, and _net_changed re-plans each of them, pushing events in that order
+        self.cake_in_slot: dict[_Req, None] = {}
         self.bytes_unused = 0
         self._series: dict[str, tuple[list[float], list[float], list[float]]] = {}
         self._util: dict[str, float] = {}
@@ -1110,7 +1112,7 @@ class Simulator:
                 req.meet_ver += 1
                 self._push(front_done, MEET, (req, req.meet_ver))
             return
-        self.cake_in_slot.discard(req)
+        self.cake_in_slot.pop(req, None)
         if not load.ended:
             self._end_load(load, t, "failed" if any(load.fails) else "timeout" if load.hung else "ok")
         if not load.recorded:
@@ -1197,7 +1199,7 @@ class Simulator:
             req.slot_s = t + debt
             if req.cake and load is not None:
                 if not load.ended:  # the GPU prefills the range from the front while it loads from the back
-                    self.cake_in_slot.add(req)
+                    self.cake_in_slot[req] = None
                     self._cake_schedule(req, t)
                     continue
                 m = min(load.arrived_blocks(self.block_bytes), req.load)
