@@ -8,7 +8,7 @@ or ``miss`` (no reuse) — and its prompt tokens are split, exactly, into:
 | token category | meaning |
 |---|---|
 | ``local_hit`` / ``remote_hit`` | served from the local cache / loaded from a remote tier |
-| ``miss_never_published`` | the block was never in any shared tier |
+| ``miss_never_published`` | the block had not been in any shared tier when the request arrived |
 | ``miss_evicted`` | it was published, then evicted (tier and age kept) — or it is still listed resident but an evicted block before it ended the prefix run (``stranded_blocks``) |
 | ``miss_incompatible`` / ``miss_transfer_error`` / ``miss_timeout`` | found but not loaded |
 | ``miss_declined`` | found, but admission judged the load slower than recompute (or a guard rail refused) |
