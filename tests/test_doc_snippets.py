@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-FRAGMENT = re.compile(r"<!--\s*fragment:\s*(.+?)\s*-->\s*\n```python\n")
+FRAGMENT = re.compile(r"<!--\s*fragment:\s*(.+?)\s*-->")
 
 
 def _blocks():
@@ -29,10 +29,9 @@ def _blocks():
         text = doc.read_text()
         for m in re.finditer(r"```python\n(.*?)```", text, re.S):
             line = text[:m.start()].count("\n") + 1
-            before = text[:m.start() + len("```python\n")]
-            frag = FRAGMENT.search(before[-400:]) if before.rstrip("\n").endswith("```python") else None
-            fragment = frag.group(1) if frag and before[-400:].endswith(frag.group(0)) else None
-            out.append(pytest.param(m.group(1), fragment, id=f"{doc.relative_to(ROOT)}:{line}"))
+            previous = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()  # the line just before the block
+            frag = FRAGMENT.fullmatch(previous)
+            out.append(pytest.param(m.group(1), frag.group(1) if frag else None, id=f"{doc.relative_to(ROOT)}:{line}"))
     return out
 
 
