@@ -71,6 +71,7 @@ def test_a_published_block_stranded_behind_an_evicted_one_is_an_eviction_miss_ne
     t = led.tokens
     assert t["remote_hit"] == B and t["miss_evicted"] == 3 * B and t["miss_never_published"] == B and t["tail"] == 1
     assert led.evicted_by_tier == {"pool": 1} and led.stranded_blocks == 2 and led.to_dict()["stranded_blocks"] == 2
+    assert "\nkvpolicy_stranded_blocks_total 2\n" in led.to_prometheus()
 
 
 def test_bloom_keeps_dropped_keys_as_evicted():

@@ -477,6 +477,8 @@ class Ledger:
         metric("requests_total", "counter", "Requests by outcome category.", [({"category": c}, v) for c, v in self.requests.items()])
         metric("prompt_tokens_total", "counter", "Prompt tokens by reuse outcome or miss cause.", [({"category": c}, v) for c, v in self.tokens.items()])
         metric("prompt_bytes_total", "counter", "KV bytes of prompt tokens by outcome or miss cause.", [({"category": c}, v * self.bytes_per_token) for c, v in self.tokens.items()])
+        metric("stranded_blocks_total", "counter", "Blocks published before a request, still listed resident, that it missed past an evicted block (in miss_evicted).",
+               [({}, self.stranded_blocks)])
         for d, dist in self.dists.items():
             dist.flush()
         for field in _Dist.FIELDS:
