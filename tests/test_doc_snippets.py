@@ -49,13 +49,12 @@ CLAIM = re.compile(r"#\s*([-+\d'\"(\[{].*)$")
 
 
 def comment_of(node):
-    text = lines[node.end_lineno - 1]
-    i = text.find("#", len(ast.get_source_segment(src, node).splitlines()[-1]) - 1 if node.lineno == node.end_lineno else 0)
-    m = CLAIM.search(text[i:]) if i >= 0 else None
+    """The comment after the statement on its last line, when it is a claim."""
+    m = CLAIM.search(lines[node.end_lineno - 1][node.end_col_offset:])
     return m.group(1).strip() if m else None
 
 
-def check(claim, shown, value, is_print):
+def check(node, claim, shown, value, is_print):
     if is_print:
         ok = claim.startswith(shown) and shown != ""
     elif isinstance(value, float):
@@ -78,11 +77,11 @@ for node in tree.body:
         with contextlib.redirect_stdout(buf):
             exec(compile(ast.Module([node], []), sys.argv[1], "exec"), env)
         sys.stdout.write(buf.getvalue())
-        check(claim, buf.getvalue().strip(), None, True)
+        check(node, claim, buf.getvalue().strip(), None, True)
     else:
         value = eval(compile(ast.Expression(node.value), sys.argv[1], "eval"), env)
         if value is not None:
-            check(claim, None, value, False)
+            check(node, claim, None, value, False)
 '''
 
 
