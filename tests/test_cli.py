@@ -308,6 +308,14 @@ def test_compare_refuses_a_load_no_cache_could_carry(capsys, tmp_path):
     assert rc == 0 and "OVERLOADED" not in out and "with an infinite cache" in out
 
 
+def test_overload_refusal_keeps_a_short_traces_seconds(capsys, tmp_path):
+    t = tmp_path / "two.jsonl"  # two requests 5 ms apart: the figures are milliseconds, not "0 s of prefill in 0 s"
+    t.write_text('{"timestamp": 0, "input_length": 1024, "output_length": 10, "hash_ids": [1, 2]}\n'
+                 '{"timestamp": 5, "input_length": 1024, "output_length": 10, "hash_ids": [1, 3]}\n')
+    rc, out, err = run(capsys, "compare", "--scenario", "steady", "--policies", "kvpolicy", "--no-progress", str(t))
+    assert rc == 2 and "in 0.005 s" in err and " 0 s" not in err
+
+
 def test_offered_load_against_a_hand_count():
     import numpy as np
 

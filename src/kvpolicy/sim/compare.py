@@ -55,10 +55,14 @@ def offered_load(trace: Any, cluster: ClusterConfig) -> dict[str, Any]:
 def check_offered_load(load: dict[str, Any]) -> None:
     """Refuse a run whose queues grow without bound whatever the policy (see :func:`offered_load`)."""
     u = load["infinite_cache_utilisation"]
+
+    def secs(x: float) -> str:  # a short trace's seconds keep their digits: never "0 s of prefill in 0 s"
+        return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
     if u is not None and u > 1.0:
         raise ConfigError(
             "--replicas",
-            f"the trace offers {load['infinite_cache_prefill_s']:,.0f} s of prefill that no cache can avoid in {load['span_s']:,.0f} s, "
+            f"the trace offers {secs(load['infinite_cache_prefill_s'])} s of prefill that no cache can avoid in {secs(load['span_s'])} s, "
             f"{u:.2f}x what {load['prefill_slots_total']} prefill slots can do (cold: {load['cold_utilisation']:.2f}x): every queue grows "
             "without bound and TTFTs would measure the trace's length, not the policies. Add --replicas / --prefill-slots, check that "
             "--profile and --config describe the same model, or pass --allow-overload to simulate it anyway",
