@@ -55,10 +55,15 @@ def ordered_dict_hits(ids: np.ndarray, capacity: int) -> int:
     return hits
 
 
-def timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
+def timed(fn, repeats=1):
+    """fn's result and its best wall time over ``repeats`` runs (a 30 ms kernel timed once on a shared 2-core
+    machine varies by 2x: best-of-3 for the kernels whose ratio is a target)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return out, best
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ids, t_remap = timed(lambda: first_appearance_ids(raw))
     distinct = int(ids.max()) + 1
-    d, t_exact = timed(lambda: stack_distances(ids))
+    d, t_exact = timed(lambda: stack_distances(ids), 3)
     caps = default_capacities(distinct)
     exact_curve, t_curve = timed(lambda: lru_hit_ratio_curve(d, caps))
     res.update(distinct_ids=distinct, remap_s=t_remap, exact_stack_s=t_exact, exact_curve_s=t_curve, exact_accesses_per_s=args.accesses / t_exact)
@@ -118,12 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     res["shards"] = []
     for sname, (sids, sd, st) in streams.items():
         if sd is None:
-            sd, st = timed(lambda sids=sids: stack_distances(sids))
+            sd, st = timed(lambda sids=sids: stack_distances(sids), 3)
         m = int(sids.max()) + 1
         grids = {"linear": np.linspace(m / 100, m, 100).astype(np.int64), "log": default_capacities(m)}
         exact = {g: lru_hit_ratio_curve(sd, c) for g, c in grids.items()}
         for label, kw in (("fixed-rate R=0.01", {"rate": 0.01}), ("fixed-rate R=0.1", {"rate": 0.1}), ("fixed-size s_max=8192", {"s_max": 8192})):
-            r, t = timed(lambda kw=kw, sids=sids: shards(sids, seed=args.seed, **kw))
+            r, t = timed(lambda kw=kw, sids=sids: shards(sids, seed=args.seed, **kw), 3)
             mae = {g: mean_absolute_error(r.hit_ratio(c), exact[g]) for g, c in grids.items()}
             sh_rows.append([sname, f"{sids.size:,}", label, f"{t:.3f}", f"{st / t:.1f}x", f"{mae['linear']:.4f}", f"{mae['log']:.4f}", f"{r.sampled_accesses:,}"])
             res["shards"].append({"stream": sname, "accesses": int(sids.size), "variant": label, "seconds": t, "exact_seconds": st, "speedup_vs_exact": st / t, "mae_linear_grid": mae["linear"], "mae_log_grid": mae["log"], "sampled_accesses": r.sampled_accesses})
@@ -146,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
             per = 200
             n_req = args.accesses // per
             with open(path, "w") as f:
-                base = ids[: n_req * per].reshape(n_req, per)
+                # chained, as the reader requires: request i replays conversation c = (a skewed id) — the same
+                # 200 ids in the same order every time, so an id always follows the same id
+                conv = ids[:n_req] % max(n_req // 4, 1)
+                base = conv[:, None] * per + np.arange(per)
                 for i in range(n_req):
                     f.write(json.dumps({"timestamp": i, "input_length": per * 512, "output_length": 1, "hash_ids": base[i].tolist()}) + "\n")
             size = path.stat().st_size

@@ -84,6 +84,8 @@ def files(tmp_path_factory):
         "hash id >= 2^63 (mooncake)": {"timestamp": 0, "input_length": 32, "output_length": 1, "hash_ids": [2**63, 1]},
         "output length 1e23 (mooncake)": {"timestamp": 0, "input_length": 16, "output_length": 10**23, "hash_ids": [1]},
         "timestamp past float range (mooncake)": {"timestamp": 10**400, "input_length": 16, "output_length": 1, "hash_ids": [1]},
+        # not chained: an id that follows itself is a cycle, on which the replay kernels' leaf-first eviction never ended
+        "an id after itself (mooncake)": {"timestamp": 1, "input_length": 32, "output_length": 1, "hash_ids": [9, 9]},
     }
     for i, (name, row) in enumerate(bad_mooncake.items()):
         f = d / f"badmc{i}.jsonl"
@@ -165,7 +167,8 @@ def cases():
                     out.append(pytest.param(cmd, a.dest, "file", bad, id=f"{cmd} {label}={bad}"))
             if kind == "trace":
                 bads = ("hash id >= 2^63", "length 1e30", "negative length", "NaN timestamp", "chat_id as a dict", "parent_chat_id as a list",
-                        "hash id >= 2^63 (mooncake)", "output length 1e23 (mooncake)", "timestamp past float range (mooncake)")
+                        "hash id >= 2^63 (mooncake)", "output length 1e23 (mooncake)", "timestamp past float range (mooncake)",
+                        "an id after itself (mooncake)")
                 if cmd in TOKEN_TRACE_COMMANDS:
                     bads = ("token id >= 2^63", "token id 1e30", "tokens not a list", "NaN timestamp (tokens)")
                 for bad in bads:

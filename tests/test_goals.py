@@ -105,8 +105,8 @@ def test_first_sighting_bound_by_hand():
 
     # 2 replicas, round-robin (even requests on A, odd on B): r1 reads 0,1 (their 2nd sighting); r2 holds 0,1 and
     # reads 2; r3 holds 0 and creates 3; r4 holds 0,1,2 and creates 4; r5 holds 0,1,2 and reads 4; r6 holds 0, reads 3
-    # and creates 5; r7 reads 5 — every re-read is a block's 2nd sighting, and every block is re-read
-    tr = chain_trace([[0, 1], [0, 1, 2], [0, 1, 2], [0, 3], [0, 1, 2, 4], [0, 1, 2, 4], [0, 3, 5], [5]])
+    # and creates 5; r7 holds 0,3 and reads 5 — every re-read is a block's 2nd sighting, and every block is re-read
+    tr = chain_trace([[0, 1], [0, 1, 2], [0, 1, 2], [0, 3], [0, 1, 2, 4], [0, 1, 2, 4], [0, 3, 5], [0, 3, 5]])
     fs = first_sighting_bound(tr, replicas=2)
     assert fs["oracle_reread_blocks"] == 2 + 1 + 1 + 1 + 1  # r1: 0,1; r2: 2; r5: 4; r6: 3; r7: 5
     assert fs["second_sighting_rereads"] == 6 and fs["second_sighting_blocks"] == 6

@@ -57,6 +57,8 @@ def test_mooncake_partial_block_kept_apart(tmp_path):
         (json.dumps({**mc(0, 10, [1]), "output_length": 10**23}), "'output_length' is too large"),
         ('{"timestamp": 1' + "0" * 400 + ', "input_length": 10, "output_length": 1, "hash_ids": [1]}', "'timestamp' must be a finite number"),
         ('{"timestamp": NaN, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "'timestamp' must be a finite number"),
+        # an id repeated in its own chain is a cycle: the replay kernels' leaf-first eviction never ended on one
+        (json.dumps(mc(0, 1024, [2, 2])), r"hash_ids\[1\]: block id 2 follows id 2, but nothing \(it starts the request\) at line 2, hash_ids\[0\]; block ids must be chained"),
     ],
 )
 def test_mooncake_malformed_lines_name_file_and_line(tmp_path, line, what):
@@ -191,6 +193,59 @@ def test_first_appearance_ids(ids):
     assert out.tolist() == want
 
 
+def test_mooncake_ids_must_be_chained(tmp_path):
+    # line 2 puts 8 after 9 where line 1 put it after 7: an id that stands for two prefixes; named with both lines
+    p = write_lines(tmp_path / "t.jsonl", [mc(0, 1536, [7, 8, 9]), mc(1, 1024, [9, 8]), mc(2, 1024, [9, 4])])
+    with pytest.raises(TraceFormatError, match=r"hash_ids\[0\]: block id 9 follows nothing .* but id 8 at line 1, hash_ids\[2\]") as exc:
+        read_mooncake(p)
+    assert exc.value.line == 2
+    # --skip-bad-lines drops the line, and a dropped line teaches nothing: line 3's root 6 does not clash with the
+    # 6-after-5 of the rejected line 2
+    p = write_lines(tmp_path / "u.jsonl", [mc(0, 1024, [1, 2]), mc(1, 1536, [5, 6, 5]), mc(2, 1024, [6, 3]), mc(3, 1024, [1, 2])])
+    tr = read_mooncake(p, skip_bad_lines=True)
+    assert tr.skipped_lines == (2,) and len(tr) == 3
+    # a partial block is never keyed, so its id is free: 9 ends line 1 partly and starts line 2 as a full block
+    tr = read_mooncake(write_lines(tmp_path / "v.jsonl", [mc(0, 1100, [7, 8, 9]), mc(1, 600, [9, 3])]))
+    assert tr.full_blocks.tolist() == [2, 1]
+
+
+def _walk(chains):
+    """Reference for chain_check: walk the requests in order, remembering each id's first predecessor and where;
+    a request that contradicts one is bad and forgets its own first sightings."""
+    first, bad, conflict = {}, [], None
+    for r, chain in enumerate(chains):
+        mine = {}
+        for j, h in enumerate(chain):
+            pred = chain[j - 1] if j else -1
+            seen = first.get(h, mine.get(h))
+            if seen is None:
+                mine[h] = (pred, r, j)
+            elif seen[0] != pred:
+                bad.append(r)
+                conflict = conflict or (h, r, j, pred, seen[1], seen[2], seen[0])
+                break
+        else:
+            first.update(mine)
+    return bad, conflict
+
+
+@settings(max_examples=300)
+@given(st.lists(st.lists(st.integers(0, 6), max_size=5), max_size=8), st.booleans())
+def test_chain_check_matches_a_walk(chains, sparse):
+    from kvpolicy.traces import chain_check, chain_conflict
+
+    off = np.zeros(len(chains) + 1, dtype=np.int64)
+    np.cumsum([len(c) for c in chains], out=off[1:])
+    scale = 10**15 if sparse else 1  # sparse ids take the remap path, dense ones the table: both must agree with the walk
+    ids = np.asarray([h * scale for c in chains for h in c], dtype=np.int64)
+    bad, want = _walk([[h * scale for h in c] for c in chains])
+    got_bad, got = chain_check(off, ids, all_bad=True)
+    assert got_bad.tolist() == bad
+    for c in (got, chain_conflict(off, ids)):
+        assert (None if c is None else (c.block_id, c.request, c.position, c.predecessor, c.first_request, c.first_position,
+                                        c.first_predecessor)) == want
+
+
 def test_trace_validation():
     ok = dict(arrival_s=[0.0], input_tokens=[10], output_tokens=[1], block_offsets=[0, 0], block_ids=[], partial_block_ids=[0], block_size_tokens=16)
     Trace(**ok)
@@ -202,6 +257,10 @@ def test_trace_validation():
         Trace(**{**ok, "arrival_s": [1.0, 0.0], "input_tokens": [10, 10], "output_tokens": [1, 1], "block_offsets": [0, 0, 0], "partial_block_ids": [0, 1]})
     with pytest.raises(ConfigError, match="block_size_tokens"):
         Trace(**{**ok, "block_size_tokens": 0})
+    two = dict(arrival_s=[0.0, 1.0], input_tokens=[32, 32], output_tokens=[1, 1], block_offsets=[0, 2, 4], partial_block_ids=[-1, -1], block_size_tokens=16)
+    Trace(**two, block_ids=[5, 6, 5, 6])
+    with pytest.raises(ConfigError, match=r"block_ids: request 1, block 0: block id 6 follows nothing .* but id 5 at request 0, block 1; block ids must be chained"):
+        Trace(**two, block_ids=[5, 6, 6, 5])
 
 
 def test_gzip_trace_reads_like_plain_and_bad_gzip_names_the_file(tmp_path):

@@ -1,15 +1,18 @@
 """Traces: the columnar model, readers and the synthetic generator."""
 
-from .model import Trace, canonicalize, first_appearance_ids
+from .model import ChainConflict, Trace, canonicalize, chain_check, chain_conflict, first_appearance_ids
 from .readers import FORMATS, detect_format, read_bailian, read_mooncake, read_tokens_jsonl, read_trace
 from .synthetic import PRESETS, SyntheticSpec, generate, preset, write_tokens_jsonl
 
 __all__ = [
     "FORMATS",
+    "ChainConflict",
     "PRESETS",
     "SyntheticSpec",
     "Trace",
     "canonicalize",
+    "chain_check",
+    "chain_conflict",
     "detect_format",
     "first_appearance_ids",
     "generate",

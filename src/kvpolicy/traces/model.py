@@ -93,6 +93,9 @@ class Trace:
             self.publish_boundary_tokens.size != n or np.any(self.publish_boundary_tokens < 0) or np.any(self.publish_boundary_tokens > self.input_tokens)
         ):
             raise ConfigError("publish_boundary_tokens", "must give each request a boundary in [0, input_tokens]")
+        conflict = chain_conflict(self.block_offsets, self.block_ids)
+        if conflict is not None:
+            raise ConfigError("block_ids", conflict.message())
         if self.request_ids and len(self.request_ids) != n:
             raise ConfigError("request_ids", f"has {len(self.request_ids)} entries, expected {n}")
         for labels, names, field in ((self.tenant, self.tenant_names, "tenant"), (self.request_class, self.class_names, "request_class"), (self.session, None, "session")):
@@ -200,6 +203,107 @@ class Trace:
             "distinct_blocks": int(np.unique(self.block_ids).size) if self.block_ids.size else 0,
             "duration_s": self.duration_s,
         }
+
+
+@attrs.frozen
+class ChainConflict:
+    """Two references of one block id with different predecessors: ``request``'s block ``position`` against the
+    earlier ``first_request``'s block ``first_position`` (a predecessor of −1: the block starts its request)."""
+
+    block_id: int
+    request: int
+    position: int
+    predecessor: int
+    first_request: int
+    first_position: int
+    first_predecessor: int
+
+    def message(self, where: str | None = None, first_where: str | None = None) -> str:
+        def pred(p: int) -> str:
+            return "nothing (it starts the request)" if p < 0 else f"id {p}"
+
+        where = where or f"request {self.request}, block {self.position}"
+        first_where = first_where or f"request {self.first_request}, block {self.first_position}"
+        return (f"{where}: block id {self.block_id} follows {pred(self.predecessor)}, but {pred(self.first_predecessor)} at "
+                f"{first_where}; block ids must be chained — an id stands for its whole prefix, so it always follows the "
+                "same id (Mooncake's hash_ids are; per-block content hashes are not: use --format bailian)")
+
+
+@nb.njit(cache=True)
+def _chain_kernel(off, ids, lo, span, stop_at_first, bad_requests):  # pragma: no cover - compiled
+    """Requests in order; an id's first reference fixes its predecessor (−1: it starts its request). A request with a
+    reference that disagrees is bad and its own first sightings are undone (a bad request teaches nothing). Returns
+    (bad requests written to ``bad_requests``, the first offending reference, the earlier reference it contradicts)."""
+    pred = np.full(span, -2, dtype=np.int64)  # −2: not seen; −1: starts a request; else the predecessor's slot
+    first_ref = np.empty(span, dtype=np.int64)
+    longest = 0
+    for r in range(off.size - 1):
+        longest = max(longest, off[r + 1] - off[r])
+    written = np.empty(max(longest, 1), dtype=np.int64)
+    n_bad = 0
+    fb = -1
+    fa = -1
+    for r in range(off.size - 1):
+        nw = 0
+        ok = True
+        for x in range(off[r], off[r + 1]):
+            k = ids[x] - lo
+            p = -1 if x == off[r] else ids[x - 1] - lo
+            q = pred[k]
+            if q == -2:
+                pred[k] = p
+                first_ref[k] = x
+                written[nw] = k
+                nw += 1
+            elif q != p:
+                ok = False
+                if fb < 0:
+                    fb = x
+                    fa = first_ref[k]
+                break
+        if not ok:
+            for w in range(nw):
+                pred[written[w]] = -2
+            bad_requests[n_bad] = r
+            n_bad += 1
+            if stop_at_first:
+                break
+    return n_bad, fb, fa
+
+
+def chain_check(block_offsets: np.ndarray, block_ids: np.ndarray, *, all_bad: bool = False) -> tuple[np.ndarray, ChainConflict | None]:
+    """Requests whose block ids are not chained: an id's first reference fixes what it follows (another id, or the
+    start of its request); a later reference that follows anything else makes its request bad, and a bad request's
+    own first sightings do not count. Returns (the bad requests — only the first unless ``all_bad`` —, the first
+    conflict). O(references) through a lookup table when the ids are dense (as trace ids are), else after a remap."""
+    ids = np.ascontiguousarray(block_ids, dtype=np.int64)
+    off = np.ascontiguousarray(block_offsets, dtype=np.int64)
+    bad = np.empty(max(off.size - 1, 0), dtype=np.int64)
+    if ids.size < 2:
+        return bad[:0], None
+    lo, hi = int(ids.min()), int(ids.max())
+    keys = ids
+    if hi - lo + 1 > max(4 * ids.size, 1 << 20):  # sparse: a table over the span would not fit
+        keys = first_appearance_ids(ids)
+        lo, hi = 0, int(keys.max())
+    n_bad, fb, fa = _chain_kernel(off, keys, lo, hi - lo + 1, not all_bad, bad)
+    if fb < 0:
+        return bad[:0], None
+    rb = int(np.searchsorted(off, fb, side="right") - 1)
+    ra = int(np.searchsorted(off, fa, side="right") - 1)
+
+    def pred(x: int, r: int) -> int:
+        return -1 if x == off[r] else int(ids[x - 1])
+
+    return bad[:n_bad], ChainConflict(int(ids[fb]), rb, fb - int(off[rb]), pred(fb, rb), ra, fa - int(off[ra]), pred(fa, ra))
+
+
+def chain_conflict(block_offsets: np.ndarray, block_ids: np.ndarray) -> ChainConflict | None:
+    """The first reference (in trace order) of a block id whose predecessor differs from that id's first reference —
+    None when every id always follows the same id (or always starts its request). A prefix cache keyed by such ids
+    would hold a block whose prefix differs between requests, and the leaf-first eviction of the replay kernels
+    never terminates on the cycles they can form ([1, 2] then [2, 1], or [1, 1])."""
+    return chain_check(block_offsets, block_ids)[1]
 
 
 def canonicalize(trace: Trace) -> Trace:

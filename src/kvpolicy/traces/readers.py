@@ -19,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ..errors import ConfigError, TraceFormatError
-from .model import Trace, canonicalize
+from .model import Trace, canonicalize, chain_check
 
 Format = Literal["mooncake", "bailian", "tokens"]
 FORMATS = ("mooncake", "bailian", "tokens")
@@ -171,7 +171,42 @@ class _Builder:
         self.labels["class"].append(cls if cls is not None else "")
         self.labels["session"].append(session if session is not None else "")
 
-    def build(self, source: str, sort: bool, skipped: list[int]) -> Trace:
+    def drop_unchained(self, source: str, skip: bool, skipped: list[int]) -> None:
+        """Full-block ids must be chained (:func:`~kvpolicy.traces.model.chain_check`, in file order): the first line
+        that breaks it is an error naming it and the line that first showed the id — or, skipping, every such line
+        is dropped (a dropped line teaches nothing) and listed with the skipped ones."""
+        n = len(self.arrival)
+        n_ids = np.asarray(self.n_ids, dtype=np.int64)
+        ids = np.asarray(self.ids, dtype=np.int64)
+        full = np.minimum(np.asarray(self.inp, dtype=np.int64) // self.B, n_ids)
+        starts = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(n_ids, out=starts[1:])
+        is_full = (np.arange(ids.size) - np.repeat(starts[:-1], n_ids)) < np.repeat(full, n_ids)
+        off = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(full, out=off[1:])
+        bad, c = chain_check(off, ids[is_full], all_bad=skip)
+        if c is None:
+            return
+        if not skip:
+            raise TraceFormatError(source, self.lines[c.request], c.message(
+                where=f"hash_ids[{c.position}]", first_where=f"line {self.lines[c.first_request]}, hash_ids[{c.first_position}]"))
+        drop = set(bad.tolist())
+        keep = [i for i in range(n) if i not in drop]
+        skipped.extend(self.lines[i] for i in drop)
+        skipped.sort()
+        self.ids = np.concatenate([ids[starts[i]:starts[i + 1]] for i in keep]).tolist() if keep else []
+        for name in ("arrival", "inp", "out", "lines", "n_ids"):
+            setattr(self, name, [getattr(self, name)[i] for i in keep])
+        self.labels = {k: [v[i] for i in keep] for k, v in self.labels.items()}
+        if self.request_ids:
+            self.request_ids = [self.request_ids[i] for i in keep]
+        if self.tokens:
+            self.tokens = [self.tokens[i] for i in keep]
+
+    def build(self, source: str, sort: bool, skipped: list[int], skip: bool = False) -> Trace:
+        self.drop_unchained(source, skip, skipped)
+        if not self.arrival:
+            raise TraceFormatError(source, None, f"no requests in the trace ({len(skipped)} bad lines skipped)")
         B = self.B
         n = len(self.arrival)
         arrival = np.asarray(self.arrival, dtype=np.float64)
@@ -242,11 +277,13 @@ def _read(path: str | Path, block_size: int, sort: bool, skip_bad_lines: bool, r
             lines.bad(lineno, str(exc))
     if not b.arrival:
         raise TraceFormatError(str(path), None, "no requests in the trace" + (f" ({len(lines.skipped)} bad lines skipped)" if lines.skipped else ""))
-    return b.build(str(path), sort, lines.skipped)
+    return b.build(str(path), sort, lines.skipped, skip_bad_lines)
 
 
 def read_mooncake(path: str | Path, block_size_tokens: int = 512, *, sort: bool = False, skip_bad_lines: bool = False) -> Trace:
-    """Mooncake JSONL: ``timestamp`` (ms), ``input_length``, ``output_length``, chained ``hash_ids``."""
+    """Mooncake JSONL: ``timestamp`` (ms), ``input_length``, ``output_length``, chained ``hash_ids`` (a full block's
+    id always follows the same id, or always starts its request: a line where one does not is bad, naming the line
+    that first showed the id)."""
 
     def row(lineno: int, obj: dict[str, Any], b: _Builder) -> None:
         t = _num_field(obj, "timestamp") / 1000.0
