@@ -216,12 +216,17 @@ def _shards_kernel(ids, n_ids, threshold, s_max, seed, out_d, out_t):
     sampled ids only (fixed-rate: those under the threshold; fixed-size: s_max).
     """
     hashes = _id_hashes(n_ids, seed)
+    fixed_rate = s_max <= 0
+    # fixed-rate: whether an id is sampled never changes, and a byte per id is a quarter of the cache lines its
+    # hash takes — the filter over every access is most of the time on a 10M stream
+    sampled = np.zeros(n_ids if fixed_rate else 0, dtype=np.uint8)
     if s_max > 0:
         live_max = s_max + 1
     else:
         live_max = 0
         for x in range(n_ids):
             if hashes[x] < threshold:
+                sampled[x] = 1
                 live_max += 1
     bits, sbt, owner = _bits_alloc(2 * live_max + 64)
     cap = owner.size
@@ -235,9 +240,14 @@ def _shards_kernel(ids, n_ids, threshold, s_max, seed, out_d, out_t):
     k = 0
     for i in range(ids.size):
         x = ids[i]
-        hx = hashes[x]
-        if hx >= threshold:
-            continue
+        if fixed_rate:
+            if sampled[x] == 0:
+                continue
+            hx = 0
+        else:
+            hx = hashes[x]
+            if hx >= threshold:
+                continue
         if t == cap:
             t = _bits_compact(bits, sbt, owner, last, t)
         p = last[x]
