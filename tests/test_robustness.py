@@ -9,9 +9,11 @@ import sys
 import pytest
 
 from kvpolicy._io import strict_json, write_text_atomic
+from kvpolicy import match
 from kvpolicy.admission import AdmissionContext, CircuitBreaker, LogHistogram
 from kvpolicy.cli import main
 from kvpolicy.errors import ConfigError
+from kvpolicy.eviction import make_policy
 from kvpolicy.ledger import Ledger, RequestRecord
 
 
@@ -81,3 +83,18 @@ def test_cli_turns_os_and_encoding_errors_into_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, err)
     os.chmod(tmp_path, 0o755)
+
+
+@pytest.mark.parametrize("call,field", [
+    (lambda: match([b"a", b"b"], 40, 7, block_size_tokens=16), "local"),
+    (lambda: match([b"a", b"b"], 40, None, [b"a"], block_size_tokens=16), "remote tier 0"),
+    (lambda: make_policy(["lru"], 10), "policy"),
+    (lambda: make_policy("lru", 10).victims(None), "need_bytes"),
+    (lambda: make_policy("adaptive", 10).victims(-3), "need_bytes"),
+])
+def test_api_misuse_names_the_argument(call, field):
+    """A wrong object where an index, a policy name or a byte count belongs: a ConfigError naming it, not an
+    AttributeError or TypeError from inside."""
+    with pytest.raises(ConfigError) as e:
+        call()
+    assert e.value.field == field

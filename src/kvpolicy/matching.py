@@ -128,6 +128,11 @@ def match(
         raise ConfigError("num_tokens", f"must be a non-negative int, got {num_tokens!r}")
     if len(keys) > num_tokens // bs:
         raise ConfigError("keys", f"{len(keys)} keys for {num_tokens} tokens: at most {num_tokens // bs} full blocks exist")
+    if local is not None and not callable(getattr(local, "match_prefix", None)):
+        raise ConfigError("local", f"must be a BlockIndex (an object with match_prefix(keys) -> int) or None, got {type(local).__name__}")
+    for i, tier in enumerate(remote_tiers):
+        if not callable(getattr(tier, "match_prefix", None)):
+            raise ConfigError(f"remote tier {i}", f"must be a BlockIndex (an object with match_prefix(keys) -> int), got {type(tier).__name__}")
     if tier_names is None:
         tier_names = tuple(getattr(t, "name", f"remote{i}") for i, t in enumerate(remote_tiers))
     elif len(tier_names) != len(remote_tiers):

@@ -154,6 +154,8 @@ class EvictionPolicy:
         (ARC's ghost lists). Raises CapacityError, evicting nothing, when pinned
         blocks make it impossible.
         """
+        if isinstance(need_bytes, bool) or not isinstance(need_bytes, int) or need_bytes < 0:
+            raise ConfigError("need_bytes", f"must be a non-negative int, got {need_bytes!r}")
         self._incoming = incoming
         short = self.used_bytes + need_bytes - self.capacity_bytes
         if short <= 0:

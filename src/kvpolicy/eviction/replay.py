@@ -57,6 +57,8 @@ def check_options(cls: type, name: str, kw: dict[str, Any]) -> None:
 
 
 def make_policy(name: str, capacity_bytes: int, *, trace: Any = None, clock: ManualClock | None = None, **kw: Any) -> EvictionPolicy:
+    if not isinstance(name, str):
+        raise ConfigError("policy", f"must be a policy name ({', '.join(ALL_POLICIES)}), got {type(name).__name__}")
     clock = clock or ManualClock()
     cls = {"reuse-distance": ReuseDistancePolicy, "hit-density": HitDensityPolicy, "adaptive": AdaptivePolicy, "belady": BeladyPolicy,
            "belady-bypass": BeladyPolicy}.get(name) or POLICIES.get(name)
