@@ -98,3 +98,17 @@ def test_api_misuse_names_the_argument(call, field):
     with pytest.raises(ConfigError) as e:
         call()
     assert e.value.field == field
+
+
+def test_warmup_inputs_name_their_field():
+    from kvpolicy.warmup import HotPrefix, WarmupConfig, plan_warmup
+
+    with pytest.raises(ConfigError) as e:
+        WarmupConfig(replicas=2, window_s=10.0, bandwidth_bytes_per_s=1e9, readiness_share="x")
+    assert e.value.field == "readiness_share"
+    with pytest.raises(ConfigError) as e:
+        HotPrefix(prefix="p", size_bytes=10, access_count=3, recompute_s=0.1, blocks=5)
+    assert e.value.field == "blocks"
+    with pytest.raises(ConfigError) as e:
+        plan_warmup(None, WarmupConfig(replicas=2, window_s=10.0, bandwidth_bytes_per_s=1e9))
+    assert e.value.field == "prefixes"

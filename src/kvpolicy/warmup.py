@@ -45,6 +45,12 @@ def _nonneg(inst: Any, a: attrs.Attribute, v: Any) -> None:
         raise ConfigError(a.name, f"must be non-negative, got {v!r}")
 
 
+def _block_tuple(v: Any) -> tuple[Hashable, ...]:
+    if isinstance(v, (str, bytes, bytearray)) or not hasattr(v, "__iter__"):
+        raise ConfigError("blocks", f"must be a sequence of block ids, got {type(v).__name__}")
+    return tuple(v)
+
+
 @attrs.frozen
 class HotPrefix:
     prefix: Hashable
@@ -52,7 +58,7 @@ class HotPrefix:
     access_count: int = attrs.field(validator=_nonneg)
     recompute_s: float = attrs.field(validator=_nonneg)
     #: block ids of the chain (optional): overlapping prefixes are not loaded twice
-    blocks: tuple[Hashable, ...] = attrs.field(default=(), converter=tuple)
+    blocks: tuple[Hashable, ...] = attrs.field(default=(), converter=_block_tuple)
 
     @property
     def value_per_byte(self) -> float:
@@ -73,7 +79,8 @@ class WarmupConfig:
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.replicas, int) or not isinstance(self.max_loads_per_replica, int) or not isinstance(self.max_loads_pool, int):
             raise ConfigError("replicas", "replicas and load caps are integers")
-        if not 0 < self.readiness_share <= 1:
+        r = self.readiness_share
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
             raise ConfigError("readiness_share", f"must be in (0, 1], got {self.readiness_share}")
 
     @property
@@ -122,6 +129,8 @@ def _jsonable(x: Any) -> Any:
 
 def plan_warmup(prefixes: Sequence[HotPrefix], config: WarmupConfig) -> WarmupPlan:
     cfg = config
+    if not hasattr(prefixes, "__iter__"):  # a string iterates, and its first item is then named below
+        raise ConfigError("prefixes", f"must be a sequence of HotPrefix, got {type(prefixes).__name__}")
     prefixes = list(prefixes)  # read more than once below: a generator would be empty the second time
     seen: set = set()
     for i, p in enumerate(prefixes):
