@@ -112,3 +112,38 @@ def test_warmup_inputs_name_their_field():
     with pytest.raises(ConfigError) as e:
         plan_warmup(None, WarmupConfig(replicas=2, window_s=10.0, bandwidth_bytes_per_s=1e9))
     assert e.value.field == "prefixes"
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(num_tokens=None), "num_tokens"), (dict(block_size_tokens=0), "block_size_tokens"), (dict(reused_blocks=-1), "reused_blocks"),
+    (dict(time_s=float("nan")), "time_s"), (dict(boundary_tokens="x"), "boundary_tokens"),
+])
+def test_publish_request_names_its_field(kw, field):
+    from kvpolicy.publish import PublishRequest
+
+    with pytest.raises(ConfigError) as e:
+        PublishRequest(**{"request_id": 1, "num_tokens": 64, "block_size_tokens": 16, **kw})
+    assert e.value.field == field
+
+
+def test_publish_filters_refuse_what_is_not_a_key_chain_or_a_spec():
+    import numpy as np
+
+    from kvpolicy.publish import PublishRequest, StructureAwarePublish, make_filter
+
+    req = PublishRequest(request_id=1, num_tokens=np.int64(64), block_size_tokens=16)  # an engine's numpy int is an int
+    f = StructureAwarePublish()
+    for call in (lambda: f.observe(req, None), lambda: f.publishable(req, b"abcd")):
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert e.value.field == "keys"
+    with pytest.raises(ConfigError) as e:
+        make_filter(None)
+    assert e.value.field == "policy"
+
+
+@pytest.mark.parametrize("w", [None, "x", float("inf"), 0])
+def test_ledger_window_names_itself(w):
+    with pytest.raises(ConfigError) as e:
+        Ledger(1024, window_s=w)
+    assert e.value.field == "window_s"

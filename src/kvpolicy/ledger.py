@@ -259,8 +259,8 @@ class Ledger:
                  write_cost_s_per_byte: float | None = None, eviction_cost_s_per_token: float | None = None) -> None:
         if isinstance(bytes_per_token, bool) or not isinstance(bytes_per_token, int) or bytes_per_token <= 0:
             raise ConfigError("bytes_per_token", f"must be a positive int, got {bytes_per_token!r}")
-        if window_s <= 0:
-            raise ConfigError("window_s", "must be positive")
+        if isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not 0 < window_s < math.inf:
+            raise ConfigError("window_s", f"must be a positive number of seconds, got {window_s!r}")
         self.bytes_per_token = bytes_per_token
         self.pub = publication_log or PublicationLog()
         self.write_cost_s_per_byte = write_cost_s_per_byte

@@ -64,6 +64,7 @@ admitted only while tokens last and its value is at least
 from __future__ import annotations
 
 import math
+import numbers
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -97,10 +98,18 @@ class PublishRequest:
         u = self.write_path_utilisation
         if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 <= u <= 1):
             raise ConfigError("write_path_utilisation", f"must be in [0, 1] or None, got {u!r}")
-        if self.block_size_tokens <= 0 or self.num_tokens < 0:
-            raise ConfigError("num_tokens", "num_tokens must be >= 0 and block_size_tokens > 0")
+        for name, least in (("num_tokens", 0), ("block_size_tokens", 1), ("reused_blocks", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < least:  # numpy ints from an engine are ints
+                raise ConfigError(name, f"must be an int >= {least}, got {v!r}")
+        t = self.time_s
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t):
+            raise ConfigError("time_s", f"must be a finite number of seconds, got {t!r}")
         if self.data_class not in DATA_CLASSES:
             raise ConfigError("data_class", f"must be one of {DATA_CLASSES}, got {self.data_class!r}")
+        b = self.boundary_tokens
+        if b is not None and (isinstance(b, bool) or not isinstance(b, numbers.Integral)):
+            raise ConfigError("boundary_tokens", f"must be an int or None, got {b!r}")
         if self.boundary_tokens is not None and not 0 <= self.boundary_tokens <= self.num_tokens:
             raise ConfigError("boundary_tokens", f"must be in [0, num_tokens={self.num_tokens}], got {self.boundary_tokens}")
 
@@ -117,6 +126,10 @@ class PublishFilter(Protocol):
 
 
 def _check(request: PublishRequest, keys: Sequence[Hashable]) -> None:
+    if not isinstance(request, PublishRequest):
+        raise ConfigError("request", f"must be a PublishRequest, got {type(request).__name__}")
+    if isinstance(keys, (str, bytes, bytearray)) or not hasattr(keys, "__len__") or not hasattr(keys, "__getitem__"):
+        raise ConfigError("keys", f"must be a sequence of block keys, got {type(keys).__name__}")
     if len(keys) > request.full_blocks:
         raise ConfigError("keys", f"{len(keys)} keys for {request.num_tokens} tokens: only full blocks ({request.full_blocks}) may be published — never a partial one")
 
@@ -600,6 +613,8 @@ _NAMES = ("all", "never", "boundary", "reuse-aware", "structure-aware")
 def check_spec(spec: str) -> list[str]:
     """The names in a filter spec (``a+b`` → both), each checked: a known name or ``threshold-K`` with an integer K ≥ 1.
     Builds nothing, so a caller can refuse a misspelt spec before any work."""
+    if not isinstance(spec, str):
+        raise ConfigError("policy", f"must be a publish policy name (a string like 'structure-aware' or 'threshold-2'), got {type(spec).__name__}")
     parts = [p.strip() for p in spec.split("+") if p.strip()]
     if not parts:
         raise ConfigError("policy", f"empty publish policy {spec!r}")
