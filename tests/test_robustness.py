@@ -147,3 +147,24 @@ def test_ledger_window_names_itself(w):
     with pytest.raises(ConfigError) as e:
         Ledger(1024, window_s=w)
     assert e.value.field == "window_s"
+
+
+def test_admission_inputs_name_their_field():
+    from kvpolicy.admission import AdmissionContext, AdmissionController, LatencyModel
+    from kvpolicy.admission.model import LinkPrior
+    from kvpolicy.profile import PrefillModel
+
+    prefill = PrefillModel(a_s=0.01, b_s_per_token=1e-4, c_s_per_token2=1e-9, rms_rel_error=0.0, max_rel_error=0.0)
+    with pytest.raises(ConfigError) as e:
+        LatencyModel(LinkPrior(1e9), prefill, window_s="x")
+    assert e.value.field == "window_s"
+    ctl = AdmissionController(LatencyModel(LinkPrior(1e9), prefill))
+    ctx = AdmissionContext(block_bytes=1 << 20)
+    for kw, field in ((dict(k=None), "k"), (dict(block_size_tokens=0), "block_size_tokens"), (dict(split_blocks=3), "split_blocks"),
+                      (dict(ctx=None), "ctx")):
+        with pytest.raises(ConfigError) as e:
+            ctl.evaluate(**{"local_blocks": 1, "remote_blocks": 2, "k": 2, "block_size_tokens": 16, "ctx": ctx, **kw})
+        assert e.value.field == field
+    with pytest.raises(ConfigError) as e:
+        ctl.record(None)
+    assert e.value.field == "outcome"

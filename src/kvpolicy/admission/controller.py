@@ -366,6 +366,14 @@ class AdmissionController:
     def evaluate(self, local_blocks: int, remote_blocks: int, k: int, block_size_tokens: int, ctx: AdmissionContext,
                  split_blocks: int = 0) -> dict[str, float]:
         """Every predicted term for loading blocks [L+split, L+k) of the remote run (no side effects)."""
+        for name, v in (("local_blocks", local_blocks), ("remote_blocks", remote_blocks), ("k", k), ("block_size_tokens", block_size_tokens),
+                        ("split_blocks", split_blocks)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "block_size_tokens" else 0):
+                raise ConfigError(name, f"must be an int >= {1 if name == 'block_size_tokens' else 0}, got {v!r}")
+        if split_blocks > k:
+            raise ConfigError("split_blocks", f"{split_blocks} computed while loading, but only k = {k} blocks are planned")
+        if not isinstance(ctx, AdmissionContext):
+            raise ConfigError("ctx", f"must be an AdmissionContext, got {type(ctx).__name__}")
         n = k - split_blocks
         load_bytes = n * ctx.block_bytes
         queue = self.path_queue_bytes(ctx, load_bytes)
@@ -519,6 +527,8 @@ class AdmissionController:
 
     def record(self, outcome: LoadOutcome) -> LoadResult:
         """Feed a load's outcome: releases its slot, updates the breaker and the model."""
+        if not isinstance(outcome, LoadOutcome):
+            raise ConfigError("outcome", f"must be a LoadOutcome, got {type(outcome).__name__}")
         d = self._inflight.get(outcome.load_id)
         if d is None:
             raise ConfigError("load_id", f"{outcome.load_id} is not an admitted load in flight (already recorded or cancelled?)")

@@ -210,8 +210,8 @@ class LatencyModel:
             raise ConfigError("prior", "must be a LinkPrior")
         if not isinstance(prefill, PrefillModel):
             raise ConfigError("prefill", "must be a PrefillModel (e.g. MeasuredProfile.prefill_model())")
-        if window_s is not None and not window_s > 0:
-            raise ConfigError("window_s", f"must be positive or None, got {window_s}")
+        if window_s is not None and (isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not window_s > 0):
+            raise ConfigError("window_s", f"must be a positive number of seconds or None, got {window_s!r}")
         self.prior = prior
         self.prefill = prefill
         self.window_s = window_s
