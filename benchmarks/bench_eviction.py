@@ -34,7 +34,8 @@ from kvpolicy.eviction.bench import compare, render
 from kvpolicy.eviction.kernels import KERNEL_POLICIES, replay_kernel
 from kvpolicy.traces import Trace, first_appearance_ids, read_mooncake
 
-TARGETS = {"lru": 15e6, "fifo": 15e6, "sieve": 15e6, "s3fifo": 8e6, "arc": 8e6, "belady": 5e6, "belady-bypass": 5e6, "hit-density": 5e6, "adaptive": 5e6}
+TARGETS = {"lru": 15e6, "fifo": 15e6, "sieve": 15e6, "s3fifo": 8e6, "arc": 8e6, "belady": 5e6, "belady-bypass": 5e6, "hit-density": 5e6, "adaptive": 5e6,
+           "lfu": 5e6, "ttl": 5e6, "gdsf": 5e6, "reuse-distance": 5e6}  # the heap-based priority kernels: as Belady
 
 
 def flat(ids: np.ndarray) -> Trace:

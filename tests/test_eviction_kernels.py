@@ -40,7 +40,11 @@ def test_next_use_per_ref():
 def test_kernel_errors():
     tr = flat_trace(np.array([0, 1]))
     with pytest.raises(ConfigError, match="no kernel"):
-        replay_kernel(tr, "lfu", 2)
+        replay_kernel(tr, "mru", 2)
+    with pytest.raises(ConfigError, match="ttl_s"):
+        replay_kernel(tr, "ttl", 2, ttl_s=-1)
+    with pytest.raises(ConfigError, match="the lfu kernel takes no such option"):
+        replay_kernel(tr, "lfu", 2, ttl_s=5)
     with pytest.raises(ConfigError, match="capacity_blocks"):
         replay_kernel(tr, "lru", -1)
     with pytest.raises(ConfigError, match="fewer than 67,108,864 blocks"):
@@ -58,3 +62,18 @@ def test_kernel_on_queues_that_wrap_and_compact(policy):
         online = replay(tr, policy, cap, record_victims=True)
         kernel = replay_kernel(tr, policy, cap)
         assert np.array_equal(online.hits, kernel.hits) and online.victims == kernel.victims.tolist()
+
+
+@pytest.mark.parametrize("policy,kw", [
+    ("ttl", dict(ttl_s=2.5)), ("ttl", dict(ttl_s=float("inf"))),
+    ("reuse-distance", dict(aging=3.0, boost=0.0)), ("reuse-distance", dict(ewma=0.2, effective_bytes=3)),
+])
+@settings(max_examples=60, deadline=None)
+@given(tr=prefix_traces(max_requests=30), cap=st.integers(0, 14))
+def test_priority_kernel_knobs_make_the_online_decisions(policy, kw, tr, cap):
+    """TTL's expiry (every block expiring within a few requests, or never) and reuse-distance's doomed / aged / boosted
+    ranks: the kernel with the knob evicts what the online policy with the same knob evicts."""
+    online = replay(tr, policy, cap, record_victims=True, **kw)
+    kernel = replay_kernel(tr, policy, cap, **kw)
+    assert np.array_equal(online.hits, kernel.hits)
+    assert online.victims == kernel.victims.tolist()
