@@ -1110,6 +1110,14 @@ def _plt(hf, hi, i, a, b, c):
     return hi[2 * i] < c
 
 
+@nb.njit(cache=True, inline="always")
+def _pset(hf, hi, i, a, b, c, payload):
+    hf[2 * i] = a
+    hf[2 * i + 1] = b
+    hi[2 * i] = c
+    hi[2 * i + 1] = payload
+
+
 @nb.njit(cache=True)
 def _ppush(hf, hi, n, a, b, c, payload):  # pragma: no cover - compiled
     """Push onto a 4-ary heap (half the levels of a binary one; measured no faster than binary here — the per-block
@@ -1119,15 +1127,9 @@ def _ppush(hf, hi, n, a, b, c, payload):  # pragma: no cover - compiled
         par = (i - 1) >> 2
         if _plt(hf, hi, par, a, b, c):
             break
-        hf[2 * i] = hf[2 * par]
-        hf[2 * i + 1] = hf[2 * par + 1]
-        hi[2 * i] = hi[2 * par]
-        hi[2 * i + 1] = hi[2 * par + 1]
+        _pset(hf, hi, i, hf[2 * par], hf[2 * par + 1], hi[2 * par], hi[2 * par + 1])
         i = par
-    hf[2 * i] = a
-    hf[2 * i + 1] = b
-    hi[2 * i] = c
-    hi[2 * i + 1] = payload
+    _pset(hf, hi, i, a, b, c, payload)
     return n + 1
 
 
@@ -1149,15 +1151,9 @@ def _ppop(hf, hi, n):  # pragma: no cover - compiled
                 m = k
         if not _plt(hf, hi, m, a, b, c):
             break
-        hf[2 * i] = hf[2 * m]
-        hf[2 * i + 1] = hf[2 * m + 1]
-        hi[2 * i] = hi[2 * m]
-        hi[2 * i + 1] = hi[2 * m + 1]
+        _pset(hf, hi, i, hf[2 * m], hf[2 * m + 1], hi[2 * m], hi[2 * m + 1])
         i = m
-    hf[2 * i] = a
-    hf[2 * i + 1] = b
-    hi[2 * i] = c
-    hi[2 * i + 1] = payload
+    _pset(hf, hi, i, a, b, c, payload)
     return n
 
 
@@ -1317,10 +1313,7 @@ def _pcompact(hf, hi, hn, rec):  # pragma: no cover - compiled
     for i in range(hn):
         c_ = hi[2 * i + 1] >> 32
         if (hi[2 * i + 1] & 0xFFFFFFFF) == (rec[8 * c_ + 4] & 0xFFFFFFFF) and rec[8 * c_] and rec[8 * c_ + 1] == 0:
-            hf[2 * m] = hf[2 * i]
-            hf[2 * m + 1] = hf[2 * i + 1]
-            hi[2 * m] = hi[2 * i]
-            hi[2 * m + 1] = hi[2 * i + 1]
+            _pset(hf, hi, m, hf[2 * i], hf[2 * i + 1], hi[2 * i], hi[2 * i + 1])
             m += 1
     n = 0
     for i in range(m):
