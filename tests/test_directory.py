@@ -98,6 +98,13 @@ def test_bad_entries_and_keys_name_the_field(directory):
     with pytest.raises(ConfigError) as e:
         directory.publish("t", [("not", "an", "entry")])
     assert e.value.field == "entries"
+    # what is not a sequence at all: Redis took publish(None) for "nothing to publish" and memory raised TypeError
+    for call, field in ((lambda: directory.publish("t", None), "entries"), (lambda: directory.match_prefix("t", None), "keys"),
+                        (lambda: directory.evict("t", 5), "keys"), (lambda: directory.lease("t", None, 5.0), "keys"),
+                        (lambda: directory.release(None), "lease")):
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert e.value.field == field
 
 
 def test_expiry_memory():

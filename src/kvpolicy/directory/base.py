@@ -51,12 +51,31 @@ def check_holder(holder: Any) -> str:
 def check_keys(keys: Any, field: str = "keys") -> list[bytes]:
     if isinstance(keys, (bytes, str)):
         raise ConfigError(field, "must be a sequence of keys, not one key")
+    if not hasattr(keys, "__iter__"):
+        raise ConfigError(field, f"must be a sequence of keys, got {type(keys).__name__}")
     out = []
     for i, k in enumerate(keys):
         if not isinstance(k, (bytes, bytearray)) or not 1 <= len(k) <= 64:
             raise ConfigError(field, f"key {i} must be 1..64 bytes, got {k!r:.40}")
         out.append(bytes(k))
     return out
+
+
+def check_entries(entries: Any) -> list[Any]:
+    """What publish() takes: a sequence of Entry objects (checked here, so every directory refuses the same input)."""
+    if isinstance(entries, (bytes, str)) or not hasattr(entries, "__iter__"):
+        raise ConfigError("entries", f"must be a sequence of kvpolicy.directory.Entry objects, got {type(entries).__name__}")
+    out = list(entries)
+    for e in out:
+        if not isinstance(e, Entry):
+            raise ConfigError("entries", f"must be kvpolicy.directory.Entry objects, got {type(e).__name__}")
+    return out
+
+
+def check_lease(lease: Any) -> Any:
+    if not isinstance(lease, Lease):
+        raise ConfigError("lease", f"must be the Lease a lease() call returned, got {type(lease).__name__}")
+    return lease
 
 
 def _key(inst: Any, a: attrs.Attribute, v: Any) -> None:

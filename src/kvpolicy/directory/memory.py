@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from ..clock import WallClock
 from ..errors import ConfigError
 from ..protocols import Clock
-from .base import Entry, Lease, TenantIndex, check_holder, check_keys, check_tenant, check_ttl
+from .base import Entry, Lease, TenantIndex, check_entries, check_holder, check_keys, check_lease, check_tenant, check_ttl
 
 
 class InMemoryDirectory:
@@ -71,9 +71,7 @@ class InMemoryDirectory:
 
     def publish(self, tenant: str, entries: Sequence[Entry]) -> int:
         table = self._table(tenant)
-        for e in entries:
-            if not isinstance(e, Entry):
-                raise ConfigError("entries", f"must be kvpolicy.directory.Entry objects, got {type(e).__name__}")
+        entries = check_entries(entries)
         for e in entries:
             holders = table.get(e.key)
             if holders is None:
@@ -173,7 +171,7 @@ class InMemoryDirectory:
         return lease
 
     def release(self, lease: Lease) -> None:
-        if self._active.pop(lease.lease_id, None) is not None:
+        if self._active.pop(check_lease(lease).lease_id, None) is not None:
             self._drop_lease(lease)
 
     def keys(self, tenant: str) -> list[bytes]:

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ConfigError
-from .base import Entry, Lease, TenantIndex, check_holder, check_keys, check_tenant, check_ttl
+from .base import Entry, Lease, TenantIndex, check_entries, check_holder, check_keys, check_lease, check_tenant, check_ttl
 
 # A holder's value ends in its own expiry (absolute seconds; '' = none): the entry is live while that is ahead.
 # A hash lives as long as its longest-lived holder — persistent if any holder is, else until the latest expiry —
@@ -268,13 +268,12 @@ class RedisDirectory:
 
     def publish(self, tenant: str, entries: Sequence[Entry]) -> int:
         base = self._base(tenant)
+        entries = check_entries(entries)  # None was "nothing to publish" here and a TypeError in memory
         if not entries:
             return 0
         keys = [base + "lru", base + "clock"]
         args: list[Any] = [self.max_keys_per_tenant, base + "lease:"]
         for e in entries:
-            if not isinstance(e, Entry):
-                raise ConfigError("entries", f"must be kvpolicy.directory.Entry objects, got {type(e).__name__}")
             h = e.key.hex()
             keys.append(base + "b:" + h)
             exp = "" if e.expires_at_s is None else str(int(e.expires_at_s * 1000))
@@ -352,7 +351,7 @@ class RedisDirectory:
         return Lease(lease_id, tenant, tuple(ks), time.time() + ttl_s)
 
     def release(self, lease: Lease) -> None:
-        base = self._base(lease.tenant)
+        base = self._base(check_lease(lease).tenant)
         names = [base + "lease:" + k.hex() for k in lease.keys]
         if names:
             self._call(lambda: self._release(keys=names, args=[lease.lease_id]), 0)
