@@ -168,3 +168,15 @@ def test_admission_inputs_name_their_field():
     with pytest.raises(ConfigError) as e:
         ctl.record(None)
     assert e.value.field == "outcome"
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(local_eviction="nope"), "local_eviction"), (dict(pool_eviction=None), "pool_eviction"), (dict(publish="threshold-0"), "publish"),
+])
+def test_policy_set_names_its_field(kw, field):
+    """A misspelt policy in a set was refused only when the simulator built a replica, as 'policy'."""
+    from kvpolicy.sim.policysets import PolicySet
+
+    with pytest.raises(ConfigError) as e:
+        PolicySet(name="mine", **kw)
+    assert e.value.field == field

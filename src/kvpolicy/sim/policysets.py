@@ -66,6 +66,18 @@ class PolicySet:
     compute_while_loading: bool = False
 
     def __attrs_post_init__(self) -> None:
+        from ..eviction.replay import ALL_POLICIES
+        from ..publish import check_spec
+
+        for field in ("local_eviction", "pool_eviction"):
+            v = getattr(self, field)
+            if not isinstance(v, str) or v not in ALL_POLICIES:  # named here, not as "policy" when a replica is built
+                raise ConfigError(field, f"unknown eviction policy {v!r}; known: {', '.join(ALL_POLICIES)}")
+        if self.publish != "oracle":
+            try:
+                check_spec(self.publish)
+            except ConfigError as e:
+                raise ConfigError("publish", f"{e.problem} (or 'oracle')") from None
         if self.load not in ("admission", "always", "min-tokens", "never", "oracle"):
             raise ConfigError("load", f"unknown load rule {self.load!r}")
         if self.timeout not in ("none", "admission", "sglang"):
