@@ -90,6 +90,10 @@ def test_server_refuses_text_and_out_of_vocab_prompts(server):
     assert r.status_code == 400 and "[0, 4096)" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/completions", content=b"{not json")
     assert r.status_code == 400
+    # a truthy "yes" streamed and a 0 did not; a numeric model was echoed back as the model's name
+    for bad, field in (({"stream": "yes"}, "stream"), ({"model": 7}, "model")):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2, 3], **bad})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(field + ":")
     r = httpx.post(server.url + "/v1/completions", json={"prompt": list(range(100)), "max_tokens": 2})
     body = r.json()
     assert r.status_code == 200 and body["usage"]["prompt_tokens"] == 100 and body["usage"]["completion_tokens"] == 2

@@ -120,6 +120,12 @@ class _Handler(BaseHTTPRequestHandler):
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= 4096:
             self._error(400, "max_tokens: must be an int in [1, 4096]")
             return
+        if not isinstance(req.get("stream", False), bool):  # "yes" streamed, 0 did not: a typo would change the protocol
+            self._error(400, f"stream: must be true or false, got {req.get('stream')!r}")
+            return
+        if req.get("model") is not None and not isinstance(req.get("model"), str):
+            self._error(400, f"model: must be a string, got {req.get('model')!r}")
+            return
         with srv.lock:
             r = srv.engine.prefill(prompt, publish=False)
             srv.requests += 1
