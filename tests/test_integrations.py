@@ -438,7 +438,9 @@ def test_lmcache_store_policy_config_is_validated_and_registers_as_a_real_subcla
                        ('{"chunk_tokens": 0}', "KVPOLICY_LMCACHE_STORE_POLICY.chunk_tokens"), ("{nope", "KVPOLICY_LMCACHE_STORE_POLICY"),
                        # "false" is truthy: L1 copies would have been deleted after every store
                        ('{"delete_l1_after_store": "false"}', "KVPOLICY_LMCACHE_STORE_POLICY.delete_l1_after_store"),
-                       ('{"filter": 2}', "KVPOLICY_LMCACHE_STORE_POLICY.filter")):
+                       ('{"filter": 2}', "KVPOLICY_LMCACHE_STORE_POLICY.filter"),
+                       # a misspelt spec was refused only when the store policy was built, as "policy"
+                       ('{"filter": "threshhold-2"}', "KVPOLICY_LMCACHE_STORE_POLICY.filter")):
         with pytest.raises(ConfigError) as e:
             load_config(bad)
         assert e.value.field == field
@@ -842,6 +844,7 @@ def test_the_loadable_connector_decides_in_front_of_the_inner_one():
     ({"bytes_per_token": "131072"}, "kvpolicy.bytes_per_token"),
     ({"block_size": 0}, "kvpolicy.block_size"),
     ({"publish": 2}, "kvpolicy.publish"),
+    ({"publish": "reuse-awre"}, "kvpolicy.publish"),  # a misspelt spec: named as the setting, not as the filter's "policy"
 ])
 def test_connector_settings_are_read_strictly(kvp, field):
     from kvpolicy.integrations.vllm_kv_connector import KVPolicyConnector
@@ -912,7 +915,7 @@ def test_hicache_backend_stores_only_what_will_be_reread_and_prefetches_only_wha
 
         KVPolicyHiCacheStorage(type("C", (), {"extra_config": {}})(), {})
     for kvp, field in (({"page_token": 64}, "kvpolicy.page_token"), ({"bytes_per_page": 2.5e6}, "kvpolicy.bytes_per_page"), ([1], "kvpolicy"),
-                       ({"publish": None}, "kvpolicy.publish")):
+                       ({"publish": None}, "kvpolicy.publish"), ({"publish": "threshold-0"}, "kvpolicy.publish")):
         with pytest.raises(ConfigError) as e:
             KVPolicyHiCacheStorage(type("C", (), {"extra_config": {"inner": {"backend_name": "file"}, "kvpolicy": kvp}})(), {}, inner=DictStore())
         assert e.value.field == f"extra_config.{field}"

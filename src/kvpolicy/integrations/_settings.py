@@ -40,6 +40,18 @@ def string_setting(cfg: dict[str, Any], key: str, where: str) -> str:
     return v
 
 
+def filter_setting(cfg: dict[str, Any], key: str, where: str, **kw: Any) -> Any:
+    """The publish filter a setting names (a ``make_filter`` spec); a bad spec is an error naming ``where.key``,
+    not the filter's own ``policy``."""
+    from ..publish import make_filter
+
+    spec = string_setting(cfg, key, where)
+    try:
+        return make_filter(spec, **kw)
+    except ConfigError as e:
+        raise ConfigError(f"{where}.{key}", e.problem) from None
+
+
 def controller_from_settings(cfg: dict[str, Any], where: str) -> AdmissionController:
     """An admission controller whose prior is the deployment's link (``link_gbps``, useful Gbit/s) and
     prefill speed (``prefill_tokens_per_s``); every bad value names ``where.<key>``."""

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ConfigError
-from ..publish import PublishRequest, make_filter
+from ..publish import PublishRequest, check_spec, make_filter
 
 ENV = "KVPOLICY_LMCACHE_STORE_POLICY"
 DEFAULTS: dict[str, Any] = {"filter": "threshold-2", "chunk_tokens": 256, "bytes_per_token": 131072, "prefill_tokens_per_s": 20000.0,
@@ -74,6 +74,10 @@ def load_config(raw: str | None = None) -> dict[str, Any]:
         raise ConfigError(f"{ENV}.delete_l1_after_store", f"must be true or false, got {cfg['delete_l1_after_store']!r}")
     if not isinstance(cfg["filter"], str):
         raise ConfigError(f"{ENV}.filter", f"must be a publish filter spec such as \"threshold-2\", got {cfg['filter']!r}")
+    try:
+        check_spec(cfg["filter"])  # here, where the setting has its name, not when the store policy builds it
+    except ConfigError as e:
+        raise ConfigError(f"{ENV}.filter", e.problem) from None
     if cfg["adapters"] is not None and not isinstance(cfg["adapters"], list):
         raise ConfigError(f"{ENV}.adapters", "must be a list of adapter type names or indexes, or null (every adapter)")
     return cfg

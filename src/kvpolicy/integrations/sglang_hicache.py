@@ -33,8 +33,8 @@ from typing import Any
 from ..admission import AdmissionContext, LoadOutcome
 from ..errors import ConfigError
 from ..matching import PrefixMatch
-from ..publish import PublishRequest, make_filter
-from ._settings import ADMISSION_DEFAULTS, controller_from_settings, positive_int_setting, read_settings, string_setting
+from ..publish import PublishRequest
+from ._settings import ADMISSION_DEFAULTS, controller_from_settings, filter_setting, positive_int_setting, read_settings
 
 try:  # pragma: no cover - depends on the environment
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base  # type: ignore[import-not-found]
@@ -66,7 +66,7 @@ class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         self.page_tokens = positive_int_setting(cfg, "page_tokens", "extra_config.kvpolicy")
         self.bytes_per_page = positive_int_setting(cfg, "bytes_per_page", "extra_config.kvpolicy")
         self.controller = controller_from_settings(cfg, "extra_config.kvpolicy")
-        self.filter = make_filter(string_setting(cfg, "publish", "extra_config.kvpolicy"))
+        self.filter = filter_setting(cfg, "publish", "extra_config.kvpolicy")
         self._ids = itertools.count()
         self.counts = {"exists_pages": 0, "exposed_pages": 0, "set_pages": 0, "stored_pages": 0, "loads_timed": 0}
 

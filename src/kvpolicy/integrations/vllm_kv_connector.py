@@ -33,8 +33,7 @@ import importlib
 from typing import Any
 
 from ..errors import ConfigError
-from ..publish import make_filter
-from ._settings import ADMISSION_DEFAULTS, controller_from_settings, positive_int_setting, read_settings, string_setting
+from ._settings import ADMISSION_DEFAULTS, controller_from_settings, filter_setting, positive_int_setting, read_settings, string_setting
 from .vllm_connector import VllmConnectorPolicy, _tokens
 
 try:  # pragma: no cover - depends on the environment
@@ -88,7 +87,7 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
         cfg = read_settings(extra.get("kvpolicy"), DEFAULTS, where)
         controller = controller_from_settings(cfg, where)
         bytes_per_token = positive_int_setting(cfg, "bytes_per_token", where)
-        kv_dtype, publish = string_setting(cfg, "kv_dtype", where), string_setting(cfg, "publish", where)
+        kv_dtype, publish_filter = string_setting(cfg, "kv_dtype", where), filter_setting(cfg, "publish", where)
         cache = getattr(vllm_config, "cache_config", None)
         block_size = positive_int_setting(cfg, "block_size", where)  # checked even where vLLM's cache config gives it
         B = int(getattr(cache, "block_size", None) or block_size)
@@ -96,7 +95,7 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
 
         model = getattr(getattr(vllm_config, "model_config", None), "model", None) or "model"
         ns = Namespace(model_id=str(model), model_revision="main", tokenizer_version="vllm", kv_dtype=kv_dtype, block_size_tokens=B)
-        self.policy = _Counted(BlockHasher(ns, "fast"), _NoIndex(), controller, make_filter(publish),
+        self.policy = _Counted(BlockHasher(ns, "fast"), _NoIndex(), controller, publish_filter,
                                bytes_per_token=bytes_per_token)
 
     # ---------------------------------------------------------------- scheduler side
