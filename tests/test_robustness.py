@@ -180,3 +180,20 @@ def test_policy_set_names_its_field(kw, field):
     with pytest.raises(ConfigError) as e:
         PolicySet(name="mine", **kw)
     assert e.value.field == field
+
+
+def test_prefill_fits_refuse_what_is_not_a_measurement():
+    """A NaN that reached the least squares made LAPACK print to stderr and raise LinAlgError; a string a ValueError."""
+    from kvpolicy.profile import fit_cross, fit_prefill, fit_prefill_rows
+
+    cases = ((lambda: fit_prefill([1, 2, 3], [0.1, float("nan"), 0.3]), "seconds"), (lambda: fit_prefill([1, 2, "x"], [1, 2, 3]), "prefix_tokens"),
+             (lambda: fit_prefill_rows([1, 2], [1, 1], [0.1, float("inf")], [0.1, 0.1]), "cold_prefill_ms"),
+             (lambda: fit_prefill_rows([1, 2], [1], [0.1, 0.2], [0.1, 0.1]), "tail_tokens"),
+             (lambda: fit_cross(None, [1], [1], [1]), "model"))
+    for call, field in cases:
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert e.value.field == field
+    # a local hit that was not measured is NaN, and still fits from the other rows
+    m = fit_prefill_rows([256, 512, 1024], [16, 16, 16], [0.01, 0.02, 0.05], [0.002, float("nan"), 0.003])
+    assert m.a_s >= 0 and m.rms_rel_error < 1

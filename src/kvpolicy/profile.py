@@ -121,10 +121,29 @@ def _nnls_relative(basis: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best[1]
 
 
+def _column(name: str, values: Any, *, n: int | None = None, allow_nan: bool = False) -> np.ndarray:
+    """Measured numbers as a 1-D float array: each a finite non-negative number (NaN where ``allow_nan``: not
+    measured), ``n`` of them when given — a NaN that reached the least squares made LAPACK print an error and
+    raise LinAlgError."""
+    try:
+        a = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ConfigError(name, f"must be a sequence of numbers, got {values!r:.60}") from None
+    if a.ndim != 1:
+        raise ConfigError(name, f"must be a flat sequence of numbers, got {a.ndim} dimensions")
+    if n is not None and a.size != n:
+        raise ConfigError(name, f"has {a.size} values, the other columns {n}")
+    bad = np.isinf(a) | (a < 0) | (np.isnan(a) if not allow_nan else np.zeros(a.shape, dtype=bool))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ConfigError(name, f"value {i} is {float(a[i])!r}: measurements must be finite and non-negative")
+    return a
+
+
 def fit_prefill(prefix_tokens: Sequence[float], seconds: Sequence[float]) -> PrefillModel:
     """Non-negative least squares on relative error over subsets of {1, T, T²}."""
-    t = np.asarray(prefix_tokens, dtype=np.float64)
-    y = np.asarray(seconds, dtype=np.float64)
+    t = _column("prefix_tokens", prefix_tokens)
+    y = _column("seconds", seconds)
     if t.size != y.size or t.size < 1:
         raise ConfigError("prefix_tokens", "need at least one (prefix_tokens, seconds) pair of equal lengths")
     if np.any(y <= 0):
@@ -149,17 +168,19 @@ def fit_prefill_rows(prefix_tokens: Sequence[float], tail_tokens: Sequence[float
     squares on relative error over all rows (x tied to 2c without half-hit rows, which alone
     tell it apart from d). ``rms_rel_error``/``max_rel_error`` are over the cold rows,
     ``cross_rms_rel_error`` over the half-hit rows."""
-    L = np.asarray(prefix_tokens, dtype=np.float64)
-    t = np.asarray(tail_tokens, dtype=np.float64)
-    groups = [(np.zeros_like(L), L + t, np.asarray(cold_s, dtype=np.float64))]
-    local = np.asarray(local_s, dtype=np.float64)
+    L = _column("prefix_tokens", prefix_tokens)
+    if L.size < 1:
+        raise ConfigError("prefix_tokens", "need at least one row to fit")
+    t = _column("tail_tokens", tail_tokens, n=L.size)
+    groups = [(np.zeros_like(L), L + t, _column("cold_prefill_ms", cold_s, n=L.size))]
+    local = _column("local_hit_ttft_ms", local_s, n=L.size, allow_nan=True)  # NaN: a row without a local-hit measurement
     ok = np.isfinite(local)
     groups.append((L[ok], (L + t)[ok], local[ok]))
     has_half = half_cached_tokens is not None and half_s is not None and bool(np.any(np.asarray(half_cached_tokens) > 0))
     if has_half:
-        r = np.asarray(half_cached_tokens, dtype=np.float64)
+        r = _column(HALF_HIT_COLUMNS[0], half_cached_tokens, n=L.size)
         use = r > 0
-        groups.append((r[use], (L + t)[use], np.asarray(half_s, dtype=np.float64)[use]))
+        groups.append((r[use], (L + t)[use], _column(HALF_HIT_COLUMNS[1], half_s, n=L.size, allow_nan=True)[use]))
     for name, g in zip(("cold_prefill_ms", "local_hit_ttft_ms", HALF_HIT_COLUMNS[1]), groups):
         if np.any(g[2] <= 0):
             raise ConfigError(name, "prefill times must be positive to fit")
@@ -199,9 +220,11 @@ def fit_cross(model: PrefillModel, prefix_tokens: Sequence[float], cached_tokens
     whose first ``cached_tokens`` were cached. With a, b, c, d fixed (cold and local-hit rows),
     x is the least-squares fit on relative error of what is left, clipped at 0. Rows with nothing
     cached say nothing about x; without any other, the model is returned unchanged (x = 2c)."""
-    t = np.asarray(prefix_tokens, dtype=np.float64)
-    r = np.asarray(cached_tokens, dtype=np.float64)
-    y = np.asarray(seconds, dtype=np.float64)
+    if not isinstance(model, PrefillModel):
+        raise ConfigError("model", f"must be a PrefillModel (fit_prefill or fit_prefill_rows gives one), got {type(model).__name__}")
+    t = _column("prefix_tokens", prefix_tokens)
+    r = _column("cached_tokens", cached_tokens, n=t.size)
+    y = _column("seconds", seconds, n=t.size)
     use = r > 0
     if not np.any(use):
         return model
