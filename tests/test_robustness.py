@@ -197,3 +197,28 @@ def test_prefill_fits_refuse_what_is_not_a_measurement():
     # a local hit that was not measured is NaN, and still fits from the other rows
     m = fit_prefill_rows([256, 512, 1024], [16, 16, 16], [0.01, 0.02, 0.05], [0.002, float("nan"), 0.003])
     assert m.a_s >= 0 and m.rms_rel_error < 1
+
+
+def _entry_points():
+    from kvpolicy.analysis import analyze, prefix_groups, replica_view
+    from kvpolicy.diagnose import diagnose, explain
+    from kvpolicy.eviction import replay
+    from kvpolicy.eviction.bench import compare
+    from kvpolicy.eviction.kernels import replay_kernel
+    from kvpolicy.publish_sim import publish_bench
+    from kvpolicy.sim import Prepared
+
+    return {"analyze": lambda t: analyze(t, bytes_per_token=512), "prefix_groups": lambda t: prefix_groups(t, 512),
+            "replica_view": lambda t: replica_view(t, 2, bytes_per_token=512), "diagnose": diagnose, "explain": lambda t: explain(t, "r1"),
+            "replay": lambda t: replay(t, "lru", 4), "replay_kernel": lambda t: replay_kernel(t, "lru", 4),
+            "evict compare": lambda t: compare(t, ["lru"], [4]), "publish_bench": lambda t: publish_bench(t, ["all"], bytes_per_token=512),
+            "Prepared": Prepared}
+
+
+@pytest.mark.parametrize("entry", list(_entry_points()))
+@pytest.mark.parametrize("not_a_trace", ["trace.jsonl", None])
+def test_every_trace_entry_point_names_a_trace_that_is_not_one(entry, not_a_trace):
+    """An AttributeError on a column name was what a path string or None where the trace goes got."""
+    with pytest.raises(ConfigError) as e:
+        _entry_points()[entry](not_a_trace)
+    assert e.value.field == "trace"

@@ -46,6 +46,7 @@ import numpy as np
 
 from ._mix import splitmix64
 from .errors import ConfigError
+from .traces.model import check_trace
 
 KINDS = ("varying-span", "reordered", "edited", "other")
 
@@ -184,6 +185,7 @@ class Diagnosis:
 def diagnose(trace: Any, *, min_shared: float = 0.8, min_lost_tokens: int | None = None, mask_bits: int = 4, min_chunk: int = 4,
              max_chunk: int = 64, small_span: int = 64, candidates_per_chunk: int = 4) -> Diagnosis:
     """Find requests whose prefix match breaks early although their content was seen."""
+    check_trace(trace)
     if not 0 < min_shared <= 1:
         raise ConfigError("min_shared", f"must be in (0, 1], got {min_shared}")
     from .analysis import PrefixMRC
@@ -251,6 +253,7 @@ def _request_index(trace: Any, request_id: str) -> int:
 
 def explain(trace: Any, request_id: str, diagnosis: Diagnosis | None = None, capacity_blocks: int | None = None) -> dict[str, Any]:
     """Why did this request miss what it missed — in the ledger's terms where they apply."""
+    check_trace(trace)
     r = _request_index(trace, str(request_id))
     from .analysis.stack import request_stack_distances
 

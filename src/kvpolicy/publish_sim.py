@@ -26,6 +26,7 @@ from .errors import ConfigError
 from .eviction.policies import depth_cost
 from .profile import PrefillModel
 from .publish import PublishRequest, make_filter
+from .traces.model import check_trace
 
 #: order-of-magnitude default prefill model (≈ 20k tokens/s, mildly superlinear); pass a measured profile
 DEFAULT_PREFILL = PrefillModel(a_s=0.0, b_s_per_token=5e-5, c_s_per_token2=1e-10, rms_rel_error=float("nan"), max_rel_error=float("nan"))
@@ -41,6 +42,7 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
                   progress: Any = None, judge_from_request: int = 0) -> dict[str, Any]:
     """``judge_from_request`` = k > 0 is a held-out split: every filter sees the whole trace (it learns on requests < k)
     but only writes and re-reads made by requests >= k are counted — for the oracle too."""
+    check_trace(trace)
     if isinstance(policies, str):  # "all" would be read as the policies 'a', 'l', 'l'
         raise ConfigError("--policies", f"give a list of publish policy specs, got the string {policies!r}")
     if pool_capacity_blocks is not None:  # None: infinite

@@ -28,6 +28,7 @@ import numpy as np
 
 from .._mix import splitmix64
 from ..errors import ConfigError
+from ..traces.model import check_trace
 
 Routing = Literal["random", "round-robin", "prefix-affinity"]
 ROUTINGS: tuple[str, ...] = ("random", "round-robin", "prefix-affinity")
@@ -183,6 +184,7 @@ def worst_window_rate(times_s: np.ndarray, values: np.ndarray, window_s: float) 
 
 
 def replica_view(trace: Any, n_replicas: int, routing: Routing = "round-robin", *, bytes_per_token: int, affinity_blocks: int = 4, seed: int = 0) -> ReplicaView:
+    check_trace(trace)
     if isinstance(bytes_per_token, bool) or not isinstance(bytes_per_token, int) or bytes_per_token <= 0:
         raise ConfigError("bytes_per_token", f"must be a positive int, got {bytes_per_token!r}")
     rep = route(trace, n_replicas, routing, affinity_blocks=affinity_blocks, seed=seed)

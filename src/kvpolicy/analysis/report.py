@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
+from ..traces.model import check_trace
 from .capacity import EffectiveCapacity
 from .mrc import PrefixMRC, default_capacities
 from .replicas import ROUTINGS, replica_view
@@ -50,6 +51,7 @@ def analyze(
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Every number of the report, as a JSON-able dict."""
+    check_trace(trace)
     if isinstance(bytes_per_token, bool) or not isinstance(bytes_per_token, int) or bytes_per_token <= 0:
         raise ConfigError("bytes_per_token", f"must be a positive int, got {bytes_per_token!r}")
     if routing not in ROUTINGS:

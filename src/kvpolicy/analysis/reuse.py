@@ -17,6 +17,7 @@ from typing import Any
 import numba as nb
 import numpy as np
 
+from ..traces.model import check_trace
 from .stack import request_stack_distances
 
 
@@ -62,6 +63,7 @@ def reuse_summary(trace: Any, bytes_per_token: int, distances: np.ndarray | None
 
 def prefix_groups(trace: Any, bytes_per_token: int, depth_blocks: int = 1, top: int = 10, distances: np.ndarray | None = None) -> list[dict[str, Any]]:
     """The most-used prefix groups with their reuse-interval and distance distributions."""
+    check_trace(trace)
     full = trace.full_blocks
     has = full >= depth_blocks
     if not has.any():

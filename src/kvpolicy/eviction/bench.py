@@ -16,6 +16,7 @@ import numpy as np
 from ..analysis import PrefixMRC
 from .._validate import check_positive_int, check_split
 from ..errors import ConfigError
+from ..traces.model import check_trace
 from .kernels import KERNEL_POLICIES, replay_kernel
 from .replay import ALL_POLICIES, replay
 
@@ -32,6 +33,7 @@ def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, by
 
     ``judge_from_request`` = k > 0 is a held-out split: every policy runs over the whole trace (its online
     learning and its cache warm up on requests < k) but only the references of requests >= k are scored."""
+    check_trace(trace)
     if isinstance(policies, str):  # "lru" would be read as the policies 'l', 'r', 'u'
         raise ConfigError("--policies", f"give a list of policy names, got the string {policies!r}")
     bad = [p for p in policies if p not in ALL_POLICIES]

@@ -35,6 +35,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..errors import ConfigError
+from ..traces.model import check_trace
 from .replay import ReplayResult
 
 NIL = -1
@@ -1772,6 +1773,7 @@ def next_use_per_ref(trace: Any) -> np.ndarray:
 
 def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fraction: float | None = None, **kw: Any) -> ReplayResult:
     """Kernel replay of ``policy`` (one of KERNEL_POLICIES): the same result as :func:`replay`."""
+    check_trace(trace)
     if policy not in KERNEL_POLICIES:
         raise ConfigError("policy", f"no kernel for {policy!r}; kernels: {KERNEL_POLICIES}")
     if kw and policy not in ("hit-density", "adaptive", "ttl", "reuse-distance"):

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..clock import ManualClock
 from ..errors import ConfigError
+from ..traces.model import check_trace
 from .base import EvictionPolicy, serve
 from .policies import POLICIES, BeladyPolicy, TraceOracle, TTLPolicy
 from .hit_density import AdaptivePolicy, HitDensityPolicy
@@ -105,6 +106,7 @@ class ReplayResult:
 
 def replay(trace: Any, policy: EvictionPolicy | str, capacity_blocks: int | None = None, *, record_victims: bool = False, **kw: Any) -> ReplayResult:
     """Feed every request of ``trace`` to ``policy`` (blocks of unit size)."""
+    check_trace(trace)
     if isinstance(policy, str):
         if capacity_blocks is None:
             raise ConfigError("capacity_blocks", "required when the policy is given by name")

@@ -61,6 +61,7 @@ from ..ledger import Ledger, PublicationLog, RequestRecord
 from ..matching import match
 from ..publish import PublishRequest, make_filter
 from ..publish_sim import block_recompute_s
+from ..traces.model import check_trace
 from ..warmup import WarmupConfig, hot_prefixes_from_trace, plan_warmup
 from .config import ClusterConfig, Degrade, ScaleOut, Spike
 from .network import Flow, FlowNetwork, Link
@@ -149,6 +150,7 @@ class Prepared:
     """Per-trace data every run shares (read the trace once, feed every policy set)."""
 
     def __init__(self, trace: Any) -> None:
+        check_trace(trace)
         if len(trace) == 0:
             raise ConfigError("trace", "has no requests")
         self.trace = trace

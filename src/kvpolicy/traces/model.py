@@ -205,6 +205,14 @@ class Trace:
         }
 
 
+def check_trace(trace: Any, field: str = "trace") -> Trace:
+    """``trace`` itself when it is a :class:`Trace`; else a ConfigError naming ``field`` (not an AttributeError from
+    whatever first reads a column)."""
+    if not isinstance(trace, Trace):
+        raise ConfigError(field, f"must be a kvpolicy.traces.Trace (read_trace(path) or generate(preset(...)) gives one), got {type(trace).__name__}")
+    return trace
+
+
 @attrs.frozen
 class ChainConflict:
     """Two references of one block id with different predecessors: ``request``'s block ``position`` against the
