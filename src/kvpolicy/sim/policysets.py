@@ -43,6 +43,8 @@ from typing import Literal
 import attrs
 
 from ..errors import ConfigError
+from ..eviction.replay import ALL_POLICIES
+from ..publish import check_spec
 
 Load = Literal["admission", "always", "min-tokens", "never", "oracle"]
 Timeout = Literal["none", "admission", "sglang"]
@@ -66,9 +68,6 @@ class PolicySet:
     compute_while_loading: bool = False
 
     def __attrs_post_init__(self) -> None:
-        from ..eviction.replay import ALL_POLICIES
-        from ..publish import check_spec
-
         for field in ("local_eviction", "pool_eviction"):
             v = getattr(self, field)
             if not isinstance(v, str) or v not in ALL_POLICIES:  # named here, not as "policy" when a replica is built

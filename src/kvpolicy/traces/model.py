@@ -314,21 +314,29 @@ def chain_conflict(block_offsets: np.ndarray, block_ids: np.ndarray) -> ChainCon
     return chain_check(block_offsets, block_ids)[1]
 
 
-def canonicalize(trace: Trace) -> Trace:
-    """Renumber ids densely by first appearance (full blocks, then the partial one, request by request)."""
-    n = len(trace)
-    counts = trace.full_blocks + (trace.partial_block_ids >= 0)
+def canonical_ids(block_offsets: np.ndarray, block_ids: np.ndarray, partial_block_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(full block ids, partial block ids) renumbered densely by first appearance — full blocks, then the partial
+    one, request by request — on the arrays, so a reader can build its Trace once, already canonical."""
+    n = partial_block_ids.size
+    full = np.diff(block_offsets)
+    counts = full + (partial_block_ids >= 0)
     stream = np.empty(int(counts.sum()), dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) if n else np.zeros(0, np.int64)
-    full_pos = np.repeat(starts, trace.full_blocks) + trace.position_of_block_ref()
-    stream[full_pos] = trace.block_ids
-    has_p = trace.partial_block_ids >= 0
-    part_pos = starts[has_p] + trace.full_blocks[has_p]
-    stream[part_pos] = trace.partial_block_ids[has_p]
+    full_pos = np.repeat(starts, full) + (np.arange(block_ids.size, dtype=np.int64) - np.repeat(block_offsets[:-1], full))
+    stream[full_pos] = block_ids
+    has_p = partial_block_ids >= 0
+    part_pos = starts[has_p] + full[has_p]
+    stream[part_pos] = partial_block_ids[has_p]
     dense = first_appearance_ids(stream)
     partial = np.full(n, -1, dtype=np.int64)
     partial[has_p] = dense[part_pos]
-    return attrs.evolve(trace, block_ids=dense[full_pos], partial_block_ids=partial)
+    return dense[full_pos], partial
+
+
+def canonicalize(trace: Trace) -> Trace:
+    """Renumber ids densely by first appearance (full blocks, then the partial one, request by request)."""
+    full, partial = canonical_ids(trace.block_offsets, trace.block_ids, trace.partial_block_ids)
+    return attrs.evolve(trace, block_ids=full, partial_block_ids=partial)
 
 
 @nb.njit(cache=True)

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ..errors import ConfigError, TraceFormatError
-from .model import Trace, canonicalize, chain_check
+from .model import Trace, canonical_ids, chain_check
 
 Format = Literal["mooncake", "bailian", "tokens"]
 FORMATS = ("mooncake", "bailian", "tokens")
@@ -258,11 +258,12 @@ class _Builder:
             np.cumsum([t.size for t in toks], out=tok_off[1:])
             kw["token_offsets"] = tok_off
             kw["tokens"] = np.concatenate(toks) if toks else np.zeros(0, np.uint32)
-        trace = Trace(
+        # canonical before the Trace exists: it is built (and its ids checked) once, not once raw and once renumbered
+        full_ids, partial = canonical_ids(offsets, full_ids, partial)
+        return Trace(
             arrival_s=arrival, input_tokens=inp, output_tokens=out, block_offsets=offsets, block_ids=full_ids,
             partial_block_ids=partial, block_size_tokens=B, source=source, skipped_lines=skipped, **kw,
         )
-        return canonicalize(trace)
 
 
 def _read(path: str | Path, block_size: int, sort: bool, skip_bad_lines: bool, row: Callable[[int, dict[str, Any], _Builder], None]) -> Trace:
