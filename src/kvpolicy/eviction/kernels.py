@@ -1159,17 +1159,14 @@ def _ppop(hf, hi, n):  # pragma: no cover - compiled
 
 
 @nb.njit(cache=True, inline="always")
-def _pkey(kind, rec, recf, ext, x, L, log_w, n_w, ttl_s, aging, boost, c_eff):
-    """(a, b) of block x's priority tuple now; GDSF records the value it pushed (its eviction raises L to it)."""
+def _pkey(kind, rec, recf, ext, x, L, w, ttl_s, aging, boost, c_eff):
+    """(a, b) of block x's priority tuple now (W: reuse-distance's learned wait, 0 before its first observation)."""
     if kind == PRIO_LFU:
         return float(rec[8 * x + 6]), recf[8 * x + 7]
     if kind == PRIO_GDSF:
-        v = L + (1 + rec[8 * x + 6]) * (1.0 + (np.int64(2**31 - 1) - (rec[8 * x + 5] >> 32))) / 1.0
-        ext[4 * x + 1] = v
-        return v, 0.0
+        return L + (1 + rec[8 * x + 6]) * (1.0 + (np.int64(2**31 - 1) - (rec[8 * x + 5] >> 32))) / 1.0, 0.0
     if kind == PRIO_TTL:
         return recf[8 * x + 7] + ttl_s, 0.0
-    w = math.exp(log_w) if n_w else 0.0
     h = rec[8 * x + 6]
     sh = aging * w if h == 0 else (-boost * w if h >= 2 else 0.0)
     est = ext[4 * x + 2]
@@ -1183,14 +1180,15 @@ def priority_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, t_now, kind, t
     its EWMA and learned W — each then by insertion order, as :class:`~kvpolicy.eviction.base.PriorityPolicy` does.
 
     One 64-byte record per block (resident, resident children, pin, parent, version, (2**31 − 1 − depth) << 32 | seq,
-    hits, last access as float64 bits) so a reference touches one cache line; reuse-distance and GDSF keep four more
-    words apart (insert time, GDSF's pushed value or reuse-distance's V at last use, the EWMA reuse distance)."""
+    hits, last access as float64 bits) so a reference touches one cache line; reuse-distance keeps three more words
+    apart (insert time, V at last use, the EWMA reuse distance). GDSF's floor L rises to the victim's heap key, the
+    value it was pushed with; after each eviction the next victim's record is prefetched."""
     n_req = offsets.size - 1
     rec = np.zeros(8 * n_ids, np.int64)
     rec[2::8] = -1
     rec[3::8] = NIL
     recf = rec.view(np.float64)
-    ext = np.zeros(4 * n_ids if kind == PRIO_REUSE or kind == PRIO_GDSF else 4, np.float64)
+    ext = np.zeros(4 * n_ids if kind == PRIO_REUSE else 4, np.float64)
     if kind == PRIO_REUSE:
         ext[2::4] = np.nan
     hcap = min(4 * max(cap, 1), ids.size + n_req) + 1024  # valid entries <= min(cap, blocks); pushes <= requests + evictions
@@ -1204,6 +1202,7 @@ def priority_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, t_now, kind, t
     V = 0.0
     log_w = 0.0
     n_w = 0
+    w_s = 0.0  # W = exp(log_w) once a first reuse was seen, else 0 (recomputed only when log_w moves)
     top = np.int64(2**31 - 1)
     for r in range(n_req):
         now = t_now[r]
@@ -1231,6 +1230,7 @@ def priority_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, t_now, kind, t
                             wait = max(now - ext[4 * x], 1e-6)
                             n_w += 1
                             log_w += (math.log(wait) - log_w) / n_w
+                            w_s = math.exp(log_w)
                     rec[8 * x + 2] = r
                     j += 1
                 if j > s:
@@ -1254,7 +1254,10 @@ def priority_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, t_now, kind, t
                         hn = _ppop(hf, hi, hn)
                     if t_ == NIL or (phase == 0 and recf[8 * t_ + 7] + ttl_s > now):
                         break  # nothing (more) expired; or no candidate at all, which freeable >= 1 rules out
+                    v_top = hf[0]  # GDSF: the value the victim was pushed with
                     hn = _ppop(hf, hi, hn)
+                    if hn > 0:  # the next victim's record, fetched while this one is handled
+                        _prefetch(rec, 8 * (hi[1] >> 32))
                     rec[8 * t_] = 0
                     rec[8 * t_ + 4] += 1
                     used -= 1
@@ -1263,12 +1266,12 @@ def priority_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, t_now, kind, t
                         rec[8 * pp + 1] -= 1
                         if rec[8 * pp + 1] == 0 and rec[8 * pp + 2] != r:  # the parent is a candidate: pushed with today's priority
                             rec[8 * pp + 4] += 1
-                            a_, b_ = _pkey(kind, rec, recf, ext, pp, L, log_w, n_w, ttl_s, aging, boost, c_eff)
+                            a_, b_ = _pkey(kind, rec, recf, ext, pp, L, w_s, ttl_s, aging, boost, c_eff)
                             if hn == hcap:
                                 hn = _pcompact(hf, hi, hn, rec)
                             hn = _ppush(hf, hi, hn, a_, b_, rec[8 * pp + 5], (pp << 32) | (rec[8 * pp + 4] & 0xFFFFFFFF))
-                    if kind == PRIO_GDSF and ext[4 * t_ + 1] > L:  # the evicted block's value is the new floor (after its parent's push)
-                        L = ext[4 * t_ + 1]
+                    if kind == PRIO_GDSF and v_top > L:  # the evicted block's value is the new floor (after its parent's push)
+                        L = v_top
                     if phase == 0:
                         continue
                     victims[nv] = t_
@@ -1300,7 +1303,7 @@ def priority_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, t_now, kind, t
             rec[8 * x + 2] = -1
             if rec[8 * x + 1] == 0:
                 rec[8 * x + 4] += 1
-                a_, b_ = _pkey(kind, rec, recf, ext, x, L, log_w, n_w, ttl_s, aging, boost, c_eff)
+                a_, b_ = _pkey(kind, rec, recf, ext, x, L, w_s, ttl_s, aging, boost, c_eff)
                 if hn == hcap:
                     hn = _pcompact(hf, hi, hn, rec)
                 hn = _ppush(hf, hi, hn, a_, b_, rec[8 * x + 5], (x << 32) | (rec[8 * x + 4] & 0xFFFFFFFF))
