@@ -77,3 +77,17 @@ def test_priority_kernel_knobs_make_the_online_decisions(policy, kw, tr, cap):
     kernel = replay_kernel(tr, policy, cap, **kw)
     assert np.array_equal(online.hits, kernel.hits)
     assert online.victims == kernel.victims.tolist()
+
+
+@pytest.mark.parametrize("policy", ["lfu", "gdsf", "ttl", "reuse-distance"])
+def test_priority_kernel_compacts_its_heap(policy):
+    """Half the references hit 50 hot blocks, so the heap fills with the stale entries of blocks hit since they were
+    pushed: LFU's and GDSF's sink until the heap is full, TTL's and reuse-distance's surface and make it compact
+    early. A compaction that dropped a live entry, or kept a dead one, would change the victims."""
+    rng = np.random.default_rng(11)
+    hot, cold = rng.integers(0, 50, 20000), rng.integers(50, 5000, 20000)
+    tr = flat_trace(first_appearance_ids(np.where(rng.random(20000) < 0.5, hot, cold)))
+    for cap in (30, 300):
+        online = replay(tr, policy, cap, record_victims=True)
+        kernel = replay_kernel(tr, policy, cap)
+        assert np.array_equal(online.hits, kernel.hits) and online.victims == kernel.victims.tolist()

@@ -1191,10 +1191,11 @@ def priority_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, t_now, kind, t
     ext = np.zeros(4 * n_ids if kind == PRIO_REUSE else 4, np.float64)
     if kind == PRIO_REUSE:
         ext[2::4] = np.nan
-    hcap = min(4 * max(cap, 1), ids.size + n_req) + 1024  # valid entries <= min(cap, blocks); pushes <= requests + evictions
+    hcap = min(4 * max(cap, 1), ids.size + n_req) + 64  # valid entries <= min(cap, blocks); pushes <= requests + evictions
     hf = np.empty(2 * hcap, np.float64)
     hi = np.empty(2 * hcap, np.int64)
     hn = 0
+    stale_pops = 0  # stale entries popped since the last compaction
     used = 0
     nseq = 0
     nv = 0
@@ -1252,6 +1253,7 @@ def priority_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, t_now, kind, t
                             t_ = c_
                             break
                         hn = _ppop(hf, hi, hn)
+                        stale_pops += 1
                     if t_ == NIL or (phase == 0 and recf[8 * t_ + 7] + ttl_s > now):
                         break  # nothing (more) expired; or no candidate at all, which freeable >= 1 rules out
                     v_top = hf[0]  # GDSF: the value the victim was pushed with
@@ -1269,6 +1271,7 @@ def priority_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, t_now, kind, t
                             a_, b_ = _pkey(kind, rec, recf, ext, pp, L, w_s, ttl_s, aging, boost, c_eff)
                             if hn == hcap:
                                 hn = _pcompact(hf, hi, hn, rec)
+                                stale_pops = 0
                             hn = _ppush(hf, hi, hn, a_, b_, rec[8 * pp + 5], (pp << 32) | (rec[8 * pp + 4] & 0xFFFFFFFF))
                     if kind == PRIO_GDSF and v_top > L:  # the evicted block's value is the new floor (after its parent's push)
                         L = v_top
@@ -1304,8 +1307,12 @@ def priority_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, t_now, kind, t
             if rec[8 * x + 1] == 0:
                 rec[8 * x + 4] += 1
                 a_, b_ = _pkey(kind, rec, recf, ext, x, L, w_s, ttl_s, aging, boost, c_eff)
-                if hn == hcap:
+                # compact when full, or early when stale entries are surfacing: a stale pop costs a sift as deep as a
+                # victim's, and a compaction one pass; early only past 1.25x the resident blocks, so each pass is paid
+                # for by at least a quarter of the capacity in pushes (amortised O(1))
+                if hn == hcap or (4 * stale_pops > hn - used and 4 * hn > 5 * used + 256):
                     hn = _pcompact(hf, hi, hn, rec)
+                    stale_pops = 0
                 hn = _ppush(hf, hi, hn, a_, b_, rec[8 * x + 5], (x << 32) | (rec[8 * x + 4] & 0xFFFFFFFF))
     return nv
 
