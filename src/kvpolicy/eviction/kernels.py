@@ -635,34 +635,25 @@ def arc_kernel(offsets, ids, tokens, bsz, shift, cap, n_ids, hits, victims):
                 from_t1 = cand[0] > 0 and (ht[8 + T1] > p or (in_b2 and ht[8 + T1] == p) or cand[1] == 0)
                 q = T1 if from_t1 else T2
                 t = ht[q]
-                while not (rec[8 * t + 3] == 0 and rec[8 * t + 4] != r):
-                    _x = t
-                    _L = rec[8 * _x + 2]
-                    _p = rec[8 * _x]
-                    _q = rec[8 * _x + 1]
-                    if _p != NIL:
-                        rec[8 * _p + 1] = _q
-                    else:
-                        ht[_L] = _q
-                    if _q != NIL:
-                        rec[8 * _q] = _p
-                    else:
-                        ht[4 + _L] = _p
-                    rec[8 * _x + 2] = NIL
-                    ht[8 + _L] -= 1
-                    _L = q
-                    _x = t
-                    _t = ht[4 + _L]
-                    rec[8 * _x + 2] = _L
-                    rec[8 * _x] = _t
-                    rec[8 * _x + 1] = NIL
-                    if _t != NIL:
-                        rec[8 * _t + 1] = _x
-                    else:
-                        ht[_L] = _x
-                    ht[4 + _L] = _x
-                    ht[8 + _L] += 1
-                    t = ht[q]
+                if not (rec[8 * t + 3] == 0 and rec[8 * t + 4] != r):
+                    # the oldest blocks that are not candidates rotate to the MRU end, in their order, as the online
+                    # ARC rotates them one at a time: find the first candidate, then move the run before it in one
+                    # splice (on long chains the run is a chain's whole prefix, evicted leaf by leaf)
+                    u = t
+                    while True:
+                        v = rec[8 * u + 1]
+                        if rec[8 * v + 3] == 0 and rec[8 * v + 4] != r:
+                            break
+                        u = v
+                    # run = ht[q] .. u; v = the first candidate (a candidate exists in q: cand[q] > 0)
+                    tail = ht[4 + q]
+                    ht[q] = v
+                    rec[8 * v] = NIL
+                    rec[8 * tail + 1] = t
+                    rec[8 * t] = tail
+                    rec[8 * u + 1] = NIL
+                    ht[4 + q] = u
+                    t = v
                 cand[q] -= 1
                 _x = t
                 _L = rec[8 * _x + 2]
