@@ -76,6 +76,7 @@ import numpy as np
 from ._validate import check_non_negative_int, check_non_negative_number, check_positive_int, check_positive_number, check_probability
 from .errors import ConfigError
 
+_M64 = (1 << 64) - 1
 DATA_CLASSES = ("public", "shared", "internal", "private")
 
 
@@ -237,7 +238,7 @@ class CountMinSketch:
         # rows as array('d'): scalar reads and writes are several times cheaper than numpy indexing;
         # ``table`` is a numpy view of the same memory for bulk rescaling
         self._rows_data = [array("d", bytes(8 * width)) for _ in range(depth)]
-        self._salt = [(seed * 1_000_003 + i * 7919 + 1) for i in range(depth)]
+        self._seed = (seed * 0x9E3779B97F4A7C15) & _M64
         self._t0 = 0.0
 
     @staticmethod
@@ -248,10 +249,22 @@ class CountMinSketch:
             return int.from_bytes(key[:8], "little")
         return hash(key)
 
+    def _hashes(self, key: Hashable) -> tuple[int, int]:
+        """Two 64-bit hashes of the key (splitmix64's finaliser on the key and on the first hash); row i reads
+        column (h1 + i·h2) mod width (Kirsch–Mitzenmacher: as independent as separate hashes, for the price of two).
+        Rows that share a column for most keys are one row: the sketch then overcounts as a single row does."""
+        z = ((self._key_int(key) ^ self._seed) + 0x9E3779B97F4A7C15) & _M64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+        h1 = z ^ (z >> 31)
+        z = ((h1 ^ (h1 >> 33)) * 0xFF51AFD7ED558CCD) & _M64
+        z = ((z ^ (z >> 33)) * 0xC4CEB9FE1A85EC53) & _M64
+        return h1, (z ^ (z >> 33)) | 1
+
     def _rows(self, key: Hashable) -> list[int]:
-        h = self._key_int(key) * 0x9E3779B97F4A7C15
+        h1, h2 = self._hashes(key)
         w = self.width
-        return [((h + s) >> 17) % w for s in self._salt]
+        return [(h1 + i * h2) % w for i in range(self.depth)]
 
     def _weight(self, t_s: float) -> float:
         x = self.lam * (t_s - self._t0)
@@ -266,20 +279,22 @@ class CountMinSketch:
 
     def add(self, key: Hashable, t_s: float, amount: float = 1.0) -> None:
         w = amount * self._weight(t_s)
-        h = self._key_int(key) * 0x9E3779B97F4A7C15
+        h, h2 = self._hashes(key)
         width = self.width
-        for row, s in zip(self._rows_data, self._salt):
-            row[((h + s) >> 17) % width] += w
+        for row in self._rows_data:
+            row[h % width] += w
+            h += h2
 
     def estimate(self, key: Hashable, t_s: float) -> float:
         w = self._weight(t_s)
-        h = self._key_int(key) * 0x9E3779B97F4A7C15
+        h, h2 = self._hashes(key)
         width = self.width
         m = math.inf
-        for row, s in zip(self._rows_data, self._salt):
-            v = row[((h + s) >> 17) % width]
+        for row in self._rows_data:
+            v = row[h % width]
             if v < m:
                 m = v
+            h += h2
         return m / w
 
 
