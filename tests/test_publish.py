@@ -119,7 +119,8 @@ def test_count_min_rows_are_independent():
     keys (the sketch's first hashing: 82 %) overcount as one row: ~28 % of keys here."""
     rng = np.random.default_rng(0)
     for keys in (rng.integers(0, 2**62, 2048).tolist(), [bytes(rng.integers(0, 256, 16, dtype=np.uint8)) for _ in range(2048)],
-                 list(range(2048))):
+                 list(range(2048)), [b"tenant-a/block-" + str(i).encode() for i in range(2048)],  # one 8-byte prefix
+                 [f"chunk:{i}" for i in range(2048)]):
         sk = CountMinSketch(width=1024, depth=4, half_life_s=1e9)
         for k in keys:
             sk.add(k, 0.0)
@@ -127,6 +128,17 @@ def test_count_min_rows_are_independent():
         assert (over >= 0).all()
         assert (over >= 2.5).mean() < 0.03, (over >= 2.5).mean()
         assert np.mean([len(set(sk._rows(k))) == 1 for k in keys]) < 0.01
+
+
+def test_count_min_hashes_str_keys_the_same_in_every_process():
+    """A str key's columns do not follow Python's per-process hash seed: two replicas (or two runs) count alike."""
+    import subprocess
+    import sys
+
+    code = "from kvpolicy.publish import CountMinSketch; print(CountMinSketch()._rows('chunk:7'), CountMinSketch()._rows(('a', 1)))"
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**__import__("os").environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(outs) == 1, outs
 
 
 def test_reuse_aware_keeps_unique_tails_out_and_publishes_reuse():

@@ -1,9 +1,26 @@
-"""splitmix64: the one integer mixer kvpolicy's kernels share (sampling, routing, fingerprints)."""
+"""splitmix64: the one integer mixer kvpolicy's kernels share (sampling, routing, fingerprints); and a key as 64 bits."""
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Hashable
+
 import numba as nb
 import numpy as np
+
+_M64 = (1 << 64) - 1
+
+
+def key_bits(key: Hashable) -> int:
+    """A key as 64 bits: an int as itself (mod 2**64), bytes and str by BLAKE2b of all their bytes (stable across
+    processes, unlike ``hash``, and keys that share a prefix stay apart), anything else by its repr."""
+    if isinstance(key, int):
+        return key & _M64
+    if isinstance(key, str):
+        key = key.encode()
+    elif not isinstance(key, (bytes, bytearray, memoryview)):
+        key = repr(key).encode()
+    return int.from_bytes(hashlib.blake2b(bytes(key), digest_size=8).digest(), "little")
 
 
 @nb.njit(cache=True, inline="always")

@@ -73,6 +73,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import numpy as np
 
+from ._mix import key_bits
 from ._validate import check_non_negative_int, check_non_negative_number, check_positive_int, check_positive_number, check_probability
 from .errors import ConfigError
 
@@ -241,19 +242,12 @@ class CountMinSketch:
         self._seed = (seed * 0x9E3779B97F4A7C15) & _M64
         self._t0 = 0.0
 
-    @staticmethod
-    def _key_int(key: Hashable) -> int:
-        if isinstance(key, int):
-            return key
-        if isinstance(key, bytes):
-            return int.from_bytes(key[:8], "little")
-        return hash(key)
-
     def _hashes(self, key: Hashable) -> tuple[int, int]:
-        """Two 64-bit hashes of the key (splitmix64's finaliser on the key and on the first hash); row i reads
+        """Two 64-bit hashes of the key (splitmix64's finaliser on its 64 bits — an int as itself, bytes and str by
+        BLAKE2b, stable across processes — and on the first hash); row i reads
         column (h1 + i·h2) mod width (Kirsch–Mitzenmacher: as independent as separate hashes, for the price of two).
         Rows that share a column for most keys are one row: the sketch then overcounts as a single row does."""
-        z = ((self._key_int(key) ^ self._seed) + 0x9E3779B97F4A7C15) & _M64
+        z = ((key_bits(key) ^ self._seed) + 0x9E3779B97F4A7C15) & _M64
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
         h1 = z ^ (z >> 31)

@@ -47,13 +47,13 @@ The Numba kernel ``hit_density_kernel`` makes the same decisions, victim for vic
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
 
+from .._mix import key_bits
 from .._validate import check_positive_int, check_positive_number, check_probability
 from ..errors import CapacityError, ConfigError
 from ..protocols import Clock
@@ -258,18 +258,6 @@ class HitDensityPolicy(EvictionPolicy):
             if self._evicted_bytes - g[0] <= self.capacity_bytes:
                 break
             del self._ghosts[k]
-
-
-def key_bits(key: Hashable) -> int:
-    """A key as 64 bits for sampling: an int as itself (mod 2**64), bytes and str by BLAKE2b (stable across processes,
-    unlike ``hash``), anything else by its repr."""
-    if isinstance(key, int):
-        return key & _M64
-    if isinstance(key, str):
-        key = key.encode()
-    elif not isinstance(key, (bytes, bytearray, memoryview)):
-        key = repr(key).encode()
-    return int.from_bytes(hashlib.blake2b(bytes(key), digest_size=8).digest(), "little")
 
 
 class AdaptivePolicy(HitDensityPolicy):
