@@ -277,14 +277,28 @@ def _request_stack_kernel(offsets, ids, n_ids, weight, out):
             t += 1
 
 
+@nb.njit(cache=True)
+def _min_max(a):  # pragma: no cover - compiled
+    """Both in one pass over the ids: numpy's min() and max() read them twice (6–10 ms against 4.5–5 ms on 10M ids,
+    a fifth of SHARDS' time at R = 0.01)."""
+    lo = a[0]
+    hi = a[0]
+    for i in range(1, a.size):  # min() and max(), not branches: the loop vectorises
+        x = a[i]
+        lo = min(lo, x)
+        hi = max(hi, x)
+    return lo, hi
+
+
 def _dense(ids: np.ndarray, field: str) -> tuple[np.ndarray, int]:
     a = np.ascontiguousarray(ids)
     if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
         raise ConfigError(field, "must be a 1-D integer array")
     a = a.astype(np.int64, copy=False)
-    if a.size and a.min() < 0:
+    lo, hi = _min_max(a) if a.size else (0, -1)
+    if lo < 0:
         raise ConfigError(field, "ids must be non-negative (remap them with kvpolicy.traces.first_appearance_ids)")
-    n_ids = int(a.max()) + 1 if a.size else 0
+    n_ids = int(hi) + 1
     if n_ids > max(64 * a.size, 1 << 24):  # the kernels keep a slot per id: raw hashes as ids would allocate 2**63 of them
         raise ConfigError(field, f"ids must be dense: the largest is {n_ids - 1:,} for {a.size:,} accesses "
                                  "(remap them with kvpolicy.traces.first_appearance_ids)")
