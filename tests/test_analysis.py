@@ -134,8 +134,9 @@ def test_shards_arguments():
         shards(np.array([0, 1]))
     with pytest.raises(ConfigError, match="rate"):
         shards(np.array([0, 1]), rate=0.0)
-    with pytest.raises(ConfigError, match="ids"):
-        stack_distances(np.array([-1, 0]))
+    for bad in ([-1, 0], [0, 3, -1], list(range(40)) + [-2] + list(range(40))):  # first, last, mid-vector
+        with pytest.raises(ConfigError, match="non-negative"):
+            stack_distances(np.array(bad))
     with pytest.raises(ConfigError, match="rate"):
         shards(np.array([0, 1]), rate="0.5")  # a TypeError from the comparison
     with pytest.raises(ConfigError, match="s_max"):
