@@ -45,6 +45,33 @@ def test_threshold_k_after_exactly_k_distinct_requests(n, k, extra):
         assert (f.publishable(r, chain) == n) == (i == k - 1)
 
 
+@settings(max_examples=150)
+@given(st.lists(st.lists(st.integers(0, 12), max_size=6), max_size=40), st.integers(1, 6), st.integers(1, 3))
+def test_threshold_counts_are_bounded_like_an_lru_of_keys(requests, capacity, k):
+    """With ``capacity_keys`` = c, a key's count survives while fewer than c other keys were seen since it was last
+    seen (its LRU stack distance, computed here from the whole history) and starts again from 1 otherwise."""
+    f = ThresholdPublish(k, capacity_keys=capacity)
+    history: list[int] = []  # every counted sighting, in order
+    want: dict[int, int] = {}
+    for i, keys in enumerate(requests):
+        for key in dict.fromkeys(keys):
+            if key in history:
+                last = len(history) - 1 - history[::-1].index(key)
+                distance = len(set(history[last + 1:]) - {key})
+                want[key] = want[key] + 1 if distance < capacity else 1
+            else:
+                want[key] = 1
+            history.append(key)
+        f.observe(req(i, len(keys)), keys)
+        f.observe(req(i, len(keys)), keys)  # the same request again: counted once
+        assert len(f) <= capacity
+        for key in set(history):
+            last = len(history) - 1 - history[::-1].index(key)
+            held = len(set(history[last + 1:]) - {key}) < capacity
+            assert f.count(key) == (want[key] if held else 0), key
+            assert f.publishable(req(999, 1), [key]) == int(held and want[key] >= k)
+
+
 def test_regression_vllm_52227_counting_per_lookup():
     """A threshold counted per lookup made an N-block prefix need 2N+1 repeats."""
     f = ThresholdPublish(2)

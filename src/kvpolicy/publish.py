@@ -181,20 +181,33 @@ class PublishAll:
 
 
 class ThresholdPublish:
-    """A block after ``k`` distinct requests that contain it."""
+    """A block after ``k`` distinct requests that contain it.
 
-    def __init__(self, k: int = 2) -> None:
+    Counts are kept for the ``capacity_keys`` most recently seen keys (default 500k, as ``structure-aware``): a key
+    seen less recently than that starts again from 0, so an engine that runs for days holds bounded memory (an
+    unbounded count grew by one entry for every block ever seen)."""
+
+    def __init__(self, k: int = 2, *, capacity_keys: int = 500_000) -> None:
         if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
             raise ConfigError("k", f"must be a positive int, got {k!r}")
+        check_positive_int("capacity_keys", capacity_keys)
         self.k = k
         self.name = f"threshold-{k}"
-        self._count: dict[Hashable, int] = {}
+        self._count: OrderedDict[Hashable, int] = OrderedDict()  # least recently seen first
+        self._capacity = capacity_keys
         self._dedup = _Dedup()
 
     def observe(self, request: PublishRequest, keys: Sequence[Hashable]) -> None:
         _check(request, keys)
+        count = self._count
         for key in self._dedup.new_keys(request.request_id, keys):
-            self._count[key] = self._count.get(key, 0) + 1
+            count[key] = count.pop(key, 0) + 1  # re-inserted: now the most recently seen
+            if len(count) > self._capacity:
+                count.popitem(last=False)
+
+    def __len__(self) -> int:
+        """Keys with a count held."""
+        return len(self._count)
 
     def count(self, key: Hashable) -> int:
         return self._count.get(key, 0)
