@@ -1,7 +1,7 @@
 import re
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvpolicy.errors import ConfigError
 from kvpolicy.ledger import DISTRIBUTIONS, REQUEST_CATEGORIES, Ledger, PublicationLog, RequestRecord
@@ -82,6 +82,55 @@ def test_bloom_keeps_dropped_keys_as_evicted():
     assert log.dropped_keys == 3
     assert all(log.classify(k, 0.0)[0] in ("evicted", "resident") for k in keys)
     assert log.classify(b"\xff" * 16, 0.0)[0] == "never_published"
+
+
+def test_bloom_hashes_the_whole_key():
+    """Keys that share their first 16 bytes (a tenant or model prefix) must not share Bloom bits: the filter read only
+    those bytes, so every dropped key made every key with the same prefix look evicted."""
+    log = PublicationLog(max_exact_keys=2, bloom_bits=1 << 16)
+    prefix = b"tenant-0042/model-7/"
+    for i in range(5):
+        log.published(prefix + bytes([i]) * 8)
+    assert log.dropped_keys == 3
+    assert [log.classify(prefix + bytes([i]) * 8, 0.0)[0] for i in range(3)] == ["evicted"] * 3
+    assert [log.classify(prefix + bytes([i]) * 8, 0.0)[0] for i in range(100, 110)] == ["never_published"] * 10
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["w", "r"]), st.integers(0, 5), st.sampled_from(["a", "b"]), st.integers(1, 9)), max_size=40),
+       st.integers(1, 4))
+def test_unread_write_bytes_against_the_history(events, cap):
+    """A write is unread unless its key is read while the write is still held: before the key is written again and
+    before ``cap`` other keys were written after it. Computed here from the whole event history; the log keeps at
+    most ``cap`` writes and only their reads."""
+    log = PublicationLog(max_exact_keys=cap, bloom_bits=1 << 10)
+    for op, k, cls, size in events:
+        key = bytes([k]) * 8
+        if op == "w":
+            log.published(key, size_bytes=size, request_class=cls)
+        else:
+            log.read(key)
+        assert len(log._written) <= cap and log._reads <= set(log._written)
+    want: dict[str, float] = {}
+    for i, (op, k, cls, size) in enumerate(events):
+        if op != "w":
+            continue
+        read = False
+        others: set[int] = set()
+        for op2, k2, _, _ in events[i + 1:]:
+            if op2 == "w" and k2 == k:
+                break  # superseded
+            if op2 == "w":
+                others.add(k2)
+                if len(others) >= cap:
+                    break  # fell out of the newest cap writes
+            elif k2 == k:
+                read = True
+                break
+        if not read:
+            want[cls] = want.get(cls, 0.0) + size
+    got = log.unread_write_bytes()
+    assert {c: v for c, v in got.items() if v} == {c: v for c, v in want.items() if v}
 
 
 def test_expected_benefit_reports_unknown_terms():

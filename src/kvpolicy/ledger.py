@@ -21,8 +21,9 @@ prefill→decode handoff is not reuse and is never recorded here as a hit.
 **Publication log.** ``published(key)`` / ``evicted(key)`` record what the shared
 tier held; a missing block is classified as evicted if its key was published
 before. The exact table keeps the newest ``max_exact_keys`` keys; keys dropped
-from it live on in a Bloom filter (``bloom_bits``, 4 hashes taken from the key
-bytes — keys are already uniform hashes). While nothing has been dropped the
+from it live on in a Bloom filter (``bloom_bits``, 4 hashes from BLAKE2b of the
+whole key: keys need not be uniform — a tenant prefix shared by all of them
+must not put them on the same bits). While nothing has been dropped the
 classification is exact. After that, a never-published block is reported as
 evicted with the filter's false-positive rate, ≈ (1 − e^(−4n/m))^4 for n dropped
 keys in m bits (≈ 0.24 % at n = m/16); a published block is never reported as
@@ -55,7 +56,9 @@ and then so is the sum.
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import OrderedDict
 from typing import Any, Literal
 
 import attrs
@@ -136,12 +139,17 @@ class PublicationLog:
         self.dropped_keys = 0
         self._bits = bytearray((bloom_bits + 7) // 8)
         self._m = bloom_bits
-        self._reads: set[bytes] = set()
         self.bytes_written_by_class: dict[str, float] = {}
-        self._written: dict[bytes, tuple[str, float]] = {}
+        # the newest max_exact_keys writes (key -> class, bytes), oldest first, and which of them were read; a write
+        # that falls out unread is settled as unread bytes of its class (a read after that is not seen)
+        self._written: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        self._reads: set[bytes] = set()
+        self._unread_settled: dict[str, float] = {}
 
     def _positions(self, key: bytes) -> tuple[int, int, int, int]:
-        x = int.from_bytes(key[:16].ljust(16, b"\0"), "little")
+        # BLAKE2b of the whole key: a key's first bytes need not be random (a tenant or model prefix shared by every
+        # key would put them all on the same four bits)
+        x = int.from_bytes(hashlib.blake2b(bytes(key), digest_size=16).digest(), "little")
         m = self._m
         return (x & 0xFFFFFFFF) % m, (x >> 32 & 0xFFFFFFFF) % m, (x >> 64 & 0xFFFFFFFF) % m, (x >> 96) % m
 
@@ -160,8 +168,17 @@ class PublicationLog:
         self._exact[key] = (tier, t_s if old is None else min(old[1], t_s), None)  # a re-publication keeps the first time
         if size_bytes:
             self.bytes_written_by_class[request_class] = self.bytes_written_by_class.get(request_class, 0.0) + size_bytes
-            if len(self._written) < self.max_exact_keys:
-                self._written[key] = (request_class, size_bytes)
+            prev = self._written.pop(key, None)
+            if prev is not None and key not in self._reads:  # written again before anyone read the first copy
+                self._unread_settled[prev[0]] = self._unread_settled.get(prev[0], 0.0) + prev[1]
+            self._reads.discard(key)
+            self._written[key] = (request_class, size_bytes)
+            while len(self._written) > self.max_exact_keys:
+                k, (cls, size) = self._written.popitem(last=False)
+                if k in self._reads:
+                    self._reads.discard(k)
+                else:
+                    self._unread_settled[cls] = self._unread_settled.get(cls, 0.0) + size
         while len(self._exact) > self.max_exact_keys:
             old = next(iter(self._exact))
             del self._exact[old]
@@ -174,7 +191,8 @@ class PublicationLog:
             self._exact[key] = (e[0], e[1], t_s)
 
     def read(self, key: bytes) -> None:
-        self._reads.add(key)
+        if key in self._written:  # only the writes still held need their reads: the set stays bounded with them
+            self._reads.add(key)
 
     def classify(self, key: bytes, now_s: float) -> tuple[str, str | None, float | None]:
         """("never_published" | "evicted" | "resident", tier, age_s since eviction), as of ``now_s``: a block
@@ -192,7 +210,9 @@ class PublicationLog:
         return "never_published", None, None
 
     def unread_write_bytes(self) -> dict[str, float]:
-        out: dict[str, float] = {}
+        """Bytes written and never read, per request class: the writes still held that no read has named, plus those
+        that fell out of the newest ``max_exact_keys`` (or were overwritten) unread."""
+        out: dict[str, float] = dict(self._unread_settled)
         for key, (cls, size) in self._written.items():
             if key not in self._reads:
                 out[cls] = out.get(cls, 0.0) + size
