@@ -73,11 +73,10 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import numpy as np
 
-from ._mix import key_bits
+from ._mix import _M64, key_bits
 from ._validate import check_non_negative_int, check_non_negative_number, check_positive_int, check_positive_number, check_probability
 from .errors import ConfigError
 
-_M64 = (1 << 64) - 1
 DATA_CLASSES = ("public", "shared", "internal", "private")
 
 
@@ -205,8 +204,9 @@ class ThresholdPublish:
             if len(count) > self._capacity:
                 count.popitem(last=False)
 
-    def __len__(self) -> int:
-        """Keys with a count held."""
+    @property
+    def held_keys(self) -> int:
+        """Keys with a count held (at most ``capacity_keys``). Not ``__len__``: an empty filter must stay truthy."""
         return len(self._count)
 
     def count(self, key: Hashable) -> int:
