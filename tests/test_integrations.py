@@ -1070,3 +1070,56 @@ def test_the_offloading_specs_publish_setting_defaults_to_threshold_2():
     with pytest.raises(ConfigError) as e:
         offload_publish_filter("threshold-2")
     assert e.value.field == "kv_connector_extra_config"
+
+
+def test_every_adapter_stamps_publish_requests_with_its_clock(monkeypatch):
+    """A publish filter's windows and decay run on the request's time_s. The adapters left it at 0.0, so under an
+    engine reuse-aware's counts never decayed and structure-aware learned a window of 0 s (every delay 0): each
+    first sighting was judged dead at the next request."""
+    from kvpolicy.integrations.sglang_hicache import KVPolicyHiCacheStorage
+    from kvpolicy.integrations.vllm_offload import filtered_prepare_store
+
+    class Recorder:  # a publish filter that remembers the times it was shown
+        def __init__(self):
+            self.times = []
+
+        def observe(self, request, keys):
+            self.times.append(request.time_s)
+
+        def publishable(self, request, keys):
+            return 0
+
+    clock = ManualClock(100.0)
+    # vLLM connector: the controller's clock
+    rec = Recorder()
+    d = InMemoryDirectory()
+    conn = VllmConnectorPolicy(HASHER, d.index("acme"), controller(clock=clock), rec, bytes_per_token=2048)
+    for rid in ("a", "b"):
+        conn.get_num_new_matched_tokens(FakeRequest(rid, PROMPT), 0)
+        conn.request_finished(FakeRequest(rid, PROMPT), block_ids=list(range(8)))
+        clock.advance(7.0)
+    # LMCache store policy: its own clock (monotonic by default, as LMCache builds it without arguments)
+    monkeypatch.setenv("KVPOLICY_LMCACHE_STORE_POLICY", '{"filter": "all"}')
+    lm_rec = Recorder()
+    lm = KVPolicyStorePolicyCore(publish_filter=lm_rec, clock=clock)
+    lm.select_store_targets([ObjectKey(b"x" * 8)], [Descriptor(0, "disk")])
+    clock.advance(7.0)
+    lm.select_store_targets([ObjectKey(b"y" * 8)], [Descriptor(0, "disk")])
+    assert KVPolicyStorePolicyCore().clock.now_s() > 0
+    # SGLang HiCache backend: its controller's clock
+    hc = hicache(400)
+    hc.filter = hc_rec = Recorder()
+    hc.controller.clock = clock
+    hc.batch_set_v1(["p0"], list(range(64)))
+    clock.advance(7.0)
+    hc.batch_set_v1(["p1"], list(range(64)))
+    # vLLM offloading's prepare_store wrapper
+    off_rec = Recorder()
+    wrapped = filtered_prepare_store(lambda keys, ctx: None, off_rec, 16, clock=clock)
+    wrapped(["k0"])
+    clock.advance(7.0)
+    wrapped(["k1"])
+    assert rec.times == [100.0, 107.0]
+    assert lm_rec.times == [114.0, 121.0]
+    assert hc_rec.times == [121.0, 128.0]
+    assert off_rec.times == [128.0, 135.0]

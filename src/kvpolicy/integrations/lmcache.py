@@ -40,7 +40,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from ..clock import MonotonicClock
 from ..errors import ConfigError
+from ..protocols import Clock
 from ..publish import PublishRequest, check_spec, make_filter
 
 ENV = "KVPOLICY_LMCACHE_STORE_POLICY"
@@ -86,8 +88,9 @@ def load_config(raw: str | None = None) -> dict[str, Any]:
 class KVPolicyStorePolicyCore:
     """LMCache's store-policy methods, answered by a kvpolicy publish filter (no LMCache import)."""
 
-    def __init__(self, config: dict[str, Any] | None = None, publish_filter: Any = None) -> None:
+    def __init__(self, config: dict[str, Any] | None = None, publish_filter: Any = None, *, clock: Clock | None = None) -> None:
         self.config = load_config(json.dumps(config)) if config is not None else load_config()
+        self.clock = clock or MonotonicClock()  # each call's time: the filter's windows and decay run on it
         c = self.config
         self.chunk_tokens = c["chunk_tokens"]
         if publish_filter is None:
@@ -123,10 +126,11 @@ class KVPolicyStorePolicyCore:
         targets = self._targets(adapters)
         chosen: list[Any] = []
         call = next(self._calls)
+        now = self.clock.now_s()
         for (model, rank, group, salt), chain in self._chains(keys).items():
             tenant = salt or "default"
             req = PublishRequest(request_id=("lmcache", call, model, rank, group, salt), num_tokens=len(chain) * self.chunk_tokens,
-                                 block_size_tokens=self.chunk_tokens, tenant=tenant if _tenant_ok(tenant) else "default")
+                                 block_size_tokens=self.chunk_tokens, tenant=tenant if _tenant_ok(tenant) else "default", time_s=now)
             # an ObjectKey is its whole identity: the same chunk hash under another model, rank, group or salt is another block
             ids = [hashlib.blake2b(repr((getattr(k, "chunk_hash", k), model, rank, group, salt)).encode(), digest_size=16).digest() for k in chain]
             self.filter.observe(req, ids)

@@ -140,7 +140,8 @@ class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
     # ---------------------------------------------------------------- stores: only what will be re-read
 
     def _publishable(self, keys: list[str]) -> int:
-        req = PublishRequest(request_id=("hicache", next(self._ids)), num_tokens=len(keys) * self.page_tokens, block_size_tokens=self.page_tokens)
+        req = PublishRequest(request_id=("hicache", next(self._ids)), num_tokens=len(keys) * self.page_tokens, block_size_tokens=self.page_tokens,
+                             time_s=self.controller.clock.now_s())
         self.filter.observe(req, keys)
         n = self.filter.publishable(req, keys)
         self.counts["set_pages"] += len(keys)

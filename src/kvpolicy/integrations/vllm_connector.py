@@ -171,7 +171,7 @@ class VllmConnectorPolicy:
         loaded = load["decision"].load_blocks if load else 0
         local = prop[1].local_blocks if prop else 0
         preq = PublishRequest(request_id=rid, num_tokens=len(toks), block_size_tokens=self.B, tenant=self.tenant, replica=self.replica,
-                              reused_blocks=local + loaded)
+                              reused_blocks=local + loaded, time_s=self.controller.clock.now_s())
         ks = list(keys)
         self.filter.observe(preq, ks)
         self._pending_meta["stores"][rid] = self.filter.publishable(preq, ks)

@@ -34,12 +34,13 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
-from ..clock import ManualClock
+from ..clock import ManualClock, MonotonicClock
 from ..errors import CapacityError, ConfigError
 from ..eviction.base import EvictionPolicy
 from ..eviction.hit_density import AdaptivePolicy
 from ..eviction.policies import GDSFPolicy, LRUPolicy
 from ..eviction.reuse_distance import ReuseDistancePolicy
+from ..protocols import Clock
 
 try:  # pragma: no cover - depends on the environment
     from vllm.v1.kv_offload.cpu.policies.base import CachePolicy as _Base  # type: ignore[import-not-found]
@@ -187,12 +188,14 @@ class KVPolicyLRU(_KVPolicyCachePolicy):
         return LRUPolicy(capacity)
 
 
-def filtered_prepare_store(prepare_store: Any, publish_filter: Any, block_size_tokens: int) -> Any:
+def filtered_prepare_store(prepare_store: Any, publish_filter: Any, block_size_tokens: int, *, clock: Clock | None = None) -> Any:
     """Wrap a manager's ``prepare_store(keys, req_context)`` so only the leading keys a kvpolicy
-    publish filter allows are offered (in the request's order when ``req_context`` gives positions)."""
+    publish filter allows are offered (in the request's order when ``req_context`` gives positions). Each call is
+    stamped with ``clock`` (default: monotonic seconds): the filter's windows and decay run on it."""
     from ..publish import PublishRequest
 
     counter = [0]
+    clk = clock or MonotonicClock()
 
     def wrapped(keys: Any, req_context: Any = None) -> Any:
         ks = list(keys)
@@ -203,7 +206,7 @@ def filtered_prepare_store(prepare_store: Any, publish_filter: Any, block_size_t
                 ks.sort(key=known.__getitem__)
         counter[0] += 1
         rid = getattr(req_context, "req_id", None) or ("offload", counter[0])
-        req = PublishRequest(request_id=rid, num_tokens=len(ks) * block_size_tokens, block_size_tokens=block_size_tokens)
+        req = PublishRequest(request_id=rid, num_tokens=len(ks) * block_size_tokens, block_size_tokens=block_size_tokens, time_s=clk.now_s())
         publish_filter.observe(req, ks)
         n = publish_filter.publishable(req, ks)
         return prepare_store(ks[:n], req_context) if n else None
