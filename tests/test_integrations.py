@@ -1076,7 +1076,6 @@ def test_every_adapter_stamps_publish_requests_with_its_clock(monkeypatch):
     """A publish filter's windows and decay run on the request's time_s. The adapters left it at 0.0, so under an
     engine reuse-aware's counts never decayed and structure-aware learned a window of 0 s (every delay 0): each
     first sighting was judged dead at the next request."""
-    from kvpolicy.integrations.sglang_hicache import KVPolicyHiCacheStorage
     from kvpolicy.integrations.vllm_offload import filtered_prepare_store
 
     class Recorder:  # a publish filter that remembers the times it was shown
