@@ -1122,3 +1122,20 @@ def test_every_adapter_stamps_publish_requests_with_its_clock(monkeypatch):
     assert lm_rec.times == [114.0, 121.0]
     assert hc_rec.times == [121.0, 128.0]
     assert off_rec.times == [128.0, 135.0]
+
+
+def test_ingestor_forgets_its_oldest_mappings_with_their_directory_entries():
+    """Past max_mapped_blocks the oldest engine hashes are forgotten. Their directory entries go with them: a block
+    the ingestor can no longer map could not be removed when the engine drops it, and would be offered forever."""
+    d = InMemoryDirectory()
+    ing = ingestor(d, max_mapped_blocks=3)
+    ev1, h1 = stored(PROMPT[: 2 * B])
+    h2 = vllm_block_hashes(PROMPT[2 * B: 4 * B], B, parent=h1[-1])
+    ev2 = BlockStored(tuple(h2), ev1.block_hashes[-1], tuple(PROMPT[2 * B: 4 * B]), B, None, "CPU")
+    assert ing.ingest(encode_batch(1.0, [ev1, ev2])) == 2
+    keys = list(HASHER.hash_blocks(PROMPT))
+    assert ing.counts["forgotten_blocks"] == 1 and len(ing._map) == 3
+    assert d.lookup("acme", keys[:1]) == [[]], "the forgotten first block is no longer offered"
+    assert [len(x) for x in d.lookup("acme", keys[1:4])] == [1, 1, 1]
+    ing.ingest(encode_batch(2.0, [BlockRemoved((h1[0],), "GPU")]))
+    assert ing.refused["unknown_removed"] == 1, "its removal can no longer be mapped: why the entry had to go"

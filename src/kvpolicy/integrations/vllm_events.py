@@ -295,7 +295,7 @@ class KVEventIngestor:
         self._holders: set[str] = set()
         self.counts = {"batches": 0, "events": 0, "stored_blocks": 0, "removed_blocks": 0, "cleared": 0, "malformed_frames": 0,
                        "malformed_events": 0, "orphans": 0, "incompatible": 0, "mismatched": 0, "unknown_removed": 0, "missed_batches": 0,
-                       "restarts": 0, "verified_blocks": 0}
+                       "restarts": 0, "verified_blocks": 0, "forgotten_blocks": 0}
         #: every block or frame refused, by reason (see REASONS)
         self.refused = {r: 0 for r in self.REASONS}
 
@@ -470,10 +470,23 @@ class KVEventIngestor:
             rec[2].add(tg)
             self._map.move_to_end(h)
             entries.append(Entry(k, where, self.block_bytes, tier, digest))
-        while len(self._map) > self.max_mapped_blocks:
-            self._map.popitem(last=False)
         self.counts["stored_blocks"] += len(entries)
         self._publish(where, entries)
+        self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        """Past ``max_mapped_blocks``, drop the oldest mappings — and their directory entries: a block this ingestor
+        can no longer map could not be removed when the engine drops it, and the directory would offer it forever."""
+        if len(self._map) <= self.max_mapped_blocks:
+            return
+        by_holder: dict[str, list[Any]] = {}
+        while len(self._map) > self.max_mapped_blocks:
+            _, rec = self._map.popitem(last=False)
+            for tg in rec[2]:
+                by_holder.setdefault(f"{self.holder}/{tg}", []).append(rec[0])
+            self.counts["forgotten_blocks"] += 1
+        for where, keys in by_holder.items():
+            self.directory.evict(self.tenant, keys, holder=where, force=True)
 
     def _publish(self, where: str, entries: list[Entry]) -> None:
         if entries:
