@@ -6,6 +6,10 @@ policy's victim), ``__missing__``; a value larger than ``maxsize`` raises
 ``ValueError`` — so ``@cachetools.cached(PolicyCache(...))``, ``cachetools.keys`` and
 code typed against ``Cache`` work unchanged. Keys are flat (no prefix parents). The
 policy, not ``Cache``'s own bookkeeping, holds the sizes and chooses victims.
+
+A value of size 0 (``getsizeof=len`` of an empty string — ``Cache`` accepts it) takes
+no capacity, so no policy ranks it: it stays until deleted, and ``popitem()`` takes
+one (the oldest) only once no sized item is left.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class PolicyCache(cachetools.Cache):
         super().__init__(maxsize, getsizeof)
         self._policy = make_policy(policy, maxsize, **policy_kw)
         self._data: dict[Hashable, Any] = {}
+        self._weightless: dict[Hashable, None] = {}  # keys of size-0 values, oldest first: not in the policy
 
     def __copy__(self) -> PolicyCache:
         raise TypeError("PolicyCache cannot be copied: the copy would share its policy's state")
@@ -48,7 +53,8 @@ class PolicyCache(cachetools.Cache):
     def __getitem__(self, key: Hashable) -> Any:
         if key not in self._data:
             return self.__missing__(key)
-        self._policy.on_access(key)
+        if key not in self._weightless:
+            self._policy.on_access(key)
         return self._data[key]
 
     def __setitem__(self, key: Hashable, value: Any) -> None:
@@ -58,17 +64,22 @@ class PolicyCache(cachetools.Cache):
         if size < 0:
             raise ValueError("value size must be non-negative")
         if key in self._data:
-            self._policy.on_remove(key)
-            del self._data[key]
-        for victim in self._policy.victims(size, incoming=key):
-            del self._data[victim]
-        self._policy.on_insert(key, size)
+            del self[key]
+        if size == 0:
+            self._weightless[key] = None
+        else:
+            for victim in self._policy.victims(size, incoming=key):
+                del self._data[victim]
+            self._policy.on_insert(key, size)
         self._data[key] = value
 
     def __delitem__(self, key: Hashable) -> None:
         if key not in self._data:
             raise KeyError(key)
-        self._policy.on_remove(key)
+        if key in self._weightless:
+            del self._weightless[key]
+        else:
+            self._policy.on_remove(key)
         del self._data[key]
 
     def __contains__(self, key: object) -> bool:
@@ -84,6 +95,10 @@ class PolicyCache(cachetools.Cache):
         """Evict and return the item the policy would evict next."""
         if not self._data:
             raise KeyError(f"{type(self).__name__} is empty")
+        if not self._policy.nodes:  # only size-0 items are left: the oldest
+            key = next(iter(self._weightless))
+            del self._weightless[key]
+            return key, self._data.pop(key)
         try:
             node = self._policy._choose()
         except CapacityError:
