@@ -284,3 +284,30 @@ def test_wait_published_returns_only_once_another_replica_can_load_the_blocks():
             out = p.prefill(tokens, wait_published=True)
             keys = list(hasher.hash_blocks(tokens))
             assert client.match_prefix(keys) == 64 and out["published_blocks"] == 64 * (i + 1)  # the store keeps earlier ones
+
+
+def test_publish_requests_carry_the_engines_time():
+    """The publish filter's windows and decay run on the request's time: the controller's clock, else monotonic
+    seconds (it was 0 for every request)."""
+
+    class Recorder:
+        def __init__(self):
+            self.times = []
+
+        def observe(self, request, keys):
+            self.times.append(request.time_s)
+
+        def publishable(self, request, keys):
+            return 0
+
+    ctl = controller()
+    ctl.clock.advance(50.0)
+    rec = Recorder()
+    e = ReferenceEngine(CFG, block_size_tokens=B, controller=ctl, publish_filter=rec)
+    e.prefill(list(range(3 * B + 1)))
+    ctl.clock.advance(9.0)
+    e.prefill(list(range(100, 100 + 3 * B + 1)))
+    assert rec.times == [50.0, 59.0]
+    rec2 = Recorder()
+    ReferenceEngine(CFG, block_size_tokens=B, publish_filter=rec2).prefill(list(range(2 * B + 1)))
+    assert rec2.times and rec2.times[0] > 0

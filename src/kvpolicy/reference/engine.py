@@ -336,9 +336,10 @@ class ReferenceEngine:
         t0 = time.perf_counter()
         keys = list(result.keys)
         cached = keys[: self.local_index.match_prefix(keys)]  # publishing is prefix-closed
+        now_s = self.controller.clock.now_s() if self.controller is not None else time.monotonic()
         req = PublishRequest(request_id=request_id if request_id is not None else id(result), num_tokens=result.prompt_tokens,
                              block_size_tokens=self.B, boundary_tokens=boundary_tokens, replica=self.replica,
-                             reused_blocks=result.local_blocks + result.loaded_blocks)
+                             reused_blocks=result.local_blocks + result.loaded_blocks, time_s=now_s)  # the filter's windows run on it
         self.filter.observe(req, cached)
         fresh = []
         for key in cached[: self.filter.publishable(req, cached)]:
