@@ -7,6 +7,7 @@ from kvpolicy.keys import BlockHasher
 from kvpolicy.publish import (
     AllOf,
     BoundaryPublish,
+    NeverPublish,
     CountMinSketch,
     PublishAll,
     PublishFilter,
@@ -333,3 +334,26 @@ def test_publish_options_are_refused_by_name(make, field):
     with pytest.raises(ConfigError) as e:
         make()
     assert e.value.field == field
+
+
+def test_filters_that_run_on_time_refuse_a_request_without_one():
+    """A request without time_s (the default) is refused, naming it, by every filter whose counts decay or windows
+    close with time; the count and rule filters take it. (A default of 0 for every request let engine adapters feed
+    reuse-aware counts that never decayed and structure-aware a window of 0 s.)"""
+    r = PublishRequest(request_id=1, num_tokens=4 * B + 1, block_size_tokens=B)
+    assert r.time_s is None
+    keys = [1, 2, 3, 4]
+    budget = WriteBudget(ThresholdPublish(1), bytes_per_s=1.0, burst_bytes=10.0, block_bytes=1)
+    for f in (reuse_aware(), StructureAwarePublish(), budget):
+        with pytest.raises(ConfigError) as e:
+            f.observe(r, keys)
+            f.publishable(r, keys)
+        assert e.value.field == "time_s"
+    for f in (reuse_aware(), StructureAwarePublish()):
+        with pytest.raises(ConfigError, match="time_s"):
+            f.values(r, keys)
+    for f in (PublishAll(), NeverPublish(), ThresholdPublish(1), BoundaryPublish()):
+        f.observe(r, keys)
+        f.publishable(r, keys)
+    with pytest.raises(ConfigError, match="time_s"):
+        PublishRequest(request_id=1, num_tokens=4, block_size_tokens=B, time_s=float("nan"))

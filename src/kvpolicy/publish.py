@@ -85,7 +85,9 @@ class PublishRequest:
     request_id: Hashable
     num_tokens: int
     block_size_tokens: int
-    time_s: float = 0.0
+    #: seconds on any clock that only moves forward; None: not given — the filters that decay counts or close windows
+    #: (reuse-aware, structure-aware, WriteBudget) refuse such a request, as a time of 0 for every request broke them
+    time_s: float | None = None
     tenant: str = "default"
     data_class: str = "shared"
     boundary_tokens: int | None = None
@@ -104,8 +106,8 @@ class PublishRequest:
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < least:  # numpy ints from an engine are ints
                 raise ConfigError(name, f"must be an int >= {least}, got {v!r}")
         t = self.time_s
-        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t):
-            raise ConfigError("time_s", f"must be a finite number of seconds, got {t!r}")
+        if t is not None and (isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t)):
+            raise ConfigError("time_s", f"must be a finite number of seconds or None, got {t!r}")
         if self.data_class not in DATA_CLASSES:
             raise ConfigError("data_class", f"must be one of {DATA_CLASSES}, got {self.data_class!r}")
         b = self.boundary_tokens
@@ -126,13 +128,16 @@ class PublishFilter(Protocol):
     def publishable(self, request: PublishRequest, keys: Sequence[Hashable]) -> int: ...
 
 
-def _check(request: PublishRequest, keys: Sequence[Hashable]) -> None:
+def _check(request: PublishRequest, keys: Sequence[Hashable], *, timed: str | None = None) -> None:
     if not isinstance(request, PublishRequest):
         raise ConfigError("request", f"must be a PublishRequest, got {type(request).__name__}")
     if isinstance(keys, (str, bytes, bytearray)) or not hasattr(keys, "__len__") or not hasattr(keys, "__getitem__"):
         raise ConfigError("keys", f"must be a sequence of block keys, got {type(keys).__name__}")
     if len(keys) > request.full_blocks:
         raise ConfigError("keys", f"{len(keys)} keys for {request.num_tokens} tokens: only full blocks ({request.full_blocks}) may be published — never a partial one")
+    if timed is not None and request.time_s is None:
+        raise ConfigError("time_s", f"{timed} decays its counts and closes its windows on the request's time: give "
+                                    "PublishRequest(time_s=...) in seconds from any clock that only moves forward")
 
 
 class _Dedup:
@@ -361,7 +366,7 @@ class ReuseAwarePublish:
         return (self.seen_again[b] + 1) / (self.created[b] + 2)
 
     def observe(self, request: PublishRequest, keys: Sequence[Hashable]) -> None:
-        _check(request, keys)
+        _check(request, keys, timed="reuse-aware")
         b = self._bucket(request)
         t = request.time_s
         origin = self._origin
@@ -389,6 +394,7 @@ class ReuseAwarePublish:
 
     def values(self, request: PublishRequest, keys: Sequence[Hashable]) -> list[float]:
         """Expected value − cost of publishing each leading block (seconds)."""
+        _check(request, keys, timed="reuse-aware")
         p_first = self.first_sighting_probability(request)
         cost = self.write_cost_s(request)
         out = []
@@ -410,7 +416,7 @@ class ReuseAwarePublish:
         """The leading run with the largest total value: publishing is prefix-closed, so a deep block
         worth publishing carries the cheap shallow blocks it needs (a run is cut only where what
         follows is worth less, in total, than it costs)."""
-        _check(request, keys)
+        _check(request, keys, timed="reuse-aware")
         return best_prefix(self.values(request, keys))
 
 
@@ -498,7 +504,7 @@ class StructureAwarePublish:
         return (self.reused[cls] + 1) / (self.reused[cls] + self.dead[cls] + 2)
 
     def observe(self, request: PublishRequest, keys: Sequence[Hashable]) -> None:
-        _check(request, keys)
+        _check(request, keys, timed="structure-aware")
         t = request.time_s
         origin = self._origin
         if request.request_id not in self._dedup._seen:
@@ -538,6 +544,7 @@ class StructureAwarePublish:
 
     def values(self, request: PublishRequest, keys: Sequence[Hashable]) -> list[float]:
         """Per leading block: P(another replica reads it) − write_weight (observe the request first)."""
+        _check(request, keys, timed="structure-aware")
         out = []
         for j, key in enumerate(keys):
             rec = self._seen.get(key)
@@ -550,7 +557,7 @@ class StructureAwarePublish:
         return out
 
     def publishable(self, request: PublishRequest, keys: Sequence[Hashable]) -> int:
-        _check(request, keys)
+        _check(request, keys, timed="structure-aware")
         return best_prefix(self.values(request, keys))
 
 
@@ -603,6 +610,7 @@ class WriteBudget:
         self.inner.observe(request, keys)
 
     def publishable(self, request: PublishRequest, keys: Sequence[Hashable]) -> int:
+        _check(request, keys, timed="WriteBudget")  # its bucket refills with time: at one time it never would
         n = self.inner.publishable(request, keys)
         if self._t is not None:
             self.tokens = min(self.burst, self.tokens + (request.time_s - self._t) * self.rate)
