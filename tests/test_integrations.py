@@ -19,6 +19,7 @@ from kvpolicy.integrations.vllm_events import (
 from kvpolicy.keys import BlockHasher, Namespace, vllm_block_hashes
 from kvpolicy.profile import PrefillModel
 from kvpolicy.publish import PublishAll, ThresholdPublish
+from helpers import TimeRecorder
 
 B = 16
 NS = Namespace(model_id="m", model_revision="r", tokenizer_version="t", kv_dtype="bf16", block_size_tokens=B)
@@ -1078,19 +1079,9 @@ def test_every_adapter_stamps_publish_requests_with_its_clock(monkeypatch):
     first sighting was judged dead at the next request."""
     from kvpolicy.integrations.vllm_offload import filtered_prepare_store
 
-    class Recorder:  # a publish filter that remembers the times it was shown
-        def __init__(self):
-            self.times = []
-
-        def observe(self, request, keys):
-            self.times.append(request.time_s)
-
-        def publishable(self, request, keys):
-            return 0
-
     clock = ManualClock(100.0)
     # vLLM connector: the controller's clock
-    rec = Recorder()
+    rec = TimeRecorder()
     d = InMemoryDirectory()
     conn = VllmConnectorPolicy(HASHER, d.index("acme"), controller(clock=clock), rec, bytes_per_token=2048)
     for rid in ("a", "b"):
@@ -1099,7 +1090,7 @@ def test_every_adapter_stamps_publish_requests_with_its_clock(monkeypatch):
         clock.advance(7.0)
     # LMCache store policy: its own clock (monotonic by default, as LMCache builds it without arguments)
     monkeypatch.setenv("KVPOLICY_LMCACHE_STORE_POLICY", '{"filter": "all"}')
-    lm_rec = Recorder()
+    lm_rec = TimeRecorder()
     lm = KVPolicyStorePolicyCore(publish_filter=lm_rec, clock=clock)
     lm.select_store_targets([ObjectKey(b"x" * 8)], [Descriptor(0, "disk")])
     clock.advance(7.0)
@@ -1107,13 +1098,13 @@ def test_every_adapter_stamps_publish_requests_with_its_clock(monkeypatch):
     assert KVPolicyStorePolicyCore().clock.now_s() > 0
     # SGLang HiCache backend: its controller's clock
     hc = hicache(400)
-    hc.filter = hc_rec = Recorder()
+    hc.filter = hc_rec = TimeRecorder()
     hc.controller.clock = clock
     hc.batch_set_v1(["p0"], list(range(64)))
     clock.advance(7.0)
     hc.batch_set_v1(["p1"], list(range(64)))
     # vLLM offloading's prepare_store wrapper
-    off_rec = Recorder()
+    off_rec = TimeRecorder()
     wrapped = filtered_prepare_store(lambda keys, ctx: None, off_rec, 16, clock=clock)
     wrapped(["k0"])
     clock.advance(7.0)

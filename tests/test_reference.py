@@ -9,6 +9,7 @@ from kvpolicy.profile import PrefillModel, parse_profile
 from kvpolicy.reference import ModelConfig, PeerClient, ReferenceEngine
 from kvpolicy.reference.profiling import ReferenceProfileTarget, render, run_profile
 from kvpolicy.reference.replica import PeerReplica
+from helpers import TimeRecorder
 
 CFG = ModelConfig(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=64, vocab_size=512)
 B = 16
@@ -289,25 +290,14 @@ def test_wait_published_returns_only_once_another_replica_can_load_the_blocks():
 def test_publish_requests_carry_the_engines_time():
     """The publish filter's windows and decay run on the request's time: the controller's clock, else monotonic
     seconds (it was 0 for every request)."""
-
-    class Recorder:
-        def __init__(self):
-            self.times = []
-
-        def observe(self, request, keys):
-            self.times.append(request.time_s)
-
-        def publishable(self, request, keys):
-            return 0
-
     ctl = controller()
     ctl.clock.advance(50.0)
-    rec = Recorder()
+    rec = TimeRecorder()
     e = ReferenceEngine(CFG, block_size_tokens=B, controller=ctl, publish_filter=rec)
     e.prefill(list(range(3 * B + 1)))
     ctl.clock.advance(9.0)
     e.prefill(list(range(100, 100 + 3 * B + 1)))
     assert rec.times == [50.0, 59.0]
-    rec2 = Recorder()
+    rec2 = TimeRecorder()
     ReferenceEngine(CFG, block_size_tokens=B, publish_filter=rec2).prefill(list(range(2 * B + 1)))
     assert rec2.times and rec2.times[0] > 0
