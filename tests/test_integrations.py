@@ -17,6 +17,7 @@ from kvpolicy.integrations.vllm_events import (
     encode_batch, extra_keys_for,
 )
 from kvpolicy.keys import BlockHasher, Namespace, vllm_block_hashes
+from kvpolicy.ledger import Ledger
 from kvpolicy.profile import PrefillModel
 from kvpolicy.publish import PublishAll, ThresholdPublish
 from helpers import TimeRecorder
@@ -1083,7 +1084,8 @@ def test_every_adapter_stamps_publish_requests_with_its_clock(monkeypatch):
     # vLLM connector: the controller's clock
     rec = TimeRecorder()
     d = InMemoryDirectory()
-    conn = VllmConnectorPolicy(HASHER, d.index("acme"), controller(clock=clock), rec, bytes_per_token=2048)
+    led = Ledger(2048)
+    conn = VllmConnectorPolicy(HASHER, d.index("acme"), controller(clock=clock), rec, bytes_per_token=2048, ledger=led)
     for rid in ("a", "b"):
         conn.get_num_new_matched_tokens(FakeRequest(rid, PROMPT), 0)
         conn.request_finished(FakeRequest(rid, PROMPT), block_ids=list(range(8)))
@@ -1110,6 +1112,7 @@ def test_every_adapter_stamps_publish_requests_with_its_clock(monkeypatch):
     clock.advance(7.0)
     wrapped(["k1"])
     assert rec.times == [100.0, 107.0]
+    assert led.expected_benefit()["per_class"]["default"]["rate_per_s"] == pytest.approx(2 / 7.0), "the ledger's times too"
     assert lm_rec.times == [114.0, 121.0]
     assert hc_rec.times == [121.0, 128.0]
     assert off_rec.times == [128.0, 135.0]

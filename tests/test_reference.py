@@ -293,11 +293,13 @@ def test_publish_requests_carry_the_engines_time():
     ctl = controller()
     ctl.clock.advance(50.0)
     rec = TimeRecorder()
-    e = ReferenceEngine(CFG, block_size_tokens=B, controller=ctl, publish_filter=rec)
+    led = Ledger(CFG.geometry().bytes_per_token)
+    e = ReferenceEngine(CFG, block_size_tokens=B, controller=ctl, publish_filter=rec, ledger=led)
     e.prefill(list(range(3 * B + 1)))
     ctl.clock.advance(9.0)
     e.prefill(list(range(100, 100 + 3 * B + 1)))
     assert rec.times == [50.0, 59.0]
+    assert led.expected_benefit()["per_class"]["default"]["rate_per_s"] == pytest.approx(2 / 9.0), "the ledger's times too"
     rec2 = TimeRecorder()
     ReferenceEngine(CFG, block_size_tokens=B, publish_filter=rec2).prefill(list(range(2 * B + 1)))
     assert rec2.times and rec2.times[0] > 0

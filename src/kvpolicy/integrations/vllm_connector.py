@@ -99,6 +99,7 @@ class VllmConnectorPolicy:
         self.tenant = tenant
         self.active_decodes = 0
         self._proposals: dict[str, tuple[Any, Any, Any]] = {}  # req -> (proposal, match, keys)
+        self._first_seen_s: dict[str, float] = {}  # req -> when the scheduler first asked about it (its ledger time)
         self._loads: dict[str, dict[str, Any]] = {}  # req -> admitted load: decision, block ids, ...
         self._pending_meta: dict[str, dict[str, Any]] = {"loads": {}, "stores": {}}
 
@@ -117,7 +118,9 @@ class VllmConnectorPolicy:
         local = InMemoryBlockIndex(list(keys)[: num_computed_tokens // self.B])  # vLLM already found these locally
         m = match(keys, len(toks), local, self.remote, block_size_tokens=self.B)
         d = self.controller.propose(m, self._ctx())
-        self._proposals[str(request.request_id)] = (d, m, keys)
+        rid = str(request.request_id)
+        self._first_seen_s.setdefault(rid, self.controller.clock.now_s())  # asked again: still its arrival
+        self._proposals[rid] = (d, m, keys)
         return (d.load_blocks * self.B, False) if d.loads else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> int:
@@ -164,6 +167,8 @@ class VllmConnectorPolicy:
         toks = _tokens(request)
         rid = str(request.request_id)
         prop = self._proposals.pop(rid, None)
+        now_s = self.controller.clock.now_s()
+        arrival_s = self._first_seen_s.pop(rid, now_s)
         keys = prop[2] if prop and prop[2] is not None else self.hasher.hash_blocks(toks, extra_keys=_extras(request, len(toks) // self.B))
         load = self._loads.pop(rid, None)
         if load is not None:  # never reported back: the request ended first (aborted, preempted)
@@ -171,7 +176,7 @@ class VllmConnectorPolicy:
         loaded = load["decision"].load_blocks if load else 0
         local = prop[1].local_blocks if prop else 0
         preq = PublishRequest(request_id=rid, num_tokens=len(toks), block_size_tokens=self.B, tenant=self.tenant, replica=self.replica,
-                              reused_blocks=local + loaded, time_s=self.controller.clock.now_s())
+                              reused_blocks=local + loaded, time_s=now_s)
         ks = list(keys)
         self.filter.observe(preq, ks)
         self._pending_meta["stores"][rid] = self.filter.publishable(preq, ks)
@@ -181,7 +186,7 @@ class VllmConnectorPolicy:
             self.ledger.record(RequestRecord(prompt_tokens=len(toks), block_size_tokens=self.B, local_blocks=m.local_blocks,
                                              remote_loaded_blocks=loaded, remote_not_loaded_blocks=found - loaded,
                                              not_loaded_reason="declined" if found > loaded else None,
-                                             predicted_recompute_s=prop[0].t_recompute_p50_s if loaded else None))
+                                             predicted_recompute_s=prop[0].t_recompute_p50_s if loaded else None, arrival_s=arrival_s))
         return False, None
 
     # ---------------------------------------------------------------- outcomes (worker reports)

@@ -230,10 +230,15 @@ class ReferenceEngine:
         install_s = time.perf_counter() - t0
         return {"lookup_s": res.lookup_s, "transfer_s": res.transfer_s, "stage_s": res.stage_s, "install_s": install_s, "bytes": float(res.nbytes)}
 
+    def _now_s(self) -> float:
+        """The engine's time: its controller's clock, else monotonic seconds."""
+        return self.controller.clock.now_s() if self.controller is not None else time.monotonic()
+
     # ------------------------------------------------------------------ prefill
 
     def prefill(self, tokens: Sequence[int], *, request_id: Any = None, publish: bool = True, boundary_tokens: int | None = None) -> PrefillResult:
         t_start = time.perf_counter()
+        arrival_s = self._now_s()  # the ledger's windows and miss classes run on the request's time
         raw = np.asarray(tokens)
         if raw.size and (raw.dtype == np.bool_ or not np.issubdtype(raw.dtype, np.integer)):  # 1.5 was cut to 1 by the cast
             raise ConfigError("tokens", f"token ids must be integers, got an array of {raw.dtype}")
@@ -320,7 +325,7 @@ class ReferenceEngine:
                                              ttft_s=timings["ttft_s"], prefill_s=timings["prefill_s"],
                                              load_s=(timings.get("transfer_s", 0) + timings.get("stage_s", 0) + timings.get("install_s", 0)) if loaded else None,
                                              predicted_recompute_s=decision.t_recompute_p50_s if decision is not None and loaded else None,
-                                             load_attempted=status is not None))
+                                             load_attempted=status is not None, arrival_s=arrival_s))
         result = PrefillResult(logits, L, R, loaded, T - (L + loaded) * B, status, decision, timings, tuple(keys), T)
         if publish:
             self.publish(result, request_id=request_id if request_id is not None else id(toks), boundary_tokens=boundary_tokens)
@@ -336,7 +341,7 @@ class ReferenceEngine:
         t0 = time.perf_counter()
         keys = list(result.keys)
         cached = keys[: self.local_index.match_prefix(keys)]  # publishing is prefix-closed
-        now_s = self.controller.clock.now_s() if self.controller is not None else time.monotonic()
+        now_s = self._now_s()
         req = PublishRequest(request_id=request_id if request_id is not None else id(result), num_tokens=result.prompt_tokens,
                              block_size_tokens=self.B, boundary_tokens=boundary_tokens, replica=self.replica,
                              reused_blocks=result.local_blocks + result.loaded_blocks, time_s=now_s)  # the filter's windows run on it
