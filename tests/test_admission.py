@@ -200,6 +200,19 @@ def test_breaker_opens_and_controller_recomputes_with_reason():
     assert c.breaker("pool").state == "closed"
 
 
+def test_breaker_keeps_a_bounded_history_of_its_transitions():
+    """A link that flaps for days: the breaker remembers its newest MAX_TRANSITIONS state changes, in order."""
+    clock = ManualClock()
+    b = CircuitBreaker(failure_threshold=1, window_s=10.0, open_s=1.0, clock=clock)
+    for _ in range(CircuitBreaker.MAX_TRANSITIONS):  # open, then half-open, each round
+        b.record_failure()
+        clock.advance(1.0)
+        assert b.state == "half_open"
+        assert b.allow()
+    assert len(b.transitions) == CircuitBreaker.MAX_TRANSITIONS
+    assert [s for _, s in b.transitions][-2:] == ["open", "half_open"] and b.transitions[-1][0] == clock.now_s()
+
+
 class BreakerMachine(RuleBasedStateMachine):
     """The breaker's state machine against a small reference model."""
 

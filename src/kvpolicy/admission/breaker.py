@@ -19,6 +19,8 @@ State = Literal["closed", "open", "half_open"]
 
 
 class CircuitBreaker:
+    MAX_TRANSITIONS = 1024
+
     def __init__(self, failure_threshold: int = 5, window_s: float = 30.0, open_s: float = 10.0, half_open_probes: int = 1, clock: Clock | None = None) -> None:
         for name, v in (("failure_threshold", failure_threshold), ("half_open_probes", half_open_probes)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -35,7 +37,8 @@ class CircuitBreaker:
         self._failures: deque[float] = deque()
         self._opened_at = 0.0
         self._probes_in_flight = 0
-        self.transitions: list[tuple[float, State]] = []
+        #: the newest MAX_TRANSITIONS state changes (time, state): a link that flaps for days must not grow it forever
+        self.transitions: deque[tuple[float, State]] = deque(maxlen=self.MAX_TRANSITIONS)
 
     @property
     def state(self) -> State:
