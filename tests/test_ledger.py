@@ -133,6 +133,41 @@ def test_unread_write_bytes_against_the_history(events, cap):
     assert {c: v for c, v in got.items() if v} == {c: v for c, v in want.items() if v}
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 30), st.floats(-4.9, 0), st.integers(0, 9)), max_size=80), st.floats(0.5, 6))
+def test_flow_peak_is_exact_while_it_stays_bounded(steps, window):
+    """A flow that settles its old windows every few events (limit 4, lag 5 s) reports the same total and worst
+    window as the brute force over every event, for records up to 4.9 s late, while it drops what it settled."""
+    from kvpolicy.ledger import _Flow
+
+    f = _Flow(window)
+    f.LAG_S, f.MAX_EVENTS, f._limit = 5.0, 4, 4
+    events, now = [], 0.0
+    for gap, late, nbytes in steps:
+        now += gap / 10
+        t = max(now + late, 0.0)
+        f.add(t, float(nbytes))
+        events.append((t, float(nbytes)))
+        assert len(f.t) <= f._limit
+    peak = max((sum(b for t2, b in events if t <= t2 < t + window) for t, _ in events), default=0.0) / window
+    assert f.total == pytest.approx(sum(b for _, b in events))
+    assert f.peak_bytes_per_s() == pytest.approx(peak)
+    if len(events) == 80 and events[-1][0] > 20:
+        assert f._dropped or len(f.t) <= 4
+
+
+def test_clear_flow_forgets_one_flow_and_its_share_of_the_total():
+    led = Ledger(bytes_per_token=1, window_s=10.0)
+    led.record_write(b"k" * 16, 1.0, 100.0)
+    led.record_replication(2.0, 40.0)
+    led.clear_flow("write")
+    flows = led.to_dict()["flows"]
+    assert flows["write"]["bytes"] == 0 and flows["replica"]["bytes"] == 40.0 and flows["total"]["bytes"] == 40.0
+    assert flows["total"]["peak_window_bytes_per_s"] == pytest.approx(4.0)
+    with pytest.raises(ConfigError, match="kind"):
+        led.clear_flow("writes")
+
+
 def test_expected_benefit_reports_unknown_terms():
     led = Ledger(bytes_per_token=1)
     for t in (0.0, 10.0):

@@ -220,32 +220,68 @@ class PublicationLog:
 
 
 class _Flow:
-    """Bytes of one flow as (time, bytes) events; totals and the worst window on demand."""
+    """Bytes of one flow as (time, bytes) events; the total and the worst window.
 
-    def __init__(self) -> None:
+    Memory stays bounded: past ``MAX_EVENTS`` kept events, every window that starts more than ``lag_s`` + one window
+    before the newest event is settled — its bytes summed with every event still held, the largest kept — and the
+    events before it are dropped. Exact while records arrive less than ``lag_s`` late (a record's time is its
+    request's arrival, written when it finishes); a later one still counts in the total, and in the windows that
+    start at or after the oldest event kept."""
+
+    MAX_EVENTS = 1 << 20
+    LAG_S = 3600.0
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
         self.t: list[float] = []
         self.b: list[float] = []
+        self._total = 0.0
+        self._settled = 0.0  # the largest window sum among windows already settled
+        self._dropped = 0  # events dropped after their windows were settled
+        self._limit = self.MAX_EVENTS
 
     def add(self, t_s: float, amount: float) -> None:
         self.t.append(t_s)
         self.b.append(amount)
+        self._total += amount
+        if len(self.t) > self._limit:
+            self._compact()
+
+    def _sorted(self) -> tuple[np.ndarray, np.ndarray]:
+        tt = np.asarray(self.t, dtype=np.float64)
+        bb = np.asarray(self.b, dtype=np.float64)
+        order = np.argsort(tt, kind="stable")
+        return tt[order], bb[order]
+
+    def _compact(self) -> None:
+        tt, bb = self._sorted()
+        k = int(np.searchsorted(tt, tt[-1] - self.LAG_S - self.window_s, side="left"))
+        if k:
+            c = np.concatenate([[0.0], np.cumsum(bb)])
+            end = np.searchsorted(tt, tt[:k] + self.window_s, side="left")
+            self._settled = max(self._settled, float(np.max(c[end] - c[:k])))
+            self._dropped += k
+        self.t, self.b = tt[k:].tolist(), bb[k:].tolist()
+        self._limit = max(self.MAX_EVENTS, 2 * len(self.t))  # amortised: the next pass waits for as many new events
+
+    def clear(self) -> None:
+        self.t, self.b = [], []
+        self._total = self._settled = 0.0
+        self._dropped = 0
+        self._limit = self.MAX_EVENTS
 
     @property
     def total(self) -> float:
-        return float(sum(self.b))
+        return self._total
 
-    @staticmethod
-    def peak_rate(t: list[float], b: list[float], window_s: float) -> float:
+    def peak_bytes_per_s(self) -> float:
         """Worst window [t_i, t_i + window) of Σ bytes / window."""
-        if not t:
-            return 0.0
-        tt = np.asarray(t, dtype=np.float64)
-        bb = np.asarray(b, dtype=np.float64)
-        order = np.argsort(tt, kind="stable")
-        tt, bb = tt[order], bb[order]
+        if not self.t:
+            return self._settled / self.window_s
+        tt, bb = self._sorted()
         c = np.concatenate([[0.0], np.cumsum(bb)])
-        end = np.searchsorted(tt, tt + window_s, side="left")
-        return float(np.max(c[end] - c[: tt.size]) / window_s)
+        end = np.searchsorted(tt, tt + self.window_s, side="left")
+        return max(self._settled, float(np.max(c[end] - c[: tt.size]))) / self.window_s
 
 
 class _Dist:
@@ -293,7 +329,8 @@ class Ledger:
         #: prefix run had ended (a pool sharding a chain across nodes), or a tier dropped them without telling the log
         self.stranded_blocks = 0
         self.dists = {d: _Dist() for d in DISTRIBUTIONS}
-        self.flows = {k: _Flow() for k in ("read", "write", "replica")}
+        self.flows = {k: _Flow(window_s) for k in ("read", "write", "replica")}
+        self._all_flows = _Flow(window_s)  # every flow's events: the total's worst window
         self.window_s = window_s
         self._cls: dict[str, dict[str, Any]] = {}
         self._t_first: float | None = None
@@ -376,9 +413,7 @@ class Ledger:
             if r.predicted_recompute_s is not None and r.load_s is not None:
                 c["saved_s"] += r.predicted_recompute_s - r.load_s
                 c["saved_n"] += 1
-            fr = self.flows["read"]
-            fr.t.append(r.arrival_s)
-            fr.b.append(remote_b * B * self.bytes_per_token)
+            self._flow("read", r.arrival_s, remote_b * B * self.bytes_per_token)
         if r.stall_s is not None:
             c["stall_s"] += r.stall_s
             c["stall_n"] += 1
@@ -397,18 +432,25 @@ class Ledger:
 
     def _flow(self, kind: str, t_s: float, nbytes: float) -> None:
         self.flows[kind].add(t_s, nbytes)
+        self._all_flows.add(t_s, nbytes)
+
+    def clear_flow(self, kind: str) -> None:
+        """Forget one flow's bytes (a simulator's pre-filled pool, say), before any window was settled."""
+        if kind not in self.flows:
+            raise ConfigError("kind", f"must be one of {sorted(self.flows)}, got {kind!r}")
+        if any(f._dropped for f in (*self.flows.values(), self._all_flows)):
+            raise ConfigError("kind", "a flow can be cleared only before the ledger settled its old windows")
+        self.flows[kind].clear()
+        self._all_flows.clear()
+        for f in self.flows.values():
+            for t, nb in zip(f.t, f.b):
+                self._all_flows.add(t, nb)
 
     def _flow_summary(self) -> dict[str, dict[str, float | None]]:
         span = (self._t_last - self._t_first) if self._t_first is not None else 0.0
         out: dict[str, dict[str, float | None]] = {}
-        all_t: list[float] = []
-        all_b: list[float] = []
-        for k, f in self.flows.items():
-            all_t += f.t
-            all_b += f.b
-            out[k] = {"bytes": f.total, "mean_bytes_per_s": f.total / span if span > 0 else None, "peak_window_bytes_per_s": _Flow.peak_rate(f.t, f.b, self.window_s)}
-        tot = float(sum(all_b))
-        out["total"] = {"bytes": tot, "mean_bytes_per_s": tot / span if span > 0 else None, "peak_window_bytes_per_s": _Flow.peak_rate(all_t, all_b, self.window_s)}
+        for k, f in (*self.flows.items(), ("total", self._all_flows)):
+            out[k] = {"bytes": f.total, "mean_bytes_per_s": f.total / span if span > 0 else None, "peak_window_bytes_per_s": f.peak_bytes_per_s()}
         return out
 
     def record_write(self, key: bytes, t_s: float, size_bytes: float, tier: str = "pool", request_class: str = "default") -> None:

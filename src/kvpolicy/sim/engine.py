@@ -518,8 +518,7 @@ class Simulator:
                 node = self._place(chain[j])
                 self._write_done((node, chain[j:j + chunk], chain, "default"), 0.0)
         self.bytes_written = 0
-        self.ledger.flows["write"].t.clear()
-        self.ledger.flows["write"].b.clear()
+        self.ledger.clear_flow("write")
         return len(self.where)
 
     def _push(self, t: float, kind: int, obj: Any) -> None:
