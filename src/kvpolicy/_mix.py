@@ -11,6 +11,24 @@ import numpy as np
 _M64 = (1 << 64) - 1
 
 
+def splitmix64_next(state: int) -> tuple[int, int]:
+    """One step of splitmix64 in Python ints: (new state, output). The kernels run the same arithmetic in uint64."""
+    state = (state + 0x9E3779B97F4A7C15) & _M64
+    z = state
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return state, z ^ (z >> 31)
+
+
+def fmix64(x: int) -> int:
+    """MurmurHash3's 64-bit finaliser in Python ints."""
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & _M64
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & _M64
+    return x ^ (x >> 33)
+
+
 def key_bits(key: Hashable) -> int:
     """A key as 64 bits: an int as itself (mod 2**64), bytes and str by BLAKE2b of all their bytes (stable across
     processes, unlike ``hash``, and keys that share a prefix stay apart), anything else by its repr."""

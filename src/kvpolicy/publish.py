@@ -73,7 +73,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import numpy as np
 
-from ._mix import _M64, key_bits
+from ._mix import _M64, fmix64, key_bits, splitmix64_next
 from ._validate import check_non_negative_int, check_non_negative_number, check_positive_int, check_positive_number, check_probability
 from .errors import ConfigError
 
@@ -261,17 +261,12 @@ class CountMinSketch:
         self._t0 = 0.0
 
     def _hashes(self, key: Hashable) -> tuple[int, int]:
-        """Two 64-bit hashes of the key (splitmix64's finaliser on its 64 bits — an int as itself, bytes and str by
-        BLAKE2b, stable across processes — and on the first hash); row i reads
+        """Two 64-bit hashes of the key (splitmix64 on its 64 bits — an int as itself, bytes and str by BLAKE2b, stable
+        across processes — and MurmurHash3's finaliser on that); row i reads
         column (h1 + i·h2) mod width (Kirsch–Mitzenmacher: as independent as separate hashes, for the price of two).
         Rows that share a column for most keys are one row: the sketch then overcounts as a single row does."""
-        z = ((key_bits(key) ^ self._seed) + 0x9E3779B97F4A7C15) & _M64
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-        h1 = z ^ (z >> 31)
-        z = ((h1 ^ (h1 >> 33)) * 0xFF51AFD7ED558CCD) & _M64
-        z = ((z ^ (z >> 33)) * 0xC4CEB9FE1A85EC53) & _M64
-        return h1, (z ^ (z >> 33)) | 1
+        h1 = splitmix64_next(key_bits(key) ^ self._seed)[1]
+        return h1, fmix64(h1) | 1
 
     def _rows(self, key: Hashable) -> list[int]:
         h1, h2 = self._hashes(key)

@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from .._mix import key_bits
+from .._mix import splitmix64_next as splitmix64
 from .._validate import check_positive_int, check_positive_number, check_probability
 from ..errors import CapacityError, ConfigError
 from ..protocols import Clock
@@ -64,15 +65,6 @@ _M64 = (1 << 64) - 1
 N_CLASSES = 8
 MAX_SAMPLES = 4096  # candidates drawn per eviction, at most
 MAX_BINS = 1 << 16  # age bins per class, at most
-
-
-def splitmix64(state: int) -> tuple[int, int]:
-    """One step of splitmix64: (new state, output). The kernel runs the same arithmetic in uint64."""
-    state = (state + 0x9E3779B97F4A7C15) & _M64
-    z = state
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return state, z ^ (z >> 31)
 
 
 def block_class(hits: int, child_inserts: int) -> int:

@@ -98,8 +98,8 @@ class VllmConnectorPolicy:
         self.ledger = ledger
         self.tenant = tenant
         self.active_decodes = 0
-        self._proposals: dict[str, tuple[Any, Any, Any]] = {}  # req -> (proposal, match, keys)
-        self._first_seen_s: dict[str, float] = {}  # req -> when the scheduler first asked about it (its ledger time)
+        # req -> (proposal, match, keys, when the scheduler first asked about it: its ledger time)
+        self._proposals: dict[str, tuple[Any, Any, Any, float]] = {}
         self._loads: dict[str, dict[str, Any]] = {}  # req -> admitted load: decision, block ids, ...
         self._pending_meta: dict[str, dict[str, Any]] = {"loads": {}, "stores": {}}
 
@@ -118,10 +118,13 @@ class VllmConnectorPolicy:
         local = InMemoryBlockIndex(list(keys)[: num_computed_tokens // self.B])  # vLLM already found these locally
         m = match(keys, len(toks), local, self.remote, block_size_tokens=self.B)
         d = self.controller.propose(m, self._ctx())
-        rid = str(request.request_id)
-        self._first_seen_s.setdefault(rid, self.controller.clock.now_s())  # asked again: still its arrival
-        self._proposals[rid] = (d, m, keys)
+        self._remember(str(request.request_id), d, m, keys)
         return (d.load_blocks * self.B, False) if d.loads else (0, False)
+
+    def _remember(self, rid: str, proposal: Any, match: Any, keys: Any) -> None:
+        """Keep the newest proposal for a request, and the time it was first asked about (asked again: still its arrival)."""
+        prev = self._proposals.get(rid)
+        self._proposals[rid] = (proposal, match, keys, prev[3] if prev else self.controller.clock.now_s())
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> int:
         """The scheduler allocated blocks; admit the load (trimmed to ``num_external_tokens``) and take its slot.
@@ -133,7 +136,7 @@ class VllmConnectorPolicy:
         n = max(int(num_external_tokens), 0) // self.B
         if prop is None or not prop[0].loads or n == 0:
             return 0
-        d, m, keys = prop
+        d, m, keys, _ = prop
         admitted = self.controller.admit(d, self._ctx(), load_blocks=min(n, d.load_blocks))
         if not admitted.loads:
             return 0
@@ -168,7 +171,6 @@ class VllmConnectorPolicy:
         rid = str(request.request_id)
         prop = self._proposals.pop(rid, None)
         now_s = self.controller.clock.now_s()
-        arrival_s = self._first_seen_s.pop(rid, now_s)
         keys = prop[2] if prop and prop[2] is not None else self.hasher.hash_blocks(toks, extra_keys=_extras(request, len(toks) // self.B))
         load = self._loads.pop(rid, None)
         if load is not None:  # never reported back: the request ended first (aborted, preempted)
@@ -186,7 +188,7 @@ class VllmConnectorPolicy:
             self.ledger.record(RequestRecord(prompt_tokens=len(toks), block_size_tokens=self.B, local_blocks=m.local_blocks,
                                              remote_loaded_blocks=loaded, remote_not_loaded_blocks=found - loaded,
                                              not_loaded_reason="declined" if found > loaded else None,
-                                             predicted_recompute_s=prop[0].t_recompute_p50_s if loaded else None, arrival_s=arrival_s))
+                                             predicted_recompute_s=prop[0].t_recompute_p50_s if loaded else None, arrival_s=prop[3]))
         return False, None
 
     # ---------------------------------------------------------------- outcomes (worker reports)

@@ -477,8 +477,6 @@ class KVEventIngestor:
     def _forget_oldest(self) -> None:
         """Past ``max_mapped_blocks``, drop the oldest mappings — and their directory entries: a block this ingestor
         can no longer map could not be removed when the engine drops it, and the directory would offer it forever."""
-        if len(self._map) <= self.max_mapped_blocks:
-            return
         by_holder: dict[str, list[Any]] = {}
         while len(self._map) > self.max_mapped_blocks:
             _, rec = self._map.popitem(last=False)

@@ -65,7 +65,7 @@ class _Counted(VllmConnectorPolicy):
         R = max(min(external_tokens // B, matchable - L), 0)
         m = PrefixMatch(len(toks), B, matchable, L, (R,), ("external",), "miss" if R < matchable - L else "all_matchable_found")
         d = self.controller.propose(m, self._ctx())
-        self._proposals[str(request.request_id)] = (d, m, None)
+        self._remember(str(request.request_id), d, m, None)
         return d.load_blocks * B if d.loads else 0
 
 

@@ -22,6 +22,8 @@ import hashlib
 import numba as nb
 import numpy as np
 
+from .._mix import fmix64
+
 BLOCK_PERSON = b"kvpolicy.blk.v1"
 MASK64 = (1 << 64) - 1
 
@@ -235,13 +237,7 @@ def fast_chain_kernel(tokens, block_size, n_blocks, root, extras, has_extra, out
         out[i, 1] = b
 
 
-def _py_fmix64(x: int) -> int:
-    x ^= x >> 33
-    x = (x * _F_M1) & MASK64
-    x ^= x >> 33
-    x = (x * _F_M2) & MASK64
-    x ^= x >> 33
-    return x
+_py_fmix64 = fmix64  # the kernel's _fmix64 in Python ints
 
 
 def _py_rotl(x: int, n: int) -> int:
