@@ -856,6 +856,170 @@ def test_connector_settings_are_read_strictly(kvp, field):
     assert e.value.field.endswith(field)
 
 
+def _import_over(monkeypatch, module, fakes):
+    """Import ``module`` afresh with the engine modules ``fakes`` in sys.modules (the original module comes back after)."""
+    import importlib
+    import sys
+
+    for name, mod in fakes.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    pkg, _, leaf = module.rpartition(".")
+    monkeypatch.setattr(importlib.import_module(pkg), leaf, importlib.import_module(module))
+    monkeypatch.delitem(sys.modules, module)
+    return importlib.import_module(module)
+
+
+def _fake_vllm_base():
+    """A stand-in for vLLM 0.33's ``KVConnectorBase_V1``, shaped like it: abstract worker and scheduler hooks,
+    defaults that keep state on ``self``, properties, and questions asked of the class."""
+    import abc
+    import types
+
+    class KVConnectorBase_V1(abc.ABC):
+        def __init__(self, vllm_config, role, kv_cache_config):
+            self._connector_metadata = None
+            self._kv_transfer_config = vllm_config.kv_transfer_config
+            self._role = role
+
+        @property
+        def role(self):
+            return self._role
+
+        @property
+        def requires_kv_delivery(self):
+            return self._kv_transfer_config.is_kv_producer
+
+        def bind_connector_metadata(self, connector_metadata):
+            self._connector_metadata = connector_metadata
+
+        def clear_connector_metadata(self):
+            self._connector_metadata = None
+
+        def get_finished(self, finished_req_ids):
+            return None, None
+
+        def get_block_ids_with_load_errors(self):
+            return set()
+
+        def shutdown(self):
+            return None
+
+        @abc.abstractmethod
+        def start_load_kv(self, forward_context, **kwargs): ...
+
+        @abc.abstractmethod
+        def wait_for_layer_load(self, layer_name): ...
+
+        @abc.abstractmethod
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs): ...
+
+        @abc.abstractmethod
+        def wait_for_save(self): ...
+
+        @abc.abstractmethod
+        def get_num_new_matched_tokens(self, request, num_computed_tokens): ...
+
+        @abc.abstractmethod
+        def update_state_after_alloc(self, request, blocks, num_external_tokens): ...
+
+        @abc.abstractmethod
+        def build_connector_meta(self, scheduler_output): ...
+
+        @classmethod
+        def get_required_kvcache_layout(cls, vllm_config):
+            return None
+
+        @classmethod
+        def requires_piecewise_for_cudagraph(cls, extra_config):
+            return False
+
+        @classmethod
+        def supports_sleep_mode(cls, kv_transfer_config):
+            return True
+
+    base = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    base.KVConnectorBase_V1 = KVConnectorBase_V1
+    fakes = {n: types.ModuleType(n) for n in ("vllm", "vllm.distributed", "vllm.distributed.kv_transfer",
+                                              "vllm.distributed.kv_transfer.kv_connector", "vllm.distributed.kv_transfer.kv_connector.v1")}
+    fakes[base.__name__] = base
+    return KVConnectorBase_V1, fakes
+
+
+def test_the_connector_on_vllms_base_class_hands_every_other_call_to_the_inner_one(monkeypatch):
+    """With vLLM installed the connector subclasses KVConnectorBase_V1: its abstract worker hooks made the class
+    impossible to build, and its defaults (metadata kept on the wrapper, no finished transfers) hid the inner
+    connector's. Also checked once against vLLM 0.33's own base.py, its imports stubbed (docs/integrations.md)."""
+    import types
+
+    Base, fakes = _fake_vllm_base()
+    calls = []
+
+    class Offloading(Base):  # an inner connector as vLLM builds it
+        def start_load_kv(self, forward_context, **kwargs):
+            calls.append(("start_load_kv", self._get_meta()))
+
+        def _get_meta(self):
+            assert self._connector_metadata is not None, "the inner connector reads the metadata bound to it"
+            return self._connector_metadata
+
+        def wait_for_layer_load(self, layer_name):
+            calls.append(("wait_for_layer_load", layer_name))
+
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+            calls.append(("save_kv_layer", layer_name))
+
+        def wait_for_save(self):
+            calls.append(("wait_for_save",))
+
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return 0, False
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            pass
+
+        def build_connector_meta(self, scheduler_output):
+            return types.SimpleNamespace()
+
+        def get_finished(self, finished_req_ids):
+            return {"saved"}, {"loaded"}
+
+        @classmethod
+        def get_required_kvcache_layout(cls, vllm_config):
+            return "LBHNC"
+
+        @classmethod
+        def requires_piecewise_for_cudagraph(cls, extra_config):
+            return bool(extra_config.get("layerwise"))
+
+    fakes["inner_module"] = types.SimpleNamespace(Offloading=Offloading)
+    m = _import_over(monkeypatch, "kvpolicy.integrations.vllm_kv_connector", fakes)
+    assert m._Base is Base
+    extra = {"inner_connector": "Offloading", "inner_connector_module_path": "inner_module", "layerwise": True,
+             "kvpolicy": {"link_gbps": 100, "bytes_per_token": 2048}}
+    cfg = vllm_config(extra)
+    cfg.kv_transfer_config.is_kv_producer = True
+    conn = m.KVPolicyConnector(cfg, "worker", None)  # as vLLM's factory builds it
+    assert isinstance(conn.inner, Offloading)
+    meta = conn.build_connector_meta(None)
+    conn.bind_connector_metadata(meta)
+    conn.start_load_kv(None)
+    conn.wait_for_layer_load("layer.0")
+    conn.save_kv_layer("layer.0", None, None)
+    conn.wait_for_save()
+    assert calls == [("start_load_kv", meta), ("wait_for_layer_load", "layer.0"), ("save_kv_layer", "layer.0"), ("wait_for_save",)]
+    assert conn.get_finished(set()) == ({"saved"}, {"loaded"})
+    conn.clear_connector_metadata()
+    assert conn.inner._connector_metadata is None
+    assert conn.requires_kv_delivery is True and conn.role == "worker"
+    # questions asked of the class, before any connector exists: the inner class answers
+    assert m.KVPolicyConnector.get_required_kvcache_layout(cfg) == "LBHNC"
+    assert m.KVPolicyConnector.requires_piecewise_for_cudagraph(extra) is True
+    assert m.KVPolicyConnector.supports_sleep_mode(cfg.kv_transfer_config) is True
+    with pytest.raises(ConfigError) as e:
+        m.KVPolicyConnector.get_required_kvcache_layout(vllm_config({**extra, "inner_connector": "Offloadng"}))
+    assert e.value.field == "kv_connector_extra_config.inner_connector"
+
+
 # --------------------------------------------------------------------------- SGLang HiCache storage backend
 
 
@@ -887,6 +1051,69 @@ class DictStore:  # a real store's behaviour: pages by key
 
     def clear(self):
         self.pages.clear()
+
+
+def test_the_hicache_backend_on_sglangs_base_class_hands_every_other_call_to_the_inner_store(monkeypatch):
+    """With SGLang installed the backend subclasses HiCacheStorage, whose defaults answered in the inner store's
+    place: on_host_pools_registered never reached it, a hybrid model's sidecar pools stayed on the wrapper and
+    their reads and writes raised. Also checked once against SGLang 0.5.23's own hicache_storage.py."""
+    import abc
+    import types
+
+    class HiCacheStorage(abc.ABC):  # the shape of SGLang 0.5.23's base class
+        def register_mem_pool_host(self, mem_pool_host):
+            self.mem_pool_host = mem_pool_host
+
+        def register_mem_host_pool_v2(self, host_pool, host_pool_name):
+            self.registered_pools = {**getattr(self, "registered_pools", {}), host_pool_name: host_pool}
+
+        def on_host_pools_registered(self):
+            pass
+
+        def batch_get_v2(self, transfers, extra_info=None):
+            raise NotImplementedError()
+
+        def batch_set_v2(self, transfers, extra_info=None):
+            raise NotImplementedError()
+
+        @abc.abstractmethod
+        def exists(self, key): ...
+
+    mod = types.ModuleType("sglang.srt.mem_cache.hicache_storage")
+    mod.HiCacheStorage = HiCacheStorage
+    fakes = {n: types.ModuleType(n) for n in ("sglang", "sglang.srt", "sglang.srt.mem_cache")}
+    fakes[mod.__name__] = mod
+    m = _import_over(monkeypatch, "kvpolicy.integrations.sglang_hicache", fakes)
+    assert m._Base is HiCacheStorage
+
+    class Store(DictStore):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def register_mem_pool_host(self, pool):
+            self.calls.append("register_mem_pool_host")
+
+        def register_mem_host_pool_v2(self, pool, name):
+            self.calls.append(("register_mem_host_pool_v2", name))
+
+        def on_host_pools_registered(self):
+            self.calls.append("on_host_pools_registered")
+
+        def batch_get_v2(self, transfers, extra_info=None):
+            return {t: [True] for t in transfers}
+
+        def batch_set_v2(self, transfers, extra_info=None):
+            return {t: [True] for t in transfers}
+
+    inner = Store()
+    s = m.KVPolicyHiCacheStorage(type("C", (), {"extra_config": {"inner": {"backend_name": "file"}, "kvpolicy": {}}})(), {}, inner=inner)
+    s.register_mem_pool_host(object())  # SGLang's attach: the anchor pool, then each sidecar pool, then the signal
+    s.register_mem_host_pool_v2(object(), "mamba")
+    s.on_host_pools_registered()
+    assert inner.calls == ["register_mem_pool_host", ("register_mem_host_pool_v2", "mamba"), "on_host_pools_registered"]
+    assert s.batch_get_v2(["mamba"]) == {"mamba": [True]} and s.batch_set_v2(["mamba"]) == {"mamba": [True]}
+    assert s.exists("nope") is False
 
 
 def hicache(link_gbps, publish="threshold-2"):

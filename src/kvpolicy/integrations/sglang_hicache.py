@@ -18,7 +18,11 @@ are *worth* prefetching (the inner store's hit run, cut to what the admission
 controller proposes; SGLang recomputes the rest) — and **stores** — ``batch_set``
 writes only the leading pages the publish filter allows (the others are
 reported handled, not stored). Every ``batch_get`` is timed and fed back, so the
-controller learns this store's real B_eff. Everything else is the inner store's.
+controller learns this store's real B_eff. Everything else is the inner store's,
+every method of SGLang's base class included: a hybrid model's sidecar pools
+(``register_mem_host_pool_v2``, ``batch_get_v2``, ``batch_set_v2``) and
+``on_host_pools_registered`` go to the inner store unchanged (the sidecar state is
+small; its pages are only usable where the KV run, which kvpolicy decides, is).
 
 The base class is SGLang's ``HiCacheStorage`` when SGLang is importable,
 ``object`` otherwise (the module imports, and is tested, without SGLang).
@@ -34,6 +38,7 @@ from ..admission import AdmissionContext, LoadOutcome
 from ..errors import ConfigError
 from ..matching import PrefixMatch
 from ..publish import PublishRequest
+from ._forward import forward_to_inner
 from ._settings import ADMISSION_DEFAULTS, controller_from_settings, filter_setting, positive_int_setting, read_settings
 
 try:  # pragma: no cover - depends on the environment
@@ -180,10 +185,16 @@ class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
     def get_stats(self) -> Any:
         return {"kvpolicy": dict(self.counts), "inner": self.inner.get_stats() if hasattr(self.inner, "get_stats") else None}
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # what the inner store has beyond SGLang's base class (``close``, ...)
         if name in ("inner", "_inner_spec"):
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+# every other method of SGLang's base class is the inner store's too: its defaults would otherwise answer —
+# on_host_pools_registered would never reach the real store, register_mem_host_pool_v2 would keep a hybrid
+# model's sidecar pools on the wrapper, and the sidecar reads and writes (batch_get_v2, batch_set_v2) would raise
+forward_to_inner(KVPolicyHiCacheStorage, _Base)
 
 
 def _leading_ok(out: Any, n: int) -> int:

@@ -24,7 +24,11 @@ inner connector that reads it; vLLM's ``OffloadingConnector`` does not, so with
 it use :mod:`kvpolicy.integrations.vllm_offload` for the CPU tier's eviction.
 
 The base class is vLLM's ``KVConnectorBase_V1`` when vLLM is importable,
-``object`` otherwise (the module imports, and is tested, without vLLM).
+``object`` otherwise (the module imports, and is tested, without vLLM). Every
+method and property of that base the connector does not decide itself calls the
+inner connector's (:func:`~kvpolicy.integrations._forward.forward_to_inner`), and
+the questions vLLM asks of the class (``get_required_kvcache_layout``, …) are the
+inner class's answers.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import importlib
 from typing import Any
 
 from ..errors import ConfigError
+from ._forward import forward_to_inner
 from ._settings import ADMISSION_DEFAULTS, controller_from_settings, filter_setting, positive_int_setting, read_settings, string_setting
 from .vllm_connector import VllmConnectorPolicy, _tokens
 
@@ -45,11 +50,27 @@ DEFAULTS = {**ADMISSION_DEFAULTS, "bytes_per_token": 131072, "block_size": 16, "
 
 
 def _inner_class(name: str, module_path: str | None) -> Any:
-    if module_path:
-        return getattr(importlib.import_module(module_path), name)
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # type: ignore[import-not-found]
+    field = "kv_connector_extra_config.inner_connector"
+    try:
+        if module_path:
+            return getattr(importlib.import_module(module_path), name)
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # type: ignore[import-not-found]
 
-    return KVConnectorFactory.get_connector_class_by_name(name)
+        return KVConnectorFactory.get_connector_class_by_name(name)
+    except (ImportError, AttributeError, ValueError) as e:
+        where = f" in {module_path!r}" if module_path else " (a connector registered with vLLM)"
+        raise ConfigError(field, f"cannot find the connector class {name!r}{where}: {e}") from None
+
+
+def _inner_class_of(extra: Any) -> Any:
+    """The inner connector's class a ``kv_connector_extra_config`` names, or None when it names none."""
+    if not isinstance(extra, dict) or not extra.get("inner_connector"):
+        return None
+    return _inner_class(extra["inner_connector"], extra.get("inner_connector_module_path"))
+
+
+def _extra_of(kv_transfer_config: Any) -> Any:
+    return getattr(kv_transfer_config, "kv_connector_extra_config", None)
 
 
 class _Counted(VllmConnectorPolicy):
@@ -130,12 +151,42 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
         self.policy.request_finished(request, block_ids)
         return self.inner.request_finished(request, block_ids)
 
+    # ---------------------------------------------------------------- questions vLLM asks of the class: the inner class's answer
+    # (vLLM asks them before any connector exists: the KV cache layout the inner connector copies in — the
+    # OffloadingConnector needs its own — whether CUDA graphs must be piecewise, whether sleep mode works)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        inner = _inner_class_of(_extra_of(getattr(vllm_config, "kv_transfer_config", None)))
+        return inner.get_required_kvcache_layout(vllm_config) if inner is not None else None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        inner = _inner_class_of(extra_config)
+        return bool(inner.requires_piecewise_for_cudagraph(extra_config)) if inner is not None else False
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        inner = _inner_class_of(_extra_of(kv_transfer_config))
+        return bool(inner.supports_sleep_mode(kv_transfer_config)) if inner is not None else True
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any) -> Any:
+        inner = _inner_class_of(_extra_of(getattr(vllm_config, "kv_transfer_config", None)))
+        if inner is None:
+            return None
+        return inner.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # ---------------------------------------------------------------- everything else is the inner connector's
+    # (every other method and property of vLLM's base: forward_to_inner below; anything else the inner has: here)
 
     def __getattr__(self, name: str) -> Any:
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+forward_to_inner(KVPolicyConnector, _Base)
 
 
 class _NoIndex:

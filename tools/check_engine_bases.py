@@ -1,0 +1,191 @@
+"""Run kvpolicy's engine adapters on the engines' own base classes, read from their wheels.
+
+The test suite runs without vLLM or SGLang installed, on stand-ins shaped like their base classes. This script
+checks the adapters against the real ones: it reads ``KVConnectorBase_V1`` (vLLM) and ``HiCacheStorage`` (SGLang)
+out of the downloaded wheels, with the heavy modules they import (torch, the engines' loggers and configs)
+stubbed, imports kvpolicy's adapters on top of them, and drives every hook an engine calls through to a
+recording inner connector / store::
+
+    pip download vllm==0.33.0 sglang==0.5.23 --no-deps -d wheels/
+    python tools/check_engine_bases.py --vllm wheels/vllm-0.33.0-*.whl --sglang wheels/sglang-0.5.23-*.whl
+
+Exit status 0 when every check holds. Each engine's check runs in its own process (the adapters pick their base
+class once, at import).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import logging
+import subprocess
+import sys
+import types
+import zipfile
+
+VLLM_BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
+SGLANG_BASE = "sglang/srt/mem_cache/hicache_storage.py"
+
+
+def _module(name: str, **attrs: object) -> types.ModuleType:
+    m = types.ModuleType(name)
+    m.__dict__.update(attrs)
+    sys.modules[name] = m
+    return m
+
+
+def _load(wheel: str, path: str, name: str) -> types.ModuleType:
+    with zipfile.ZipFile(wheel) as z:
+        source = z.read(path).decode()
+    mod = _module(name)
+    exec(compile(source, f"{wheel}!{path}", "exec"), mod.__dict__)
+    return mod
+
+
+def check_vllm(wheel: str) -> None:
+    for n in ("vllm", "vllm.distributed", "vllm.distributed.kv_transfer", "vllm.distributed.kv_transfer.kv_connector",
+              "vllm.distributed.kv_transfer.kv_connector.v1", "vllm.v1", "vllm.v1.attention", "vllm.v1.core",
+              "vllm.v1.core.sched", "vllm.v1.metrics"):
+        _module(n)
+    _module("torch", Tensor=object)
+    _module("vllm.logger", init_logger=logging.getLogger)
+    _module("vllm.v1.attention.backend", AttentionMetadata=object)
+    _module("vllm.v1.core.sched.output", SchedulerOutput=object)
+    _module("vllm.v1.metrics.cache_hit_source", CacheHitSource=enum.Enum("CacheHitSource", "EXTERNAL_UNSPECIFIED HOST DISK P2P"))
+    _module("vllm.v1.outputs", KVConnectorOutput=object)
+    base = _load(wheel, VLLM_BASE, "vllm.distributed.kv_transfer.kv_connector.v1.base")
+    from kvpolicy.integrations import vllm_kv_connector as m
+
+    assert m._Base is base.KVConnectorBase_V1, "the connector subclasses vLLM's base"
+    calls: list[tuple] = []
+
+    class Inner(base.KVConnectorBase_V1):  # every abstract hook, recorded
+        def start_load_kv(self, forward_context, **kw):
+            calls.append(("start_load_kv", self._get_connector_metadata()))
+
+        def wait_for_layer_load(self, layer_name):
+            calls.append(("wait_for_layer_load", layer_name))
+
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kw):
+            calls.append(("save_kv_layer", layer_name))
+
+        def wait_for_save(self):
+            calls.append(("wait_for_save",))
+
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return 0, False
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            pass
+
+        def build_connector_meta(self, scheduler_output):
+            return types.SimpleNamespace()
+
+        def get_finished(self, finished_req_ids):
+            return {"saved"}, {"loaded"}
+
+        @classmethod
+        def get_required_kvcache_layout(cls, vllm_config):
+            return "LBHNC"
+
+    _module("kvpolicy_check_inner", Inner=Inner)
+    extra = {"inner_connector": "Inner", "inner_connector_module_path": "kvpolicy_check_inner",
+             "kvpolicy": {"link_gbps": 100, "bytes_per_token": 2048}}
+    ktc = types.SimpleNamespace(kv_connector="KVPolicyConnector", is_kv_producer=True, kv_connector_extra_config=extra)
+    cfg = types.SimpleNamespace(kv_transfer_config=ktc, cache_config=types.SimpleNamespace(block_size=16),
+                                model_config=types.SimpleNamespace(model="m"))
+    conn = m.KVPolicyConnector(cfg, "worker", None)  # as vLLM's factory builds it
+    meta = conn.build_connector_meta(None)
+    conn.bind_connector_metadata(meta)
+    conn.start_load_kv(None)
+    conn.wait_for_layer_load("layer.0")
+    conn.save_kv_layer("layer.0", None, None)
+    conn.wait_for_save()
+    assert calls == [("start_load_kv", meta), ("wait_for_layer_load", "layer.0"), ("save_kv_layer", "layer.0"), ("wait_for_save",)], calls
+    assert conn.get_finished(set()) == ({"saved"}, {"loaded"})
+    assert conn.get_transfer_results(set()).finished_recving == {"loaded"}
+    conn.clear_connector_metadata()
+    assert not conn.inner.has_connector_metadata()
+    assert conn.requires_kv_delivery is True and conn.role == "worker"
+    assert m.KVPolicyConnector.get_required_kvcache_layout(cfg) == "LBHNC"
+    assert m.KVPolicyConnector.requires_piecewise_for_cudagraph(extra) is False
+    assert m.KVPolicyConnector.supports_sleep_mode(ktc) is True
+    missing = sorted(n for n, v in vars(base.KVConnectorBase_V1).items()
+                     if not n.startswith("_") and callable(v) and n not in vars(m.KVPolicyConnector))
+    assert not missing, f"methods of vLLM's base the connector does not answer itself or forward: {missing}"
+
+
+def check_sglang(wheel: str) -> None:
+    for n in ("sglang", "sglang.srt", "sglang.srt.mem_cache"):
+        _module(n)
+    _module("torch", Tensor=object)
+
+    class _Envs:
+        def __getattr__(self, name: str) -> object:
+            return types.SimpleNamespace(get=lambda: None, value=None)
+
+    _module("sglang.srt.environ", envs=_Envs())
+    base = _load(wheel, SGLANG_BASE, "sglang.srt.mem_cache.hicache_storage")
+    from kvpolicy.integrations import sglang_hicache as m
+
+    assert m._Base is base.HiCacheStorage, "the backend subclasses SGLang's base"
+    calls: list[object] = []
+
+    class Inner:
+        def register_mem_pool_host(self, pool):
+            calls.append("register_mem_pool_host")
+
+        def register_mem_host_pool_v2(self, pool, name):
+            calls.append(("register_mem_host_pool_v2", name))
+
+        def on_host_pools_registered(self):
+            calls.append("on_host_pools_registered")
+
+        def batch_get_v2(self, transfers, extra_info=None):
+            return {"mamba": [True]}
+
+        def batch_set_v2(self, transfers, extra_info=None):
+            return {"mamba": [True]}
+
+        def close(self):
+            calls.append("close")
+
+    cfg = types.SimpleNamespace(extra_config={"inner": {"backend_name": "file"}, "kvpolicy": {"link_gbps": 100}})
+    s = m.KVPolicyHiCacheStorage(cfg, None, inner=Inner())
+    s.register_mem_pool_host(object())
+    s.register_mem_host_pool_v2(object(), "mamba")
+    s.on_host_pools_registered()
+    assert s.batch_get_v2([]) == {"mamba": [True]} and s.batch_set_v2([]) == {"mamba": [True]}
+    s.close()
+    assert calls == ["register_mem_pool_host", ("register_mem_host_pool_v2", "mamba"), "on_host_pools_registered", "close"], calls
+    missing = sorted(n for n, v in vars(base.HiCacheStorage).items()
+                     if not n.startswith("_") and callable(v) and n not in vars(m.KVPolicyHiCacheStorage))
+    assert not missing, f"methods of SGLang's base the backend does not answer itself or forward: {missing}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vllm", help="a vLLM wheel (pip download vllm==0.33.0 --no-deps)")
+    ap.add_argument("--sglang", help="an SGLang wheel (pip download sglang==0.5.23 --no-deps)")
+    ap.add_argument("--only", choices=("vllm", "sglang"), help=argparse.SUPPRESS)  # one engine, in this process
+    args = ap.parse_args(argv)
+    if args.only:
+        (check_vllm if args.only == "vllm" else check_sglang)(getattr(args, args.only))
+        return 0
+    if not (args.vllm or args.sglang):
+        ap.error("give --vllm WHEEL and/or --sglang WHEEL")
+    failed = 0
+    for engine in ("vllm", "sglang"):
+        wheel = getattr(args, engine)
+        if not wheel:
+            continue
+        r = subprocess.run([sys.executable, __file__, f"--{engine}", wheel, "--only", engine], capture_output=True, text=True)
+        print(f"{engine}: {'OK' if r.returncode == 0 else 'FAILED'} ({wheel})")
+        if r.returncode:
+            failed += 1
+            print(r.stderr.strip()[-2000:])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
