@@ -1168,8 +1168,22 @@ def test_prepare_store_offers_only_what_the_publish_filter_allows():
 
     wrapped = filtered_prepare_store(prepare_store, ThresholdPublish(2), 16)
     keys = ["k3", "k1", "k0", "k2"]
-    assert wrapped(keys, Ctx("a")) is None and offered == [], "seen once: not offered"
-    assert wrapped(keys, Ctx("b")) == "spec" and offered == [["k0", "k1", "k2", "k3"]], "in request order, prefix-closed"
+    # seen once: nothing offered, but the manager still answers (an empty store): vLLM's scheduler reads None as a
+    # failed allocation, counts and logs it, and offers the same chunks again at the next step
+    assert wrapped(keys, Ctx("a")) == "spec" and offered == [[]], "seen once: not offered"
+    assert wrapped(keys, Ctx("b")) == "spec" and offered[1:] == [["k0", "k1", "k2", "k3"]], "in request order, prefix-closed"
+
+
+def test_an_offload_key_covers_a_chunk_of_blocks():
+    import types
+
+    from kvpolicy.integrations.vllm_offload import offload_key_tokens
+
+    assert offload_key_tokens(types.SimpleNamespace(tokens_per_block=(16, 32), blocks_per_chunk=4)) == 64  # vLLM 0.33's spec
+    assert offload_key_tokens(types.SimpleNamespace(tokens_per_block=(16,))) == 16
+    assert offload_key_tokens(types.SimpleNamespace(offloaded_block_size=256)) == 256
+    assert offload_key_tokens(types.SimpleNamespace(block_size=32)) == 32
+    assert offload_key_tokens(object()) == 16
 
 
 def test_every_python_block_in_the_integrations_docs_runs(monkeypatch):

@@ -190,8 +190,9 @@ class KVPolicyLRU(_KVPolicyCachePolicy):
 
 def filtered_prepare_store(prepare_store: Any, publish_filter: Any, block_size_tokens: int, *, clock: Clock | None = None) -> Any:
     """Wrap a manager's ``prepare_store(keys, req_context)`` so only the leading keys a kvpolicy
-    publish filter allows are offered (in the request's order when ``req_context`` gives positions). Each call is
-    stamped with ``clock`` (default: monotonic seconds): the filter's windows and decay run on it."""
+    publish filter allows are offered (in the request's order when ``req_context`` gives positions); when it allows
+    none, the manager is asked to store no keys. ``block_size_tokens``: tokens per offload key (a chunk). Each call
+    is stamped with ``clock`` (default: monotonic seconds): the filter's windows and decay run on it."""
     from ..publish import PublishRequest
 
     counter = [0]
@@ -209,9 +210,28 @@ def filtered_prepare_store(prepare_store: Any, publish_filter: Any, block_size_t
         req = PublishRequest(request_id=rid, num_tokens=len(ks) * block_size_tokens, block_size_tokens=block_size_tokens, time_s=clk.now_s())
         publish_filter.observe(req, ks)
         n = publish_filter.publishable(req, ks)
-        return prepare_store(ks[:n], req_context) if n else None
+        # nothing allowed is still an answer from the manager (vLLM's CPU manager: an empty store), never None:
+        # the scheduler reads None as a failed allocation — counted, logged, and the same chunks offered again
+        return prepare_store(ks[:n], req_context)
 
     return wrapped
+
+
+def offload_key_tokens(spec: Any) -> int:
+    """Tokens one offload key covers: vLLM 0.33's spec keys a chunk of ``blocks_per_chunk`` blocks of
+    ``tokens_per_block`` tokens (the first KV-cache group's); older specs give ``offloaded_block_size`` or
+    ``block_size``; 16 when the spec says nothing."""
+    per_block = getattr(spec, "tokens_per_block", None)
+    if isinstance(per_block, (tuple, list)) and per_block:
+        per_block = per_block[0]
+    chunk = getattr(spec, "blocks_per_chunk", None)
+    if isinstance(per_block, int) and per_block > 0:
+        return per_block * (chunk if isinstance(chunk, int) and chunk > 0 else 1)
+    for name in ("offloaded_block_size", "block_size"):
+        v = getattr(spec, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return 16
 
 
 def offload_publish_filter(extra_config: Any) -> Any:
@@ -239,7 +259,7 @@ class KVPolicyOffloadingSpec(_SpecBase):  # type: ignore[misc,valid-type]
         manager = super().get_manager()
         if not getattr(manager, "_kvpolicy_wrapped", False):
             f = offload_publish_filter(getattr(self, "extra_config", None))
-            block = int(getattr(self, "block_size", None) or getattr(self, "offloaded_block_size", None) or 16)
+            block = offload_key_tokens(self)
             manager.prepare_store = filtered_prepare_store(manager.prepare_store, f, block)
             manager._kvpolicy_wrapped = True
         return manager
