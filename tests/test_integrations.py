@@ -429,6 +429,11 @@ def test_lmcache_store_policy_publishes_only_what_the_filter_allows(monkeypatch)
     assert got == {1: chain + other}, "seen twice: stored, only to the configured adapter, keyed by index"
     assert pol.select_l1_deletions(chain) == []
     assert pol.stored_keys == 6 and pol.skipped_keys == 6
+    # LMCache's store loop pops every chunk written since it last woke: a new request's chunk ahead of the ones
+    # seen twice must not refuse them
+    fresh = ObjectKey(b"\xff" * 8)
+    got = pol.select_store_targets([fresh] + chain, adapters)
+    assert got == {1: chain}, "each chunk on its own sightings"
 
 
 def test_lmcache_store_policy_config_is_validated_and_registers_as_a_real_subclass(monkeypatch):

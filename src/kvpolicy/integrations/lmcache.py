@@ -14,9 +14,12 @@ A policy is constructed **without arguments** by name from LMCache's registry
 (``register_store_policy`` / ``create_store_policy``), chosen with
 ``--l2-store-policy NAME``. :class:`KVPolicyStorePolicyCore` answers with a
 kvpolicy publish filter: the keys of one call that share a model, KV rank, object
-group and cache salt (the salt is the tenant) are one chain, in the order given;
-the filter sees them as one request of ``len(keys) × chunk_tokens`` tokens and
-allows its leading run — publishing stays prefix-closed.
+group and cache salt (the salt is the tenant) are observed as one request of
+``len(keys) × chunk_tokens`` tokens (each chunk counted once per call), and each
+chunk is then judged on its own. A call carries every chunk written to L1 since
+LMCache's store loop last woke (``StoreController`` pops its whole queue), often
+several requests' runs back to back, so a run cut at its first refused chunk
+would refuse the chunks of every request behind it.
 
 Configuration comes from ``KVPOLICY_LMCACHE_STORE_POLICY`` (JSON, read at
 construction, since LMCache passes none): ``{"filter": "threshold-2" |
@@ -134,8 +137,14 @@ class KVPolicyStorePolicyCore:
             # an ObjectKey is its whole identity: the same chunk hash under another model, rank, group or salt is another block
             ids = [hashlib.blake2b(repr((getattr(k, "chunk_hash", k), model, rank, group, salt)).encode(), digest_size=16).digest() for k in chain]
             self.filter.observe(req, ids)
-            n = self.filter.publishable(req, ids)
-            chosen.extend(chain[:n])
+            # one call carries every chunk written to L1 since the store loop last woke — often several requests'
+            # runs back to back — so each chunk is judged on its own: a run cut at the first refused chunk would
+            # refuse the next request's chunks behind it, however often they had been seen
+            n = 0
+            for key, ident in zip(chain, ids):
+                if self.filter.publishable(req, [ident]):
+                    chosen.append(key)
+                    n += 1
             self.stored_keys += n
             self.skipped_keys += len(chain) - n
         if not chosen or not targets:
