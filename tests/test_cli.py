@@ -186,6 +186,68 @@ def test_evict_bench_command(capsys, tmp_path):
     assert rc == 2 and "unknown policy" in err
 
 
+OWN_POLICIES = """
+from kvpolicy.eviction.base import PriorityPolicy
+
+
+class MyLRU(PriorityPolicy):  # LRU written by a user: must replay exactly as kvpolicy's own
+    name = "my-lru"
+
+    def priority(self, node):
+        return (node.t_access, -node.depth)
+
+
+class ShallowFirst(PriorityPolicy):
+    name = "shallow-first"
+
+    def priority(self, node):
+        return (node.depth, node.t_access)
+
+
+class NotAPolicy:
+    def __init__(self, capacity_bytes, clock=None):
+        pass
+
+
+def takes_no_clock(capacity_bytes):
+    return MyLRU(capacity_bytes)
+
+
+raise_on_import = False
+"""
+
+
+def test_evict_bench_replays_a_policy_of_your_own(capsys, tmp_path):
+    """MODULE:NAME or PATH.py:NAME in --policies: the user's EvictionPolicy replays beside the classics and the bounds,
+    with the goal lines; a user's LRU hits exactly what kvpolicy's LRU hits (the same replay, not a look-alike)."""
+    from kvpolicy.eviction.bench import compare
+    from kvpolicy.traces import generate, preset
+
+    mine = tmp_path / "mycache.py"
+    mine.write_text(OWN_POLICIES)
+    tr = generate(preset("chat", n_requests=300, block_size_tokens=64, seed=4))
+    spec, other = f"{mine}:MyLRU", f"{mine}:ShallowFirst"
+    res = compare(tr, ["lru", spec, other], [32, 256])
+    by = {(r["policy"], r["capacity_blocks"]): r for r in res["results"]}
+    for cap in (32, 256):
+        assert by[(spec, cap)]["hit_blocks"] == by[("lru", cap)]["hit_blocks"]
+        assert by[(other, cap)]["hit_blocks"] != by[("lru", cap)]["hit_blocks"]
+        assert by[(other, cap)]["hit_blocks"] <= by[("belady", cap)]["hit_blocks"]
+    assert {g["policy"] for g in res["goals"]} == {spec, other}, "the goal lines judge a policy of your own too"
+    p = tmp_path / "mc.jsonl"
+    tr.to_mooncake_jsonl(p)
+    rc, out, _ = run(capsys, "evict-bench", str(p), "--block-size", "64", "--capacities-blocks", "32", "--policies", f"lru,{other}", "--no-progress")
+    assert rc == 0 and f"{other} @ 32 blocks: gap" in out
+    for bad, says in ((f"{mine}:Nope", "has no class or factory 'Nope'"), (f"{mine}:NotAPolicy", "not a kvpolicy EvictionPolicy"),
+                      (f"{mine}:takes_no_clock", "TypeError"), (f"{tmp_path}/absent.py:X", "no file"),
+                      ("no_such_module_kvp:X", "cannot import"), (f"{mine}:", "MODULE:NAME or PATH.py:NAME")):
+        rc, _, err = run(capsys, "evict-bench", str(p), "--block-size", "64", "--capacities-blocks", "32", "--policies", f"lru,{bad}", "--no-progress")
+        assert rc == 2 and "--policies" in err and says in err, (bad, err)
+    mine.write_text(OWN_POLICIES.replace("raise_on_import = False", "raise ValueError('half written')"))
+    rc, _, err = run(capsys, "evict-bench", "--policies", f"{mine}:MyLRU", "--no-progress")
+    assert rc == 2 and "raised ValueError: half written" in err
+
+
 def test_publish_bench_and_plan_warmup_commands(capsys, tmp_path):
     from kvpolicy.traces import generate, preset
 

@@ -18,7 +18,7 @@ from .._validate import check_positive_int, check_split
 from ..errors import ConfigError
 from ..traces.model import check_trace
 from .kernels import KERNEL_POLICIES, replay_kernel
-from .replay import ALL_POLICIES, replay
+from .replay import check_policy_names, is_own_policy, replay
 
 
 def default_capacities(trace: Any) -> list[int]:
@@ -29,16 +29,14 @@ def default_capacities(trace: Any) -> list[int]:
 
 def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, bytes_per_token: int | None = None,
             progress: Any = None, judge_from_request: int = 0) -> dict[str, Any]:
-    """Every policy at every capacity beside LRU, ARC, S3-FIFO, Belady and the infinite cache.
+    """Every policy at every capacity beside LRU, ARC, S3-FIFO, Belady and the infinite cache. A policy of your own
+    (``module:Name`` or ``path.py:Name``, see :func:`~kvpolicy.eviction.replay.load_policy_factory`) replays online and
+    gets issue #20's goal lines too.
 
     ``judge_from_request`` = k > 0 is a held-out split: every policy runs over the whole trace (its online
     learning and its cache warm up on requests < k) but only the references of requests >= k are scored."""
     check_trace(trace)
-    if isinstance(policies, str):  # "lru" would be read as the policies 'l', 'r', 'u'
-        raise ConfigError("--policies", f"give a list of policy names, got the string {policies!r}")
-    bad = [p for p in policies if p not in ALL_POLICIES]
-    if bad:
-        raise ConfigError("--policies", f"unknown policy {bad[0]!r}; known: {', '.join(ALL_POLICIES)}")
+    check_policy_names(policies)
     if not capacities_blocks or any(isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 < c <= 1 << 40 for c in capacities_blocks):
         raise ConfigError("--capacities-blocks", f"give one or more capacities, ints in [1, 2**40], got {capacities_blocks!r:.80}")
     if bytes_per_token is not None:
@@ -91,7 +89,7 @@ def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, by
                         "token_hit_ratio": ceiling * B / total_tokens, "gap_closed": None, "engine": "bound"})
     source = trace.source if k == 0 else f"{trace.source} — judged on requests {k:,}..{n_req - 1:,} (learned on the first {k:,})"
     res = {"source": source, "block_refs": refs, "block_size_tokens": B, "judge_from_request": k, "results": results, "gap_where": where}
-    res["goals"] = eviction_goals(res, [p for p in GOAL_POLICIES if p in names])
+    res["goals"] = eviction_goals(res, [p for p in GOAL_POLICIES if p in names] + [p for p in names if is_own_policy(p)])
     return res
 
 
@@ -165,7 +163,9 @@ def render(res: dict[str, Any]) -> str:
     lines = [f"trace            {res['source']}  ({res['block_refs']:,} full-block references of {res['block_size_tokens']} tokens)", "",
              "token hit ratio under the prefix rule (share of prefill avoided); [gap closed LRU -> Belady; "
              f"'no gap' where Belady beats LRU by under {MIN_GAP_SHARE:.1%} of references]", ""]
-    head = f"{'policy':>16}" + "".join(f"{c:>22,}" for c in caps)
+    labels = {p: {"belady": "belady (bound)", "infinite": "infinite cache"}.get(p, p) for p in pols}
+    w = max(16, *(len(x) for x in labels.values()))  # a policy of your own is named by its module:class
+    head = f"{'policy':>{w}}" + "".join(f"{c:>22,}" for c in caps)
     lines.append(head)
     for p in pols:
         cells = []
@@ -180,8 +180,7 @@ def render(res: dict[str, Any]) -> str:
             else:
                 gtxt = f" [{g:+.0%}]"
             cells.append(f"{r['token_hit_ratio']:>14.2%}{gtxt:>8}")
-        label = {"belady": "belady (bound)", "infinite": "infinite cache"}.get(p, p)
-        lines.append(f"{label:>16}" + "".join(f"{x:>22}" for x in cells))
+        lines.append(f"{labels[p]:>{w}}" + "".join(f"{x:>22}" for x in cells))
     if res.get("goals"):
         lines += ["", f"goals (issue #20): close >= {GOAL_GAP_CLOSED:.0%} of the LRU -> Belady gap where it is >= {GOAL_MIN_GAP_POINTS:.0f} points; "
                       f"never more than {GOAL_MAX_DEFICIT_POINTS:.0f} point below the best of {'/'.join(GOAL_CLASSICS)}"]

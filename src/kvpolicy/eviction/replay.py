@@ -33,6 +33,71 @@ from .reuse_distance import ReuseDistancePolicy
 
 ALL_POLICIES = ("lru", "fifo", "lfu", "ttl", "s3fifo", "sieve", "arc", "gdsf", "reuse-distance", "hit-density", "adaptive", "belady", "belady-bypass")
 
+_YOURS = "a policy of your own is MODULE:NAME or PATH.py:NAME, NAME a class (or factory) called as NAME(capacity_bytes, clock=clock)"
+
+
+def is_own_policy(name: str) -> bool:
+    """``module:Name`` / ``path/to/file.py:Name``: a policy class of the user's, not one of :data:`ALL_POLICIES`."""
+    return isinstance(name, str) and ":" in name
+
+
+def load_policy_factory(spec: str) -> Any:
+    """The class (or factory) ``spec`` names: ``package.module:Name`` (imported) or ``path/to/file.py:Name`` (loaded from the
+    file). Any failure is a :class:`ConfigError` naming ``--policies`` and the spec."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    where = "--policies"
+    source, _, attr = spec.rpartition(":")
+    if not source or not attr.isidentifier():
+        raise ConfigError(where, f"{spec!r}: {_YOURS}")
+    try:
+        if source.endswith(".py"):
+            path = Path(source)
+            if not path.is_file():
+                raise ConfigError(where, f"{spec!r}: no file {source}")
+            mspec = importlib.util.spec_from_file_location(f"kvpolicy_own_{path.stem}", path)
+            module = importlib.util.module_from_spec(mspec)  # type: ignore[arg-type]
+            mspec.loader.exec_module(module)  # type: ignore[union-attr]
+        else:
+            module = importlib.import_module(source)
+    except ConfigError:
+        raise
+    except ImportError as e:
+        hint = f"; give the file instead ({source.replace('.', '/')}.py:{attr}) or put its directory on PYTHONPATH" \
+            if isinstance(e, ModuleNotFoundError) and e.name == source.split(".")[0] else ""
+        raise ConfigError(where, f"{spec!r}: cannot import {source} ({e}){hint}") from None
+    except Exception as e:  # the user's module raised while loading: say where, without a traceback through kvpolicy
+        raise ConfigError(where, f"{spec!r}: loading {source} raised {type(e).__name__}: {e}") from None
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise ConfigError(where, f"{spec!r}: {source} has no class or factory {attr!r}")
+    return factory
+
+
+def check_policy_names(policies: Any) -> None:
+    """Refuse an unknown name, and load each policy of the user's (so a typo fails before a trace is read)."""
+    if isinstance(policies, str):  # "lru" would be read as the policies 'l', 'r', 'u'
+        raise ConfigError("--policies", f"give a list of policy names, got the string {policies!r}")
+    for p in policies:
+        if is_own_policy(p):
+            load_policy_factory(p)
+        elif p not in ALL_POLICIES:
+            raise ConfigError("--policies", f"unknown policy {p!r}; known: {', '.join(ALL_POLICIES)}; or {_YOURS}")
+
+
+def _own_policy(spec: str, capacity_bytes: int, clock: ManualClock, kw: dict[str, Any]) -> EvictionPolicy:
+    factory = load_policy_factory(spec)
+    try:
+        policy = factory(capacity_bytes, clock=clock, **kw)
+    except TypeError as e:
+        raise ConfigError("--policies", f"{spec!r}: calling it as {spec.rpartition(':')[2]}(capacity_bytes, clock=clock) raised TypeError: {e}") from None
+    if not isinstance(policy, EvictionPolicy):
+        raise ConfigError("--policies", f"{spec!r} built a {type(policy).__name__}, not a kvpolicy EvictionPolicy: subclass EvictionPolicy "
+                          "or PriorityPolicy (docs/eviction.md)")
+    return policy
+
 
 def policy_options(cls: type) -> set[str]:
     """The keyword options ``cls(capacity, ...)`` takes: its ``__init__``'s named parameters, and its bases' where it
@@ -61,6 +126,8 @@ def make_policy(name: str, capacity_bytes: int, *, trace: Any = None, clock: Man
     if not isinstance(name, str):
         raise ConfigError("policy", f"must be a policy name ({', '.join(ALL_POLICIES)}), got {type(name).__name__}")
     clock = clock or ManualClock()
+    if is_own_policy(name):
+        return _own_policy(name, capacity_bytes, clock, kw)
     cls = {"reuse-distance": ReuseDistancePolicy, "hit-density": HitDensityPolicy, "adaptive": AdaptivePolicy, "belady": BeladyPolicy,
            "belady-bypass": BeladyPolicy}.get(name) or POLICIES.get(name)
     if cls is not None:
