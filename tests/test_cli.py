@@ -248,6 +248,78 @@ def test_evict_bench_replays_a_policy_of_your_own(capsys, tmp_path):
     assert rc == 2 and "raised ValueError: half written" in err
 
 
+OWN_FILTERS = """
+class SecondRequest:  # threshold-2 written by a user: must publish exactly what kvpolicy's threshold-2 publishes
+    def __init__(self):
+        self.seen, self.last = {}, {}
+
+    def observe(self, request, keys):
+        for k in keys:
+            if self.last.get(k) != request.request_id:
+                self.last[k] = request.request_id
+                self.seen[k] = self.seen.get(k, 0) + 1
+
+    def publishable(self, request, keys):
+        n = 0
+        while n < len(keys) and self.seen.get(keys[n], 0) >= 2:
+            n += 1
+        return n
+
+
+class Sized:  # takes one of the keywords kvpolicy's own filters get
+    def __init__(self, block_bytes):
+        self.block_bytes = block_bytes
+
+    def observe(self, request, keys):
+        pass
+
+    def publishable(self, request, keys):
+        return len(keys)
+
+
+class NoPublishable:
+    def observe(self, request, keys):
+        pass
+"""
+
+
+def test_publish_bench_and_the_adapters_take_a_filter_of_your_own(capsys, tmp_path):
+    import json as _json
+
+    from kvpolicy.errors import ConfigError
+    from kvpolicy.integrations._settings import filter_setting
+    from kvpolicy.publish import make_filter
+    from kvpolicy.publish_sim import publish_bench
+    from kvpolicy.traces import generate, preset
+
+    mine = tmp_path / "myfilter.py"
+    mine.write_text(OWN_FILTERS)
+    tr = generate(preset("chat", n_requests=300, block_size_tokens=64, seed=5))
+    twin, sized = f"{mine}:SecondRequest", f"{mine}:Sized"
+    res = publish_bench(tr, ["threshold-2", twin, sized, "all"], replicas=4, bytes_per_token=1024)
+    runs = {r["policy"]: r for r in res["runs"]}
+    for field in ("blocks_written", "reread_bytes", "wasted_write_bytes"):
+        assert runs[twin][field] == runs["threshold-2"][field], field
+        assert runs[sized][field] == runs["all"][field], field
+    assert {g["policy"] for g in res["goals"]} >= {twin, sized}, "the goal lines judge a filter of your own too"
+    assert make_filter(sized, block_bytes=7, recompute_s=lambda d: 1.0).block_bytes == 7, "only the keywords it takes"
+    assert filter_setting({"publish": twin}, "publish", "kvpolicy").publishable is not None, "an engine adapter's publish setting"
+    with pytest.raises(ConfigError) as e:
+        filter_setting({"publish": f"{mine}:NoPublishable"}, "publish", "kvpolicy")
+    assert e.value.field == "kvpolicy.publish" and "lacks observe/publishable" in e.value.problem
+    p = tmp_path / "mc.jsonl"
+    tr.to_mooncake_jsonl(p)
+    out = tmp_path / "pub.json"
+    rc, text, _ = run(capsys, "publish-bench", str(p), "--block-size", "64", "--replicas", "4", "--policies", f"threshold-2,{twin}",
+                      "--bytes-per-token", "1024", "--json", str(out), "--no-progress")
+    assert rc == 0 and f"goal (issue #20): {twin}" in text
+    assert len({(r["blocks_written"], r["reread_bytes"]) for r in _json.loads(out.read_text())["runs"] if r["policy"] != "oracle"}) == 1
+    for bad, says in ((f"{mine}:Nope", "has no class or factory"), (f"{mine}:Sized+nope", "unknown publish policy 'nope'"),
+                      (f"{tmp_path}/absent.py:X", "no file"), (f"{mine}:NoPublishable", "lacks observe/publishable")):
+        rc, _, err = run(capsys, "publish-bench", str(p), "--block-size", "64", "--policies", bad, "--no-progress")
+        assert rc == 2 and "--policies" in err and says in err, (bad, err)
+
+
 def test_publish_bench_and_plan_warmup_commands(capsys, tmp_path):
     from kvpolicy.traces import generate, preset
 

@@ -444,8 +444,11 @@ def _cmd_publish_bench(args: argparse.Namespace) -> int:
 
     from .publish import check_spec
 
-    for spec in args.policies:
-        check_spec(spec)  # a misspelt policy fails here, before a large trace is read
+    for spec in args.policies:  # a misspelt policy, or a filter of your own that does not load, fails here, before a large trace is read
+        try:
+            check_spec(spec)
+        except ConfigError as e:
+            raise ConfigError("--policies", e.problem) from None
     prog = Progress("publish-bench", enabled=None if not args.no_progress else False)
     bpt, model_note = _bytes_per_token(args)
     prog("reading trace")
@@ -843,7 +846,7 @@ def build_parser() -> argparse.ArgumentParser:
     pb = sub.add_parser("publish-bench", help="bytes each publish policy writes vs bytes re-read by other replicas, beside the oracle")
     _add_trace_args(pb)
     pb.add_argument("--policies", type=_policy_list, default=["all", "never", "threshold-2", "threshold-3", "threshold-4", "boundary", "reuse-aware", "structure-aware"],
-                    help="comma-separated; compose with + (e.g. boundary+reuse-aware)")
+                    help="comma-separated; compose with + (e.g. boundary+reuse-aware); your own filter: MODULE:CLASS or PATH.py:CLASS")
     pb.add_argument("--replicas", type=_positive_int, default=8)
     pb.add_argument("--routing", choices=["random", "round-robin", "prefix-affinity"], default="round-robin")
     pb.add_argument("--pool-capacity-blocks", type=_positive_int, default=None, help="LRU pool capacity (default infinite)")

@@ -75,6 +75,7 @@ import numpy as np
 
 from ._mix import _M64, fmix64, key_bits, splitmix64_next
 from ._validate import check_non_negative_int, check_non_negative_number, check_positive_int, check_positive_number, check_probability
+from ._own import call_own, is_own, load_own
 from .errors import ConfigError
 
 DATA_CLASSES = ("public", "shared", "internal", "private")
@@ -633,6 +634,7 @@ def _find_values(f: Any, request: PublishRequest, keys: Sequence[Hashable]) -> l
 
 
 _NAMES = ("all", "never", "boundary", "reuse-aware", "structure-aware")
+_OWN_USAGE = "a PublishFilter class (or factory), built with the keywords it takes of block_bytes, recompute_s, ..."
 
 
 def check_spec(spec: str) -> list[str]:
@@ -644,21 +646,32 @@ def check_spec(spec: str) -> list[str]:
     if not parts:
         raise ConfigError("policy", f"empty publish policy {spec!r}")
     for name in parts:
-        if name.startswith("threshold-"):
+        if is_own(name):
+            load_own(name, "policy", _OWN_USAGE)
+        elif name.startswith("threshold-"):
             k = name.split("-", 1)[1]
             if not (k.isascii() and k.isdigit()) or int(k) < 1:  # here, not in ThresholdPublish: its error would name its argument, not the spec
                 raise ConfigError("policy", f"threshold-K needs a positive integer K, got {name!r}")
         elif name not in _NAMES:
-            raise ConfigError("policy", f"unknown publish policy {name!r}; known: {', '.join(_NAMES)}, threshold-K (compose with +)")
+            raise ConfigError("policy", f"unknown publish policy {name!r}; known: {', '.join(_NAMES)}, threshold-K (compose with +); "
+                              f"or one of your own: MODULE:NAME or PATH.py:NAME, NAME {_OWN_USAGE}")
     return parts
 
 
 def make_filter(spec: str, **kw: Any) -> Any:
-    """``all``, ``never``, ``threshold-K``, ``boundary``, ``reuse-aware``, ``structure-aware``; ``a+b`` composes with AllOf."""
+    """``all``, ``never``, ``threshold-K``, ``boundary``, ``reuse-aware``, ``structure-aware``; ``a+b`` composes with AllOf.
+    A filter of your own is ``MODULE:NAME`` or ``PATH.py:NAME``, built as ``NAME(**kw)`` with the keywords its signature
+    takes (``block_bytes``, ``recompute_s``, ... as kvpolicy's own get them), and must have ``observe`` and ``publishable``."""
     parts = check_spec(spec)
     if len(parts) > 1:
         return AllOf(*(make_filter(p, **kw) for p in parts))
     name = parts[0]
+    if is_own(name):
+        f = call_own(name, "policy", load_own(name, "policy", _OWN_USAGE), **kw)
+        if not callable(getattr(f, "observe", None)) or not callable(getattr(f, "publishable", None)):
+            raise ConfigError("policy", f"{name!r} built a {type(f).__name__}, which lacks observe/publishable: a publish filter "
+                              "implements kvpolicy.publish.PublishFilter (docs/publish.md)")
+        return f
     if name == "all":
         return PublishAll()
     if name == "never":

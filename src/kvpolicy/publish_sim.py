@@ -25,6 +25,7 @@ from ._validate import check_non_negative_int, check_positive_int, check_positiv
 from .errors import ConfigError
 from .eviction.policies import depth_cost
 from .profile import PrefillModel
+from ._own import is_own
 from .publish import PublishRequest, make_filter
 from .traces.model import check_trace
 
@@ -75,7 +76,10 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
     runs = []
     for spec in policies:
         step(spec)
-        f = make_filter(spec, **kw) if spec not in ("all", "never", "boundary") and not spec.startswith("threshold") else make_filter(spec)
+        try:
+            f = make_filter(spec, **kw)  # each filter takes the keywords it uses (a composition passes them to every part)
+        except ConfigError as e:  # named as the option that gave the spec (a filter of your own that does not build, say)
+            raise ConfigError("--policies", e.problem) from None
         local = [set() for _ in range(replicas)]
         pool: OrderedDict[int, list[Any]] = OrderedDict()  # block -> [read since written, counted (written at r >= k)]
         written = reread = wasted = 0
@@ -136,7 +140,8 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
     source = trace.source if k == 0 else f"{trace.source} — judged on requests {k:,}..{len(trace) - 1:,} (learned on the first {k:,})"
     res = {"source": source, "replicas": replicas, "routing": routing, "pool_capacity_blocks": pool_capacity_blocks,
            "block_bytes": block_bytes, "judge_from_request": k, "runs": runs}
-    res["goals"] = [g for g in (publish_goals(res, p) for p in GOAL_PUBLISH_POLICIES) if g is not None]
+    judged = [*GOAL_PUBLISH_POLICIES, *(p for p in policies if is_own(p))]  # a filter of your own is judged too
+    res["goals"] = [g for g in (publish_goals(res, p) for p in judged) if g is not None]
     if k == 0:  # what the share goal asks of a first sighting (the bound is over the whole trace: no split)
         res["first_sighting"] = _first_sighting_figures(r_all, in_s, n_seen, GOAL_REREAD_SHARE, GOAL_WRITTEN_OVER_ORACLE)
     return res
@@ -252,14 +257,15 @@ def _first_sighting_line(fs: dict[str, Any], run: dict[str, Any]) -> str:
 def render(res: dict[str, Any]) -> str:
     gib = 2**30
     cap = res["pool_capacity_blocks"]
+    w = max(28, *(len(r["policy"]) for r in res["runs"]))  # a filter of your own is named by its module:class
     lines = [f"trace            {res['source']}",
              f"setup            {res['replicas']} replicas, {res['routing']} routing, pool {'infinite' if cap is None else f'{cap:,} blocks (LRU)'}, "
              f"{res['block_bytes'] / 2**20:,.0f} MiB per block", "",
-             f"{'policy':>28} {'blocks_written':>15} {'written GiB':>12} {'re-read GiB':>12} {'wasted GiB':>11} {'re-read/written':>16} {'re-read of oracle':>18}"]
+             f"{'policy':>{w}} {'blocks_written':>15} {'written GiB':>12} {'re-read GiB':>12} {'wasted GiB':>11} {'re-read/written':>16} {'re-read of oracle':>18}"]
     for r in res["runs"]:
         rr = "-" if r["reread_per_written_byte"] is None else f"{r['reread_per_written_byte']:.2f}"
         so = "-" if r["reread_share_of_oracle"] is None else f"{r['reread_share_of_oracle']:.1%}"
-        lines.append(f"{r['policy']:>28} {r['blocks_written']:>15,} {r['bytes_written'] / gib:>12,.1f} {r['reread_bytes'] / gib:>12,.1f} "
+        lines.append(f"{r['policy']:>{w}} {r['blocks_written']:>15,} {r['bytes_written'] / gib:>12,.1f} {r['reread_bytes'] / gib:>12,.1f} "
                      f"{r['wasted_write_bytes'] / gib:>11,.1f} {rr:>16} {so:>18}")
     lines += [f"note             {r['note']}" for r in res["runs"] if r.get("note")]
     for g in res.get("goals") or []:

@@ -24,6 +24,7 @@ import attrs
 import numpy as np
 
 from ..clock import ManualClock
+from .._own import is_own, load_own
 from ..errors import ConfigError
 from ..traces.model import check_trace
 from .base import EvictionPolicy, serve
@@ -33,47 +34,17 @@ from .reuse_distance import ReuseDistancePolicy
 
 ALL_POLICIES = ("lru", "fifo", "lfu", "ttl", "s3fifo", "sieve", "arc", "gdsf", "reuse-distance", "hit-density", "adaptive", "belady", "belady-bypass")
 
-_YOURS = "a policy of your own is MODULE:NAME or PATH.py:NAME, NAME a class (or factory) called as NAME(capacity_bytes, clock=clock)"
+_YOURS = "a class (or factory) called as NAME(capacity_bytes, clock=clock)"
 
 
 def is_own_policy(name: str) -> bool:
     """``module:Name`` / ``path/to/file.py:Name``: a policy class of the user's, not one of :data:`ALL_POLICIES`."""
-    return isinstance(name, str) and ":" in name
+    return is_own(name)
 
 
 def load_policy_factory(spec: str) -> Any:
-    """The class (or factory) ``spec`` names: ``package.module:Name`` (imported) or ``path/to/file.py:Name`` (loaded from the
-    file). Any failure is a :class:`ConfigError` naming ``--policies`` and the spec."""
-    import importlib
-    import importlib.util
-    from pathlib import Path
-
-    where = "--policies"
-    source, _, attr = spec.rpartition(":")
-    if not source or not attr.isidentifier():
-        raise ConfigError(where, f"{spec!r}: {_YOURS}")
-    try:
-        if source.endswith(".py"):
-            path = Path(source)
-            if not path.is_file():
-                raise ConfigError(where, f"{spec!r}: no file {source}")
-            mspec = importlib.util.spec_from_file_location(f"kvpolicy_own_{path.stem}", path)
-            module = importlib.util.module_from_spec(mspec)  # type: ignore[arg-type]
-            mspec.loader.exec_module(module)  # type: ignore[union-attr]
-        else:
-            module = importlib.import_module(source)
-    except ConfigError:
-        raise
-    except ImportError as e:
-        hint = f"; give the file instead ({source.replace('.', '/')}.py:{attr}) or put its directory on PYTHONPATH" \
-            if isinstance(e, ModuleNotFoundError) and e.name == source.split(".")[0] else ""
-        raise ConfigError(where, f"{spec!r}: cannot import {source} ({e}){hint}") from None
-    except Exception as e:  # the user's module raised while loading: say where, without a traceback through kvpolicy
-        raise ConfigError(where, f"{spec!r}: loading {source} raised {type(e).__name__}: {e}") from None
-    factory = getattr(module, attr, None)
-    if factory is None or not callable(factory):
-        raise ConfigError(where, f"{spec!r}: {source} has no class or factory {attr!r}")
-    return factory
+    """The class (or factory) ``spec`` names (:func:`kvpolicy._own.load_own`); a failure names ``--policies``."""
+    return load_own(spec, "--policies", _YOURS)
 
 
 def check_policy_names(policies: Any) -> None:
@@ -84,7 +55,8 @@ def check_policy_names(policies: Any) -> None:
         if is_own_policy(p):
             load_policy_factory(p)
         elif p not in ALL_POLICIES:
-            raise ConfigError("--policies", f"unknown policy {p!r}; known: {', '.join(ALL_POLICIES)}; or {_YOURS}")
+            raise ConfigError("--policies", f"unknown policy {p!r}; known: {', '.join(ALL_POLICIES)}; or one of your own: MODULE:NAME or "
+                              f"PATH.py:NAME, NAME {_YOURS}")
 
 
 def _own_policy(spec: str, capacity_bytes: int, clock: ManualClock, kw: dict[str, Any]) -> EvictionPolicy:
