@@ -376,3 +376,61 @@ def test_a_run_does_not_depend_on_where_its_objects_live_in_memory(monkeypatch):
         r = Simulator(prep, sc.cluster, ps, events=sc.events, seed=101).run()
         runs.append((r.ttft_s.copy(), r.gpu_prefill_s))
     assert np.array_equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
+
+
+OWN = """
+import attrs
+from kvpolicy.eviction.base import PriorityPolicy
+from kvpolicy.sim import PRESETS
+
+
+class MyLRU(PriorityPolicy):  # LRU written by a user
+    name = "my-lru"
+
+    def priority(self, node):
+        return (node.t_access, -node.depth)
+
+
+class Shallow(PriorityPolicy):  # keeps deep blocks: not LRU
+    name = "shallow"
+
+    def priority(self, node):
+        return (node.depth, node.t_access)
+
+
+def mine():
+    return attrs.evolve(PRESETS["vllm-like"], name="vllm-mine", local_eviction=__file__ + ":MyLRU", pool_eviction=__file__ + ":MyLRU")
+
+
+SHALLOW = attrs.evolve(PRESETS["vllm-like"], name="vllm-shallow", local_eviction=__file__ + ":Shallow", pool_eviction=__file__ + ":Shallow")
+
+
+SAME_NAME = attrs.evolve(PRESETS["kvpolicy"], publish="threshold-2")
+NOT_A_SET = 3
+"""
+
+
+def test_compare_runs_a_policy_set_of_your_own(trace, tmp_path):
+    """A PolicySet object, or PATH.py:NAME naming one (or a function giving one), runs beside the presets; its
+    eviction may be a policy of your own: vllm-like with a user's LRU in both tiers is vllm-like, row for row."""
+    mod = tmp_path / "mysets.py"
+    mod.write_text(OWN)
+    c = cluster(trace)
+    report, _ = compare(trace, c, scenarios=["steady"], policies=["vllm-like", f"{mod}:mine", f"{mod}:SHALLOW"], seed=3)
+    rows = {r["policy"]: r for r in report["runs"]}
+    assert set(rows) == {"vllm-like", "vllm-mine", "vllm-shallow", "recompute-only"}
+    for k in ("ttft_p95_ms", "gpu_prefill_s", "loads", "bytes_read", "bytes_written"):
+        assert rows["vllm-mine"][k] == rows["vllm-like"][k], k
+    assert rows["vllm-shallow"]["gpu_prefill_s"] != rows["vllm-like"]["gpu_prefill_s"], "the policy of your own is the one that ran"
+    obj = attrs.evolve(policy_set("vllm-like"), name="lru-pool-kvpolicy", pool_eviction="lru")
+    report, _ = compare(trace, c, scenarios=["steady"], policies=[obj], seed=3)
+    assert {r["policy"] for r in report["runs"]} == {"lru-pool-kvpolicy", "recompute-only"}
+    for bad, says in (([f"{mod}:SAME_NAME", "kvpolicy"], "two policy sets are named 'kvpolicy'"),
+                      ([f"{mod}:NOT_A_SET"], "not a kvpolicy.sim.PolicySet"), ([f"{mod}:nope"], "has no name 'nope'")):
+        with pytest.raises(ConfigError) as e:
+            compare(trace, c, scenarios=["steady"], policies=bad)
+        assert e.value.field == "--policies" and says in e.value.problem, e.value.problem
+    with pytest.raises(ConfigError) as e:
+        PolicySet("x", local_eviction=f"{tmp_path}/absent.py:X")
+    assert e.value.field == "local_eviction" and "no file" in e.value.problem
+    assert main(["compare", "--preset", "chat", "--policies", f"{mod}:NOT_A_SET", "--no-progress"]) == 2

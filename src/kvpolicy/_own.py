@@ -8,9 +8,11 @@ field and the spec, never a traceback through kvpolicy.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import inspect
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +24,16 @@ def is_own(spec: Any) -> bool:
     return isinstance(spec, str) and ":" in spec
 
 
-def load_own(spec: str, field: str, usage: str) -> Any:
+def load_own(spec: str, field: str, usage: str, *, want_callable: bool = True) -> Any:
     """The class or factory ``spec`` names: ``package.module:Name`` (imported) or ``path/to/file.py:Name`` (loaded from
-    the file). ``usage`` says, in an error, how the object is called."""
+    the file); with ``want_callable=False``, any object (a value such as a policy set). ``usage`` says, in an error,
+    what the object must be."""
     source, _, attr = spec.rpartition(":")
     if not source or not attr.isidentifier():
         raise ConfigError(field, f"{spec!r}: a policy of your own is MODULE:NAME or PATH.py:NAME, NAME {usage}")
     try:
         if source.endswith(".py"):
-            path = Path(source)
-            if not path.is_file():
-                raise ConfigError(field, f"{spec!r}: no file {source}")
-            mspec = importlib.util.spec_from_file_location(f"kvpolicy_own_{path.stem}", path)
-            module = importlib.util.module_from_spec(mspec)  # type: ignore[arg-type]
-            mspec.loader.exec_module(module)  # type: ignore[union-attr]
+            module = _load_file(spec, field, source)
         else:
             module = importlib.import_module(source)
     except ConfigError:
@@ -47,9 +45,34 @@ def load_own(spec: str, field: str, usage: str) -> Any:
     except Exception as e:  # the user's module raised while loading: say so, without a traceback through kvpolicy
         raise ConfigError(field, f"{spec!r}: loading {source} raised {type(e).__name__}: {e}") from None
     factory = getattr(module, attr, None)
-    if factory is None or not callable(factory):
-        raise ConfigError(field, f"{spec!r}: {source} has no class or factory {attr!r}")
+    if factory is None or (want_callable and not callable(factory)):
+        raise ConfigError(field, f"{spec!r}: {source} has no {'class or factory' if want_callable else 'name'} {attr!r}")
     return factory
+
+
+def _load_file(spec: str, field: str, source: str) -> Any:
+    """The module in ``source`` (a .py file), loaded once per process (per version of the file) under a name of its own, as an import would be:
+    a file whose module-level code names itself (a PolicySet whose eviction is a class of the same file) gets the
+    module being loaded, not an endless chain of fresh copies, and every replica's policy is the same class."""
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(field, f"{spec!r}: no file {source}")
+    resolved = path.resolve()
+    st = resolved.stat()  # an edited file is another module (a notebook that fixes its policy and runs again)
+    ident = f"{resolved}|{st.st_mtime_ns}|{st.st_size}".encode()
+    name = f"kvpolicy_own_{resolved.stem}_{hashlib.blake2b(ident, digest_size=6).hexdigest()}"
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    mspec = importlib.util.spec_from_file_location(name, resolved)
+    module = importlib.util.module_from_spec(mspec)  # type: ignore[arg-type]
+    sys.modules[name] = module
+    try:
+        mspec.loader.exec_module(module)  # type: ignore[union-attr]
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def call_own(spec: str, field: str, factory: Any, *args: Any, **kw: Any) -> Any:

@@ -606,6 +606,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from .sim import POLICY_SETS, SCENARIOS, compare, default_cluster, figures, render
     from .sim.compare import check_offered_load, offered_load
 
+    from .sim import policy_set
+
+    for p in args.policies or ():  # a misspelt set, or one of your own that does not load, fails before the trace is read
+        policy_set(p)
     prog = Progress("compare", enabled=None if not args.no_progress else False)
     bpt, model_note = _bytes_per_token(args)
     prog("reading trace")
@@ -886,7 +890,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp = sub.add_parser("compare", help="simulate a cluster: kvpolicy beside vllm-like, sglang-like, lmcache-like, recompute-only and the oracle")
     _add_trace_args(cp)
     cp.add_argument("--scenario", choices=["steady", "scale-out", "spike", "degraded", "all"], default="all", help="load view (default all)")
-    cp.add_argument("--policies", type=_policy_list, default=None, help=f"comma-separated policy sets (default {','.join(POLICY_SETS)})")
+    cp.add_argument("--policies", type=_policy_list, default=None, help=f"comma-separated policy sets (default {','.join(POLICY_SETS)}); your own: PATH.py:NAME or MODULE:NAME naming a kvpolicy.sim.PolicySet")
     cp.add_argument("--profile", default=None, help="measured profile CSV for prefill times (default: an order-of-magnitude model)")
     cp.add_argument("--allow-overload", action="store_true", help="simulate even when the offered prefill load exceeds the cluster's capacity with an infinite cache")
     cp.add_argument("--allow-mismatch", action="store_true", help="use a --profile whose measured KV bytes/token differs from the model's by more than 10%%")

@@ -69,7 +69,7 @@ def check_offered_load(load: dict[str, Any]) -> None:
         )
 
 
-def compare(trace: Any, cluster: ClusterConfig, *, scenarios: list[str] | None = None, policies: list[str] | None = None, seed: int = 0,
+def compare(trace: Any, cluster: ClusterConfig, *, scenarios: list[str] | None = None, policies: list[Any] | None = None, seed: int = 0,
             progress: Any = None, load: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[tuple[str, str], SimResult]]:
     """Run every (scenario, policy set); returns the report and the raw results. ``load`` is
     :func:`offered_load` of the trace on the cluster, computed here when not given."""
@@ -78,14 +78,16 @@ def compare(trace: Any, cluster: ClusterConfig, *, scenarios: list[str] | None =
         if isinstance(v, str):  # "steady" would be read as the scenarios 's', 't', ...
             raise ConfigError(name, f"give a list of names, got the string {v!r}")
     scenarios = list(scenarios or SCENARIOS)
-    policies = list(policies or POLICY_SETS)
     for s in scenarios:
         if s not in SCENARIOS:
             raise ConfigError("--scenario", f"unknown scenario {s!r}; known: {', '.join(SCENARIOS)}, all")
-    for name in policies:
-        policy_set(name)
-    if "recompute-only" not in policies:
-        policies.append("recompute-only")
+    sets = [policy_set(p) for p in (policies or POLICY_SETS)]  # names, PolicySet objects, or PATH.py:NAME of your own
+    names = [ps.name for ps in sets]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ConfigError("--policies", f"two policy sets are named {dup!r}: the report tells them apart by name")
+    if "recompute-only" not in names:
+        sets.append(policy_set("recompute-only"))
     step = progress or (lambda _m: None)
     runs: list[dict[str, Any]] = []
     raw: dict[tuple[str, str], SimResult] = {}
@@ -95,9 +97,10 @@ def compare(trace: Any, cluster: ClusterConfig, *, scenarios: list[str] | None =
         descriptions[s] = sc.description
         prep = Prepared(sc.trace)
         rows = []
-        for name in policies:
+        for ps in sets:
+            name = ps.name
             step(f"{s} / {name}")
-            res = Simulator(prep, sc.cluster, policy_set(name), events=sc.events, seed=seed).run()
+            res = Simulator(prep, sc.cluster, ps, events=sc.events, seed=seed).run()
             raw[(s, name)] = res
             row = {"scenario": s, **res.row(), "busiest_link": _busiest_link(res)}
             rows.append(row)

@@ -38,12 +38,13 @@ node whose breaker is open, and computes while it loads.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
+from .._own import is_own, load_own
 from ..errors import ConfigError
-from ..eviction.replay import ALL_POLICIES
+from ..eviction.replay import ALL_POLICIES, load_policy_factory
 from ..publish import check_spec
 
 Load = Literal["admission", "always", "min-tokens", "never", "oracle"]
@@ -70,8 +71,13 @@ class PolicySet:
     def __attrs_post_init__(self) -> None:
         for field in ("local_eviction", "pool_eviction"):
             v = getattr(self, field)
-            if not isinstance(v, str) or v not in ALL_POLICIES:  # named here, not as "policy" when a replica is built
-                raise ConfigError(field, f"unknown eviction policy {v!r}; known: {', '.join(ALL_POLICIES)}")
+            if is_own(v):  # an EvictionPolicy of your own, PATH.py:CLASS or MODULE:CLASS: it must load (built per replica and node)
+                try:
+                    load_policy_factory(v)
+                except ConfigError as e:
+                    raise ConfigError(field, e.problem) from None
+            elif not isinstance(v, str) or v not in ALL_POLICIES:  # named here, not as "policy" when a replica is built
+                raise ConfigError(field, f"unknown eviction policy {v!r}; known: {', '.join(ALL_POLICIES)}; or your own, PATH.py:CLASS")
         if self.publish != "oracle":
             try:
                 check_spec(self.publish)
@@ -100,10 +106,24 @@ PRESETS: dict[str, PolicySet] = {
 POLICY_SETS = tuple(PRESETS)
 
 
-def policy_set(name: str) -> PolicySet:
-    ps = PRESETS.get(name)
+def policy_set(name: Any) -> PolicySet:
+    """A preset by name; a :class:`PolicySet` as given; or one of your own, ``PATH.py:NAME`` / ``MODULE:NAME`` naming a
+    ``PolicySet`` (or a function returning one) — e.g. ``attrs.evolve(PRESETS["kvpolicy"], name="mine", publish="threshold-2")``."""
+    if isinstance(name, PolicySet):
+        return name
+    if is_own(name):
+        obj = load_own(name, "--policies", "a PolicySet (or a function returning one)", want_callable=False)
+        if callable(obj) and not isinstance(obj, PolicySet):
+            try:
+                obj = obj()
+            except TypeError as e:
+                raise ConfigError("--policies", f"{name!r}: calling it with no arguments raised TypeError: {e}") from None
+        if not isinstance(obj, PolicySet):
+            raise ConfigError("--policies", f"{name!r} is a {type(obj).__name__}, not a kvpolicy.sim.PolicySet")
+        return obj
+    ps = PRESETS.get(name) if isinstance(name, str) else None
     if ps is None:
-        raise ConfigError("--policies", f"unknown policy set {name!r}; known: {', '.join(POLICY_SETS)}")
+        raise ConfigError("--policies", f"unknown policy set {name!r}; known: {', '.join(POLICY_SETS)}; or your own: PATH.py:NAME naming a PolicySet")
     return ps
 
 
