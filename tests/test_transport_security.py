@@ -337,7 +337,8 @@ def test_frames_cannot_be_altered_replayed_or_reordered():
                 ch.send(req)
             else:
                 h = b'{"op":"match","namespace":"%s","keys":[]}' % bytes(16).hex().encode()
-                s.sendall(struct.pack(">I", len(h)) + h + ch._frame_tag(b"C", 1, h)[:-1] + b"\0")
+                tag = ch._frame_tag(b"C", 1, h)  # the right tag for this frame, one bit flipped (setting its last byte to 0
+                s.sendall(struct.pack(">I", len(h)) + h + tag[:-1] + bytes([tag[-1] ^ 1]))  # left it right once in 256 sessions)
             assert closed_by_peer(s, 5.0), attack
             s.close()
         wait_until(lambda: srv.stats["auth_failed"] >= 2)
