@@ -900,6 +900,13 @@ def _fake_vllm_base():
         def clear_connector_metadata(self):
             self._connector_metadata = None
 
+        def _get_connector_metadata(self):
+            assert self._connector_metadata is not None
+            return self._connector_metadata
+
+        def has_connector_metadata(self):
+            return self._connector_metadata is not None
+
         def get_finished(self, finished_req_ids):
             return None, None
 
@@ -950,78 +957,27 @@ def _fake_vllm_base():
     return KVConnectorBase_V1, fakes
 
 
+def _engine_base_checks():
+    """tools/check_engine_bases.py: its drivers run here over the stand-in bases, and by hand over the engines' own."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "check_engine_bases.py"
+    spec = importlib.util.spec_from_file_location("check_engine_bases", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_the_connector_on_vllms_base_class_hands_every_other_call_to_the_inner_one(monkeypatch):
     """With vLLM installed the connector subclasses KVConnectorBase_V1: its abstract worker hooks made the class
     impossible to build, and its defaults (metadata kept on the wrapper, no finished transfers) hid the inner
-    connector's. Also checked once against vLLM 0.33's own base.py, its imports stubbed (docs/integrations.md)."""
-    import types
-
+    connector's. Checked once against vLLM 0.33's own base.py too, its imports stubbed (docs/integrations.md)."""
     Base, fakes = _fake_vllm_base()
-    calls = []
-
-    class Offloading(Base):  # an inner connector as vLLM builds it
-        def start_load_kv(self, forward_context, **kwargs):
-            calls.append(("start_load_kv", self._get_meta()))
-
-        def _get_meta(self):
-            assert self._connector_metadata is not None, "the inner connector reads the metadata bound to it"
-            return self._connector_metadata
-
-        def wait_for_layer_load(self, layer_name):
-            calls.append(("wait_for_layer_load", layer_name))
-
-        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-            calls.append(("save_kv_layer", layer_name))
-
-        def wait_for_save(self):
-            calls.append(("wait_for_save",))
-
-        def get_num_new_matched_tokens(self, request, num_computed_tokens):
-            return 0, False
-
-        def update_state_after_alloc(self, request, blocks, num_external_tokens):
-            pass
-
-        def build_connector_meta(self, scheduler_output):
-            return types.SimpleNamespace()
-
-        def get_finished(self, finished_req_ids):
-            return {"saved"}, {"loaded"}
-
-        @classmethod
-        def get_required_kvcache_layout(cls, vllm_config):
-            return "LBHNC"
-
-        @classmethod
-        def requires_piecewise_for_cudagraph(cls, extra_config):
-            return bool(extra_config.get("layerwise"))
-
-    fakes["inner_module"] = types.SimpleNamespace(Offloading=Offloading)
     m = _import_over(monkeypatch, "kvpolicy.integrations.vllm_kv_connector", fakes)
-    assert m._Base is Base
-    extra = {"inner_connector": "Offloading", "inner_connector_module_path": "inner_module", "layerwise": True,
-             "kvpolicy": {"link_gbps": 100, "bytes_per_token": 2048}}
-    cfg = vllm_config(extra)
-    cfg.kv_transfer_config.is_kv_producer = True
-    conn = m.KVPolicyConnector(cfg, "worker", None)  # as vLLM's factory builds it
-    assert isinstance(conn.inner, Offloading)
-    meta = conn.build_connector_meta(None)
-    conn.bind_connector_metadata(meta)
-    conn.start_load_kv(None)
-    conn.wait_for_layer_load("layer.0")
-    conn.save_kv_layer("layer.0", None, None)
-    conn.wait_for_save()
-    assert calls == [("start_load_kv", meta), ("wait_for_layer_load", "layer.0"), ("save_kv_layer", "layer.0"), ("wait_for_save",)]
-    assert conn.get_finished(set()) == ({"saved"}, {"loaded"})
-    conn.clear_connector_metadata()
-    assert conn.inner._connector_metadata is None
-    assert conn.requires_kv_delivery is True and conn.role == "worker"
-    # questions asked of the class, before any connector exists: the inner class answers
-    assert m.KVPolicyConnector.get_required_kvcache_layout(cfg) == "LBHNC"
-    assert m.KVPolicyConnector.requires_piecewise_for_cudagraph(extra) is True
-    assert m.KVPolicyConnector.supports_sleep_mode(cfg.kv_transfer_config) is True
+    _engine_base_checks().drive_vllm_connector(Base, m)
+    extra = {"inner_connector": "Offloadng", "inner_connector_module_path": "kvpolicy.integrations.vllm_kv_connector"}
     with pytest.raises(ConfigError) as e:
-        m.KVPolicyConnector.get_required_kvcache_layout(vllm_config({**extra, "inner_connector": "Offloadng"}))
+        m.KVPolicyConnector.get_required_kvcache_layout(vllm_config(extra))
     assert e.value.field == "kv_connector_extra_config.inner_connector"
 
 
@@ -1061,7 +1017,7 @@ class DictStore:  # a real store's behaviour: pages by key
 def test_the_hicache_backend_on_sglangs_base_class_hands_every_other_call_to_the_inner_store(monkeypatch):
     """With SGLang installed the backend subclasses HiCacheStorage, whose defaults answered in the inner store's
     place: on_host_pools_registered never reached it, a hybrid model's sidecar pools stayed on the wrapper and
-    their reads and writes raised. Also checked once against SGLang 0.5.23's own hicache_storage.py."""
+    their reads and writes raised. Checked once against SGLang 0.5.23's own hicache_storage.py too."""
     import abc
     import types
 
@@ -1089,36 +1045,7 @@ def test_the_hicache_backend_on_sglangs_base_class_hands_every_other_call_to_the
     fakes = {n: types.ModuleType(n) for n in ("sglang", "sglang.srt", "sglang.srt.mem_cache")}
     fakes[mod.__name__] = mod
     m = _import_over(monkeypatch, "kvpolicy.integrations.sglang_hicache", fakes)
-    assert m._Base is HiCacheStorage
-
-    class Store(DictStore):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def register_mem_pool_host(self, pool):
-            self.calls.append("register_mem_pool_host")
-
-        def register_mem_host_pool_v2(self, pool, name):
-            self.calls.append(("register_mem_host_pool_v2", name))
-
-        def on_host_pools_registered(self):
-            self.calls.append("on_host_pools_registered")
-
-        def batch_get_v2(self, transfers, extra_info=None):
-            return {t: [True] for t in transfers}
-
-        def batch_set_v2(self, transfers, extra_info=None):
-            return {t: [True] for t in transfers}
-
-    inner = Store()
-    s = m.KVPolicyHiCacheStorage(type("C", (), {"extra_config": {"inner": {"backend_name": "file"}, "kvpolicy": {}}})(), {}, inner=inner)
-    s.register_mem_pool_host(object())  # SGLang's attach: the anchor pool, then each sidecar pool, then the signal
-    s.register_mem_host_pool_v2(object(), "mamba")
-    s.on_host_pools_registered()
-    assert inner.calls == ["register_mem_pool_host", ("register_mem_host_pool_v2", "mamba"), "on_host_pools_registered"]
-    assert s.batch_get_v2(["mamba"]) == {"mamba": [True]} and s.batch_set_v2(["mamba"]) == {"mamba": [True]}
-    assert s.exists("nope") is False
+    _engine_base_checks().drive_hicache_backend(HiCacheStorage, m)
 
 
 def hicache(link_gbps, publish="threshold-2"):

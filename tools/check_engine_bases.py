@@ -10,7 +10,8 @@ recording inner connector / store::
     python tools/check_engine_bases.py --vllm wheels/vllm-0.33.0-*.whl --sglang wheels/sglang-0.5.23-*.whl
 
 Exit status 0 when every check holds. Each engine's check runs in its own process (the adapters pick their base
-class once, at import).
+class once, at import). The drivers (``drive_vllm_connector``, ``drive_hicache_backend``) also run in the test
+suite, over stand-in bases shaped like the engines' (tests/test_integrations.py).
 """
 
 from __future__ import annotations
@@ -54,12 +55,18 @@ def check_vllm(wheel: str) -> None:
     _module("vllm.v1.metrics.cache_hit_source", CacheHitSource=enum.Enum("CacheHitSource", "EXTERNAL_UNSPECIFIED HOST DISK P2P"))
     _module("vllm.v1.outputs", KVConnectorOutput=object)
     base = _load(wheel, VLLM_BASE, "vllm.distributed.kv_transfer.kv_connector.v1.base")
-    from kvpolicy.integrations import vllm_kv_connector as m
+    from kvpolicy.integrations import vllm_kv_connector
 
-    assert m._Base is base.KVConnectorBase_V1, "the connector subclasses vLLM's base"
+    drive_vllm_connector(base.KVConnectorBase_V1, vllm_kv_connector)
+
+
+def drive_vllm_connector(Base: type, m: types.ModuleType) -> None:
+    """Build ``m.KVPolicyConnector`` (its module imported over ``Base``) as vLLM's factory does, around a recording
+    inner connector, and drive every hook vLLM calls; raises AssertionError on the first that does not arrive."""
+    assert m._Base is Base, "the connector subclasses vLLM's base"
     calls: list[tuple] = []
 
-    class Inner(base.KVConnectorBase_V1):  # every abstract hook, recorded
+    class Inner(Base):  # type: ignore[misc,valid-type]  # every abstract hook, recorded
         def start_load_kv(self, forward_context, **kw):
             calls.append(("start_load_kv", self._get_connector_metadata()))
 
@@ -88,31 +95,40 @@ def check_vllm(wheel: str) -> None:
         def get_required_kvcache_layout(cls, vllm_config):
             return "LBHNC"
 
-    _module("kvpolicy_check_inner", Inner=Inner)
-    extra = {"inner_connector": "Inner", "inner_connector_module_path": "kvpolicy_check_inner",
-             "kvpolicy": {"link_gbps": 100, "bytes_per_token": 2048}}
-    ktc = types.SimpleNamespace(kv_connector="KVPolicyConnector", is_kv_producer=True, kv_connector_extra_config=extra)
-    cfg = types.SimpleNamespace(kv_transfer_config=ktc, cache_config=types.SimpleNamespace(block_size=16),
-                                model_config=types.SimpleNamespace(model="m"))
-    conn = m.KVPolicyConnector(cfg, "worker", None)  # as vLLM's factory builds it
-    meta = conn.build_connector_meta(None)
-    conn.bind_connector_metadata(meta)
-    conn.start_load_kv(None)
-    conn.wait_for_layer_load("layer.0")
-    conn.save_kv_layer("layer.0", None, None)
-    conn.wait_for_save()
-    assert calls == [("start_load_kv", meta), ("wait_for_layer_load", "layer.0"), ("save_kv_layer", "layer.0"), ("wait_for_save",)], calls
-    assert conn.get_finished(set()) == ({"saved"}, {"loaded"})
-    assert conn.get_transfer_results(set()).finished_recving == {"loaded"}
-    conn.clear_connector_metadata()
-    assert not conn.inner.has_connector_metadata()
-    assert conn.requires_kv_delivery is True and conn.role == "worker"
-    assert m.KVPolicyConnector.get_required_kvcache_layout(cfg) == "LBHNC"
-    assert m.KVPolicyConnector.requires_piecewise_for_cudagraph(extra) is False
-    assert m.KVPolicyConnector.supports_sleep_mode(ktc) is True
-    missing = sorted(n for n, v in vars(base.KVConnectorBase_V1).items()
-                     if not n.startswith("_") and callable(v) and n not in vars(m.KVPolicyConnector))
-    assert not missing, f"methods of vLLM's base the connector does not answer itself or forward: {missing}"
+        @classmethod
+        def requires_piecewise_for_cudagraph(cls, extra_config):
+            return bool(extra_config.get("layerwise"))
+
+    module_name = f"kvpolicy_check_inner_{id(Inner)}"
+    sys.modules[module_name] = types.SimpleNamespace(Inner=Inner)  # type: ignore[assignment]
+    try:
+        extra = {"inner_connector": "Inner", "inner_connector_module_path": module_name, "layerwise": True,
+                 "kvpolicy": {"link_gbps": 100, "bytes_per_token": 2048}}
+        ktc = types.SimpleNamespace(kv_connector="KVPolicyConnector", is_kv_producer=True, kv_connector_extra_config=extra)
+        cfg = types.SimpleNamespace(kv_transfer_config=ktc, cache_config=types.SimpleNamespace(block_size=16),
+                                    model_config=types.SimpleNamespace(model="m"))
+        conn = m.KVPolicyConnector(cfg, "worker", None)  # as vLLM's factory builds it
+        assert isinstance(conn.inner, Inner)
+        meta = conn.build_connector_meta(None)
+        conn.bind_connector_metadata(meta)
+        conn.start_load_kv(None)
+        conn.wait_for_layer_load("layer.0")
+        conn.save_kv_layer("layer.0", None, None)
+        conn.wait_for_save()
+        assert calls == [("start_load_kv", meta), ("wait_for_layer_load", "layer.0"), ("save_kv_layer", "layer.0"), ("wait_for_save",)], calls
+        assert conn.get_finished(set()) == ({"saved"}, {"loaded"})
+        conn.clear_connector_metadata()
+        assert not conn.inner.has_connector_metadata()
+        assert conn.requires_kv_delivery is True and conn.role == "worker"
+        # questions asked of the class, before any connector exists: the inner class answers
+        assert m.KVPolicyConnector.get_required_kvcache_layout(cfg) == "LBHNC"
+        assert m.KVPolicyConnector.requires_piecewise_for_cudagraph(extra) is True
+        assert m.KVPolicyConnector.supports_sleep_mode(ktc) is True
+        missing = sorted(n for c in Base.__mro__ if c is not object for n, v in vars(c).items()
+                         if not n.startswith("_") and callable(v) and n not in vars(m.KVPolicyConnector))
+        assert not missing, f"methods of vLLM's base the connector does not answer itself or forward: {missing}"
+    finally:
+        del sys.modules[module_name]
 
 
 def check_sglang(wheel: str) -> None:
@@ -126,9 +142,15 @@ def check_sglang(wheel: str) -> None:
 
     _module("sglang.srt.environ", envs=_Envs())
     base = _load(wheel, SGLANG_BASE, "sglang.srt.mem_cache.hicache_storage")
-    from kvpolicy.integrations import sglang_hicache as m
+    from kvpolicy.integrations import sglang_hicache
 
-    assert m._Base is base.HiCacheStorage, "the backend subclasses SGLang's base"
+    drive_hicache_backend(base.HiCacheStorage, sglang_hicache)
+
+
+def drive_hicache_backend(Base: type, m: types.ModuleType) -> None:
+    """Build ``m.KVPolicyHiCacheStorage`` (its module imported over ``Base``) around a recording inner store and make
+    the calls SGLang's cache controllers make; raises AssertionError on the first that does not reach the store."""
+    assert m._Base is Base, "the backend subclasses SGLang's base"
     calls: list[object] = []
 
     class Inner:
@@ -147,18 +169,22 @@ def check_sglang(wheel: str) -> None:
         def batch_set_v2(self, transfers, extra_info=None):
             return {"mamba": [True]}
 
+        def exists(self, key):
+            return False
+
         def close(self):
             calls.append("close")
 
     cfg = types.SimpleNamespace(extra_config={"inner": {"backend_name": "file"}, "kvpolicy": {"link_gbps": 100}})
     s = m.KVPolicyHiCacheStorage(cfg, None, inner=Inner())
-    s.register_mem_pool_host(object())
+    s.register_mem_pool_host(object())  # SGLang's attach: the anchor pool, then each sidecar pool, then the signal
     s.register_mem_host_pool_v2(object(), "mamba")
     s.on_host_pools_registered()
     assert s.batch_get_v2([]) == {"mamba": [True]} and s.batch_set_v2([]) == {"mamba": [True]}
+    assert s.exists("nope") is False
     s.close()
     assert calls == ["register_mem_pool_host", ("register_mem_host_pool_v2", "mamba"), "on_host_pools_registered", "close"], calls
-    missing = sorted(n for n, v in vars(base.HiCacheStorage).items()
+    missing = sorted(n for c in Base.__mro__ if c is not object for n, v in vars(c).items()
                      if not n.startswith("_") and callable(v) and n not in vars(m.KVPolicyHiCacheStorage))
     assert not missing, f"methods of SGLang's base the backend does not answer itself or forward: {missing}"
 
