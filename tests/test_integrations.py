@@ -1306,3 +1306,77 @@ def test_ingestor_forgets_its_oldest_mappings_with_their_directory_entries():
     assert [len(x) for x in d.lookup("acme", keys[1:4])] == [1, 1, 1]
     ing.ingest(encode_batch(2.0, [BlockRemoved((h1[0],), "GPU")]))
     assert ing.refused["unknown_removed"] == 1, "its removal can no longer be mapped: why the entry had to go"
+
+
+# --------------------------------------------------------------------------- kvpolicy ingest-events: the sidecar
+
+
+def _publish_case(port, name, seconds, stop):
+    import zmq
+
+    payload = base64.b64decode(engine_cases()[name]["payload_b64"])
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    seq, t0 = 0, time.monotonic()
+    while not stop.is_set() and time.monotonic() - t0 < seconds:  # again and again: a SUB that joins late misses the first
+        pub.send_multipart([b"kv@pod-1", seq.to_bytes(8, "big"), payload])
+        seq += 1
+        time.sleep(0.02)
+    pub.close()
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ingest_events_feeds_a_directory_from_an_engines_socket_and_reports_what_it_refused(tmp_path, capsys):
+    from kvpolicy.cli import main
+
+    engine_cases()  # skips without the engines' ground truth
+    port, stop = _free_port(), threading.Event()
+    t = threading.Thread(target=_publish_case, args=(port, "stored-int-hashes-default", 10.0, stop), daemon=True)
+    t.start()
+    out = tmp_path / "stats.json"
+    try:
+        rc = main(["ingest-events", "--endpoint", f"tcp://127.0.0.1:{port}", "--directory", "memory", "--tenant", "acme", "--holder", "pod-1",
+                   "--block-size", "16", "--scheme", "fast", "--bytes-per-token", "2048", "--max-seconds", "1.5", "--stats-every-s", "0.5",
+                   "--json", str(out)])
+    finally:
+        stop.set()
+        t.join()
+    assert rc == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert len(lines) >= 2 and lines[-1]["final"] and not lines[0]["final"], "periodic stats lines, then the final one"
+    final = json.loads(out.read_text())
+    c = final["ranks"][0]["counts"]
+    assert final["ranks"][0]["holder"] == "pod-1" and c["batches"] >= 1 and c["stored_blocks"] == 3 * c["batches"]
+    assert c["malformed_frames"] == c["malformed_events"] == 0 and final["ranks"][0]["refused"] == {}
+    for argv, field in ((["--endpoint", "tcp://127.0.0.1:abc"], "--endpoint"), (["--directory", "mysql://x"], "--directory"),
+                        (["--endpoint", "tcp://127.0.0.1:65535", "--ranks", "2"], "--endpoint"), (["--replay-endpoint", "x"], "--replay-endpoint")):
+        base = {"--endpoint": f"tcp://127.0.0.1:{port}", "--directory": "memory"}
+        extra = dict(zip(argv[::2], argv[1::2]))
+        args = [*(x for k, v in {**base, **extra}.items() for x in (k, v)), "--tenant", "acme", "--holder", "pod-1", "--block-size", "16",
+                "--scheme", "fast", "--max-seconds", "0.2"]
+        assert main(["ingest-events", *args]) == 2
+        assert f"error: {field}" in capsys.readouterr().err
+
+
+def test_ingest_events_stops_cleanly_on_sigterm(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvpolicy", "ingest-events", "--endpoint", f"tcp://127.0.0.1:{port}", "--directory", "memory",
+                             "--tenant", "acme", "--holder", "pod-1", "--block-size", "16", "--scheme", "fast", "--stats-every-s", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)  # imports and the socket
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["final"] is True

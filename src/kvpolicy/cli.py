@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -224,8 +225,46 @@ def _read_tokens(path: str) -> list[int]:
     return data
 
 
+def _hasher(args: argparse.Namespace, command: str) -> Any:
+    """The deployment's BlockHasher from --namespace (JSON), --block-size, --scheme and the secret (--secret-file,
+    KVPOLICY_SECRET_HEX or --secret-hex)."""
+    from .keys import BlockHasher, Namespace
+
+    if args.namespace:
+        try:
+            ns_data = json.loads(read_text(args.namespace, "--namespace"))
+        except json.JSONDecodeError as exc:
+            raise ConfigError("--namespace", f"{args.namespace}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(ns_data, dict):
+            raise ConfigError("--namespace", f"{args.namespace}: must be a JSON object")
+        ns_data.setdefault("block_size_tokens", args.block_size)
+        ns = Namespace.from_dict(ns_data)
+        if ns.block_size_tokens != args.block_size:
+            raise ConfigError("--block-size", f"{args.block_size} disagrees with the namespace's block_size_tokens {ns.block_size_tokens}")
+    else:
+        ns = Namespace(model_id="unspecified", model_revision="unspecified", tokenizer_version="unspecified", kv_dtype="bf16", block_size_tokens=args.block_size)
+    secret = None
+    if args.secret_hex and args.secret_file:
+        raise ConfigError("--secret-file", "give --secret-file or --secret-hex, not both")
+    secret_hex = args.secret_hex or os.environ.get("KVPOLICY_SECRET_HEX")
+    if args.secret_file:
+        secret_hex = read_text(args.secret_file, "--secret-file").strip()
+        mode = os.stat(args.secret_file).st_mode
+        if mode & 0o077:  # as ssh says of a private key: others on this host can read the deployment's secret
+            print(f"kvpolicy {command}: warning: {args.secret_file} is readable by other users (mode {mode & 0o777:04o}); chmod 600 it",
+                  file=sys.stderr)
+    if secret_hex:
+        try:
+            secret = bytes.fromhex(secret_hex)
+        except ValueError:
+            raise ConfigError("--secret-file" if args.secret_file else "--secret-hex", "is not hexadecimal") from None
+    if args.scheme == "keyed" and secret is None:
+        raise ConfigError("--secret-hex", "the keyed scheme needs a deployment secret: 16..64 bytes as hex in --secret-file or KVPOLICY_SECRET_HEX (--secret-hex shows it in ps and shell history)")
+    return BlockHasher(ns, args.scheme, secret=secret)
+
+
 def _cmd_keys(args: argparse.Namespace) -> int:
-    from .keys import BlockHasher, Namespace, vllm_block_hashes
+    from .keys import vllm_block_hashes
 
     tokens = _read_tokens(args.tokens)
     if args.scheme.startswith("vllm-"):
@@ -236,37 +275,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     else:
         if args.cache_salt or args.lora_name or args.lora_path:
             raise ConfigError("--cache-salt", "--cache-salt/--lora-* apply to vllm-* schemes; kvpolicy keys put tenant and adapter in --namespace")
-        if args.namespace:
-            try:
-                ns_data = json.loads(read_text(args.namespace, "--namespace"))
-            except json.JSONDecodeError as exc:
-                raise ConfigError("--namespace", f"{args.namespace}:{exc.lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(ns_data, dict):
-                raise ConfigError("--namespace", f"{args.namespace}: must be a JSON object")
-            ns_data.setdefault("block_size_tokens", args.block_size)
-            ns = Namespace.from_dict(ns_data)
-            if ns.block_size_tokens != args.block_size:
-                raise ConfigError("--block-size", f"{args.block_size} disagrees with the namespace's block_size_tokens {ns.block_size_tokens}")
-        else:
-            ns = Namespace(model_id="unspecified", model_revision="unspecified", tokenizer_version="unspecified", kv_dtype="bf16", block_size_tokens=args.block_size)
-        secret = None
-        if args.secret_hex and args.secret_file:
-            raise ConfigError("--secret-file", "give --secret-file or --secret-hex, not both")
-        secret_hex = args.secret_hex or os.environ.get("KVPOLICY_SECRET_HEX")
-        if args.secret_file:
-            secret_hex = read_text(args.secret_file, "--secret-file").strip()
-            mode = os.stat(args.secret_file).st_mode
-            if mode & 0o077:  # as ssh says of a private key: others on this host can read the deployment's secret
-                print(f"kvpolicy keys: warning: {args.secret_file} is readable by other users (mode {mode & 0o777:04o}); chmod 600 it",
-                      file=sys.stderr)
-        if secret_hex:
-            try:
-                secret = bytes.fromhex(secret_hex)
-            except ValueError:
-                raise ConfigError("--secret-file" if args.secret_file else "--secret-hex", "is not hexadecimal") from None
-        if args.scheme == "keyed" and secret is None:
-            raise ConfigError("--secret-hex", "the keyed scheme needs a deployment secret: 16..64 bytes as hex in --secret-file or KVPOLICY_SECRET_HEX (--secret-hex shows it in ps and shell history)")
-        hashes = BlockHasher(ns, args.scheme, secret=secret).hash_blocks(tokens).hex()
+        hashes = _hasher(args, "keys").hash_blocks(tokens).hex()
     payload = {"scheme": args.scheme, "block_size": args.block_size, "num_tokens": len(tokens), "block_hashes": hashes}
     if args.json:
         print(json.dumps({"block_hashes": hashes}))
@@ -380,6 +389,103 @@ def _cmd_breakeven(args: argparse.Namespace) -> int:
     else:
         verdict = f"none: recompute wins at every length up to {inp['searched_up_to_tokens']:,} tokens"
     print(f"\nbreak-even       {verdict}")
+    return 0
+
+
+# --------------------------------------------------------------------------- ingest-events
+
+
+def _endpoint_for_rank(endpoint: str, rank: int, flag: str) -> str:
+    """vLLM publishes data-parallel rank r on the endpoint's port + r (its replay socket too)."""
+    m = re.fullmatch(r"(tcp://[^\s]+):(\d{1,5})", endpoint or "")
+    if not m:
+        if rank:
+            raise ConfigError(flag, f"must be tcp://HOST:PORT with --ranks > 1 (rank r is on PORT + r), got {endpoint!r}")
+        if not re.fullmatch(r"(tcp|ipc|inproc)://\S+", endpoint or ""):
+            raise ConfigError(flag, f"must be a ZMQ endpoint such as tcp://HOST:PORT, got {endpoint!r}")
+        return endpoint
+    port = int(m.group(2)) + rank
+    if not 0 < port < 65536:
+        raise ConfigError(flag, f"port {port} (for rank {rank}) is outside 1..65535")
+    return f"{m.group(1)}:{port}"
+
+
+def _cmd_ingest_events(args: argparse.Namespace) -> int:
+    """Feed a directory from an engine's KV events until SIGINT / SIGTERM (or --max-seconds): the sidecar of a pod."""
+    import signal
+    import threading
+    import time
+
+    from .directory import InMemoryDirectory
+    from .integrations.vllm_events import KVEventIngestor, ZmqEventSubscriber
+
+    import logging
+
+    hasher = _hasher(args, "ingest-events")
+    bpt = _bytes_per_token(args)[0]
+    # each refused batch or event is a warning of its own: a bad publisher would flood the sidecar's log; the stats
+    # lines count them by reason (--verbose shows each)
+    logging.basicConfig(format="kvpolicy ingest-events: %(levelname)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("kvpolicy.events").setLevel(logging.WARNING if args.verbose else logging.ERROR)
+    if args.directory == "memory":
+        directory: Any = InMemoryDirectory()
+    elif re.match(r"^rediss?://", args.directory):
+        from .directory import RedisDirectory
+
+        directory = RedisDirectory(url=args.directory)
+    else:
+        raise ConfigError("--directory", f"must be redis://HOST:PORT/DB (or rediss://), or 'memory' for a dry run, got {args.directory!r}")
+    subs = []
+    for r in range(args.ranks):
+        holder = args.holder if args.ranks == 1 else f"{args.holder}-dp{r}"
+        ing = KVEventIngestor(directory, args.tenant, hasher, holder=holder, bytes_per_token=bpt, verify_algo=args.verify)
+        replay = _endpoint_for_rank(args.replay_endpoint, r, "--replay-endpoint") if args.replay_endpoint else None
+        try:
+            subs.append(ZmqEventSubscriber(ing, _endpoint_for_rank(args.endpoint, r, "--endpoint"), topic=args.topic, replay_endpoint=replay))
+        except ConfigError as e:
+            for sub in subs:
+                sub.close()
+            field = e.field if e.field.startswith("--") else f"--{e.field.replace('_', '-')}"  # the library names its argument
+            raise ConfigError(field, e.problem) from None
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)} \
+        if threading.current_thread() is threading.main_thread() else {}
+    workers = [threading.Thread(target=sub.run, args=(stop,), daemon=True, name=f"kv-events-{i}") for i, sub in enumerate(subs)]
+
+    def stats(final: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {"time_s": round(time.time(), 3), "final": final, "ranks": []}
+        for sub in subs:
+            ing = sub.ingestor
+            out["ranks"].append({"holder": ing.holder, "counts": dict(ing.counts), "refused": {k: v for k, v in ing.refused.items() if v}})
+        errors = getattr(directory, "errors", None)
+        if errors is not None:
+            out["directory_errors"] = errors
+        return out
+
+    for w in workers:
+        w.start()
+    t_end = time.monotonic() + args.max_seconds if args.max_seconds else None
+    next_report = time.monotonic() + args.stats_every_s
+    try:
+        while not stop.is_set():
+            if t_end is not None and time.monotonic() >= t_end:
+                break
+            stop.wait(0.1)
+            if time.monotonic() >= next_report:
+                print(json.dumps(stats(False)), flush=True)
+                next_report += args.stats_every_s
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(timeout=5.0)
+        for sub in subs:
+            sub.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    final = stats(True)
+    print(json.dumps(final), flush=True)
+    if args.json:
+        _write_report(args.json, final)
     return 0
 
 
@@ -802,6 +908,30 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--lora-path", default=None)
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=_cmd_keys)
+
+    ie = sub.add_parser("ingest-events", help="feed the shared directory from a vLLM / SGLang pod's KV events (a sidecar; runs until stopped)")
+    ie.add_argument("--endpoint", required=True, help="the engine's KV event PUB socket, e.g. tcp://vllm-0:5557 (vLLM: --kv-events-config endpoint)")
+    ie.add_argument("--replay-endpoint", default=None, help="its replay socket (e.g. tcp://vllm-0:5558): gaps in the sequence are fetched again")
+    ie.add_argument("--ranks", type=_positive_int, default=1, help="data-parallel ranks: rank r publishes on PORT + r (default 1)")
+    ie.add_argument("--topic", default="", help="topic prefix to subscribe to (default: every topic)")
+    ie.add_argument("--directory", required=True, help="redis://HOST:PORT/DB (or rediss://), or 'memory' for a dry run that only counts")
+    ie.add_argument("--tenant", required=True, help="the tenant whose namespace these blocks live in")
+    ie.add_argument("--holder", required=True, help="this engine's name in the directory (rank r of several: HOLDER-dpR)")
+    ie.add_argument("--namespace", default=None, help="namespace JSON of the deployment (as for kvpolicy keys); default: an unspecified-model namespace")
+    ie.add_argument("--block-size", type=_positive_int, required=True, help="the engine's block size in tokens")
+    ie.add_argument("--scheme", choices=["keyed", "fast"], default="keyed")
+    ie.add_argument("--secret-hex", default=None, help="deployment secret as hex (visible in ps: prefer --secret-file or env KVPOLICY_SECRET_HEX)")
+    ie.add_argument("--secret-file", default=None, help="file holding the deployment secret as hex (one line)")
+    ie.add_argument("--verify", choices=["sha256", "sha256_cbor"], default=None,
+                    help="check each stored block's engine hash against vLLM's own hashing of its tokens (the engine's --prefix-caching-hash-algo)")
+    ie.add_argument("--config", default=None, help="model config.json or bundled name, for the bytes a block holds (default llama-3-8b)")
+    ie.add_argument("--kv-dtype", default=None)
+    ie.add_argument("--bytes-per-token", type=_positive_int, default=None)
+    ie.add_argument("--stats-every-s", type=_positive_float, default=30.0, help="print a JSON stats line this often (default 30)")
+    ie.add_argument("--max-seconds", type=_positive_float, default=None, help="stop after this long (default: run until SIGINT / SIGTERM)")
+    ie.add_argument("--json", default=None, metavar="OUT", help="write the final stats as JSON")
+    ie.add_argument("--verbose", "-v", action="store_true", help="log each refused batch or event (default: counted in the stats lines only)")
+    ie.set_defaults(func=_cmd_ingest_events)
 
     a = sub.add_parser("analyze", help="what a trace says before anyone buys a cache: reuse, MRC, replicas, byte flows, verdict")
     _add_trace_args(a)

@@ -523,6 +523,17 @@ class KVEventIngestor:
         return list(expect) if got == list(hashes) else False
 
 
+def _connect(sock: Any, endpoint: str, field: str) -> None:
+    """Connect, or close the socket and name the endpoint ZMQ refused (a port that is not a number, an unknown transport)."""
+    import zmq
+
+    try:
+        sock.connect(endpoint)
+    except (zmq.ZMQError, TypeError) as e:
+        sock.close(linger=0)
+        raise ConfigError(field, f"ZMQ cannot connect to {endpoint!r}: {e}") from None
+
+
 class ZmqEventSubscriber:
     """A SUB socket on an engine's event endpoint feeding a :class:`KVEventIngestor`.
 
@@ -547,10 +558,14 @@ class ZmqEventSubscriber:
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt_string(zmq.SUBSCRIBE, topic)
-        self.sock.connect(endpoint)
+        _connect(self.sock, endpoint, "endpoint")
         self.poll_ms = poll_ms
         self.last_seq: int | None = None
-        self.replay = ReplayClient(replay_endpoint) if replay_endpoint else None
+        try:
+            self.replay = ReplayClient(replay_endpoint) if replay_endpoint else None
+        except ConfigError:
+            self.sock.close(linger=0)
+            raise
 
     @classmethod
     def for_ranks(cls, make_ingestor: Any, host: str, base_port: int, ranks: int, **kw: Any) -> list[ZmqEventSubscriber]:
@@ -614,7 +629,7 @@ class ReplayClient:
         self._zmq = zmq
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
+        _connect(self.sock, endpoint, "replay_endpoint")
         self.timeout_ms = timeout_ms
 
     def fetch(self, start_seq: int, until: int | None = None) -> list[tuple[int, bytes]]:
