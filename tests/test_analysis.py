@@ -223,3 +223,19 @@ def test_hits_at_on_a_capacity_boundary_and_the_far_path():
     assert list(hits_at(np.array([0, 1, 2, 2, 5]), np.array([0, 1, 2, 3, 6]))) == [0, 1, 2, 4, 5]
     far = np.array([0, 10**9, 3, 10**9 + 1])  # large distances take the sort path
     assert list(hits_at(far, np.array([1, 4, 10**9, 10**9 + 1, 10**9 + 2]))) == [1, 2, 2, 3, 4]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 60), st.integers(1, 30_000), st.sampled_from([0.05, 0.3, 0.7]), st.integers(0, 5), st.integers(0, 2**32))
+def test_shards_fixed_rate_is_the_exact_stack_distances_of_its_sample(n_ids, n, rate, seed, draw):
+    """Fixed-rate SHARDS is exact on what it samples: its distances are the stack distances of the sampled ids'
+    own substream (scaled by 1/R) — through compactions of its bit array too (a few ids over many accesses fill it)."""
+    from kvpolicy.analysis.mrc import SHARDS_MODULUS, _id_hashes
+
+    ids = first_appearance_ids(np.random.default_rng(draw).integers(0, n_ids, n))
+    res = shards(ids, rate=rate, seed=seed)
+    thr = max(1, int(round(rate * SHARDS_MODULUS)))
+    sub = ids[_id_hashes(int(ids.max()) + 1, seed)[ids] < thr]
+    ref = stack_distances(first_appearance_ids(sub)) if sub.size else np.zeros(0, dtype=np.int64)
+    want = np.where(ref >= 0, np.floor(ref / (thr / SHARDS_MODULUS)).astype(np.int64), -1)
+    assert res.sampled_accesses == sub.size and np.array_equal(res.scaled_distances, want)
