@@ -40,6 +40,7 @@ KIND = {
     "format": "name", "preset": "name", "routing": "name", "router": "name", "scenario": "name", "scheme": "name", "kv_dtype": "name",
     "dtype": "name", "host": "name", "model": "name", "model_name": "name", "openai_url": "name", "api_key_env": "name", "cache_salt": "name",
     "lora_name": "name", "lora_path": "name", "secret_hex": "name", "request": "name", "policies": "name",
+    "endpoint": "name", "replay_endpoint": "name", "topic": "name", "directory": "name", "tenant": "name", "holder": "name", "verify": "name",
 }
 
 
@@ -119,6 +120,8 @@ def base(cmd: str, f: dict) -> list[str]:
         "profile": ["--lengths", "16", "--concurrency", "1", "--repeats", "2", "-q"],
         "serve-reference": ["--port", "0"],
         "diagnose": [str(f["token_trace"]), "--block-size", "16"],
+        "ingest-events": ["--endpoint", "tcp://127.0.0.1:9", "--directory", "memory", "--tenant", "acme", "--holder", "pod-1", "--block-size", "16",
+                          "--scheme", "fast", "--max-seconds", "0.1"],
     }[cmd]
 
 

@@ -435,6 +435,11 @@ def _cmd_ingest_events(args: argparse.Namespace) -> int:
         directory = RedisDirectory(url=args.directory)
     else:
         raise ConfigError("--directory", f"must be redis://HOST:PORT/DB (or rediss://), or 'memory' for a dry run, got {args.directory!r}")
+    if args.ranks > 1024:  # a socket and a thread each: a typo of 10000 would open 10,000 of both
+        raise ConfigError("--ranks", f"at most 1024 data-parallel ranks per sidecar, got {args.ranks}")
+    for flag, ep in (("--endpoint", args.endpoint), ("--replay-endpoint", args.replay_endpoint)):
+        if ep:
+            _endpoint_for_rank(ep, args.ranks - 1, flag)  # every rank's port exists, before any socket is opened
     subs = []
     for r in range(args.ranks):
         holder = args.holder if args.ranks == 1 else f"{args.holder}-dp{r}"
