@@ -307,3 +307,31 @@ def test_synthetic_spec_refuses_bad_fields_by_name(field, bad):
     with pytest.raises(ConfigError) as e:
         SyntheticSpec(**{field: bad})
     assert e.value.field == field
+
+
+
+def test_every_consumer_refuses_a_trace_of_sparse_or_negative_ids_by_name():
+    """A Trace built by hand from raw 64-bit hashes: every kernel and table keeps a record per id, so an id of 10**15
+    made replay_kernel fail inside Numba and publish_bench ask numpy for 7 PiB. check_trace, which every consumer
+    calls first, now refuses it naming the trace and the remedy; canonicalize(trace) replays as before."""
+    import attrs
+
+    from kvpolicy.eviction import replay
+    from kvpolicy.eviction.bench import compare
+    from kvpolicy.eviction.kernels import replay_kernel
+    from kvpolicy.publish_sim import publish_bench
+    from kvpolicy.traces import canonicalize
+    from kvpolicy.warmup import hot_prefixes_from_trace
+
+    dense = generate(preset("chat", n_requests=120, block_size_tokens=64, seed=9))
+    sparse = attrs.evolve(dense, block_ids=dense.block_ids * 1_000_003 + 10**15)
+    negative = attrs.evolve(dense, block_ids=dense.block_ids - 1)
+    for bad, says in ((sparse, "canonicalize"), (negative, "non-negative")):
+        for call in (lambda t: replay_kernel(t, "lru", 40), lambda t: replay(t, "lru", 40), lambda t: compare(t, ["lru"], [40]),
+                     lambda t: publish_bench(t, ["threshold-2"], bytes_per_token=4096),
+                     lambda t: hot_prefixes_from_trace(t, bytes_per_token=4096, recompute_s=lambda n: 0.01)):
+            with pytest.raises(ConfigError) as e:
+                call(bad)
+            assert says in e.value.problem, e.value
+    fixed = canonicalize(sparse)
+    assert np.array_equal(replay_kernel(fixed, "lru", 40).hits, replay_kernel(dense, "lru", 40).hits)

@@ -228,6 +228,9 @@ def hot_prefixes_from_trace(trace: Any, *, bytes_per_token: int, recompute_s: An
     ≥ ``min_access_count`` distinct requests, keyed by the run's last block."""
     import numpy as np
 
+    from .traces.model import check_trace
+
+    check_trace(trace)  # a bincount by id: sparse ids would ask for an array as long as the largest
     counts = np.bincount(trace.block_ids, minlength=trace.num_block_ids) if trace.block_ids.size else np.zeros(0, np.int64)
     B = trace.block_size_tokens
     found: dict[int, tuple[int, ...]] = {}

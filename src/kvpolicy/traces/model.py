@@ -206,10 +206,21 @@ class Trace:
 
 
 def check_trace(trace: Any, field: str = "trace") -> Trace:
-    """``trace`` itself when it is a :class:`Trace`; else a ConfigError naming ``field`` (not an AttributeError from
-    whatever first reads a column)."""
+    """``trace`` itself when it is a :class:`Trace` whose ids the kernels can index; else a ConfigError naming ``field``
+    (not an AttributeError from whatever first reads a column, nor a MemoryError from deep inside numpy or Numba)."""
     if not isinstance(trace, Trace):
         raise ConfigError(field, f"must be a kvpolicy.traces.Trace (read_trace(path) or generate(preset(...)) gives one), got {type(trace).__name__}")
+    n = len(trace)
+    ids, partial = trace.block_ids, trace.partial_block_ids
+    if (ids.size and int(ids.min()) < 0) or (n and int(partial.min()) < -1):
+        raise ConfigError(field, "block ids are non-negative (a partial block id of -1 means the request has none)")
+    refs = ids.size + n
+    top = max(int(ids.max()) if ids.size else -1, int(partial.max()) if n else -1)
+    if top + 1 > 4 * refs + (1 << 20):
+        # every kernel and table keeps a record per id, indexed by it: a trace built by hand from raw 64-bit hashes
+        # would size them by its largest id (8 bytes x 10**15 ...) and fail deep inside numpy or Numba
+        raise ConfigError(field, f"block ids must be dense: the largest is {top:,} for {refs:,} block references; renumber them with "
+                          "kvpolicy.traces.canonicalize(trace) (the trace readers and generate() do)")
     return trace
 
 
