@@ -1338,6 +1338,10 @@ def test_ingest_events_feeds_a_directory_from_an_engines_socket_and_reports_what
     from kvpolicy.cli import main
 
     engine_cases()  # skips without the engines' ground truth
+    import logging
+
+    events_log = logging.getLogger("kvpolicy.events")
+    before = (list(events_log.handlers), events_log.level, events_log.propagate, list(logging.getLogger().handlers))
     port, stop = _free_port(), threading.Event()
     t = threading.Thread(target=_publish_case, args=(port, "stored-int-hashes-default", 10.0, stop), daemon=True)
     t.start()
@@ -1356,6 +1360,8 @@ def test_ingest_events_feeds_a_directory_from_an_engines_socket_and_reports_what
     c = final["ranks"][0]["counts"]
     assert final["ranks"][0]["holder"] == "pod-1" and c["batches"] >= 1 and c["stored_blocks"] == 3 * c["batches"]
     assert c["malformed_frames"] == c["malformed_events"] == 0 and final["ranks"][0]["refused"] == {}
+    after = (list(events_log.handlers), events_log.level, events_log.propagate, list(logging.getLogger().handlers))
+    assert after == before, "the command leaves the process's logging as it found it"
     for argv, field in ((["--endpoint", "tcp://127.0.0.1:abc"], "--endpoint"), (["--directory", "mysql://x"], "--directory"),
                         (["--endpoint", "tcp://127.0.0.1:65535", "--ranks", "2"], "--endpoint"), (["--replay-endpoint", "x"], "--replay-endpoint")):
         base = {"--endpoint": f"tcp://127.0.0.1:{port}", "--directory": "memory"}

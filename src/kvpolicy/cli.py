@@ -412,6 +412,7 @@ def _endpoint_for_rank(endpoint: str, rank: int, flag: str) -> str:
 
 def _cmd_ingest_events(args: argparse.Namespace) -> int:
     """Feed a directory from an engine's KV events until SIGINT / SIGTERM (or --max-seconds): the sidecar of a pod."""
+    import logging
     import signal
     import threading
     import time
@@ -419,14 +420,8 @@ def _cmd_ingest_events(args: argparse.Namespace) -> int:
     from .directory import InMemoryDirectory
     from .integrations.vllm_events import KVEventIngestor, ZmqEventSubscriber
 
-    import logging
-
     hasher = _hasher(args, "ingest-events")
     bpt = _bytes_per_token(args)[0]
-    # each refused batch or event is a warning of its own: a bad publisher would flood the sidecar's log; the stats
-    # lines count them by reason (--verbose shows each)
-    logging.basicConfig(format="kvpolicy ingest-events: %(levelname)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("kvpolicy.events").setLevel(logging.WARNING if args.verbose else logging.ERROR)
     if args.directory == "memory":
         directory: Any = InMemoryDirectory()
     elif re.match(r"^rediss?://", args.directory):
@@ -455,6 +450,15 @@ def _cmd_ingest_events(args: argparse.Namespace) -> int:
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)} \
         if threading.current_thread() is threading.main_thread() else {}
+    # each refused batch or event is a warning of its own: a bad publisher would flood the sidecar's log, so the stats
+    # lines count them by reason and -v shows each — on the events logger alone, put back as it was on the way out
+    log = logging.getLogger("kvpolicy.events")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("kvpolicy ingest-events: %(levelname)s: %(message)s"))
+    saved = (log.level, log.propagate)
+    log.addHandler(handler)
+    log.setLevel(logging.WARNING if args.verbose else logging.ERROR)
+    log.propagate = False
     workers = [threading.Thread(target=sub.run, args=(stop,), daemon=True, name=f"kv-events-{i}") for i, sub in enumerate(subs)]
 
     def stats(final: bool) -> dict[str, Any]:
@@ -485,8 +489,11 @@ def _cmd_ingest_events(args: argparse.Namespace) -> int:
             w.join(timeout=5.0)
         for sub in subs:
             sub.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, old_handler in previous.items():
+            signal.signal(sig, old_handler)
+        log.removeHandler(handler)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
     final = stats(True)
     print(json.dumps(final), flush=True)
     if args.json:
