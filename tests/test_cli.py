@@ -673,3 +673,13 @@ def test_two_replicas_example_runs_end_to_end():
     m = re.search(r"replica-a published (\d+) blocks of the system prompt", out.stdout)
     assert m and int(m.group(1)) > 0, out.stdout[:2000]
     assert "replica-b ledger" in out.stdout
+
+
+def test_version_is_the_installed_distributions(capsys):
+    """What a bug report needs first; the package's __version__ and its metadata (pyproject) must agree."""
+    from importlib.metadata import version
+
+    import kvpolicy
+
+    rc, out, _ = run(capsys, "--version")
+    assert rc == 0 and out.strip() == f"kvpolicy {version('kvpolicy')}" == f"kvpolicy {kvpolicy.__version__}"

@@ -896,7 +896,10 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from .data import bundled_configs
 
+    from . import __version__
+
     p = _Parser(prog="kvpolicy", description="Prefix KV-cache policy for LLM serving.")
+    p.add_argument("--version", action="version", version=f"kvpolicy {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     s = sub.add_parser("size", help="KV bytes per token and per prefix from a model config (and a measured profile)")
