@@ -949,8 +949,13 @@ def _fake_vllm_base():
         def supports_sleep_mode(cls, kv_transfer_config):
             return True
 
+    class SupportsHMA(abc.ABC):
+        @abc.abstractmethod
+        def request_finished_all_groups(self, request, block_ids): ...
+
     base = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.base")
     base.KVConnectorBase_V1 = KVConnectorBase_V1
+    base.SupportsHMA = SupportsHMA
     fakes = {n: types.ModuleType(n) for n in ("vllm", "vllm.distributed", "vllm.distributed.kv_transfer",
                                               "vllm.distributed.kv_transfer.kv_connector", "vllm.distributed.kv_transfer.kv_connector.v1")}
     fakes[base.__name__] = base

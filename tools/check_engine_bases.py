@@ -127,6 +127,27 @@ def drive_vllm_connector(Base: type, m: types.ModuleType) -> None:
         missing = sorted(n for c in Base.__mro__ if c is not object for n, v in vars(c).items()
                          if not n.startswith("_") and callable(v) and n not in vars(m.KVPolicyConnector))
         assert not missing, f"methods of vLLM's base the connector does not answer itself or forward: {missing}"
+        if m._HMA is not None:  # the hybrid memory allocator: vLLM ends requests with request_finished_all_groups
+            finished: list[tuple] = []
+
+            class InnerHMA(Inner, m._HMA):  # type: ignore[misc,valid-type,name-defined]
+                def request_finished_all_groups(self, request, block_ids):
+                    finished.append((request.request_id, block_ids))
+                    return True, {"inner": 1}
+
+            sys.modules[module_name].InnerHMA = InnerHMA  # type: ignore[attr-defined]
+            assert issubclass(m.KVPolicyConnectorHMA, m._HMA) and not issubclass(m.KVPolicyConnector, m._HMA)
+            hma = m.KVPolicyConnectorHMA(types.SimpleNamespace(**{**vars(cfg), "kv_transfer_config": types.SimpleNamespace(
+                **{**vars(ktc), "kv_connector_extra_config": {**extra, "inner_connector": "InnerHMA"}})}), "scheduler", None)
+            req = types.SimpleNamespace(request_id="r1", prompt_token_ids=list(range(40)))
+            assert hma.request_finished_all_groups(req, ([1, 2], [3])) == (True, {"inner": 1}) and finished == [("r1", ([1, 2], [3]))]
+            assert "r1" in hma.policy._pending_meta["stores"], "kvpolicy's publish verdict, before the inner connector's answer"
+            try:
+                m.KVPolicyConnectorHMA(cfg, "scheduler", None)  # an inner connector without HMA
+            except m.ConfigError as e:
+                assert e.field == "kv_connector_extra_config.inner_connector"
+            else:
+                raise AssertionError("KVPolicyConnectorHMA took an inner connector without HMA")
     finally:
         del sys.modules[module_name]
 

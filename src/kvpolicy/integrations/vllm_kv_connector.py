@@ -45,6 +45,10 @@ try:  # pragma: no cover - depends on the environment
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1 as _Base  # type: ignore[import-not-found]
 except ImportError:
     _Base = object  # type: ignore[assignment,misc]
+try:  # pragma: no cover - depends on the environment
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA as _HMA  # type: ignore[import-not-found]
+except ImportError:
+    _HMA = None
 
 DEFAULTS = {**ADMISSION_DEFAULTS, "bytes_per_token": 131072, "block_size": 16, "kv_dtype": "bf16"}
 
@@ -187,6 +191,25 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
 
 
 forward_to_inner(KVPolicyConnector, _Base)
+
+
+class KVPolicyConnectorHMA(KVPolicyConnector, *((_HMA,) if _HMA is not None else ())):  # type: ignore[misc]
+    """:class:`KVPolicyConnector` for an inner connector that supports vLLM's hybrid memory allocator (HMA) — vLLM's
+    ``OffloadingConnector`` does. vLLM keeps HMA on only for a ``SupportsHMA`` connector and then ends a request with
+    ``request_finished_all_groups`` (one block list per KV-cache group): this class is one, and forwards it after
+    kvpolicy's publish verdict. Load it as ``"kv_connector": "KVPolicyConnectorHMA"``; an inner connector without
+    HMA is refused when the connector is built (use :class:`KVPolicyConnector`: vLLM then turns HMA off)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None, *, inner: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config, inner=inner)
+        if not callable(getattr(self.inner, "request_finished_all_groups", None)) or (_HMA is not None and not isinstance(self.inner, _HMA)):
+            raise ConfigError("kv_connector_extra_config.inner_connector",
+                              f"{type(self.inner).__name__} does not support vLLM's hybrid memory allocator (SupportsHMA): "
+                              "load KVPolicyConnector instead (vLLM then turns HMA off)")
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        self.policy.request_finished(request, block_ids[0] if block_ids else [])
+        return self.inner.request_finished_all_groups(request, block_ids)
 
 
 class _NoIndex:
