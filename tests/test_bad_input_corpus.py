@@ -120,6 +120,7 @@ def base(cmd: str, f: dict) -> list[str]:
         "profile": ["--lengths", "16", "--concurrency", "1", "--repeats", "2", "-q"],
         "serve-reference": ["--port", "0"],
         "diagnose": [str(f["token_trace"]), "--block-size", "16"],
+        "lookup": [str(f["tokens"]), "--directory", "memory", "--tenant", "acme", "--block-size", "16", "--scheme", "fast"],
         "ingest-events": ["--endpoint", "tcp://127.0.0.1:9", "--directory", "memory", "--tenant", "acme", "--holder", "pod-1", "--block-size", "16",
                           "--scheme", "fast", "--max-seconds", "0.1"],
     }[cmd]

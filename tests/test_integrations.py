@@ -1391,3 +1391,34 @@ def test_ingest_events_stops_cleanly_on_sigterm(tmp_path):
     out, err = proc.communicate(timeout=20)
     assert proc.returncode == 0, err
     assert json.loads(out.strip().splitlines()[-1])["final"] is True
+
+
+def test_lookup_shows_what_the_directory_holds_of_a_prompt_after_the_sidecar_fed_it(redis_url, tmp_path, capsys):
+    """The other end of ingest-events: the engine's recorded batch ingested into Redis, then `kvpolicy lookup` on the
+    prompt's tokens matches its three blocks and names their holder — and nothing under another salt or tenant."""
+    from kvpolicy.cli import main
+    from kvpolicy.directory import RedisDirectory
+
+    c = engine_cases()["stored-int-hashes-default"]
+    url = redis_url.rsplit("/", 1)[0] + "/7"
+    d = RedisDirectory(url=url)
+    d.r.flushdb()
+    ing = KVEventIngestor(d, "acme", BlockHasher(Namespace(model_id="unspecified", model_revision="unspecified", tokenizer_version="unspecified",
+                                                           kv_dtype="bf16", block_size_tokens=16), "fast"), holder="vllm-0", bytes_per_token=2048)
+    assert ing.ingest(base64.b64decode(c["payload_b64"])) == 1 and ing.counts["stored_blocks"] == 3
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text(json.dumps(list(range(1000, 1050))))  # the batch's 48 tokens and a partial tail
+    out = tmp_path / "lookup.json"
+    base = ["lookup", str(prompt), "--directory", url, "--block-size", "16", "--scheme", "fast"]
+    assert main([*base, "--tenant", "acme", "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["full_blocks"] == 3 and rep["matched_blocks"] == 3
+    assert [[h["holder"] for h in b["holders"]] for b in rep["blocks"]] == [["vllm-0/gpu/g0"]] * 3
+    assert "matches the leading 3 (48 tokens)" in capsys.readouterr().out
+    for extra in (["--tenant", "acme", "--cache-salt", "s1"], ["--tenant", "other"]):
+        assert main([*base, *extra, "--json", str(out)]) == 0
+        assert json.loads(out.read_text())["matched_blocks"] == 0, extra
+    capsys.readouterr()
+    assert main([*base, "--tenant", "acme", "--directory", "redis://127.0.0.1:1/0"]) == 2
+    assert "error: --directory" in capsys.readouterr().err
+    d.r.flushdb()

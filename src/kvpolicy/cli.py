@@ -417,19 +417,11 @@ def _cmd_ingest_events(args: argparse.Namespace) -> int:
     import threading
     import time
 
-    from .directory import InMemoryDirectory
     from .integrations.vllm_events import KVEventIngestor, ZmqEventSubscriber
 
     hasher = _hasher(args, "ingest-events")
     bpt = _bytes_per_token(args)[0]
-    if args.directory == "memory":
-        directory: Any = InMemoryDirectory()
-    elif re.match(r"^rediss?://", args.directory):
-        from .directory import RedisDirectory
-
-        directory = RedisDirectory(url=args.directory)
-    else:
-        raise ConfigError("--directory", f"must be redis://HOST:PORT/DB (or rediss://), or 'memory' for a dry run, got {args.directory!r}")
+    directory = _directory_from(args.directory)
     if args.ranks > 1024:  # a socket and a thread each: a typo of 10000 would open 10,000 of both
         raise ConfigError("--ranks", f"at most 1024 data-parallel ranks per sidecar, got {args.ranks}")
     for flag, ep in (("--endpoint", args.endpoint), ("--replay-endpoint", args.replay_endpoint)):
@@ -498,6 +490,53 @@ def _cmd_ingest_events(args: argparse.Namespace) -> int:
     print(json.dumps(final), flush=True)
     if args.json:
         _write_report(args.json, final)
+    return 0
+
+
+def _directory_from(url: str) -> Any:
+    from .directory import InMemoryDirectory
+
+    if url == "memory":
+        return InMemoryDirectory()
+    if re.match(r"^rediss?://", url or ""):
+        from .directory import RedisDirectory
+
+        return RedisDirectory(url=url)
+    raise ConfigError("--directory", f"must be redis://HOST:PORT/DB (or rediss://), or 'memory' for a dry run, got {url!r}")
+
+
+def _cmd_lookup(args: argparse.Namespace) -> int:
+    """What the shared directory holds of one prompt: its keys as this deployment builds them, the leading run a
+    request would match, and who holds each block — the other end of ingest-events ("why did this request miss?")."""
+    from .integrations.vllm_events import extra_keys_for
+
+    tokens = _read_tokens(args.tokens)
+    hasher = _hasher(args, "lookup")
+    n = len(tokens) // args.block_size
+    extras = extra_keys_for(n, lora_name=args.lora_name, cache_salt=args.cache_salt) if (args.lora_name or args.cache_salt) else None
+    keys = list(hasher.hash_blocks(tokens, extra_keys=extras)) if n else []
+    directory = _directory_from(args.directory)
+    matched = directory.match_prefix(args.tenant, keys) if keys else 0
+    rows = directory.lookup(args.tenant, keys) if keys else []
+    errors = getattr(directory, "errors", 0)
+    if errors:
+        raise ConfigError("--directory", f"{args.directory} did not answer ({errors} failed calls): is it up, and does this connection's ACL allow "
+                          f"tenant {args.tenant!r}?")
+    blocks = [{"index": i, "key": k.hex(), "holders": [{"holder": e.holder, "tier": e.tier, "size_bytes": e.size_bytes,
+                                                         "expires_at_s": e.expires_at_s} for e in row]}
+              for i, (k, row) in enumerate(zip(keys, rows))]
+    report = {"tenant": args.tenant, "block_size_tokens": args.block_size, "num_tokens": len(tokens), "full_blocks": n,
+              "matched_blocks": matched, "blocks": blocks}
+    if args.json:
+        _write_report(args.json, report)
+    held = sum(1 for b in blocks if b["holders"])
+    print(f"{n} full blocks of {args.block_size} tokens; the directory matches the leading {matched} "
+          f"({matched * args.block_size:,} tokens); {held} of them held by someone")
+    for b in blocks[: matched + 1] if not args.all else blocks:
+        who = ", ".join(f"{h['holder']} ({h['tier']})" for h in b["holders"]) or "nobody: the match stops here"
+        print(f"{b['index']:6d}  {b['key']}  {who}")
+    if args.json:
+        print(f"\nwrote {args.json}")
     return 0
 
 
@@ -947,6 +986,21 @@ def build_parser() -> argparse.ArgumentParser:
     ie.add_argument("--json", default=None, metavar="OUT", help="write the final stats as JSON")
     ie.add_argument("--verbose", "-v", action="store_true", help="log each refused batch or event (default: counted in the stats lines only)")
     ie.set_defaults(func=_cmd_ingest_events)
+
+    lk = sub.add_parser("lookup", help="what the shared directory holds of one prompt: its keys, the leading run a request matches, who holds each block")
+    lk.add_argument("tokens", help="JSON file holding a list of token ids (the prompt)")
+    lk.add_argument("--directory", required=True, help="redis://HOST:PORT/DB (or rediss://); 'memory': an empty one (the keys alone)")
+    lk.add_argument("--tenant", required=True)
+    lk.add_argument("--block-size", type=_positive_int, required=True)
+    lk.add_argument("--namespace", default=None, help="the deployment's namespace JSON (as for kvpolicy keys and ingest-events)")
+    lk.add_argument("--scheme", choices=["keyed", "fast"], default="keyed")
+    lk.add_argument("--secret-hex", default=None, help="deployment secret as hex (visible in ps: prefer --secret-file or env KVPOLICY_SECRET_HEX)")
+    lk.add_argument("--secret-file", default=None, help="file holding the deployment secret as hex (one line)")
+    lk.add_argument("--lora-name", default=None, help="the request's LoRA adapter (its blocks carry it, as vLLM's events do)")
+    lk.add_argument("--cache-salt", default=None, help="the request's cache salt (on its first block, as vLLM's events put it)")
+    lk.add_argument("--all", action="store_true", help="list every block, not only the matched run and the block it stops at")
+    lk.add_argument("--json", default=None, metavar="OUT")
+    lk.set_defaults(func=_cmd_lookup)
 
     a = sub.add_parser("analyze", help="what a trace says before anyone buys a cache: reuse, MRC, replicas, byte flows, verdict")
     _add_trace_args(a)
