@@ -32,7 +32,7 @@ import numpy as np
 
 from .._mix import splitmix64
 from ..errors import ConfigError
-from .stack import _bits_alloc, _bits_clear, _bits_compact, _bits_live_upto, _bits_set, request_stack_distances
+from .stack import _bits_alloc, _bits_clear, _bits_compact, _bits_live_upto, _bits_set, _stack_pass, request_stack_distances
 
 INF = np.iinfo(np.int64).max
 SHARDS_MODULUS = 1 << 24
@@ -240,24 +240,7 @@ def _shards_kernel(ids, n_ids, threshold, s_max, seed, out_d, out_t):
             if sampled[x]:
                 out_t[k] = x
                 k += 1
-        total = 0
-        t = 0
-        for j in range(k):
-            x = out_t[j]
-            if t == cap:
-                t = _bits_compact(bits, sbt, owner, last, t)
-            p = last[x]
-            if p < 0:
-                out_d[j] = -1
-                total += 1
-            else:
-                out_d[j] = total - _bits_live_upto(bits, sbt, p)
-                _bits_clear(bits, sbt, p)
-                owner[p] = -1
-            _bits_set(bits, sbt, t)
-            owner[t] = x
-            last[x] = t
-            t += 1
+        _stack_pass(out_t, k, bits, sbt, owner, last, out_d)  # the sample's own exact stack distances
         out_t[:k] = threshold
         return k
     heap_h = np.zeros(max(s_max, 0) + 2, dtype=np.int64)

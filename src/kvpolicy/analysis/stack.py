@@ -135,11 +135,18 @@ def _bits_alloc(cap_slots):
 @nb.njit(cache=True)
 def _stack_kernel_unit(ids, n_ids, out):
     bits, sbt, owner = _bits_alloc(max(2 * n_ids, 64))
-    cap = owner.size
     last = np.full(n_ids, -1, dtype=np.int32)  # int32 halves the one random-access array
+    _stack_pass(ids, ids.size, bits, sbt, owner, last, out)
+
+
+@nb.njit(cache=True)
+def _stack_pass(ids, k, bits, sbt, owner, last, out):
+    """Exact LRU stack distances of ``ids[:k]`` into ``out[:k]`` (−1: first use), on a bit array of at least twice
+    the distinct ids' slots (compacted when full); ``last`` is −1 for every id. SHARDS runs it on its sample."""
+    cap = owner.size
     total = 0
     t = 0
-    for i in range(ids.size):
+    for i in range(k):
         x = ids[i]
         if t == cap:
             t = _bits_compact(bits, sbt, owner, last, t)
