@@ -1422,3 +1422,67 @@ def test_lookup_shows_what_the_directory_holds_of_a_prompt_after_the_sidecar_fed
     assert main([*base, "--tenant", "acme", "--directory", "redis://127.0.0.1:1/0"]) == 2
     assert "error: --directory" in capsys.readouterr().err
     d.r.flushdb()
+
+
+def test_forward_to_inner_forwards_exactly_the_bases_public_methods_the_wrapper_does_not_decide():
+    import abc
+
+    from kvpolicy.integrations._forward import forward_to_inner
+
+    class Grand(abc.ABC):
+        def inherited(self, x):
+            return ("grand", x)
+
+    class Base(Grand):
+        @abc.abstractmethod
+        def must(self, *a, **kw): ...
+
+        def default(self):
+            return "base default"
+
+        def decided(self):
+            return "base decided"
+
+        @property
+        def prop(self):
+            return "base prop"
+
+        @classmethod
+        def asked_of_the_class(cls):
+            return "base class answer"
+
+        @staticmethod
+        def static():
+            return "base static"
+
+        def _private(self):
+            return "base private"
+
+    class Inner:
+        prop = "inner prop"
+
+        def must(self, *a, **kw):
+            return ("inner must", a, kw)
+
+        def default(self):
+            return "inner default"
+
+        def inherited(self, x):
+            return ("inner", x)
+
+        def decided(self):
+            return "inner decided"
+
+    class Wrapper(Base):
+        def __init__(self):
+            self.inner = Inner()
+
+        def decided(self):
+            return "wrapper decided"
+
+    assert sorted(forward_to_inner(Wrapper, Base)) == ["default", "inherited", "must", "prop"]
+    w = Wrapper()  # the abstract set is recomputed: it instantiates
+    assert w.must(1, k=2) == ("inner must", (1,), {"k": 2}) and w.default() == "inner default" and w.inherited(3) == ("inner", 3)
+    assert w.prop == "inner prop" and w.decided() == "wrapper decided"
+    assert Wrapper.asked_of_the_class() == "base class answer" and Wrapper.static() == "base static" and w._private() == "base private"
+    assert forward_to_inner(type("Plain", (), {}), object) == [], "no engine base: nothing to forward"
