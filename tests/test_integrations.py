@@ -1050,7 +1050,15 @@ def test_the_hicache_backend_on_sglangs_base_class_hands_every_other_call_to_the
     fakes = {n: types.ModuleType(n) for n in ("sglang", "sglang.srt", "sglang.srt.mem_cache")}
     fakes[mod.__name__] = mod
     m = _import_over(monkeypatch, "kvpolicy.integrations.sglang_hicache", fakes)
-    _engine_base_checks().drive_hicache_backend(HiCacheStorage, m)
+
+    class PoolTransferResult:  # SGLang 0.5.23's, in what matters: update_kv_hit_pages keeps the larger count
+        def __init__(self, kv_hit_pages, extra_pool_hit_pages, restorable_prefix_pages=None):
+            self.kv_hit_pages, self.extra_pool_hit_pages, self.restorable_prefix_pages = kv_hit_pages, extra_pool_hit_pages, restorable_prefix_pages
+
+        def update_kv_hit_pages(self, kv_hit_pages):
+            self.kv_hit_pages = max(self.kv_hit_pages, kv_hit_pages)
+
+    _engine_base_checks().drive_hicache_backend(HiCacheStorage, m, PoolTransferResult)
 
 
 def hicache(link_gbps, publish="threshold-2"):

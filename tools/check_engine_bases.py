@@ -165,12 +165,13 @@ def check_sglang(wheel: str) -> None:
     base = _load(wheel, SGLANG_BASE, "sglang.srt.mem_cache.hicache_storage")
     from kvpolicy.integrations import sglang_hicache
 
-    drive_hicache_backend(base.HiCacheStorage, sglang_hicache)
+    drive_hicache_backend(base.HiCacheStorage, sglang_hicache, base.PoolTransferResult)
 
 
-def drive_hicache_backend(Base: type, m: types.ModuleType) -> None:
+def drive_hicache_backend(Base: type, m: types.ModuleType, Result: type) -> None:
     """Build ``m.KVPolicyHiCacheStorage`` (its module imported over ``Base``) around a recording inner store and make
-    the calls SGLang's cache controllers make; raises AssertionError on the first that does not reach the store."""
+    the calls SGLang's cache controllers make; raises AssertionError on the first that does not reach the store.
+    ``Result``: SGLang's ``PoolTransferResult`` (what ``batch_exists_v2`` answers, and kvpolicy cuts)."""
     assert m._Base is Base, "the backend subclasses SGLang's base"
     calls: list[object] = []
 
@@ -208,6 +209,17 @@ def drive_hicache_backend(Base: type, m: types.ModuleType) -> None:
     missing = sorted(n for c in Base.__mro__ if c is not object for n, v in vars(c).items()
                      if not n.startswith("_") and callable(v) and n not in vars(m.KVPolicyHiCacheStorage))
     assert not missing, f"methods of SGLang's base the backend does not answer itself or forward: {missing}"
+
+    class Stored:  # holds every page asked about
+        def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
+            return Result(kv_hit_pages=len(keys), extra_pool_hit_pages={}, restorable_prefix_pages=list(range(len(keys) + 1)))
+
+    slow = m.KVPolicyHiCacheStorage(types.SimpleNamespace(extra_config={"inner": {"backend_name": "file"}, "kvpolicy": {"link_gbps": 0.001}}),
+                                    None, inner=Stored())
+    res = slow.batch_exists_v2([f"page-{i}" for i in range(8)])
+    assert res.kv_hit_pages == 0 and res.restorable_prefix_pages == [0], "a link slower than recompute: no page is worth prefetching"
+    fast = m.KVPolicyHiCacheStorage(cfg, None, inner=Stored())
+    assert fast.batch_exists_v2([f"page-{i}" for i in range(8)]).kv_hit_pages == 8
 
 
 def main(argv: list[str] | None = None) -> int:

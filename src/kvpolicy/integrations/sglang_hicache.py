@@ -112,10 +112,12 @@ class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         k = self._worth(hit)
         self.counts["exists_pages"] += hit
         self.counts["exposed_pages"] += k
-        if hasattr(res, "update_kv_hit_pages"):
-            res.update_kv_hit_pages(k)
-        else:
-            res.kv_hit_pages = k
+        # set the field itself: SGLang 0.5.23's update_kv_hit_pages keeps the larger of the two (it accumulates
+        # batches), which left the inner store's whole hit run in place — kvpolicy's cut was ignored
+        res.kv_hit_pages = k
+        restorable = getattr(res, "restorable_prefix_pages", None)
+        if restorable is not None:  # a trailing-window pool's restorable lengths: none past the cut
+            res.restorable_prefix_pages = [p for p in restorable if p <= k]
         return res
 
     def _timed_get(self, n_pages: int, fn: Any) -> Any:
