@@ -9,7 +9,10 @@ SGLang 0.5.x loads a storage backend dynamically::
         "bytes_per_page": 2097152, "page_tokens": 64, "publish": "threshold-2"}}'
 
 (``sglang/srt/mem_cache/storage/backend_factory.py``: the class must subclass
-``HiCacheStorage`` and is built as ``cls(storage_config, kwargs)``.) The inner
+``HiCacheStorage`` and is built as ``cls(storage_config, kwargs)``.) SGLang moves a
+dynamic backend's pages through ``batch_get`` / ``batch_set`` unless the extra
+config says ``"interface_v1": 1``; add it for a zero-copy inner store (mooncake,
+hf3fs, …) and kvpolicy decides on ``batch_get_v1`` / ``batch_set_v1`` instead. The inner
 store is any backend SGLang can build (``file``, ``mooncake``, ``hf3fs``, another
 dynamic one), created when SGLang registers the host memory pool.
 
