@@ -285,6 +285,24 @@ def test_the_slot_is_taken_after_allocation_and_released_on_every_path():
         helper.load_finished("nope")
 
 
+def test_a_load_vllm_was_promised_is_admitted_even_when_a_slot_filled_since():
+    """vLLM asks every request of a step first, then allocates: two requests both told to load while one slot was
+    free. The second's admission used to be refused at allocation (replica_cap) and the inner connector told to
+    load nothing — while vLLM counted those tokens as loaded (unfilled blocks for a sync load, a request waiting
+    forever for an async one). A promised load is now admitted past the cap, and says so."""
+    helper, prompt = connector_setup(max_loads_per_replica=1)
+    a, b = FakeRequest("a", prompt), FakeRequest("b", prompt)
+    na, _ = helper.get_num_new_matched_tokens(a, 0)
+    nb, _ = helper.get_num_new_matched_tokens(b, 0)
+    assert na > 0 and nb > 0, "both proposed while the one slot was free"
+    assert helper.update_state_after_alloc(a, FakeBlocks(range(100)), na) == na // B
+    assert helper.update_state_after_alloc(b, FakeBlocks(range(100, 200)), nb) == nb // B, "the promised load is made"
+    assert helper.controller.loads_in_flight() == 2
+    loads = helper.build_connector_meta()["loads"]
+    assert loads["b"]["blocks"] == nb // B and helper._loads["b"]["decision"].reason == "committed"
+    assert helper.get_num_new_matched_tokens(FakeRequest("c", prompt), 0)[0] == 0, "a new ask still sees the cap"
+
+
 def test_vllm_connector_helper_recomputes_when_nothing_remote_and_keys_follow_salt_and_lora():
     helper = VllmConnectorPolicy(HASHER, InMemoryDirectory().index("acme"), controller(), PublishAll(), bytes_per_token=2048)
     assert helper.get_num_new_matched_tokens(FakeRequest("r", PROMPT), 0) == (0, False)

@@ -56,7 +56,7 @@ from .ramp import RampController
 Action = Literal["local_only", "load", "recompute"]
 FailurePolicy = Literal["recompute", "fail"]
 REASONS = ("wins", "probe", "no_remote_blocks", "slower_than_recompute", "source_unhealthy", "replica_cap", "source_cap", "queue_full", "ramp_share",
-           "trimmed_to_zero")
+           "trimmed_to_zero", "committed")
 
 
 def _pos_int(inst: Any, a: attrs.Attribute, v: Any) -> None:
@@ -473,12 +473,16 @@ class AdmissionController:
             return "queue_full"  # the cap bounds the bytes a load would wait behind, never its own size
         return None
 
-    def admit(self, proposal: Decision, ctx: AdmissionContext, load_blocks: int | None = None) -> Decision:
+    def admit(self, proposal: Decision, ctx: AdmissionContext, load_blocks: int | None = None, *, committed: bool = False) -> Decision:
         """Take the slots of a load :meth:`propose` returned (and that the engine now starts), at most
         ``load_blocks`` of it when the engine trimmed it (vLLM may allocate fewer blocks than asked).
         Guard rails are checked again — another request may have taken the last slot meanwhile — and
-        a refusal comes back as a decision that does not load. Each admitted load is released by
-        :meth:`record` or :meth:`cancel`, exactly once."""
+        a refusal comes back as a decision that does not load. ``committed``: the engine already counts
+        these tokens as loaded (vLLM, once ``get_num_new_matched_tokens`` answered them) — refusing now
+        would leave its blocks unfilled or its request waiting for a load that never starts — so the
+        load is admitted past any guard rail, with reason ``"committed"`` when one would have refused
+        (the ramp and the breaker are not consulted: the decision is no longer theirs). Each admitted
+        load is released by :meth:`record` or :meth:`cancel`, exactly once."""
         if not isinstance(proposal, Decision) or not proposal.loads or proposal.load_id is not None:
             raise ConfigError("proposal", "must be a load decision from propose() that was not admitted yet")
         k = proposal.load_blocks if load_blocks is None else load_blocks
@@ -488,17 +492,20 @@ class AdmissionController:
         if k == 0:
             return attrs.evolve(proposal, action=no_load, reason="trimmed_to_zero", load_blocks=0, load_bytes=0, split_blocks=0)
         refusal = self._guard_rails(ctx, self.path_queue_bytes(ctx, k * ctx.block_bytes))
-        if refusal is None and self.ramp is not None and not self.ramp.admit():
-            refusal = "ramp_share"
-        if refusal is None and not self.breaker(ctx.source).allow():
-            refusal = "source_unhealthy"
-        if refusal is not None:
-            return attrs.evolve(proposal, action=no_load, reason=refusal, load_blocks=0, load_bytes=0, split_blocks=0)
+        if not committed:
+            if refusal is None and self.ramp is not None and not self.ramp.admit():
+                refusal = "ramp_share"
+            if refusal is None and not self.breaker(ctx.source).allow():
+                refusal = "source_unhealthy"
+            if refusal is not None:
+                return attrs.evolve(proposal, action=no_load, reason=refusal, load_blocks=0, load_bytes=0, split_blocks=0)
         load_id = next(self._ids)
         now = self.clock.now_s()
         self._last_load_s[ctx.source] = now
         load_bytes = k * ctx.block_bytes
-        d = attrs.evolve(proposal, load_id=load_id, load_blocks=k, load_bytes=load_bytes, split_blocks=min(proposal.split_blocks, k - 1))
+        reason = "committed" if committed and refusal is not None else proposal.reason
+        d = attrs.evolve(proposal, load_id=load_id, load_blocks=k, load_bytes=load_bytes, split_blocks=min(proposal.split_blocks, k - 1),
+                         reason=reason)
         self._inflight[load_id] = d
         self._replica_loads[ctx.replica] = self._replica_loads.get(ctx.replica, 0) + 1
         self._source_loads[ctx.source] = self._source_loads.get(ctx.source, 0) + 1

@@ -137,7 +137,10 @@ class VllmConnectorPolicy:
         if prop is None or not prop[0].loads or n == 0:
             return 0
         d, m, keys, _ = prop
-        admitted = self.controller.admit(d, self._ctx(), load_blocks=min(n, d.load_blocks))
+        # vLLM counts the tokens get_num_new_matched_tokens answered as loaded from here on: a guard rail that filled
+        # since (another request of this step took the last slot) must not refuse the load now — vLLM would compute on
+        # unfilled blocks (a sync load) or wait forever for the request (an async one)
+        admitted = self.controller.admit(d, self._ctx(), load_blocks=min(n, d.load_blocks), committed=True)
         if not admitted.loads:
             return 0
         start = m.local_blocks
