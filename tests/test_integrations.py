@@ -862,6 +862,47 @@ def test_the_loadable_connector_decides_in_front_of_the_inner_one():
         KVPolicyConnector(vllm_config({"kvpolicy": {"link_gbps": float("nan")}}), "scheduler", None, inner=inner)
 
 
+def test_the_loadable_connector_asks_an_all_or_nothing_inner_connector_for_all_or_nothing():
+    """vLLM's LMCache adapter asserts that the count it is given equals the hit it offered: a trimmed count crashed the
+    scheduler. Only an inner connector known to load a leading part (vLLM's OffloadingConnector) is trimmed; any
+    other gets all it offered or nothing, and update_state_after_alloc passes vLLM's count through unchanged."""
+    import attrs as _attrs
+
+    from kvpolicy.integrations.vllm_kv_connector import KVPolicyConnector
+
+    class AllOrNothing(InnerConnector):  # LMCache's shape: the count must be what was offered, or 0
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            assert num_external_tokens in (0, self.can_load), (num_external_tokens, self.can_load)
+            super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    class OffloadingConnector(InnerConnector):  # the name vLLM's partial-load connector goes by
+        pass
+
+    fast = {"kvpolicy": {"link_gbps": 200, "bytes_per_token": 2048}}
+    offered = 40 * B + 7  # not block-aligned: passed back exactly
+    conn = KVPolicyConnector(vllm_config(fast), "scheduler", None, inner=AllOrNothing(can_load=offered))
+    assert conn.partial_loads is False
+    req = FakeRequest("r1", list(range(64 * B + 3)))
+    n, _ = conn.get_num_new_matched_tokens(req, 8 * B)
+    assert n == offered, "a load that wins whole: exactly what was offered"
+    conn.update_state_after_alloc(req, FakeBlocks(range(100, 200)), n)
+    assert conn.inner.calls[-1] == ("alloc", "r1", offered)
+
+    def partial_plan(propose):  # a best plan that loads only the leading blocks of the run
+        return lambda m, ctx: (lambda d: _attrs.evolve(d, load_blocks=max(d.load_blocks - 5, 1)) if d.loads else d)(propose(m, ctx))
+
+    for inner, settings, want_partial in ((AllOrNothing(can_load=offered), fast, False),
+                                          (AllOrNothing(can_load=offered), {"kvpolicy": {**fast["kvpolicy"], "partial_loads": True}}, True),
+                                          (OffloadingConnector(can_load=offered), fast, True)):
+        c = KVPolicyConnector(vllm_config(settings), "scheduler", None, inner=inner)
+        c.policy.controller.propose = partial_plan(c.policy.controller.propose)
+        got, _ = c.get_num_new_matched_tokens(FakeRequest("r2", list(range(64 * B + 3))), 8 * B)
+        assert (0 < got < offered) if want_partial else got == 0, (type(inner).__name__, settings, got)
+    with pytest.raises(ConfigError) as e:
+        KVPolicyConnector(vllm_config({"kvpolicy": {"partial_loads": "yes"}}), "scheduler", None, inner=AllOrNothing(can_load=0))
+    assert e.value.field.endswith("kvpolicy.partial_loads")
+
+
 @pytest.mark.parametrize("kvp, field", [
     ({"link_gpbs": 200}, "kvpolicy.link_gpbs"),  # a typo: the default link would have been used without a word
     ("link_gbps=200", "kv_connector_extra_config.kvpolicy"),  # a string where the object goes

@@ -50,7 +50,12 @@ try:  # pragma: no cover - depends on the environment
 except ImportError:
     _HMA = None
 
-DEFAULTS = {**ADMISSION_DEFAULTS, "bytes_per_token": 131072, "block_size": 16, "kv_dtype": "bf16"}
+DEFAULTS = {**ADMISSION_DEFAULTS, "bytes_per_token": 131072, "block_size": 16, "kv_dtype": "bf16", "partial_loads": None}
+
+#: inner connectors that load any leading part of the hit they offered (vLLM 0.33's OffloadingConnector computes
+#: its load range from the count it is given); any other is asked for all it offered or nothing — vLLM's own LMCache
+#: adapter asserts that the count equals its hit (``lmcache_integration/vllm_v1_adapter.py``)
+PARTIAL_LOAD_CONNECTORS = ("OffloadingConnector",)
 
 
 def _inner_class(name: str, module_path: str | None) -> Any:
@@ -80,7 +85,9 @@ def _extra_of(kv_transfer_config: Any) -> Any:
 class _Counted(VllmConnectorPolicy):
     """The helper, deciding from the count the inner connector can load (no index of its own)."""
 
-    def propose_from_count(self, request: Any, num_computed_tokens: int, external_tokens: int) -> int:
+    def propose_from_count(self, request: Any, num_computed_tokens: int, external_tokens: int, *, partial: bool = True) -> int:
+        """Tokens worth loading of the ``external_tokens`` the inner connector offered: a leading part of them
+        (``partial``), or — for a connector that takes all it offered or nothing — all of them or 0."""
         from ..matching import PrefixMatch
 
         toks = _tokens(request)
@@ -91,7 +98,11 @@ class _Counted(VllmConnectorPolicy):
         m = PrefixMatch(len(toks), B, matchable, L, (R,), ("external",), "miss" if R < matchable - L else "all_matchable_found")
         d = self.controller.propose(m, self._ctx())
         self._remember(str(request.request_id), d, m, None)
-        return d.load_blocks * B if d.loads else 0
+        if not d.loads:
+            return 0
+        if partial:
+            return d.load_blocks * B
+        return external_tokens if d.load_blocks >= R else 0  # the best plan loads only a part: recompute it all
 
 
 class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
@@ -122,6 +133,11 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
         ns = Namespace(model_id=str(model), model_revision="main", tokenizer_version="vllm", kv_dtype=kv_dtype, block_size_tokens=B)
         self.policy = _Counted(BlockHasher(ns, "fast"), _NoIndex(), controller, publish_filter,
                                bytes_per_token=bytes_per_token)
+        partial = cfg["partial_loads"]
+        if partial is not None and not isinstance(partial, bool):
+            raise ConfigError(f"{where}.partial_loads", f"must be true, false or null (decided by the inner connector), got {partial!r}")
+        #: whether the inner connector loads a leading part of the hit it offered (else: all of it or nothing)
+        self.partial_loads = type(inner).__name__ in PARTIAL_LOAD_CONNECTORS if partial is None else partial
 
     # ---------------------------------------------------------------- scheduler side
 
@@ -131,12 +147,14 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
             return None, False  # the inner connector needs more time: vLLM asks again
         if not ext:
             return 0, False
-        n = self.policy.propose_from_count(request, num_computed_tokens, int(ext))
+        n = self.policy.propose_from_count(request, num_computed_tokens, int(ext), partial=self.partial_loads)
         return (min(n, int(ext)), bool(is_async)) if n else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        admitted = self.policy.update_state_after_alloc(request, blocks, num_external_tokens) if num_external_tokens else 0
-        self.inner.update_state_after_alloc(request, blocks, admitted * self.policy.B)
+        if num_external_tokens:  # the slot, for the controller's books: a load vLLM was promised is never refused here
+            self.policy.update_state_after_alloc(request, blocks, num_external_tokens)
+        # vLLM counts these tokens as loaded from now on: the inner connector loads exactly them
+        self.inner.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = self.inner.build_connector_meta(scheduler_output)
