@@ -34,6 +34,7 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from ..errors import ConfigError
+from ..traces.model import _min_max
 
 _SB_WORDS = 8  # 64-bit words per superblock: 512 time slots
 _UNIT_MAX_IDS = 1 << 29  # the bitset kernels keep slots in int32: 2 slots per id must fit
@@ -282,19 +283,6 @@ def _request_stack_kernel(offsets, ids, n_ids, weight, out):
             owner[t] = x
             last[x] = t
             t += 1
-
-
-@nb.njit(cache=True)
-def _min_max(a):  # pragma: no cover - compiled
-    """Both in one pass over the ids: numpy's min() and max() read them twice (6–10 ms against 4.5–5 ms on 10M ids,
-    a fifth of SHARDS' time at R = 0.01)."""
-    lo = a[0]
-    hi = a[0]
-    for i in range(1, a.size):  # min() and max(), not branches: the loop vectorises
-        x = a[i]
-        lo = min(lo, x)
-        hi = max(hi, x)
-    return lo, hi
 
 
 def _dense(ids: np.ndarray, field: str) -> tuple[np.ndarray, int]:

@@ -14,11 +14,12 @@ from typing import Any
 import numpy as np
 
 from ..analysis import PrefixMRC
+from .._own import is_own
 from .._validate import check_positive_int, check_split
 from ..errors import ConfigError
 from ..traces.model import check_trace
 from .kernels import KERNEL_POLICIES, replay_kernel
-from .replay import check_policy_names, is_own_policy, replay
+from .replay import check_policy_names, replay
 
 
 def default_capacities(trace: Any) -> list[int]:
@@ -89,7 +90,7 @@ def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, by
                         "token_hit_ratio": ceiling * B / total_tokens, "gap_closed": None, "engine": "bound"})
     source = trace.source if k == 0 else f"{trace.source} — judged on requests {k:,}..{n_req - 1:,} (learned on the first {k:,})"
     res = {"source": source, "block_refs": refs, "block_size_tokens": B, "judge_from_request": k, "results": results, "gap_where": where}
-    res["goals"] = eviction_goals(res, [p for p in GOAL_POLICIES if p in names] + [p for p in names if is_own_policy(p)])
+    res["goals"] = eviction_goals(res, [p for p in GOAL_POLICIES if p in names] + [p for p in names if is_own(p)])
     return res
 
 

@@ -37,11 +37,6 @@ ALL_POLICIES = ("lru", "fifo", "lfu", "ttl", "s3fifo", "sieve", "arc", "gdsf", "
 _YOURS = "a class (or factory) called as NAME(capacity_bytes, clock=clock)"
 
 
-def is_own_policy(name: str) -> bool:
-    """``module:Name`` / ``path/to/file.py:Name``: a policy class of the user's, not one of :data:`ALL_POLICIES`."""
-    return is_own(name)
-
-
 def load_policy_factory(spec: str) -> Any:
     """The class (or factory) ``spec`` names (:func:`kvpolicy._own.load_own`); a failure names ``--policies``."""
     return load_own(spec, "--policies", _YOURS)
@@ -52,7 +47,7 @@ def check_policy_names(policies: Any) -> None:
     if isinstance(policies, str):  # "lru" would be read as the policies 'l', 'r', 'u'
         raise ConfigError("--policies", f"give a list of policy names, got the string {policies!r}")
     for p in policies:
-        if is_own_policy(p):
+        if is_own(p):
             load_policy_factory(p)
         elif p not in ALL_POLICIES:
             raise ConfigError("--policies", f"unknown policy {p!r}; known: {', '.join(ALL_POLICIES)}; or one of your own: MODULE:NAME or "
@@ -98,7 +93,7 @@ def make_policy(name: str, capacity_bytes: int, *, trace: Any = None, clock: Man
     if not isinstance(name, str):
         raise ConfigError("policy", f"must be a policy name ({', '.join(ALL_POLICIES)}), got {type(name).__name__}")
     clock = clock or ManualClock()
-    if is_own_policy(name):
+    if is_own(name):
         return _own_policy(name, capacity_bytes, clock, kw)
     cls = {"reuse-distance": ReuseDistancePolicy, "hit-density": HitDensityPolicy, "adaptive": AdaptivePolicy, "belady": BeladyPolicy,
            "belady-bypass": BeladyPolicy}.get(name) or POLICIES.get(name)

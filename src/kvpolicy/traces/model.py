@@ -205,6 +205,19 @@ class Trace:
         }
 
 
+@nb.njit(cache=True)
+def _min_max(a):  # pragma: no cover - compiled
+    """Both in one pass over the ids: numpy's min() and max() read them twice (6–10 ms against 4.5–5 ms on 10M ids,
+    a fifth of SHARDS' time at R = 0.01)."""
+    lo = a[0]
+    hi = a[0]
+    for i in range(1, a.size):  # min() and max(), not branches: the loop vectorises
+        x = a[i]
+        lo = min(lo, x)
+        hi = max(hi, x)
+    return lo, hi
+
+
 def check_trace(trace: Any, field: str = "trace") -> Trace:
     """``trace`` itself when it is a :class:`Trace` whose ids the kernels can index; else a ConfigError naming ``field``
     (not an AttributeError from whatever first reads a column, nor a MemoryError from deep inside numpy or Numba)."""
@@ -212,10 +225,12 @@ def check_trace(trace: Any, field: str = "trace") -> Trace:
         raise ConfigError(field, f"must be a kvpolicy.traces.Trace (read_trace(path) or generate(preset(...)) gives one), got {type(trace).__name__}")
     n = len(trace)
     ids, partial = trace.block_ids, trace.partial_block_ids
-    if (ids.size and int(ids.min()) < 0) or (n and int(partial.min()) < -1):
+    lo, hi = _min_max(ids) if ids.size else (0, -1)  # one pass: every consumer calls this, each replay of a bench too
+    p_lo, p_hi = _min_max(partial) if n else (-1, -1)
+    if lo < 0 or p_lo < -1:
         raise ConfigError(field, "block ids are non-negative (a partial block id of -1 means the request has none)")
     refs = ids.size + n
-    top = max(int(ids.max()) if ids.size else -1, int(partial.max()) if n else -1)
+    top = max(int(hi), int(p_hi))
     if top + 1 > 4 * refs + (1 << 20):
         # every kernel and table keeps a record per id, indexed by it: a trace built by hand from raw 64-bit hashes
         # would size them by its largest id (8 bytes x 10**15 ...) and fail deep inside numpy or Numba
