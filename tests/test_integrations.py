@@ -903,6 +903,131 @@ def test_the_loadable_connector_asks_an_all_or_nothing_inner_connector_for_all_o
     assert e.value.field.endswith("kvpolicy.partial_loads")
 
 
+class InnerStats:
+    """An inner connector's transfer stats, shaped like vLLM's (``OffloadingConnectorStats``): a dict that adds up."""
+
+    def __init__(self, data=None):
+        self.data = dict(data or {})
+
+    def to_dict(self):
+        return self.data
+
+    def aggregate(self, other):
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self):
+        return dict(self.data)
+
+    def is_empty(self):
+        return not any(self.data.values())
+
+    def reset(self):
+        self.data = {}
+
+
+class InnerWithStats(InnerConnector):
+    def get_kv_connector_stats(self):
+        return InnerStats({"bytes_loaded": 1000})
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return InnerStats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return InnerProm()
+
+
+class InnerProm:
+    def __init__(self):
+        self.seen = []
+
+    def observe(self, transfer_stats_data, engine_idx=0):
+        self.seen.append((transfer_stats_data, engine_idx))
+
+
+class Counter:  # prometheus_client's, as vLLM hands it over: counter(name=, documentation=, labelnames=).labels(...).inc(n)
+    made = {}
+
+    def __init__(self, name, documentation, labelnames):
+        self.name, self.labelnames, self.values = name, labelnames, {}
+        Counter.made[name] = self
+
+    def labels(self, *values):
+        assert len(values) == len(self.labelnames)
+        counter = self
+
+        class Child:
+            def inc(self, n):
+                counter.values[values] = counter.values.get(values, 0) + n
+
+        return Child()
+
+
+def test_the_loadable_connector_reports_its_decisions_and_the_inner_stats_to_vllms_metrics(monkeypatch):
+    """vLLM rebuilds a connector's transfer stats in its front end from a dict, asking the configured class — the
+    wrapper — with no config: until this was built it answered None (vLLM: "does not implement
+    build_kv_connector_stats") and the inner connector's transfer metrics were lost; now the dict names the inner
+    class, and kvpolicy's own decisions ride along."""
+    import json
+    import sys
+    import types
+
+    from kvpolicy.integrations.vllm_kv_connector import KVPolicyConnector, KVPolicyStats
+
+    mod = types.ModuleType("kvpolicy_test_inner_stats")
+    mod.InnerWithStats = InnerWithStats
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setattr(InnerWithStats, "__module__", mod.__name__)
+    fast = {"kvpolicy": {"link_gbps": 200, "bytes_per_token": 2048}}
+    conn = KVPolicyConnector(vllm_config(fast), "scheduler", None, inner=InnerWithStats(can_load=48 * B))
+    req = FakeRequest("r1", list(range(64 * B + 3)))
+    answered = conn.get_num_new_matched_tokens(req, 8 * B)[0]
+    assert 0 < answered <= 48 * B
+    conn.update_state_after_alloc(req, FakeBlocks(range(1000, 1100)), 16 * B)  # vLLM trimmed it further
+    slow = {"kvpolicy": {"link_gbps": 0.001, "bytes_per_token": 2048}}
+    slow_conn = KVPolicyConnector(vllm_config(slow), "scheduler", None, inner=InnerWithStats(can_load=48 * B))
+    r2 = FakeRequest("r2", list(range(64 * B)))
+    assert slow_conn.get_num_new_matched_tokens(r2, 0) == (0, False)
+    slow_conn.update_state_after_alloc(r2, FakeBlocks(range(10)), 0)
+
+    stats = conn.get_kv_connector_stats()
+    assert isinstance(stats, KVPolicyStats)
+    assert (stats.data["requests"], stats.data["offered_tokens"], stats.data["loaded_tokens"]) == (1, 48 * B, 16 * B)
+    assert stats.data["declined_tokens"] == 48 * B - answered
+    again = conn.get_kv_connector_stats()
+    assert again.data["requests"] == 0 and again.inner.data == {"bytes_loaded": 1000}, "a fresh interval: only the inner stats"
+    stats.aggregate(slow_conn.get_kv_connector_stats())  # vLLM adds up the scheduler's and the workers' stats
+    payload = json.loads(json.dumps(stats.to_dict()))  # what crosses to the front end
+    rebuilt = KVPolicyConnector.build_kv_connector_stats(payload)
+    assert isinstance(rebuilt.inner, InnerStats), "rebuilt by the inner class the payload names"
+    reduced = rebuilt.reduce()
+    assert reduced["bytes_loaded"] == 2000, "the inner connector's transfer metrics survive the wrapper"
+    assert reduced["kvpolicy_requests"] == 2 and reduced["kvpolicy_offered_tokens"] == 96 * B
+    assert reduced["kvpolicy_loaded_tokens"] == 16 * B and reduced["kvpolicy_declined_tokens"] == 96 * B - answered
+    assert reduced["kvpolicy_declined_slower_than_recompute"] == 1
+    assert KVPolicyConnector.build_kv_connector_stats(None).is_empty()
+    rebuilt.reset()
+    assert rebuilt.is_empty() and rebuilt.reduce() == {}
+    with pytest.raises(ConfigError) as e:
+        KVPolicyConnector.build_kv_connector_stats({**payload, "inner_class": "kvpolicy_test_inner_stats:Nope"})
+    assert e.value.field == "kv_connector_stats.inner_class"
+    with pytest.raises(ConfigError, match="kv_connector_stats"):
+        KVPolicyConnector.build_kv_connector_stats([1, 2])
+
+    # Prometheus: kvpolicy's counters, and the inner connector's metrics fed the inner part of each payload
+    Counter.made.clear()
+    extra = {**fast, "inner_connector": "InnerWithStats", "inner_connector_module_path": mod.__name__}
+    prom = KVPolicyConnector.build_prom_metrics(vllm_config(extra), {Counter: Counter}, ["model"], {0: ["m"]})
+    prom.observe(payload, 0)
+    assert Counter.made["vllm:kvpolicy_offered_tokens"].values == {("m",): 96 * B}
+    assert Counter.made["vllm:kvpolicy_loaded_tokens"].values == {("m",): 16 * B}
+    assert Counter.made["vllm:kvpolicy_declined_requests"].values[("m", "slower_than_recompute")] == 1
+    assert prom.inner.seen == [(payload["inner"], 0)]
+
+
 @pytest.mark.parametrize("kvp, field", [
     ({"link_gpbs": 200}, "kvpolicy.link_gpbs"),  # a typo: the default link would have been used without a word
     ("link_gbps=200", "kv_connector_extra_config.kvpolicy"),  # a string where the object goes
@@ -1018,7 +1143,61 @@ def _fake_vllm_base():
     fakes = {n: types.ModuleType(n) for n in ("vllm", "vllm.distributed", "vllm.distributed.kv_transfer",
                                               "vllm.distributed.kv_transfer.kv_connector", "vllm.distributed.kv_transfer.kv_connector.v1")}
     fakes[base.__name__] = base
+    fakes.update(_fake_vllm_metrics())
     return KVConnectorBase_V1, fakes
+
+
+def _fake_vllm_metrics():
+    """Stand-ins for vLLM 0.33's transfer-metrics module (``kv_connector/v1/metrics.py``), shaped like it: the stats
+    base class, the front end's logger (rebuilds the payload with the configured class, adds up, logs
+    ``reduce()``) and its Prometheus hook (the configured class's ``build_prom_metrics``, fed each payload)."""
+    import dataclasses
+    import types
+
+    checks = _engine_base_checks()
+    prom = types.ModuleType("prometheus_client")
+    prom.Counter, prom.Gauge, prom.Histogram = checks.PromCounter, type("Gauge", (), {}), type("Histogram", (), {})
+    factory = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.factory")
+    factory.KVConnectorFactory = type("KVConnectorFactory", (), {})
+
+    @dataclasses.dataclass
+    class KVConnectorStats:
+        data: dict = dataclasses.field(default_factory=dict)
+
+        def to_dict(self):
+            return self.data
+
+    class KVConnectorLogging:
+        def __init__(self, kv_transfer_config):
+            self.connector_cls = factory.KVConnectorFactory.get_connector_class(kv_transfer_config)
+            self.acc = None
+
+        def observe(self, transfer_stats_data):
+            stats = self.connector_cls.build_kv_connector_stats(transfer_stats_data)
+            if stats is None:
+                return
+            self.acc = stats if self.acc is None else self.acc.aggregate(stats)
+
+        def log(self, log_fn):
+            if self.acc and not self.acc.is_empty():
+                metrics = self.acc.reduce()
+                if metrics:
+                    log_fn("KV Transfer metrics: %s", ", ".join(f"{k}={v}" for k, v in metrics.items()))
+            self.acc = None
+
+    class KVConnectorProm:
+        def __init__(self, vllm_config, labelnames, per_engine_labelvalues):
+            cls = factory.KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
+            types_ = {prom.Gauge: prom.Gauge, prom.Counter: prom.Counter, prom.Histogram: prom.Histogram}
+            self.prom_metrics = cls.build_prom_metrics(vllm_config, types_, labelnames, per_engine_labelvalues)
+
+        def observe(self, transfer_stats_data, engine_idx=0):
+            if self.prom_metrics is not None:
+                self.prom_metrics.observe(transfer_stats_data, engine_idx)
+
+    metrics = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.metrics")
+    metrics.KVConnectorStats, metrics.KVConnectorLogging, metrics.KVConnectorProm = KVConnectorStats, KVConnectorLogging, KVConnectorProm
+    return {prom.__name__: prom, factory.__name__: factory, metrics.__name__: metrics}
 
 
 def _engine_base_checks():
@@ -1038,7 +1217,10 @@ def test_the_connector_on_vllms_base_class_hands_every_other_call_to_the_inner_o
     connector's. Checked once against vLLM 0.33's own base.py too, its imports stubbed (docs/integrations.md)."""
     Base, fakes = _fake_vllm_base()
     m = _import_over(monkeypatch, "kvpolicy.integrations.vllm_kv_connector", fakes)
-    _engine_base_checks().drive_vllm_connector(Base, m)
+    checks = _engine_base_checks()
+    checks.drive_vllm_connector(Base, m)
+    checks.drive_vllm_metrics(fakes["vllm.distributed.kv_transfer.kv_connector.v1.metrics"],
+                              fakes["vllm.distributed.kv_transfer.kv_connector.factory"], m)
     extra = {"inner_connector": "Offloadng", "inner_connector_module_path": "kvpolicy.integrations.vllm_kv_connector"}
     with pytest.raises(ConfigError) as e:
         m.KVPolicyConnector.get_required_kvcache_layout(vllm_config(extra))

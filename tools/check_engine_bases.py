@@ -25,6 +25,7 @@ import types
 import zipfile
 
 VLLM_BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
+VLLM_METRICS = "vllm/distributed/kv_transfer/kv_connector/v1/metrics.py"
 SGLANG_BASE = "sglang/srt/mem_cache/hicache_storage.py"
 
 
@@ -55,9 +56,16 @@ def check_vllm(wheel: str) -> None:
     _module("vllm.v1.metrics.cache_hit_source", CacheHitSource=enum.Enum("CacheHitSource", "EXTERNAL_UNSPECIFIED HOST DISK P2P"))
     _module("vllm.v1.outputs", KVConnectorOutput=object)
     base = _load(wheel, VLLM_BASE, "vllm.distributed.kv_transfer.kv_connector.v1.base")
+    # the transfer metrics: vLLM's own KVConnectorStats, KVConnectorLogging and KVConnectorProm
+    _module("prometheus_client", Counter=PromCounter, Gauge=type("Gauge", (PromCounter,), {}),
+            Histogram=type("Histogram", (PromCounter,), {}))
+    _module("vllm.config", KVTransferConfig=object, VllmConfig=object)
+    _module("vllm.distributed.kv_transfer.kv_connector.factory", KVConnectorFactory=type("KVConnectorFactory", (), {}))
+    metrics = _load(wheel, VLLM_METRICS, "vllm.distributed.kv_transfer.kv_connector.v1.metrics")
     from kvpolicy.integrations import vllm_kv_connector
 
     drive_vllm_connector(base.KVConnectorBase_V1, vllm_kv_connector)
+    drive_vllm_metrics(metrics, sys.modules["vllm.distributed.kv_transfer.kv_connector.factory"], vllm_kv_connector)
 
 
 def drive_vllm_connector(Base: type, m: types.ModuleType) -> None:
@@ -148,6 +156,101 @@ def drive_vllm_connector(Base: type, m: types.ModuleType) -> None:
                 assert e.field == "kv_connector_extra_config.inner_connector"
             else:
                 raise AssertionError("KVPolicyConnectorHMA took an inner connector without HMA")
+    finally:
+        del sys.modules[module_name]
+
+
+class PromCounter:
+    """prometheus_client's metric as vLLM uses it: ``cls(name=, documentation=, labelnames=).labels(*v).inc(n)``."""
+
+    def __init__(self, name: str, documentation: str = "", labelnames: object = (), **kw: object) -> None:
+        self.name, self.labelnames, self.values = name, list(labelnames), {}  # type: ignore[call-overload]
+
+    def labels(self, *values: object) -> object:
+        assert len(values) == len(self.labelnames), (self.name, values)
+        metric = self
+
+        class Child:
+            def inc(self, n: float = 1) -> None:
+                metric.values[values] = metric.values.get(values, 0) + n
+
+        return Child()
+
+
+def drive_vllm_metrics(metrics: types.ModuleType, factory: types.ModuleType, m: types.ModuleType) -> None:
+    """Feed what the wrapping connector reports through vLLM's own transfer-metrics code (``metrics``: its
+    ``KVConnectorStats``, ``KVConnectorLogging``, ``KVConnectorProm``), as vLLM's front end does: the payload
+    rebuilt by the configured class, added up, logged, and observed by Prometheus — the inner connector's stats
+    and kvpolicy's counts both arrive. Raises AssertionError on the first that does not."""
+    assert m._StatsBase is metrics.KVConnectorStats, "kvpolicy's stats subclass vLLM's"
+
+    class InnerStats(metrics.KVConnectorStats):  # type: ignore[misc,name-defined]
+        def aggregate(self, other):
+            self.data = {k: self.data.get(k, 0) + other.data.get(k, 0) for k in {*self.data, *other.data}}
+            return self
+
+        def reduce(self):
+            return dict(self.data)
+
+        def is_empty(self):
+            return not any(self.data.values())
+
+        def reset(self):
+            self.data = {}
+
+    observed: list = []
+
+    class Inner:
+        def __init__(self, *a):
+            pass
+
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return 4096, False
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            pass
+
+        def get_kv_connector_stats(self):
+            return InnerStats(data={"transfer_bytes": 100})
+
+        @classmethod
+        def build_kv_connector_stats(cls, data=None):
+            return InnerStats(data=dict(data or {}))
+
+        @classmethod
+        def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+            return types.SimpleNamespace(observe=lambda data, engine_idx=0: observed.append(data))
+
+    module_name = f"kvpolicy_check_metrics_{id(Inner)}"
+    sys.modules[module_name] = types.SimpleNamespace(Inner=Inner)  # type: ignore[assignment]
+    Inner.__module__, Inner.__qualname__ = module_name, "Inner"
+    try:
+        extra = {"inner_connector": "Inner", "inner_connector_module_path": module_name,
+                 "kvpolicy": {"link_gbps": 0.001, "bytes_per_token": 2048}}
+        ktc = types.SimpleNamespace(kv_connector="KVPolicyConnector", kv_connector_extra_config=extra)
+        cfg = types.SimpleNamespace(kv_transfer_config=ktc, cache_config=types.SimpleNamespace(block_size=16),
+                                    model_config=types.SimpleNamespace(model="m"))
+        conn = m.KVPolicyConnector(cfg, "scheduler", None)
+        req = types.SimpleNamespace(request_id="r1", prompt_token_ids=list(range(8192)))
+        assert conn.get_num_new_matched_tokens(req, 0) == (0, False), "a slow link: recompute"
+        conn.update_state_after_alloc(req, [], 0)
+        stats = conn.get_kv_connector_stats()
+        assert isinstance(stats, metrics.KVConnectorStats)
+        payload = stats.to_dict()  # what the scheduler sends to the front end
+        factory.KVConnectorFactory.get_connector_class = staticmethod(lambda kv_transfer_config: m.KVPolicyConnector)
+        log = metrics.KVConnectorLogging(ktc)
+        log.observe(payload)
+        log.observe(payload)
+        lines: list[str] = []
+        log.log(lambda fmt, *a: lines.append(fmt % a))
+        assert len(lines) == 1 and "transfer_bytes=200" in lines[0], lines
+        assert "kvpolicy_requests=2" in lines[0] and "kvpolicy_declined_slower_than_recompute=2" in lines[0], lines
+        prom = metrics.KVConnectorProm(cfg, ["model_name"], {0: ["m"]})
+        prom.observe(payload, 0)
+        counters = {c.name: c for c in (*prom.prom_metrics.tokens.values(), prom.prom_metrics.declined)}
+        assert counters["vllm:kvpolicy_offered_tokens"].values == {("m",): 4096}, counters
+        assert counters["vllm:kvpolicy_declined_requests"].values == {("m", "slower_than_recompute"): 1}
+        assert observed == [{"transfer_bytes": 100}], "the inner connector's Prometheus metrics get its part"
     finally:
         del sys.modules[module_name]
 

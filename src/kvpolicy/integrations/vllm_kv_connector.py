@@ -28,7 +28,8 @@ The base class is vLLM's ``KVConnectorBase_V1`` when vLLM is importable,
 method and property of that base the connector does not decide itself calls the
 inner connector's (:func:`~kvpolicy.integrations._forward.forward_to_inner`), and
 the questions vLLM asks of the class (``get_required_kvcache_layout``, …) are the
-inner class's answers.
+inner class's answers. Transfer metrics (:class:`KVPolicyStats`) carry the inner
+connector's stats and kvpolicy's own counts to vLLM's log line and Prometheus.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ try:  # pragma: no cover - depends on the environment
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA as _HMA  # type: ignore[import-not-found]
 except ImportError:
     _HMA = None
+try:  # pragma: no cover - depends on the environment
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats as _StatsBase  # type: ignore[import-not-found]
+except ImportError:
+    _StatsBase = object  # type: ignore[assignment,misc]
 
 DEFAULTS = {**ADMISSION_DEFAULTS, "bytes_per_token": 131072, "block_size": 16, "kv_dtype": "bf16", "partial_loads": None}
 
@@ -85,9 +90,11 @@ def _extra_of(kv_transfer_config: Any) -> Any:
 class _Counted(VllmConnectorPolicy):
     """The helper, deciding from the count the inner connector can load (no index of its own)."""
 
-    def propose_from_count(self, request: Any, num_computed_tokens: int, external_tokens: int, *, partial: bool = True) -> int:
-        """Tokens worth loading of the ``external_tokens`` the inner connector offered: a leading part of them
-        (``partial``), or — for a connector that takes all it offered or nothing — all of them or 0."""
+    def propose_from_count(self, request: Any, num_computed_tokens: int, external_tokens: int, *,
+                           partial: bool = True) -> tuple[int, str]:
+        """Tokens worth loading of the ``external_tokens`` the inner connector offered — a leading part of them
+        (``partial``), or, for a connector that takes all it offered or nothing, all of them or 0 — and the
+        controller's reason (``"partial_plan"``: its best plan loads only a part, which such a connector cannot)."""
         from ..matching import PrefixMatch
 
         toks = _tokens(request)
@@ -99,10 +106,134 @@ class _Counted(VllmConnectorPolicy):
         d = self.controller.propose(m, self._ctx())
         self._remember(str(request.request_id), d, m, None)
         if not d.loads:
-            return 0
+            return 0, d.reason
         if partial:
-            return d.load_blocks * B
-        return external_tokens if d.load_blocks >= R else 0  # the best plan loads only a part: recompute it all
+            return d.load_blocks * B, d.reason
+        if d.load_blocks >= R:
+            return external_tokens, d.reason
+        return 0, "partial_plan"  # the best plan loads only a part: recompute it all
+
+
+#: kvpolicy's own counts in a stats interval: requests the inner connector offered a hit for (once vLLM allocated
+#: them), the tokens it offered, the tokens kvpolicy let it load (after vLLM's own trims), the tokens kvpolicy
+#: declined, and — by the controller's reason — the requests whose offer kvpolicy cut or declined
+COUNTS = ("requests", "offered_tokens", "loaded_tokens", "declined_tokens")
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _class_at(path: str) -> Any:
+    module, _, name = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError("kv_connector_stats.inner_class", f"cannot find the inner connector class {path!r}: {e}") from None
+    if not callable(getattr(obj, "build_kv_connector_stats", None)):
+        raise ConfigError("kv_connector_stats.inner_class", f"{path!r} is not a vLLM connector class")
+    return obj
+
+
+class KVPolicyStats(_StatsBase):  # type: ignore[misc,valid-type]
+    """What the wrapping connector reports to vLLM's transfer metrics: kvpolicy's counts for the interval and the
+    inner connector's own stats, carried whole (``aggregate``, ``reduce``, ``reset`` are the inner stats' own).
+
+    vLLM rebuilds a connector's stats in its front-end process from a dict (``to_dict``), asking the configured
+    class — the wrapper — with no config to find the inner class by: the dict names it (``inner_class``), as
+    vLLM's ``MultiConnector`` names its children. ``reduce`` (vLLM's "KV Transfer metrics" log line) is the inner
+    stats' reduction plus ``kvpolicy_requests``, ``kvpolicy_offered_tokens``, ``kvpolicy_loaded_tokens``,
+    ``kvpolicy_declined_tokens`` and ``kvpolicy_declined_<reason>`` (requests)."""
+
+    def __init__(self, data: dict[str, Any] | None = None, *, inner: Any = None, inner_class: str | None = None) -> None:
+        counts = dict.fromkeys(COUNTS, 0)
+        declined: dict[str, int] = {}
+        if data:
+            counts.update({k: int(data[k]) for k in COUNTS if k in data})
+            declined.update({str(r): int(n) for r, n in (data.get("declined") or {}).items()})
+        self.data = {**counts, "declined": declined}
+        self.inner = inner
+        self.inner_class = inner_class
+
+    def count(self, offered_tokens: int, answered_tokens: int, loaded_tokens: int, reason: str) -> None:
+        """One request vLLM allocated: what the inner connector offered, what kvpolicy answered, what vLLM loads."""
+        d = self.data
+        d["requests"] += 1
+        d["offered_tokens"] += offered_tokens
+        d["loaded_tokens"] += loaded_tokens
+        if answered_tokens < offered_tokens:
+            d["declined_tokens"] += offered_tokens - answered_tokens
+            d["declined"][reason] = d["declined"].get(reason, 0) + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        inner = self.inner.to_dict() if self.inner is not None else None
+        return {**{k: self.data[k] for k in COUNTS}, "declined": dict(self.data["declined"]), "inner": inner,
+                "inner_class": self.inner_class}
+
+    def aggregate(self, other: Any) -> KVPolicyStats:
+        if not isinstance(other, KVPolicyStats):
+            raise ConfigError("kv_connector_stats", f"cannot aggregate {type(other).__name__} into kvpolicy's stats")
+        for k in COUNTS:
+            self.data[k] += other.data[k]
+        for r, n in other.data["declined"].items():
+            self.data["declined"][r] = self.data["declined"].get(r, 0) + n
+        if other.inner is not None:
+            self.inner = other.inner if self.inner is None else self.inner.aggregate(other.inner)
+            self.inner_class = self.inner_class or other.inner_class
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = dict(self.inner.reduce()) if self.inner is not None and not self.inner.is_empty() else {}
+        if self.data["requests"]:
+            out.update({f"kvpolicy_{k}": self.data[k] for k in COUNTS})
+            out.update({f"kvpolicy_declined_{r}": n for r, n in sorted(self.data["declined"].items())})
+        return out
+
+    def is_empty(self) -> bool:
+        return self.data["requests"] == 0 and (self.inner is None or self.inner.is_empty())
+
+    def reset(self) -> None:
+        self.data = {**dict.fromkeys(COUNTS, 0), "declined": {}}
+        if self.inner is not None:
+            self.inner.reset()
+
+
+class _PromMetrics:
+    """vLLM's Prometheus hook for the wrapping connector: kvpolicy's counters (``vllm:kvpolicy_offered_tokens``,
+    ``vllm:kvpolicy_loaded_tokens``, ``vllm:kvpolicy_declined_tokens``, ``vllm:kvpolicy_declined_requests`` by
+    ``reason``), and the inner connector's own metrics fed the inner part of each payload."""
+
+    def __init__(self, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any, inner: Any) -> None:
+        try:  # vLLM keys the types by prometheus_client's classes
+            from prometheus_client import Counter  # type: ignore[import-not-found]
+
+            counter = metric_types.get(Counter)
+        except ImportError:
+            counter = next((v for k, v in metric_types.items() if getattr(k, "__name__", "") == "Counter"), None)
+        if counter is None:
+            raise ConfigError("metric_types", "vLLM gave no Counter type for the connector's Prometheus metrics")
+        labels = list(labelnames)
+        self.inner = inner
+        self.per_engine = per_engine_labelvalues
+        self.tokens = {k: counter(name=f"vllm:kvpolicy_{k}", documentation=doc, labelnames=labels) for k, doc in (
+            ("offered_tokens", "Tokens the connector kvpolicy wraps offered to load"),
+            ("loaded_tokens", "Tokens kvpolicy let the wrapped connector load (after vLLM's own trims)"),
+            ("declined_tokens", "Tokens the wrapped connector offered that kvpolicy had recomputed instead"))}
+        self.declined = counter(name="vllm:kvpolicy_declined_requests",
+                                documentation="Requests whose offered load kvpolicy cut or declined, by the controller's reason",
+                                labelnames=labels + ["reason"])
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        values = list(self.per_engine[engine_idx])
+        for k, c in self.tokens.items():
+            if transfer_stats_data.get(k):
+                c.labels(*values).inc(transfer_stats_data[k])
+        for r, n in (transfer_stats_data.get("declined") or {}).items():
+            self.declined.labels(*values, r).inc(n)
+        if self.inner is not None and transfer_stats_data.get("inner") is not None:
+            self.inner.observe(transfer_stats_data["inner"], engine_idx)
 
 
 class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
@@ -119,6 +250,8 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
                 raise ConfigError("kv_connector_extra_config.inner_connector", "names the connector whose transfers kvpolicy decides")
             inner = _inner_class(name, extra.get("inner_connector_module_path"))(vllm_config, role, kv_cache_config)
         self.inner = inner
+        self.stats = KVPolicyStats(inner_class=_class_path(type(inner)))
+        self._offers: dict[str, tuple[int, int, str]] = {}  # req -> (tokens offered, tokens answered, reason): for the stats
         where = "kv_connector_extra_config.kvpolicy"
         cfg = read_settings(extra.get("kvpolicy"), DEFAULTS, where)
         controller = controller_from_settings(cfg, where)
@@ -147,12 +280,17 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
             return None, False  # the inner connector needs more time: vLLM asks again
         if not ext:
             return 0, False
-        n = self.policy.propose_from_count(request, num_computed_tokens, int(ext), partial=self.partial_loads)
-        return (min(n, int(ext)), bool(is_async)) if n else (0, False)
+        n, reason = self.policy.propose_from_count(request, num_computed_tokens, int(ext), partial=self.partial_loads)
+        n = min(n, int(ext))
+        self._offers[str(request.request_id)] = (int(ext), n, reason)
+        return (n, bool(is_async)) if n else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens:  # the slot, for the controller's books: a load vLLM was promised is never refused here
             self.policy.update_state_after_alloc(request, blocks, num_external_tokens)
+        offer = self._offers.pop(str(request.request_id), None)
+        if offer is not None:
+            self.stats.count(offer[0], offer[1], int(num_external_tokens), offer[2])
         # vLLM counts these tokens as loaded from now on: the inner connector loads exactly them
         self.inner.update_state_after_alloc(request, blocks, num_external_tokens)
 
@@ -171,7 +309,31 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.policy.request_finished(request, block_ids)
+        self._offers.pop(str(request.request_id), None)
         return self.inner.request_finished(request, block_ids)
+
+    # ---------------------------------------------------------------- transfer metrics (vLLM's log line and Prometheus)
+
+    def get_kv_connector_stats(self) -> KVPolicyStats | None:
+        """This interval's stats — kvpolicy's counts (scheduler side) and the inner connector's — then a fresh
+        interval. None when both are empty."""
+        inner_get = getattr(self.inner, "get_kv_connector_stats", None)
+        inner = inner_get() if callable(inner_get) else None
+        out, self.stats = self.stats, KVPolicyStats(inner_class=self.stats.inner_class)
+        out.inner = inner
+        return None if out.is_empty() else out
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPolicyStats:
+        """The stats again from their dict (vLLM's front end), the inner part rebuilt by the inner class it names."""
+        if data is None:
+            return KVPolicyStats()
+        if not isinstance(data, dict):
+            raise ConfigError("kv_connector_stats", f"must be the dict KVPolicyStats.to_dict gives, got {type(data).__name__}")
+        inner, path = data.get("inner"), data.get("inner_class")
+        if isinstance(inner, dict) and path:
+            inner = _class_at(str(path)).build_kv_connector_stats(data=inner)
+        return KVPolicyStats(data, inner=inner, inner_class=path)
 
     # ---------------------------------------------------------------- questions vLLM asks of the class: the inner class's answer
     # (vLLM asks them before any connector exists: the KV cache layout the inner connector copies in — the
@@ -195,9 +357,8 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any) -> Any:
         inner = _inner_class_of(_extra_of(getattr(vllm_config, "kv_transfer_config", None)))
-        if inner is None:
-            return None
-        return inner.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        inner_prom = inner.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues) if inner is not None else None
+        return _PromMetrics(metric_types, labelnames, per_engine_labelvalues, inner_prom)
 
     # ---------------------------------------------------------------- everything else is the inner connector's
     # (every other method and property of vLLM's base: forward_to_inner below; anything else the inner has: here)
