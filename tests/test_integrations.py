@@ -1324,7 +1324,7 @@ def test_hicache_backend_stores_only_what_will_be_reread_and_prefetches_only_wha
     slow.batch_set_v1(keys, host)
     assert len(slow.inner.pages) == 8
     assert slow.batch_exists(keys) == 0, "a store slower than recompute: SGLang recomputes instead"
-    assert slow.exists("page-0") and slow.get_stats()["kvpolicy"]["exists_pages"] == 8
+    assert slow.exists("page-0") and slow.counts["exists_pages"] == 8
     with pytest.raises(ConfigError, match="inner"):
         from kvpolicy.integrations.sglang_hicache import KVPolicyHiCacheStorage
 

@@ -300,6 +300,10 @@ def drive_hicache_backend(Base: type, m: types.ModuleType, Result: type) -> None
         def close(self):
             calls.append("close")
 
+        def get_stats(self):
+            return metrics
+
+    metrics = types.SimpleNamespace(prefetch_pgs=[3], backup_pgs=[], prefetch_bandwidth=[], backup_bandwidth=[])  # StorageMetrics
     cfg = types.SimpleNamespace(extra_config={"inner": {"backend_name": "file"}, "kvpolicy": {"link_gbps": 100}})
     s = m.KVPolicyHiCacheStorage(cfg, None, inner=Inner())
     s.register_mem_pool_host(object())  # SGLang's attach: the anchor pool, then each sidecar pool, then the signal
@@ -307,6 +311,11 @@ def drive_hicache_backend(Base: type, m: types.ModuleType, Result: type) -> None
     s.on_host_pools_registered()
     assert s.batch_get_v2([]) == {"mamba": [True]} and s.batch_set_v2([]) == {"mamba": [True]}
     assert s.exists("nope") is False
+    # SGLang 0.5.23 with --enable-metrics (unified_radix_cache.py): get_stats(), None -> StorageMetrics(), then
+    # `storage_metrics.prefetch_stats = ...` and an isinstance assert — the store's own metrics object must come back
+    got = s.get_stats()
+    assert got is metrics, f"get_stats must be the inner store's StorageMetrics, got {got!r}"
+    got.prefetch_stats = {}
     s.close()
     assert calls == ["register_mem_pool_host", ("register_mem_host_pool_v2", "mamba"), "on_host_pools_registered", "close"], calls
     missing = sorted(n for c in Base.__mro__ if c is not object for n, v in vars(c).items()
@@ -319,6 +328,7 @@ def drive_hicache_backend(Base: type, m: types.ModuleType, Result: type) -> None
 
     slow = m.KVPolicyHiCacheStorage(types.SimpleNamespace(extra_config={"inner": {"backend_name": "file"}, "kvpolicy": {"link_gbps": 0.001}}),
                                     None, inner=Stored())
+    assert slow.get_stats() is None, "a store without metrics: None, which SGLang replaces with an empty StorageMetrics"
     res = slow.batch_exists_v2([f"page-{i}" for i in range(8)])
     assert res.kv_hit_pages == 0 and res.restorable_prefix_pages == [0], "a link slower than recompute: no page is worth prefetching"
     fast = m.KVPolicyHiCacheStorage(cfg, None, inner=Stored())

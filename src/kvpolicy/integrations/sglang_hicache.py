@@ -188,7 +188,11 @@ class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         self.inner.clear()
 
     def get_stats(self) -> Any:
-        return {"kvpolicy": dict(self.counts), "inner": self.inner.get_stats() if hasattr(self.inner, "get_stats") else None}
+        """The inner store's metrics, unchanged (SGLang's ``StorageMetrics`` or None): with ``--enable-metrics`` SGLang
+        0.5.23's scheduler sets ``prefetch_stats`` on what this returns and asserts it is a ``StorageMetrics`` — the
+        dict this returned until 2026-12-01 raised there. kvpolicy's own counts are :attr:`counts`."""
+        get = getattr(self.inner, "get_stats", None)
+        return get() if callable(get) else None
 
     def __getattr__(self, name: str) -> Any:  # what the inner store has beyond SGLang's base class (``close``, ...)
         if name in ("inner", "_inner_spec"):
