@@ -1157,8 +1157,32 @@ def _fake_vllm_metrics():
     checks = _engine_base_checks()
     prom = types.ModuleType("prometheus_client")
     prom.Counter, prom.Gauge, prom.Histogram = checks.PromCounter, type("Gauge", (), {}), type("Histogram", (), {})
+    import importlib
+
     factory = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.factory")
-    factory.KVConnectorFactory = type("KVConnectorFactory", (), {})
+
+    class KVConnectorFactory:  # vLLM 0.33's: a registry of lazy loaders; a config's module path wins over it
+        _registry = {}
+
+        @classmethod
+        def register_connector(cls, name, module_path, class_name):
+            if name in cls._registry:
+                raise ValueError(f"Connector '{name}' is already registered.")
+            cls._registry[name] = lambda: getattr(importlib.import_module(module_path), class_name)
+
+        @classmethod
+        def get_connector_class_by_name(cls, name):
+            if name not in cls._registry:
+                raise ValueError(f"Connector '{name}' is not registered.")
+            return cls._registry[name]()
+
+        @classmethod
+        def get_connector_class(cls, kv_transfer_config):
+            if kv_transfer_config.kv_connector_module_path:
+                return getattr(importlib.import_module(kv_transfer_config.kv_connector_module_path), kv_transfer_config.kv_connector)
+            return cls.get_connector_class_by_name(kv_transfer_config.kv_connector)
+
+    factory.KVConnectorFactory = KVConnectorFactory
 
     @dataclasses.dataclass
     class KVConnectorStats:
@@ -1195,9 +1219,18 @@ def _fake_vllm_metrics():
             if self.prom_metrics is not None:
                 self.prom_metrics.observe(transfer_stats_data, engine_idx)
 
+    class MultiConnector:  # its stats: one entry per child, keyed by class name, rebuilt by the registered name
+        @classmethod
+        def build_kv_connector_stats(cls, data=None):
+            stats = {name: factory.KVConnectorFactory.get_connector_class_by_name(name).build_kv_connector_stats(data=v)
+                     for name, v in (data or {}).items()}
+            return types.SimpleNamespace(reduce=lambda: {name: st.reduce() for name, st in stats.items()})
+
     metrics = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.metrics")
     metrics.KVConnectorStats, metrics.KVConnectorLogging, metrics.KVConnectorProm = KVConnectorStats, KVConnectorLogging, KVConnectorProm
-    return {prom.__name__: prom, factory.__name__: factory, metrics.__name__: metrics}
+    multi = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.multi_connector")
+    multi.MultiConnector = MultiConnector
+    return {prom.__name__: prom, factory.__name__: factory, metrics.__name__: metrics, multi.__name__: multi}
 
 
 def _engine_base_checks():
@@ -1220,7 +1253,9 @@ def test_the_connector_on_vllms_base_class_hands_every_other_call_to_the_inner_o
     checks = _engine_base_checks()
     checks.drive_vllm_connector(Base, m)
     checks.drive_vllm_metrics(fakes["vllm.distributed.kv_transfer.kv_connector.v1.metrics"],
-                              fakes["vllm.distributed.kv_transfer.kv_connector.factory"], m)
+                              fakes["vllm.distributed.kv_transfer.kv_connector.factory"], m,
+                              fakes["vllm.distributed.kv_transfer.kv_connector.v1.multi_connector"].MultiConnector)
+    assert m.REGISTERED == ["KVPolicyConnector", "KVPolicyConnectorHMA"]
     extra = {"inner_connector": "Offloadng", "inner_connector_module_path": "kvpolicy.integrations.vllm_kv_connector"}
     with pytest.raises(ConfigError) as e:
         m.KVPolicyConnector.get_required_kvcache_layout(vllm_config(extra))

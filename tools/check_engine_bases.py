@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import inspect
 import logging
 import subprocess
 import sys
@@ -26,6 +27,8 @@ import zipfile
 
 VLLM_BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
 VLLM_METRICS = "vllm/distributed/kv_transfer/kv_connector/v1/metrics.py"
+VLLM_FACTORY = "vllm/distributed/kv_transfer/kv_connector/factory.py"
+VLLM_MULTI = "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py"
 SGLANG_BASE = "sglang/srt/mem_cache/hicache_storage.py"
 
 
@@ -59,13 +62,21 @@ def check_vllm(wheel: str) -> None:
     # the transfer metrics: vLLM's own KVConnectorStats, KVConnectorLogging and KVConnectorProm
     _module("prometheus_client", Counter=PromCounter, Gauge=type("Gauge", (PromCounter,), {}),
             Histogram=type("Histogram", (PromCounter,), {}))
-    _module("vllm.config", KVTransferConfig=object, VllmConfig=object)
-    _module("vllm.distributed.kv_transfer.kv_connector.factory", KVConnectorFactory=type("KVConnectorFactory", (), {}))
+    # vLLM's own connector factory (its registry) and MultiConnector, which rebuilds children's stats by name
+    _module("vllm.config", KVTransferConfig=types.SimpleNamespace, VllmConfig=object)
+    _module("vllm.config.kv_transfer", KVTransferConfig=types.SimpleNamespace)
+    _module("vllm.distributed.kv_transfer.kv_connector.base", KVConnectorBase=object, KVConnectorBaseType=object)
+    v1 = sys.modules["vllm.distributed.kv_transfer.kv_connector.v1"]
+    v1.KVConnectorRole, v1.supports_hma = base.KVConnectorRole, base.supports_hma  # type: ignore[attr-defined]
+    _module("vllm.utils")
+    _module("vllm.utils.func_utils", supports_kw=lambda f, kw: kw in inspect.signature(f).parameters)
+    factory = _load(wheel, VLLM_FACTORY, "vllm.distributed.kv_transfer.kv_connector.factory")
     metrics = _load(wheel, VLLM_METRICS, "vllm.distributed.kv_transfer.kv_connector.v1.metrics")
+    multi = _load(wheel, VLLM_MULTI, "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector")
     from kvpolicy.integrations import vllm_kv_connector
 
     drive_vllm_connector(base.KVConnectorBase_V1, vllm_kv_connector)
-    drive_vllm_metrics(metrics, sys.modules["vllm.distributed.kv_transfer.kv_connector.factory"], vllm_kv_connector)
+    drive_vllm_metrics(metrics, factory, vllm_kv_connector, multi.MultiConnector)
 
 
 def drive_vllm_connector(Base: type, m: types.ModuleType) -> None:
@@ -177,12 +188,15 @@ class PromCounter:
         return Child()
 
 
-def drive_vllm_metrics(metrics: types.ModuleType, factory: types.ModuleType, m: types.ModuleType) -> None:
+def drive_vllm_metrics(metrics: types.ModuleType, factory: types.ModuleType, m: types.ModuleType, Multi: type) -> None:
     """Feed what the wrapping connector reports through vLLM's own transfer-metrics code (``metrics``: its
     ``KVConnectorStats``, ``KVConnectorLogging``, ``KVConnectorProm``), as vLLM's front end does: the payload
-    rebuilt by the configured class, added up, logged, and observed by Prometheus — the inner connector's stats
-    and kvpolicy's counts both arrive. Raises AssertionError on the first that does not."""
+    rebuilt by the configured class (found by ``factory``, from the config's module path), added up, logged, and
+    observed by Prometheus — the inner connector's stats and kvpolicy's counts both arrive; and as a child of
+    ``Multi`` (vLLM's ``MultiConnector``), which rebuilds it by the connector's registered name. Raises
+    AssertionError on the first that does not."""
     assert m._StatsBase is metrics.KVConnectorStats, "kvpolicy's stats subclass vLLM's"
+    assert factory.KVConnectorFactory.get_connector_class_by_name("KVPolicyConnector") is m.KVPolicyConnector, "registered by name"
 
     class InnerStats(metrics.KVConnectorStats):  # type: ignore[misc,name-defined]
         def aggregate(self, other):
@@ -227,9 +241,10 @@ def drive_vllm_metrics(metrics: types.ModuleType, factory: types.ModuleType, m: 
     try:
         extra = {"inner_connector": "Inner", "inner_connector_module_path": module_name,
                  "kvpolicy": {"link_gbps": 0.001, "bytes_per_token": 2048}}
-        ktc = types.SimpleNamespace(kv_connector="KVPolicyConnector", kv_connector_extra_config=extra)
+        ktc = types.SimpleNamespace(kv_connector="KVPolicyConnector", kv_connector_module_path=m.__name__, kv_connector_extra_config=extra)
         cfg = types.SimpleNamespace(kv_transfer_config=ktc, cache_config=types.SimpleNamespace(block_size=16),
                                     model_config=types.SimpleNamespace(model="m"))
+        assert factory.KVConnectorFactory.get_connector_class(ktc) is m.KVPolicyConnector
         conn = m.KVPolicyConnector(cfg, "scheduler", None)
         req = types.SimpleNamespace(request_id="r1", prompt_token_ids=list(range(8192)))
         assert conn.get_num_new_matched_tokens(req, 0) == (0, False), "a slow link: recompute"
@@ -237,7 +252,6 @@ def drive_vllm_metrics(metrics: types.ModuleType, factory: types.ModuleType, m: 
         stats = conn.get_kv_connector_stats()
         assert isinstance(stats, metrics.KVConnectorStats)
         payload = stats.to_dict()  # what the scheduler sends to the front end
-        factory.KVConnectorFactory.get_connector_class = staticmethod(lambda kv_transfer_config: m.KVPolicyConnector)
         log = metrics.KVConnectorLogging(ktc)
         log.observe(payload)
         log.observe(payload)
@@ -251,6 +265,10 @@ def drive_vllm_metrics(metrics: types.ModuleType, factory: types.ModuleType, m: 
         assert counters["vllm:kvpolicy_offered_tokens"].values == {("m",): 4096}, counters
         assert counters["vllm:kvpolicy_declined_requests"].values == {("m", "slower_than_recompute"): 1}
         assert observed == [{"transfer_bytes": 100}], "the inner connector's Prometheus metrics get its part"
+        # a child of vLLM's MultiConnector: its stats come back keyed by class name, rebuilt by registered name
+        rebuilt = Multi.build_kv_connector_stats(data={"KVPolicyConnector": payload})
+        reduced = rebuilt.reduce()["KVPolicyConnector"]
+        assert reduced["transfer_bytes"] == 100 and reduced["kvpolicy_requests"] == 1, reduced
     finally:
         del sys.modules[module_name]
 

@@ -397,3 +397,27 @@ class _NoIndex:
     def match_prefix(self, keys: Any) -> int:
         return 0
 
+
+
+def _register_with_vllm() -> list[str]:
+    """Register the connectors by name with vLLM's ``KVConnectorFactory`` (lazily, by this module's path) when vLLM
+    is importable; returns the names registered. vLLM's ``MultiConnector`` rebuilds each child's transfer stats in
+    the front end by the child's *registered* name (``get_connector_class_by_name``), which a connector loaded by
+    module path does not have: without this, a kvpolicy connector inside a ``MultiConnector`` raised ``ValueError``
+    in vLLM's stats logger. vLLM imports this module in the front end too, when it checks the config (its
+    ``MultiConnector`` asks each child class about CUDA graphs and HMA there)."""
+    try:  # pragma: no cover - depends on the environment
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # type: ignore[import-not-found]
+    except ImportError:
+        return []
+    done = []
+    for name in ("KVPolicyConnector", "KVPolicyConnectorHMA"):
+        try:
+            KVConnectorFactory.register_connector(name, __name__, name)
+        except ValueError:  # already registered: this module imported again, or a vLLM that ships one by that name
+            continue
+        done.append(name)
+    return done
+
+
+REGISTERED = _register_with_vllm()
