@@ -1016,6 +1016,11 @@ def test_the_loadable_connector_reports_its_decisions_and_the_inner_stats_to_vll
     assert e.value.field == "kv_connector_stats.inner_class"
     with pytest.raises(ConfigError, match="kv_connector_stats"):
         KVPolicyConnector.build_kv_connector_stats([1, 2])
+    for bad, field in (({"requests": "2"}, "kv_connector_stats.requests"), ({"loaded_tokens": -1}, "kv_connector_stats.loaded_tokens"),
+                       ({"declined": [1]}, "kv_connector_stats.declined"), ({"declined": {"x": 1.5}}, "kv_connector_stats.declined.x")):
+        with pytest.raises(ConfigError) as e:
+            KVPolicyConnector.build_kv_connector_stats({**payload, **bad})
+        assert e.value.field == field
 
     # Prometheus: kvpolicy's counters, and the inner connector's metrics fed the inner part of each payload
     Counter.made.clear()

@@ -137,6 +137,12 @@ def _class_at(path: str) -> Any:
     return obj
 
 
+def _count(v: Any, field: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ConfigError(field, f"must be a non-negative int, got {v!r}")
+    return v
+
+
 class KVPolicyStats(_StatsBase):  # type: ignore[misc,valid-type]
     """What the wrapping connector reports to vLLM's transfer metrics: kvpolicy's counts for the interval and the
     inner connector's own stats, carried whole (``aggregate``, ``reduce``, ``reset`` are the inner stats' own).
@@ -151,8 +157,13 @@ class KVPolicyStats(_StatsBase):  # type: ignore[misc,valid-type]
         counts = dict.fromkeys(COUNTS, 0)
         declined: dict[str, int] = {}
         if data:
-            counts.update({k: int(data[k]) for k in COUNTS if k in data})
-            declined.update({str(r): int(n) for r, n in (data.get("declined") or {}).items()})
+            for k in COUNTS:
+                if k in data:
+                    counts[k] = _count(data[k], f"kv_connector_stats.{k}")
+            reasons = data.get("declined") or {}
+            if not isinstance(reasons, dict):
+                raise ConfigError("kv_connector_stats.declined", f"must map reasons to counts, got {type(reasons).__name__}")
+            declined.update({str(r): _count(n, f"kv_connector_stats.declined.{r}") for r, n in reasons.items()})
         self.data = {**counts, "declined": declined}
         self.inner = inner
         self.inner_class = inner_class
