@@ -903,7 +903,18 @@ def test_the_loadable_connector_asks_an_all_or_nothing_inner_connector_for_all_o
     assert e.value.field.endswith("kvpolicy.partial_loads")
 
 
-class InnerStats:
+def _engine_base_checks():
+    """tools/check_engine_bases.py: its drivers run here over the stand-in bases, and by hand over the engines' own."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "check_engine_bases.py"
+    spec = importlib.util.spec_from_file_location("check_engine_bases", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class InnerStats(_engine_base_checks().AddingStats):
     """An inner connector's transfer stats, shaped like vLLM's (``OffloadingConnectorStats``): a dict that adds up."""
 
     def __init__(self, data=None):
@@ -911,20 +922,6 @@ class InnerStats:
 
     def to_dict(self):
         return self.data
-
-    def aggregate(self, other):
-        for k, v in other.data.items():
-            self.data[k] = self.data.get(k, 0) + v
-        return self
-
-    def reduce(self):
-        return dict(self.data)
-
-    def is_empty(self):
-        return not any(self.data.values())
-
-    def reset(self):
-        self.data = {}
 
 
 class InnerWithStats(InnerConnector):
@@ -1236,17 +1233,6 @@ def _fake_vllm_metrics():
     multi = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.multi_connector")
     multi.MultiConnector = MultiConnector
     return {prom.__name__: prom, factory.__name__: factory, metrics.__name__: metrics, multi.__name__: multi}
-
-
-def _engine_base_checks():
-    """tools/check_engine_bases.py: its drivers run here over the stand-in bases, and by hand over the engines' own."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "tools" / "check_engine_bases.py"
-    spec = importlib.util.spec_from_file_location("check_engine_bases", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_the_connector_on_vllms_base_class_hands_every_other_call_to_the_inner_one(monkeypatch):

@@ -188,6 +188,26 @@ class PromCounter:
         return Child()
 
 
+class AddingStats:
+    """An inner connector's transfer stats as vLLM's connectors keep them (``OffloadingConnectorStats``): a ``data``
+    dict of counts that add up across workers and intervals."""
+
+    data: dict
+
+    def aggregate(self, other):
+        self.data = {k: self.data.get(k, 0) + other.data.get(k, 0) for k in {*self.data, *other.data}}
+        return self
+
+    def reduce(self):
+        return dict(self.data)
+
+    def is_empty(self):
+        return not any(self.data.values())
+
+    def reset(self):
+        self.data = {}
+
+
 def drive_vllm_metrics(metrics: types.ModuleType, factory: types.ModuleType, m: types.ModuleType, Multi: type) -> None:
     """Feed what the wrapping connector reports through vLLM's own transfer-metrics code (``metrics``: its
     ``KVConnectorStats``, ``KVConnectorLogging``, ``KVConnectorProm``), as vLLM's front end does: the payload
@@ -198,19 +218,8 @@ def drive_vllm_metrics(metrics: types.ModuleType, factory: types.ModuleType, m: 
     assert m._StatsBase is metrics.KVConnectorStats, "kvpolicy's stats subclass vLLM's"
     assert factory.KVConnectorFactory.get_connector_class_by_name("KVPolicyConnector") is m.KVPolicyConnector, "registered by name"
 
-    class InnerStats(metrics.KVConnectorStats):  # type: ignore[misc,name-defined]
-        def aggregate(self, other):
-            self.data = {k: self.data.get(k, 0) + other.data.get(k, 0) for k in {*self.data, *other.data}}
-            return self
-
-        def reduce(self):
-            return dict(self.data)
-
-        def is_empty(self):
-            return not any(self.data.values())
-
-        def reset(self):
-            self.data = {}
+    class InnerStats(AddingStats, metrics.KVConnectorStats):  # type: ignore[misc,name-defined]
+        pass
 
     observed: list = []
 
