@@ -862,6 +862,59 @@ def test_the_loadable_connector_decides_in_front_of_the_inner_one():
         KVPolicyConnector(vllm_config({"kvpolicy": {"link_gbps": float("nan")}}), "scheduler", None, inner=inner)
 
 
+def test_a_synchronous_load_gives_its_slot_back_once_its_step_has_run():
+    """vLLM reports no finished_recving for a synchronous load (LMCache's connector answers is_async False): the
+    load runs inside its step's forward pass. Its slot used to be held until the request finished, decode included,
+    so four decoding requests (the default cap per replica) refused every later load. Now it is released when step
+    k + 2 is scheduled (vLLM schedules it only after step k's output came back); an async load still waits for its
+    finished_recving, and a failure reported in the step's output still reaches the breaker."""
+    from kvpolicy.integrations.vllm_kv_connector import KVPolicyConnector
+
+    class SyncInner(InnerConnector):  # LMCache's shape: loads in the forward pass
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return self.can_load, False
+
+    fast = {"kvpolicy": {"link_gbps": 200, "bytes_per_token": 2048}}
+    cap = 4  # AdmissionConfig.max_loads_per_replica
+    conn = KVPolicyConnector(vllm_config(fast), "scheduler", None, inner=SyncInner(can_load=48 * B))
+    reqs = [FakeRequest(f"r{i}", list(range(i * 10**6, i * 10**6 + 64 * B))) for i in range(cap + 1)]
+    for i, req in enumerate(reqs[:cap]):  # four requests load in one step, then decode for a long time
+        n, is_async = conn.get_num_new_matched_tokens(req, 0)
+        assert n > 0 and is_async is False
+        conn.update_state_after_alloc(req, FakeBlocks(range(100 * i, 100 * i + 64)), n)
+    assert conn.policy.controller.loads_in_flight() == cap
+    assert conn.get_num_new_matched_tokens(reqs[cap], 0)[0] == 0, "the cap is full while the step has not run"
+    conn.build_connector_meta(None)  # step k: the loads go to the workers
+    assert conn.policy.controller.loads_in_flight() == cap
+    conn.build_connector_meta(None)  # step k + 1 (async scheduling: step k may still be running)
+    assert conn.policy.controller.loads_in_flight() == cap
+    conn.build_connector_meta(None)  # step k + 2: step k's output is back
+    assert conn.policy.controller.loads_in_flight() == 0, "the decoding requests no longer hold load slots"
+    assert conn.get_num_new_matched_tokens(reqs[cap], 0)[0] > 0
+
+    # a synchronous load whose blocks failed in its step: the failure is the breaker's before the release
+    conn2 = KVPolicyConnector(vllm_config(fast), "scheduler", None, inner=SyncInner(can_load=48 * B))
+    req = FakeRequest("bad", list(range(64 * B)))
+    n, _ = conn2.get_num_new_matched_tokens(req, 0)
+    conn2.update_state_after_alloc(req, FakeBlocks(range(500, 564)), n)
+    conn2.build_connector_meta(None)
+    conn2.update_connector_output(FakeOutput(invalid_block_ids={500}))
+    breaker = conn2.policy.controller.breaker("pool")
+    assert conn2.policy.controller.loads_in_flight() == 0 and len(breaker._failures) == 1, "the failure reached the breaker"
+
+    # an async load (the OffloadingConnector's) keeps its slot until vLLM reports it finished
+    conn3 = KVPolicyConnector(vllm_config(fast), "scheduler", None, inner=InnerConnector(can_load=48 * B))
+    req = FakeRequest("async", list(range(64 * B)))
+    n, is_async = conn3.get_num_new_matched_tokens(req, 0)
+    assert is_async is True
+    conn3.update_state_after_alloc(req, FakeBlocks(range(64)), n)
+    for _ in range(5):
+        conn3.build_connector_meta(None)
+    assert conn3.policy.controller.loads_in_flight() == 1
+    conn3.update_connector_output(FakeOutput(finished_recving={"async"}))
+    assert conn3.policy.controller.loads_in_flight() == 0
+
+
 def test_the_loadable_connector_asks_an_all_or_nothing_inner_connector_for_all_or_nothing():
     """vLLM's LMCache adapter asserts that the count it is given equals the hit it offered: a trimmed count crashed the
     scheduler. Only an inner connector known to load a leading part (vLLM's OffloadingConnector) is trimmed; any

@@ -102,6 +102,7 @@ class VllmConnectorPolicy:
         self._proposals: dict[str, tuple[Any, Any, Any, float]] = {}
         self._loads: dict[str, dict[str, Any]] = {}  # req -> admitted load: decision, block ids, ...
         self._pending_meta: dict[str, dict[str, Any]] = {"loads": {}, "stores": {}}
+        self._step = 0  # scheduling steps so far (build_connector_meta calls)
 
     def _ctx(self) -> AdmissionContext:
         return AdmissionContext(block_bytes=self.block_bytes, replica=self.replica, source=self.source, active_decodes=self.active_decodes)
@@ -126,9 +127,12 @@ class VllmConnectorPolicy:
         prev = self._proposals.get(rid)
         self._proposals[rid] = (proposal, match, keys, prev[3] if prev else self.controller.clock.now_s())
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> int:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int, *, sync: bool = True) -> int:
         """The scheduler allocated blocks; admit the load (trimmed to ``num_external_tokens``) and take its slot.
-        Returns the blocks admitted (0: recompute)."""
+        Returns the blocks admitted (0: recompute). ``sync``: the load runs inside the step's forward pass (vLLM's
+        ``load_kv_async`` False — what this helper's ``get_num_new_matched_tokens`` answers, and LMCache's connector);
+        vLLM reports no ``finished_recving`` for it, so its slot is released two steps on, once that forward has run
+        (see :meth:`build_connector_meta`). An async load is released by its ``finished_recving``."""
         rid = str(request.request_id)
         if rid in self._loads:  # the second call for an async load, after it finished: nothing new
             return self._loads[rid]["decision"].load_blocks
@@ -145,13 +149,23 @@ class VllmConnectorPolicy:
             return 0
         start = m.local_blocks
         ids = _block_ids(blocks)
-        self._loads[rid] = {"decision": admitted, "block_ids": ids[start:start + admitted.load_blocks], "start_block": start}
+        self._loads[rid] = {"decision": admitted, "block_ids": ids[start:start + admitted.load_blocks], "start_block": start,
+                            "sync": bool(sync), "step": self._step + 1}
         self._pending_meta["loads"][rid] = {"load_id": admitted.load_id, "start_block": start, "blocks": admitted.load_blocks,
                                             "block_ids": ids[start:start + admitted.load_blocks]}
         return admitted.load_blocks
 
     def build_connector_meta(self, scheduler_output: Any = None) -> dict[str, Any]:
-        """What the worker side needs this step: the admitted loads and the store verdicts. Resets them."""
+        """What the worker side needs this step: the admitted loads and the store verdicts. Resets them.
+
+        A new step also ends the synchronous loads admitted two steps ago or more: their forward pass has run — vLLM
+        schedules step k + 2 only after step k's output came back, even with async scheduling — and a failure would
+        have come back in that output (``invalid_block_ids``, :meth:`update_connector_output`). Until this was done
+        such a load held its slot until its request finished, decode included: with the default cap of 4 loads per
+        replica, four decoding requests refused every later load behind LMCache's (synchronous) connector."""
+        self._step += 1
+        for rid in [r for r, ld in self._loads.items() if ld["sync"] and ld["step"] <= self._step - 2]:
+            self.load_finished(rid)
         meta, self._pending_meta = self._pending_meta, {"loads": {}, "stores": {}}
         return meta
 

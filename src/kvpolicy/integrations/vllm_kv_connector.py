@@ -262,7 +262,8 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
             inner = _inner_class(name, extra.get("inner_connector_module_path"))(vllm_config, role, kv_cache_config)
         self.inner = inner
         self.stats = KVPolicyStats(inner_class=_class_path(type(inner)))
-        self._offers: dict[str, tuple[int, int, str]] = {}  # req -> (tokens offered, tokens answered, reason): for the stats
+        # req -> (tokens offered, tokens answered, reason, whether the inner connector loads it asynchronously)
+        self._offers: dict[str, tuple[int, int, str, bool]] = {}
         where = "kv_connector_extra_config.kvpolicy"
         cfg = read_settings(extra.get("kvpolicy"), DEFAULTS, where)
         controller = controller_from_settings(cfg, where)
@@ -293,13 +294,14 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
             return 0, False
         n, reason = self.policy.propose_from_count(request, num_computed_tokens, int(ext), partial=self.partial_loads)
         n = min(n, int(ext))
-        self._offers[str(request.request_id)] = (int(ext), n, reason)
+        self._offers[str(request.request_id)] = (int(ext), n, reason, bool(is_async))
         return (n, bool(is_async)) if n else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        if num_external_tokens:  # the slot, for the controller's books: a load vLLM was promised is never refused here
-            self.policy.update_state_after_alloc(request, blocks, num_external_tokens)
         offer = self._offers.pop(str(request.request_id), None)
+        if num_external_tokens:  # the slot, for the controller's books: a load vLLM was promised is never refused here
+            # a synchronous load (the inner connector answered is_async False: LMCache's) is released two steps on
+            self.policy.update_state_after_alloc(request, blocks, num_external_tokens, sync=not (offer and offer[3]))
         if offer is not None:
             self.stats.count(offer[0], offer[1], int(num_external_tokens), offer[2])
         # vLLM counts these tokens as loaded from now on: the inner connector loads exactly them
