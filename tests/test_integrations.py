@@ -1390,6 +1390,46 @@ def hicache(link_gbps, publish="threshold-2"):
     return KVPolicyHiCacheStorage(cfg, {}, inner=DictStore())
 
 
+def test_hicache_backend_decides_safely_from_sglangs_three_storage_threads():
+    """SGLang calls a storage backend from three threads at once (cache_controller.py: batch_exists from the
+    prefetch thread, the reads from its IO thread, the writes from the backup thread). kvpolicy's decisions share one
+    controller and one filter: without a lock, a read's record() changed the latency histogram while batch_exists
+    sorted it ("dictionary changed size during iteration" in SGLang's thread) and the slot counts could drift."""
+    import sys
+    import threading
+
+    s = hicache(400, publish="all")
+    pages = [[f"p{i}-{j}" for j in range(8)] for i in range(97)]
+    host = list(range(8 * 64))
+    for keys in pages:
+        s.batch_set_v1(keys, host)
+    n_iter, errors = 2000, []
+
+    def loop(call):
+        def run():
+            try:
+                for i in range(n_iter):
+                    call(pages[i % len(pages)])
+            except Exception as e:  # noqa: BLE001 - what SGLang's thread would have died of
+                errors.append(repr(e))
+        return threading.Thread(target=run)
+
+    threads = [loop(lambda k: s.batch_exists(k)), loop(lambda k: s.batch_get_v1(k, host)), loop(lambda k: s.batch_get_v1(k, host)),
+               loop(lambda k: s.batch_set_v1(k, host))]
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can: the race shows within a second
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert errors == []
+    assert s.counts["loads_timed"] == 2 * n_iter and s.counts["exists_pages"] == 8 * n_iter
+    assert s.controller.loads_in_flight() == 0 and s.controller._replica_loads == {"replica-0": 0}
+
+
 def test_hicache_backend_stores_only_what_will_be_reread_and_prefetches_only_what_wins():
     fast = hicache(400)
     keys = [f"page-{i}" for i in range(8)]

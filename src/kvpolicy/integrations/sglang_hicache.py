@@ -34,6 +34,7 @@ The base class is SGLang's ``HiCacheStorage`` when SGLang is importable,
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from typing import Any
 
@@ -77,6 +78,10 @@ class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         self.filter = filter_setting(cfg, "publish", "extra_config.kvpolicy")
         self._ids = itertools.count()
         self.counts = {"exists_pages": 0, "exposed_pages": 0, "set_pages": 0, "stored_pages": 0, "loads_timed": 0}
+        # SGLang calls a backend from three threads at once (cache_controller.py: batch_exists from the prefetch
+        # thread, the reads from its IO thread, the writes from the backup thread); kvpolicy's decisions share one
+        # controller and one filter, so each decision holds this lock — the inner store's I/O never does
+        self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- wiring
 
@@ -102,19 +107,20 @@ class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
 
     # ---------------------------------------------------------------- loads: what is worth prefetching
 
+    def _exposed(self, hit: int) -> int:
+        with self._lock:
+            k = self._worth(hit)
+            self.counts["exists_pages"] += hit
+            self.counts["exposed_pages"] += k
+        return k
+
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         hit = int(self.inner.batch_exists(keys, extra_info) if extra_info is not None else self.inner.batch_exists(keys))
-        k = self._worth(hit)
-        self.counts["exists_pages"] += hit
-        self.counts["exposed_pages"] += k
-        return k
+        return self._exposed(hit)
 
     def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
         res = self.inner.batch_exists_v2(keys, pool_transfers, extra_info)
-        hit = int(getattr(res, "kv_hit_pages", 0))
-        k = self._worth(hit)
-        self.counts["exists_pages"] += hit
-        self.counts["exposed_pages"] += k
+        k = self._exposed(int(getattr(res, "kv_hit_pages", 0)))
         # set the field itself: SGLang 0.5.23's update_kv_hit_pages keeps the larger of the two (it accumulates
         # batches), which left the inner store's whole hit run in place — kvpolicy's cut was ignored
         res.kv_hit_pages = k
@@ -131,14 +137,15 @@ class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         if n_pages > 0:
             P = self.page_tokens
             m = PrefixMatch((n_pages + 1) * P, P, n_pages, 0, (n_pages,), ("storage",), "all_matchable_found")
-            prop = self.controller.propose(m, self._ctx())
-            if prop.loads:
-                d = self.controller.admit(prop, self._ctx(), load_blocks=min(n_pages, prop.load_blocks))
-                if d.loads:
-                    ok = _leading_ok(out, d.load_blocks)
-                    self.controller.record(LoadOutcome(d.load_id, "ok" if ok == d.load_blocks else "failed", ok,
-                                                       transfer_s=dt * d.load_blocks / n_pages))
-                    self.counts["loads_timed"] += 1
+            with self._lock:
+                prop = self.controller.propose(m, self._ctx())
+                if prop.loads:
+                    d = self.controller.admit(prop, self._ctx(), load_blocks=min(n_pages, prop.load_blocks))
+                    if d.loads:
+                        ok = _leading_ok(out, d.load_blocks)
+                        self.controller.record(LoadOutcome(d.load_id, "ok" if ok == d.load_blocks else "failed", ok,
+                                                           transfer_s=dt * d.load_blocks / n_pages))
+                        self.counts["loads_timed"] += 1
         return out
 
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> Any:
@@ -150,12 +157,13 @@ class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
     # ---------------------------------------------------------------- stores: only what will be re-read
 
     def _publishable(self, keys: list[str]) -> int:
-        req = PublishRequest(request_id=("hicache", next(self._ids)), num_tokens=len(keys) * self.page_tokens, block_size_tokens=self.page_tokens,
-                             time_s=self.controller.clock.now_s())
-        self.filter.observe(req, keys)
-        n = self.filter.publishable(req, keys)
-        self.counts["set_pages"] += len(keys)
-        self.counts["stored_pages"] += n
+        with self._lock:
+            req = PublishRequest(request_id=("hicache", next(self._ids)), num_tokens=len(keys) * self.page_tokens,
+                                 block_size_tokens=self.page_tokens, time_s=self.controller.clock.now_s())
+            self.filter.observe(req, keys)
+            n = self.filter.publishable(req, keys)
+            self.counts["set_pages"] += len(keys)
+            self.counts["stored_pages"] += n
         return n
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
