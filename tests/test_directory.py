@@ -506,3 +506,48 @@ def test_lease_ttl_holder_and_expiry_are_checked(directory):
     with pytest.raises(ConfigError) as e:
         Entry(KEYS[0], "n", 1, expires_at_s=float("nan"))
     assert e.value.field == "expires_at_s"
+
+
+def test_the_in_memory_directory_can_be_shared_between_threads():
+    """`kvpolicy ingest-events --ranks N --directory memory` feeds one directory from N threads, and an engine may
+    share one across its own. Without a lock a publish beside a clear_holder raised KeyError or "dictionary changed
+    size during iteration" within a second."""
+    import sys
+    import threading
+
+    d = InMemoryDirectory(max_keys_per_tenant=500)
+    keys = [bytes([i % 256, i // 256]) * 8 for i in range(2000)]
+    errors = []
+
+    def guarded(fn):
+        def run():
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - what the ingest thread would have died of
+                errors.append(repr(e))
+        return threading.Thread(target=run)
+
+    def publisher(holder):
+        for i in range(2000):
+            d.publish("t", [Entry(keys[(i * 7 + j) % 2000], holder) for j in range(8)])
+            if i % 50 == 0:
+                d.clear_holder("t", holder)
+
+    def reader():
+        for i in range(2000):
+            d.match_prefix("t", keys[i % 1900:i % 1900 + 8])
+            d.keys("t")
+            d.evict("t", keys[i % 1990:i % 1990 + 4], holder="a")
+
+    threads = [guarded(lambda h=h: publisher(h)) for h in "abc"] + [guarded(reader)]
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert errors == []
+    assert d.count("t") <= 500, "the capacity bound held"

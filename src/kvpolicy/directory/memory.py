@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
+import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from ..clock import WallClock
 from ..errors import ConfigError
 from ..protocols import Clock
 from .base import Entry, Lease, TenantIndex, check_entries, check_holder, check_keys, check_lease, check_tenant, check_ttl
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _locked(method: _F) -> _F:
+    @functools.wraps(method)
+    def call(self: InMemoryDirectory, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return call  # type: ignore[return-value]
 
 
 class InMemoryDirectory:
@@ -20,6 +35,10 @@ class InMemoryDirectory:
     Expired entries are dropped when touched. ``clock`` defaults to Unix time
     (:class:`~kvpolicy.clock.WallClock`), the clock Redis keeps, so an entry's
     ``expires_at_s`` means the same here as on :class:`RedisDirectory`.
+
+    Safe to share between threads (``kvpolicy ingest-events --ranks N`` feeds one from N): each call holds the
+    directory's lock — without it, a publish beside a ``clear_holder`` raised ``KeyError`` or "dictionary changed
+    size during iteration".
     """
 
     def __init__(self, *, max_keys_per_tenant: int = 1_000_000, clock: Clock | None = None) -> None:
@@ -32,6 +51,7 @@ class InMemoryDirectory:
         self._active: dict[str, Lease] = {}
         self._ids = itertools.count(1)
         self.evicted_by_capacity = 0
+        self._lock = threading.RLock()
 
     def _table(self, tenant: str) -> OrderedDict[bytes, dict[str, Entry]]:
         return self._t.setdefault(check_tenant(tenant), OrderedDict())
@@ -63,12 +83,14 @@ class InMemoryDirectory:
             else:
                 counts[k] = c
 
+    @_locked
     def leased(self, tenant: str, key: bytes) -> bool:
         self._expire_leases(self.clock.now_s())
         return self._leases.get(tenant, {}).get(key, 0) > 0
 
     # ------------------------------------------------------------------ API
 
+    @_locked
     def publish(self, tenant: str, entries: Sequence[Entry]) -> int:
         table = self._table(tenant)
         entries = check_entries(entries)
@@ -98,6 +120,7 @@ class InMemoryDirectory:
                 self.evicted_by_capacity += 1
         return len(entries)
 
+    @_locked
     def match_prefix(self, tenant: str, keys: Sequence[bytes]) -> int:
         ks = check_keys(keys)
         table = self._table(tenant)
@@ -111,6 +134,7 @@ class InMemoryDirectory:
             table.move_to_end(k)
         return n
 
+    @_locked
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[list[Entry]]:
         ks = check_keys(keys)
         table = self._table(tenant)
@@ -121,6 +145,7 @@ class InMemoryDirectory:
             out.append(sorted(h.values(), key=lambda e: e.holder) if h else [])
         return out
 
+    @_locked
     def evict(self, tenant: str, keys: Sequence[bytes], holder: str | None = None, force: bool = False) -> int:
         ks = check_keys(keys)
         if holder is not None:
@@ -146,6 +171,7 @@ class InMemoryDirectory:
                 del table[k]
         return n
 
+    @_locked
     def clear_holder(self, tenant: str, holder: str) -> int:
         check_holder(holder)
         table = self._table(tenant)
@@ -159,6 +185,7 @@ class InMemoryDirectory:
                 del table[k]
         return n
 
+    @_locked
     def lease(self, tenant: str, keys: Sequence[bytes], ttl_s: float) -> Lease:
         ks = check_keys(keys)
         check_tenant(tenant)
@@ -170,15 +197,18 @@ class InMemoryDirectory:
         self._active[lease.lease_id] = lease
         return lease
 
+    @_locked
     def release(self, lease: Lease) -> None:
         if self._active.pop(check_lease(lease).lease_id, None) is not None:
             self._drop_lease(lease)
 
+    @_locked
     def keys(self, tenant: str) -> list[bytes]:
         table = self._table(tenant)
         now = self.clock.now_s()
         return sorted(k for k in list(table) if self._live(table, k, now) is not None)
 
+    @_locked
     def count(self, tenant: str) -> int:
         return len(self.keys(tenant))
 
