@@ -345,6 +345,57 @@ def test_sglang_strategy_orders_like_the_kvpolicy_policy():
         PriorityStrategy(lru.policy)  # a policy already mirroring a tree cannot serve a second one
 
 
+def test_sglang_strategy_applies_dropped_nodes_in_its_own_thread():
+    """A TreeNode's finalizer runs when the garbage collector frees it — in whatever thread happened to allocate
+    (SGLang's HiCache threads too), possibly mid-update. It removed the node from the mirror there and then:
+    "dictionary changed size during iteration" in the finalizer (printed, swallowed), the removal lost, the mirror
+    and the policy apart (106 mirrored nodes against 450 in the policy in one run). Now it only queues the removal,
+    and the next get_priority applies it."""
+    import gc
+    import sys
+    import threading
+
+    strat = PriorityStrategy(ReuseDistancePolicy(1 << 30))
+    root = TreeNode(None, 0.0)
+    unraisable, errors, stop = [], [], threading.Event()
+    old_hook, old_switch = sys.unraisablehook, sys.getswitchinterval()
+
+    def scheduler():
+        try:
+            for i in range(4000):
+                a = TreeNode(root, float(i))
+                b = TreeNode(a, float(i))
+                a.children = {0: b}  # a cycle, as SGLang's parent/children links make: freed by the cyclic collector
+                strat.get_priority(b)
+                b.hit_count, b.last_access_time = 1, i + 0.5
+                strat.get_priority(b)
+                del a, b
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+        stop.set()
+
+    def collector():  # another thread whose allocations trigger collections
+        while not stop.is_set():
+            gc.collect(0)
+
+    sys.unraisablehook = lambda u: unraisable.append(repr(u.exc_value))
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=scheduler), threading.Thread(target=collector)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old_switch)
+        sys.unraisablehook = old_hook
+    assert errors == [] and unraisable == []
+    gc.collect()
+    live = TreeNode(root, 1e6)
+    strat.get_priority(live)
+    assert len(strat._mirror) == len(strat.policy.nodes) == 1, "every dropped node left both the mirror and the policy"
+
+
 def test_sglang_strategy_answers_at_once_for_a_node_with_millions_of_hits():
     """get_priority runs inside SGLang's eviction loop: a hot node whose hit count jumped by 10**8 since the last look
     replayed 10**8 accesses into the mirror (minutes). It replays at most MAX_REPLAYED_HITS and syncs the count whole."""
@@ -386,7 +437,8 @@ def test_sglang_strategy_keeps_state_so_reuse_distance_and_gdsf_learn():
     victim = min(range(5), key=lambda i: before[i])
     del leaves[victim]  # SGLang evicted it: the node is dropped
     gc.collect()
-    assert len(gdsf.policy.nodes) == 4, "a dropped TreeNode leaves the mirror"
+    gdsf.get_priority(leaves[0])  # SGLang's next question
+    assert len(gdsf.policy.nodes) == 4, "a dropped TreeNode leaves the mirror by the next call"
     assert gdsf.policy.L == pytest.approx(before[victim][0]), "GDSF's inflation rises to what was evicted"
 
 

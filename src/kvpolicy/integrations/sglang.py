@@ -25,6 +25,7 @@ strategy — the default Rust core does not — so the server also needs
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +69,10 @@ class PriorityStrategy:
         policy.clock = self._clock
         self._mirror: dict[int, _Mirror] = {}  # id(TreeNode) -> mirror (ids are reused only after the node is gone)
         self._tokens = 0
+        # nodes SGLang dropped, (id, token), applied by the next get_priority: a TreeNode's finalizer runs whenever the
+        # garbage collector frees it — in whatever thread allocated at that moment (SGLang's HiCache threads too),
+        # possibly in the middle of this strategy's own update — so it only queues (deque.append is atomic)
+        self._dropped: deque[tuple[int, int]] = deque()
 
     def _at(self, t: float) -> None:
         """The mirror's clock follows SGLang's timestamps (never backwards)."""
@@ -93,7 +98,15 @@ class PriorityStrategy:
         return m
 
     def _gone(self, node_id: int, token: int) -> None:
-        """SGLang dropped the node: remove it from the mirror (its descendants went first, or go now)."""
+        """SGLang dropped the node (its finalizer, from any thread): queued for the next :meth:`get_priority`."""
+        self._dropped.append((node_id, token))
+
+    def _apply_dropped(self) -> None:
+        while self._dropped:
+            self._remove(*self._dropped.popleft())
+
+    def _remove(self, node_id: int, token: int) -> None:
+        """Remove a dropped node from the mirror (its descendants went first, or go now)."""
         m = self._mirror.get(node_id)
         if m is None or m.token != token:
             return
@@ -114,6 +127,7 @@ class PriorityStrategy:
             pol.on_remove(n.key)
 
     def get_priority(self, node: Any, now_time: float | None = None) -> tuple:
+        self._apply_dropped()  # before the lookup: a dropped node's id may already belong to a new one
         m = self._mirrored(node)
         if m is None:
             return (float("inf"),)  # the root is never evicted
