@@ -411,7 +411,6 @@ class _NoIndex:
         return 0
 
 
-
 def _register_with_vllm() -> list[str]:
     """Register the connectors by name with vLLM's ``KVConnectorFactory`` (lazily, by this module's path) when vLLM
     is importable; returns the names registered. vLLM's ``MultiConnector`` rebuilds each child's transfer stats in
