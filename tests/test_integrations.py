@@ -967,6 +967,35 @@ def test_a_synchronous_load_gives_its_slot_back_once_its_step_has_run():
     assert conn3.policy.controller.loads_in_flight() == 0
 
 
+def test_the_loadable_connector_learns_the_link_from_the_loads_vllm_reports():
+    """An async load's time from admission to its finished_recving, on the scheduler's clock, is what the request
+    waited: fed to the model, the controller learns the deployment's real link. Until this was done the wrapping
+    connector recorded loads without a time, so its prior (link_gbps) was never corrected: a link 1,000x slower than
+    configured was loaded from forever."""
+    from kvpolicy.integrations.vllm_kv_connector import KVPolicyConnector
+
+    fast = {"kvpolicy": {"link_gbps": 200, "bytes_per_token": 2048}}
+    conn = KVPolicyConnector(vllm_config(fast), "scheduler", None, inner=InnerConnector(can_load=48 * B))
+    clock = ManualClock()
+    conn.policy.controller.clock = clock
+    conn.policy.controller.model.clock = clock
+    answers = []
+    for i in range(8):
+        req = FakeRequest(f"r{i}", list(range(i * 10**6, i * 10**6 + 64 * B)))
+        n, _ = conn.get_num_new_matched_tokens(req, 0)
+        answers.append(n)
+        if n:
+            conn.update_state_after_alloc(req, FakeBlocks(range(64)), n)
+            conn.build_connector_meta(None)
+            clock.advance(5.0)  # the load takes 5 s (the prior says ~2 ms): seen when vLLM reports it done
+            conn.update_connector_output(FakeOutput(finished_recving={f"r{i}"}))
+        conn.request_finished(req, [])
+        clock.advance(1.0)
+    assert answers[0] > 0, "the prior says the link is fast"
+    assert answers[-2:] == [0, 0], "measured slow (from the model's fifth sample on), the link is declined"
+    assert conn.policy.controller.model.coefficients(0.5, "pool").s_per_byte > 1e-6
+
+
 def test_the_loadable_connector_asks_an_all_or_nothing_inner_connector_for_all_or_nothing():
     """vLLM's LMCache adapter asserts that the count it is given equals the hit it offered: a trimmed count crashed the
     scheduler. Only an inner connector known to load a leading part (vLLM's OffloadingConnector) is trimmed; any

@@ -24,7 +24,8 @@ calls them (``vllm/v1/core/sched/scheduler.py``):
    ``finished_recving`` (loads done), ``invalid_block_ids`` (blocks that failed to
    load: physical ids, mapped back to positions — the leading blocks before the
    first failed one stay usable) and ``failed_recving`` reach the controller: its
-   breaker and latency model learn, and the slot is released.
+   breaker and latency model learn (an async load's time from admission to its
+   ``finished_recving``, on the scheduler's clock), and the slot is released.
 5. ``request_finished(request, block_ids)`` — the publish filter's verdict on how
    many leading full blocks to store goes into the next metadata (not into the
    API response); a load still holding a slot is released.
@@ -150,7 +151,7 @@ class VllmConnectorPolicy:
         start = m.local_blocks
         ids = _block_ids(blocks)
         self._loads[rid] = {"decision": admitted, "block_ids": ids[start:start + admitted.load_blocks], "start_block": start,
-                            "sync": bool(sync), "step": self._step + 1}
+                            "sync": bool(sync), "step": self._step + 1, "admitted_s": self.controller.clock.now_s()}
         self._pending_meta["loads"][rid] = {"load_id": admitted.load_id, "start_block": start, "blocks": admitted.load_blocks,
                                             "block_ids": ids[start:start + admitted.load_blocks]}
         return admitted.load_blocks
@@ -180,7 +181,12 @@ class VllmConnectorPolicy:
             if bad or rid in failed_reqs:
                 self.load_failed(rid, ok_blocks=min(bad) if bad else 0)
             elif rid in done:
-                self.load_finished(rid)
+                # an async load's time as the scheduler sees it — admitted here, reported done here: what the request
+                # waited, step boundaries included — so the model learns the deployment's real link (a sync load's
+                # time is inside its forward pass, not visible from here)
+                ld = self._loads[rid]
+                elapsed = None if ld["sync"] else max(self.controller.clock.now_s() - ld["admitted_s"], 0.0)
+                self.load_finished(rid, transfer_s=elapsed)
 
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         """The publish verdict goes to the worker with the next metadata; a load still holding a slot is released."""
