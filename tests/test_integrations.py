@@ -250,6 +250,26 @@ def test_get_num_new_matched_tokens_is_pure_however_often_vllm_asks():
         assert helper.get_num_new_matched_tokens(FakeRequest(f"o{i}", prompt), 0)[0] > 0
 
 
+def test_the_helper_tells_vllm_how_its_worker_loads():
+    """load_async=True: the answer tells vLLM the load runs between steps, and its slot waits for finished_recving;
+    the default (a load inside the forward pass) gives the slot back two steps on."""
+    d = InMemoryDirectory()
+    prompt = list(range(50, 50 + 64 * B + 5))
+    keys = list(HASHER.hash_blocks(prompt))
+    d.publish("acme", [Entry(k, "pool", 2048 * B) for k in keys[:40]])
+    for load_async in (True, False):
+        helper = VllmConnectorPolicy(HASHER, d.index("acme"), controller(), ThresholdPublish(1), bytes_per_token=2048, load_async=load_async)
+        req = FakeRequest("r", prompt)
+        n, is_async = helper.get_num_new_matched_tokens(req, 0)
+        assert n > 0 and is_async is load_async
+        helper.update_state_after_alloc(req, FakeBlocks(range(100)), n)
+        for _ in range(3):
+            helper.build_connector_meta(None)
+        assert helper.loads_in_flight() == (1 if load_async else 0)
+    with pytest.raises(ConfigError, match="load_async"):
+        VllmConnectorPolicy(HASHER, d.index("acme"), controller(), ThresholdPublish(1), bytes_per_token=2048, load_async="yes")
+
+
 def test_the_slot_is_taken_after_allocation_and_released_on_every_path():
     helper, prompt = connector_setup(max_loads_per_replica=2)
     reqs = [FakeRequest(f"r{i}", prompt) for i in range(4)]

@@ -10,7 +10,7 @@ calls them (``vllm/v1/core/sched/scheduler.py``):
    the request's LoRA and ``cache_salt`` folded in as vLLM folds them), matches
    the remote index after the local blocks and asks the controller for a
    :meth:`~kvpolicy.admission.AdmissionController.propose` — no slot is taken.
-   Answer: ``(load_blocks × B, False)``; 0 = recompute.
+   Answer: ``(load_blocks × B, load_async)``; 0 = recompute.
 2. ``update_state_after_alloc(request, blocks, num_external_tokens)`` — the
    scheduler allocated blocks; ``num_external_tokens`` may be *trimmed* or zeroed
    (a partial local tail, a cap). Only now is the load admitted
@@ -81,13 +81,18 @@ def _block_ids(blocks: Any) -> list[int]:
 class VllmConnectorPolicy:
     def __init__(self, hasher: BlockHasher, remote: BlockIndex, controller: AdmissionController, publish_filter: Any, *,
                  bytes_per_token: int, replica: str = "replica-0", source: str = "pool", ledger: Ledger | None = None,
-                 tenant: str = "default") -> None:
+                 tenant: str = "default", load_async: bool = False) -> None:
         if not isinstance(hasher, BlockHasher):
             raise ConfigError("hasher", "must be a kvpolicy BlockHasher")
         if not isinstance(controller, AdmissionController):
             raise ConfigError("controller", "must be a kvpolicy AdmissionController")
         if isinstance(bytes_per_token, bool) or not isinstance(bytes_per_token, int) or bytes_per_token <= 0:
             raise ConfigError("bytes_per_token", f"must be a positive int, got {bytes_per_token!r}")
+        if not isinstance(load_async, bool):
+            raise ConfigError("load_async", f"must be true or false, got {load_async!r}")
+        #: whether your worker loads between steps (vLLM's ``load_kv_async``: the request waits for its
+        #: ``finished_recving``) or inside the step's forward pass (False, the default)
+        self.load_async = load_async
         self.hasher = hasher
         self.remote = remote
         self.controller = controller
@@ -121,19 +126,21 @@ class VllmConnectorPolicy:
         m = match(keys, len(toks), local, self.remote, block_size_tokens=self.B)
         d = self.controller.propose(m, self._ctx())
         self._remember(str(request.request_id), d, m, keys)
-        return (d.load_blocks * self.B, False) if d.loads else (0, False)
+        return (d.load_blocks * self.B, self.load_async) if d.loads else (0, False)
 
     def _remember(self, rid: str, proposal: Any, match: Any, keys: Any) -> None:
         """Keep the newest proposal for a request, and the time it was first asked about (asked again: still its arrival)."""
         prev = self._proposals.get(rid)
         self._proposals[rid] = (proposal, match, keys, prev[3] if prev else self.controller.clock.now_s())
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int, *, sync: bool = True) -> int:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int, *, sync: bool | None = None) -> int:
         """The scheduler allocated blocks; admit the load (trimmed to ``num_external_tokens``) and take its slot.
-        Returns the blocks admitted (0: recompute). ``sync``: the load runs inside the step's forward pass (vLLM's
-        ``load_kv_async`` False — what this helper's ``get_num_new_matched_tokens`` answers, and LMCache's connector);
-        vLLM reports no ``finished_recving`` for it, so its slot is released two steps on, once that forward has run
-        (see :meth:`build_connector_meta`). An async load is released by its ``finished_recving``."""
+        Returns the blocks admitted (0: recompute). ``sync`` (default: not ``load_async``): the load runs inside the
+        step's forward pass (vLLM's ``load_kv_async`` False, as LMCache's connector loads); vLLM reports no
+        ``finished_recving`` for it, so its slot is released two steps on, once that forward has run (see
+        :meth:`build_connector_meta`). An async load is released by its ``finished_recving``."""
+        if sync is None:
+            sync = not self.load_async
         rid = str(request.request_id)
         if rid in self._loads:  # the second call for an async load, after it finished: nothing new
             return self._loads[rid]["decision"].load_blocks
