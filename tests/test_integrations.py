@@ -1206,10 +1206,12 @@ def _import_over(monkeypatch, module, fakes):
     import importlib
     import sys
 
+    pkg, _, leaf = module.rpartition(".")
+    # the original first, before any fake is in place: imported under the fakes, it would be a second fake import
+    # (and a module that registers itself with the engine at import would find itself registered already)
+    monkeypatch.setattr(importlib.import_module(pkg), leaf, importlib.import_module(module))
     for name, mod in fakes.items():
         monkeypatch.setitem(sys.modules, name, mod)
-    pkg, _, leaf = module.rpartition(".")
-    monkeypatch.setattr(importlib.import_module(pkg), leaf, importlib.import_module(module))
     monkeypatch.delitem(sys.modules, module)
     return importlib.import_module(module)
 
@@ -1405,6 +1407,9 @@ def test_the_connector_on_vllms_base_class_hands_every_other_call_to_the_inner_o
     with pytest.raises(ConfigError) as e:
         m.KVPolicyConnector.get_required_kvcache_layout(vllm_config(extra))
     assert e.value.field == "kv_connector_extra_config.inner_connector"
+    # a registered name, misspelt: the registry's close names are offered
+    with pytest.raises(ConfigError, match="did you mean 'KVPolicyConnector'"):
+        m.KVPolicyConnector.get_required_kvcache_layout(vllm_config({"inner_connector": "KVPolicyConector"}))
 
 
 # --------------------------------------------------------------------------- SGLang HiCache storage backend

@@ -65,15 +65,23 @@ PARTIAL_LOAD_CONNECTORS = ("OffloadingConnector",)
 
 def _inner_class(name: str, module_path: str | None) -> Any:
     field = "kv_connector_extra_config.inner_connector"
+    known: list[str] = []
     try:
         if module_path:
-            return getattr(importlib.import_module(module_path), name)
+            module = importlib.import_module(module_path)
+            known = [n for n, v in vars(module).items() if isinstance(v, type) and not n.startswith("_")]
+            return getattr(module, name)
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # type: ignore[import-not-found]
 
+        known = list(getattr(KVConnectorFactory, "_registry", {}))
         return KVConnectorFactory.get_connector_class_by_name(name)
     except (ImportError, AttributeError, ValueError) as e:
+        import difflib
+
         where = f" in {module_path!r}" if module_path else " (a connector registered with vLLM)"
-        raise ConfigError(field, f"cannot find the connector class {name!r}{where}: {e}") from None
+        close = difflib.get_close_matches(name, known, n=3)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise ConfigError(field, f"cannot find the connector class {name!r}{where}: {e}{hint}") from None
 
 
 def _inner_class_of(extra: Any) -> Any:
