@@ -528,6 +528,7 @@ def test_lmcache_store_policy_publishes_only_what_the_filter_allows(monkeypatch)
 
 def test_lmcache_store_policy_config_is_validated_and_registers_as_a_real_subclass(monkeypatch):
     import abc
+    import dataclasses
     import sys
     import types
 
@@ -551,20 +552,40 @@ def test_lmcache_store_policy_config_is_validated_and_registers_as_a_real_subcla
         @abc.abstractmethod
         def select_l1_deletions(self, keys): ...
 
-    registry = {}
+    class DefaultStorePolicy(StorePolicy):
+        def select_store_targets(self, keys, adapters):
+            return {ad.index: list(keys) for ad in adapters}
+
+        def select_l1_deletions(self, keys):
+            return []
+
+    # LMCache 0.5.6's registry: a second registration of a name raises; create_store_policy calls the class bare
     mod = types.ModuleType("lmcache.v1.distributed.storage_controllers.store_policy")
-    mod.StorePolicy = StorePolicy
-    mod.register_store_policy = lambda name, cls: registry.__setitem__(name, cls)
+    mod.StorePolicy, mod._STORE_POLICY_REGISTRY = StorePolicy, {"default": DefaultStorePolicy}
+
+    def register_store_policy(name, cls):
+        if name in mod._STORE_POLICY_REGISTRY:
+            raise ValueError(f"Store policy already registered: {name!r}")
+        mod._STORE_POLICY_REGISTRY[name] = cls
+
+    mod.register_store_policy = register_store_policy
+    mod.get_registered_store_policies = lambda: list(mod._STORE_POLICY_REGISTRY)
+    mod.create_store_policy = lambda name: mod._STORE_POLICY_REGISTRY[name]()
     for name in ("lmcache", "lmcache.v1", "lmcache.v1.distributed", "lmcache.v1.distributed.storage_controllers"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
-    monkeypatch.delenv("KVPOLICY_LMCACHE_STORE_POLICY", raising=False)
-    cls = register()
-    assert registry == {"kvpolicy": cls} and issubclass(cls, StorePolicy)
-    pol = registry["kvpolicy"]()  # create_store_policy(name) calls the class with no arguments
-    keys = [ObjectKey(b"k%d" % i) for i in range(3)]
-    pol.select_store_targets(keys, [Descriptor(0, "disk")])
-    assert pol.select_store_targets(keys, [Descriptor(0, "disk")]) == {0: keys}
+
+    @dataclasses.dataclass(frozen=True)
+    class LMCacheObjectKey:  # lmcache.v1.distributed.api.ObjectKey's fields
+        chunk_hash: bytes
+        model_name: str
+        kv_rank: int
+        object_group_id: int = 0
+        cache_salt: str = ""
+
+    from kvpolicy.integrations import lmcache
+
+    _engine_base_checks().drive_lmcache_policy(mod, LMCacheObjectKey, lmcache)
 
 
 # --------------------------------------------------------------------------- ground truth: batches encoded by vLLM 0.33 and SGLang 0.5.23

@@ -1,17 +1,19 @@
 """Run kvpolicy's engine adapters on the engines' own base classes, read from their wheels.
 
 The test suite runs without vLLM or SGLang installed, on stand-ins shaped like their base classes. This script
-checks the adapters against the real ones: it reads ``KVConnectorBase_V1`` (vLLM) and ``HiCacheStorage`` (SGLang)
-out of the downloaded wheels, with the heavy modules they import (torch, the engines' loggers and configs)
-stubbed, imports kvpolicy's adapters on top of them, and drives every hook an engine calls through to a
-recording inner connector / store::
+checks the adapters against the real ones: it reads ``KVConnectorBase_V1`` and the transfer-metrics code (vLLM),
+``HiCacheStorage`` (SGLang) and the store-policy registry with its ``ObjectKey`` (LMCache) out of the downloaded
+wheels, with the heavy modules they import (torch, the engines' loggers and configs) stubbed, imports kvpolicy's
+adapters on top of them, and drives every hook an engine calls through to a recording inner connector / store::
 
-    pip download vllm==0.33.0 sglang==0.5.23 --no-deps -d wheels/
-    python tools/check_engine_bases.py --vllm wheels/vllm-0.33.0-*.whl --sglang wheels/sglang-0.5.23-*.whl
+    pip download vllm==0.33.0 sglang==0.5.23 lmcache==0.5.6 --no-deps -d wheels/
+    python tools/check_engine_bases.py --vllm wheels/vllm-0.33.0-*.whl --sglang wheels/sglang-0.5.23-*.whl \
+        --lmcache wheels/lmcache-0.5.6-*.whl
 
 Exit status 0 when every check holds. Each engine's check runs in its own process (the adapters pick their base
-class once, at import). The drivers (``drive_vllm_connector``, ``drive_hicache_backend``) also run in the test
-suite, over stand-in bases shaped like the engines' (tests/test_integrations.py).
+class once, at import). The drivers (``drive_vllm_connector``, ``drive_vllm_metrics``, ``drive_hicache_backend``,
+``drive_lmcache_policy``) also run in the test suite, over stand-ins shaped like the engines' code
+(tests/test_integrations.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ VLLM_METRICS = "vllm/distributed/kv_transfer/kv_connector/v1/metrics.py"
 VLLM_FACTORY = "vllm/distributed/kv_transfer/kv_connector/factory.py"
 VLLM_MULTI = "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py"
 SGLANG_BASE = "sglang/srt/mem_cache/hicache_storage.py"
+LMCACHE_API = "lmcache/v1/distributed/api.py"
+LMCACHE_POLICY = "lmcache/v1/distributed/storage_controllers/store_policy.py"
 
 
 def _module(name: str, **attrs: object) -> types.ModuleType:
@@ -362,19 +366,75 @@ def drive_hicache_backend(Base: type, m: types.ModuleType, Result: type) -> None
     assert fast.batch_exists_v2([f"page-{i}" for i in range(8)]).kv_hit_pages == 8
 
 
+class L2AdapterDescriptor:
+    """LMCache's descriptor of an L2 adapter, as the store policy sees it: ``index`` and ``type_name``."""
+
+    def __init__(self, index: int, type_name: str) -> None:
+        self.index, self.type_name = index, type_name
+
+
+def check_lmcache(wheel: str) -> None:
+    for n in ("lmcache", "lmcache.v1", "lmcache.v1.distributed", "lmcache.v1.distributed.storage_controllers"):
+        _module(n)
+    _module("torch", Tensor=object, Size=tuple, dtype=object)
+    _module("lmcache.logging", init_logger=logging.getLogger)
+    api = _load(wheel, LMCACHE_API, "lmcache.v1.distributed.api")
+    _module("lmcache.v1.distributed.storage_controllers.utils", L2AdapterDescriptor=L2AdapterDescriptor)
+    sp = _load(wheel, LMCACHE_POLICY, "lmcache.v1.distributed.storage_controllers.store_policy")
+    from kvpolicy.integrations import lmcache
+
+    drive_lmcache_policy(sp, api.ObjectKey, lmcache)
+
+
+def drive_lmcache_policy(sp: types.ModuleType, ObjectKey: type, m: types.ModuleType) -> None:
+    """Register kvpolicy's store policy in ``sp`` (LMCache's store_policy module: its registry), build it as LMCache
+    does (``create_store_policy(name)``, no arguments) and ask it what LMCache's StoreController asks, with LMCache's
+    own ``ObjectKey``s. Raises AssertionError on the first answer that is not LMCache's contract."""
+    import os
+
+    saved = os.environ.pop(m.ENV, None)
+    try:
+        cls = m.register("kvpolicy")
+        assert issubclass(cls, sp.StorePolicy) and "kvpolicy" in sp.get_registered_store_policies()
+        assert m.register("kvpolicy") is cls, "registering again returns the class already there"
+        try:
+            m.register("default")  # LMCache's own
+        except m.ConfigError as e:
+            assert e.field == "name"
+        else:
+            raise AssertionError("kvpolicy took over a name LMCache holds for another policy")
+        pol = sp.create_store_policy("kvpolicy")
+        assert isinstance(pol, sp.StorePolicy)
+        run = [ObjectKey(chunk_hash=bytes([i]) * 16, model_name="meta-llama/Llama-3-8B", kv_rank=0) for i in range(4)]
+        salted = [ObjectKey(chunk_hash=bytes([i]) * 16, model_name="meta-llama/Llama-3-8B", kv_rank=0, cache_salt="user-7")
+                  for i in range(2)]
+        adapters = [L2AdapterDescriptor(0, "fs"), L2AdapterDescriptor(1, "redis")]
+        assert pol.select_store_targets(run + salted, adapters) == {}, "threshold-2: seen once, not stored"
+        got = pol.select_store_targets(run + salted, adapters)
+        assert got == {0: run + salted, 1: run + salted}, got
+        fresh = ObjectKey(chunk_hash=b"\xff" * 16, model_name="meta-llama/Llama-3-8B", kv_rank=0)
+        assert pol.select_store_targets([fresh] + run, adapters) == {0: run, 1: run}, "each chunk on its own sightings"
+        assert pol.select_l1_deletions(run) == []
+    finally:
+        if saved is not None:
+            os.environ[m.ENV] = saved
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm", help="a vLLM wheel (pip download vllm==0.33.0 --no-deps)")
     ap.add_argument("--sglang", help="an SGLang wheel (pip download sglang==0.5.23 --no-deps)")
-    ap.add_argument("--only", choices=("vllm", "sglang"), help=argparse.SUPPRESS)  # one engine, in this process
+    ap.add_argument("--lmcache", help="an LMCache wheel (pip download lmcache==0.5.6 --no-deps)")
+    ap.add_argument("--only", choices=("vllm", "sglang", "lmcache"), help=argparse.SUPPRESS)  # one engine, in this process
     args = ap.parse_args(argv)
+    checks = {"vllm": check_vllm, "sglang": check_sglang, "lmcache": check_lmcache}
     if args.only:
-        (check_vllm if args.only == "vllm" else check_sglang)(getattr(args, args.only))
+        checks[args.only](getattr(args, args.only))
         return 0
-    if not (args.vllm or args.sglang):
-        ap.error("give --vllm WHEEL and/or --sglang WHEEL")
+    if not (args.vllm or args.sglang or args.lmcache):
+        ap.error("give --vllm WHEEL, --sglang WHEEL and/or --lmcache WHEEL")
     failed = 0
-    for engine in ("vllm", "sglang"):
+    for engine in ("vllm", "sglang", "lmcache"):
         wheel = getattr(args, engine)
         if not wheel:
             continue

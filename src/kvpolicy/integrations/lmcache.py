@@ -162,11 +162,20 @@ def _tenant_ok(t: str) -> bool:
 
 
 def register(name: str = "kvpolicy") -> type:
-    """Register kvpolicy's store policy in LMCache's registry (imports LMCache); returns the class."""
+    """Register kvpolicy's store policy in LMCache's registry (imports LMCache); returns the class. Calling it again
+    (a ``sitecustomize`` run twice, a worker that registers too) returns the class already there; a name LMCache
+    holds for another policy is an error naming it (LMCache's registry refuses a second registration)."""
     try:
-        from lmcache.v1.distributed.storage_controllers.store_policy import StorePolicy, register_store_policy
+        from lmcache.v1.distributed.storage_controllers import store_policy as sp
     except ImportError:
         raise ConfigError("lmcache", "LMCache (0.5.x, with lmcache.v1.distributed) is not importable here") from None
-    cls = type("KVPolicyStorePolicy", (KVPolicyStorePolicyCore, StorePolicy), {"__doc__": KVPolicyStorePolicyCore.__doc__})
-    register_store_policy(name, cls)
+    registry = getattr(sp, "_STORE_POLICY_REGISTRY", None)
+    held = registry.get(name) if isinstance(registry, dict) else None
+    if held is not None:
+        if isinstance(held, type) and issubclass(held, KVPolicyStorePolicyCore):
+            return held
+        raise ConfigError("name", f"LMCache already has a store policy {name!r} ({getattr(held, '__name__', held)}); register kvpolicy's "
+                                  "under another name and pass that to --l2-store-policy")
+    cls = type("KVPolicyStorePolicy", (KVPolicyStorePolicyCore, sp.StorePolicy), {"__doc__": KVPolicyStorePolicyCore.__doc__})
+    sp.register_store_policy(name, cls)
     return cls
