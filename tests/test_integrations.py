@@ -479,6 +479,7 @@ def test_sglang_register_adds_the_policies_to_sglangs_registry_and_cli(monkeypat
             "sglang.srt.mem_cache.utils": types.ModuleType("sglang.srt.mem_cache.utils"),
             "sglang.srt.mem_cache.evict_policy": types.ModuleType("sglang.srt.mem_cache.evict_policy")}
     mods["sglang.srt.arg_groups.choices"].add_radix_eviction_policy_choices = choices.extend
+    mods["sglang.srt.arg_groups.choices"].RADIX_EVICTION_POLICY_CHOICES = choices  # SGLang 0.5.23: extend is this list's
     mods["sglang.srt.mem_cache.utils"]._EVICTION_POLICY_FACTORIES = factories
     mods["sglang.srt.mem_cache"].utils = mods["sglang.srt.mem_cache.utils"]
 
@@ -490,6 +491,7 @@ def test_sglang_register_adds_the_policies_to_sglangs_registry_and_cli(monkeypat
         monkeypatch.setitem(sys.modules, k, v)
     names = register()
     assert "kvpolicy-reuse-distance" in names and set(names) <= set(choices) and set(names) <= set(factories)
+    assert register() == names and len(choices) == len(set(choices)), "a second call lists nothing twice in the CLI"
     strat = factories["kvpolicy-reuse-distance"]()  # get_eviction_strategy(name, config) calls factory(**config)
     assert isinstance(strat, EvictionStrategy) and isinstance(strat, PriorityStrategy)
     assert isinstance(strat.policy, ReuseDistancePolicy)

@@ -168,9 +168,9 @@ def make_sglang_strategy(policy: PriorityPolicy) -> Any:
 def register(policies: dict[str, Callable[[], PriorityPolicy]] | None = None) -> list[str]:
     """Add ``kvpolicy-<name>`` eviction policies to SGLang's strategy registry and CLI choices
     (imports SGLang). Default: kvpolicy's reuse-distance, gdsf, lru and lfu priority policies.
-    Returns the names to pass to ``--radix-eviction-policy``."""
+    Returns the names to pass to ``--radix-eviction-policy``. Calling it again changes nothing more."""
     try:
-        from sglang.srt.arg_groups.choices import add_radix_eviction_policy_choices  # type: ignore[import-not-found]
+        from sglang.srt.arg_groups import choices as sg_choices  # type: ignore[import-not-found]
         from sglang.srt.mem_cache import utils as sg_utils  # type: ignore[import-not-found]
     except ImportError:
         raise ConfigError("sglang", "SGLang (0.5.x) is not importable here") from None
@@ -185,5 +185,7 @@ def register(policies: dict[str, Callable[[], PriorityPolicy]] | None = None) ->
         full = f"kvpolicy-{name}"
         sg_utils._EVICTION_POLICY_FACTORIES[full] = lambda _make=make, **_cfg: make_sglang_strategy(_make())
         names.append(full)
-    add_radix_eviction_policy_choices([n for n in names])
+    # again (a second register() call): SGLang's CLI would list each name twice
+    listed = set(getattr(sg_choices, "RADIX_EVICTION_POLICY_CHOICES", ()))
+    sg_choices.add_radix_eviction_policy_choices([n for n in names if n not in listed])
     return names
