@@ -1983,3 +1983,32 @@ def test_forward_to_inner_forwards_exactly_the_bases_public_methods_the_wrapper_
     assert w.prop == "inner prop" and w.decided() == "wrapper decided"
     assert Wrapper.asked_of_the_class() == "base class answer" and Wrapper.static() == "base static" and w._private() == "base private"
     assert forward_to_inner(type("Plain", (), {}), object) == [], "no engine base: nothing to forward"
+
+
+@_settings(max_examples=100, deadline=None)
+@_given(_st.lists(_st.tuples(_st.integers(0, 4096), _st.integers(0, 4096), _st.integers(0, 4096),
+                             _st.sampled_from(["wins", "slower_than_recompute", "replica_cap", "partial_plan"]), _st.integers(0, 2)),
+                  max_size=30),
+        _st.randoms(use_true_random=False))
+def test_kvpolicy_stats_add_up_whatever_the_split_and_survive_the_trip_to_vllms_front_end(counts, rnd):
+    """Requests counted across several stats objects (scheduler, intervals), added up in any order and rebuilt from
+    their dicts, reduce to what one object that saw every request reduces to."""
+    import json
+
+    from kvpolicy.integrations.vllm_kv_connector import KVPolicyConnector, KVPolicyStats
+
+    whole = KVPolicyStats()
+    parts = [KVPolicyStats(), KVPolicyStats(), KVPolicyStats()]
+    for offered, answered, loaded, reason, where in counts:
+        answered, loaded = min(answered, offered), min(loaded, answered, offered)
+        whole.count(offered, answered, loaded, reason)
+        parts[where].count(offered, answered, loaded, reason)
+    rnd.shuffle(parts)
+    total = parts[0]
+    for p in parts[1:]:
+        total = total.aggregate(p)
+    rebuilt = KVPolicyConnector.build_kv_connector_stats(json.loads(json.dumps(total.to_dict())))
+    assert rebuilt.reduce() == whole.reduce()
+    assert rebuilt.is_empty() == (not counts)
+    d = whole.data
+    assert d["offered_tokens"] == d["loaded_tokens"] + d["declined_tokens"] + sum(min(a, o) - min(l, a, o) for o, a, l, _, _ in counts)
