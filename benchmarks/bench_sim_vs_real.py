@@ -52,21 +52,76 @@ NS = bytes(16)
 SECRET = os.urandom(32)  # this run's deployment secret: the transport authenticates every connection with it
 
 
-def _server_proc(conn: Any, n_blocks: int, block_bytes: int, secret: bytes) -> None:
+# --netns-mbit: two network namespaces joined by a veth pair, each end's egress shaped to R Mbit/s (tbf) — a
+# full-duplex link of R per direction that real TCP flows share, where loopback shares the CPU instead
+NETNS = ("kvp-bench-a", "kvp-bench-b")  # a: the forward flows' server; b: their clients (and the reverse flow's server)
+NETNS_ADDR = ("10.213.77.1", "10.213.77.2")
+CLONE_NEWNET = 0x40000000
+NETNS_QUEUE_MS = 5  # the shaped link's buffer, in milliseconds of its rate
+
+
+def _enter_netns(name: str | None) -> None:
+    """Move this process into network namespace ``name`` (``ip netns add``'s /run/netns/NAME); None: stay."""
+    if name is None:
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/run/netns/{name}") as f:
+        if libc.setns(f.fileno(), CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {name} failed (run as root)")
+
+
+def netns_up(mbit: float) -> None:
+    """Create the two namespaces, the veth pair between them, and a tbf of ``mbit`` on each end's egress."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        raise SystemExit("--netns-mbit needs root and iproute2 (ip, tc): it creates network namespaces and shapes a veth pair")
+    netns_down()
+    a, b = NETNS
+    rate = f"{mbit:g}mbit"
+    burst = max(int(mbit * 1e6 / 8 * 0.004), 32 * 1024)  # 4 ms of the rate: smooth enough that the rate, not the burst, is measured
+    cmds = [f"ip netns add {a}", f"ip netns add {b}", f"ip link add kvpb0 netns {a} type veth peer name kvpb1 netns {b}",
+            f"ip -n {a} addr add {NETNS_ADDR[0]}/24 dev kvpb0", f"ip -n {b} addr add {NETNS_ADDR[1]}/24 dev kvpb1",
+            f"ip -n {a} link set kvpb0 up", f"ip -n {b} link set kvpb1 up", f"ip -n {a} link set lo up", f"ip -n {b} link set lo up",
+            # the rate, with a shallow buffer (tbf's queue holds LATENCY of it): a deep FIFO makes a new flow wait
+            # behind everything queued, which no switch port built for this traffic does
+            f"ip netns exec {a} tc qdisc add dev kvpb0 root tbf rate {rate} burst {burst} latency {NETNS_QUEUE_MS}ms",
+            f"ip netns exec {b} tc qdisc add dev kvpb1 root tbf rate {rate} burst {burst} latency {NETNS_QUEUE_MS}ms"]
+    for c in cmds:
+        r = subprocess.run(c.split(), capture_output=True, text=True)
+        if r.returncode:
+            netns_down()
+            raise SystemExit(f"--netns-mbit: '{c}' failed: {r.stderr.strip()}")
+
+
+def netns_down() -> None:
+    import subprocess
+
+    for n in NETNS:  # deleting a namespace deletes its end of the veth pair, and with it the pair
+        subprocess.run(["ip", "netns", "del", n], capture_output=True)
+
+
+def _server_proc(conn: Any, n_blocks: int, block_bytes: int, secret: bytes, netns: str | None = None, host: str = "127.0.0.1") -> None:
     from kvpolicy.reference.transport import BlockServer, BlockStore
 
+    _enter_netns(netns)
     store = BlockStore(NS, block_bytes)
     payload = os.urandom(block_bytes)
     for i in range(n_blocks):
         store.put(i.to_bytes(16, "big"), payload)
-    srv = BlockServer(store, secret=secret)
+    srv = BlockServer(store, secret=secret, host=host)
     conn.send(tuple(srv.address))
     conn.recv()  # stop
     srv.close()
 
 
-def _client_proc(conn: Any, address: tuple[str, int], block_bytes: int, secret: bytes) -> None:
+def _client_proc(conn: Any, address: tuple[str, int], block_bytes: int, secret: bytes, netns: str | None = None) -> None:
     from kvpolicy.reference.transport import PeerClient
+
+    _enter_netns(netns)
 
     pc = PeerClient(address, NS, secret=secret, block_bytes=block_bytes, timeout_s=120.0)
     while True:
@@ -88,22 +143,27 @@ def _client_proc(conn: Any, address: tuple[str, int], block_bytes: int, secret: 
 class Rig:
     """One server per direction and a pool of client processes, reused across runs."""
 
-    def __init__(self, n_clients: int, n_blocks: int, block_bytes: int) -> None:
+    def __init__(self, n_clients: int, n_blocks: int, block_bytes: int, netns: bool = False) -> None:
         ctx = mp.get_context("spawn")
         self.procs = []
         self.servers = []
         addrs = []
-        for _ in range(2):  # server 0: the forward direction; server 1 (in its own process): the reverse one
+        # server 0: the forward direction; server 1 (in its own process): the reverse one. Over the namespaces the
+        # forward server is in a and its clients in b; the reverse server in b and its client in a
+        where = [(NETNS[0], NETNS_ADDR[0]), (NETNS[1], NETNS_ADDR[1])] if netns else [(None, "127.0.0.1")] * 2
+        for ns, host in where:
             a, b = ctx.Pipe()
-            p = ctx.Process(target=_server_proc, args=(b, n_blocks, block_bytes, SECRET), daemon=True)
+            p = ctx.Process(target=_server_proc, args=(b, n_blocks, block_bytes, SECRET, ns, host), daemon=True)
             p.start()
             addrs.append(a.recv())
             self.servers.append(a)
             self.procs.append(p)
         self.clients = []
         for i in range(n_clients + 1):  # the last client fetches from server 1 (the reverse flow)
+            reverse = i == n_clients
+            ns = (NETNS[0] if reverse else NETNS[1]) if netns else None
             a, b = ctx.Pipe()
-            p = ctx.Process(target=_client_proc, args=(b, addrs[1] if i == n_clients else addrs[0], block_bytes, SECRET), daemon=True)
+            p = ctx.Process(target=_client_proc, args=(b, addrs[1] if reverse else addrs[0], block_bytes, SECRET, ns), daemon=True)
             p.start()
             self.clients.append(a)
             self.procs.append(p)
@@ -138,10 +198,10 @@ def fit_alone(rig: Rig, block_bytes: int, repeats: int) -> tuple[float, float]:
     return max(t1 - beta * s1, 0.0), 1.0 / beta
 
 
-def predict_duplex(results: list[tuple[float, float, int]], alpha: float, bw: float, n_forward: int) -> list[float]:
-    """What the cluster simulator assumes of a NIC: forward transfers share one link, the reverse one has its own."""
-    fwd = predict(results[:n_forward], alpha, bw, None)
-    return fwd + [alpha + results[n_forward][2] / bw]
+def predict_duplex(results: list[tuple[float, float, int]], alpha: float, bw: float, n_forward: int,
+                   wire_bw: float | None = None) -> list[float]:
+    """What the cluster simulator assumes of a NIC: forward transfers share one link, the reverse ones another."""
+    return predict(results, alpha, bw, None, reverse=range(n_forward, len(results)), wire_bw=wire_bw)
 
 
 def fit_host(rig: Rig, block_bytes: int, alpha: float, repeats: int) -> float:
@@ -156,17 +216,23 @@ def fit_host(rig: Rig, block_bytes: int, alpha: float, repeats: int) -> float:
     return statistics.median(rates)
 
 
-def predict(results: list[tuple[float, float, int]], alpha: float, per_flow_bw: float, host_bw: float | None) -> list[float]:
+def predict(results: list[tuple[float, float, int]], alpha: float, per_flow_bw: float, host_bw: float | None,
+            reverse: Any = (), wire_bw: float | None = None) -> list[float]:
     """The flow model's durations for these transfers, started when they really started.
 
     Each transfer crosses its own endpoint (one process moving bytes: capacity ``per_flow_bw``)
     and, when ``host_bw`` is given, the host both directions share (the CPU cores); with
-    ``host_bw=None`` every transfer crosses one link of ``per_flow_bw`` per direction (a NIC)."""
+    ``host_bw=None`` the transfers cross one link per direction (a NIC): the forward ones
+    ``server.out``, those indexed in ``reverse`` the other direction's link — of ``wire_bw`` each
+    behind a per-transfer endpoint of ``per_flow_bw`` when ``wire_bw`` is given, else of
+    ``per_flow_bw`` alone."""
     from kvpolicy.sim.network import FlowNetwork
 
+    reverse = set(reverse)
     net = FlowNetwork()
     host = net.add_link("host", host_bw) if host_bw else None
-    wire = net.add_link("server.out", per_flow_bw)
+    wire = net.add_link("server.out", wire_bw or per_flow_bw)
+    back = net.add_link("client.out", wire_bw or per_flow_bw)
     t_base = min(r[0] for r in results)
     order = sorted(range(len(results)), key=lambda i: results[i][0])
     ends: dict[int, float] = {}
@@ -181,7 +247,9 @@ def predict(results: list[tuple[float, float, int]], alpha: float, per_flow_bw: 
         if host is not None:
             path = [net.add_link(f"endpoint-{len(net.links)}", per_flow_bw), host]
         else:
-            path = [wire] if i < len(results) - 1 or len(results) == 1 else [net.add_link(f"reverse-{i}", per_flow_bw)]
+            path = [back] if i in reverse else [wire]
+            if wire_bw:
+                path.insert(0, net.add_link(f"endpoint-{len(net.links)}", per_flow_bw))
         net.start(t0, path, results[i][2], latency_s=alpha, payload=i)
     while True:
         nxt = net.next_event_s()
@@ -406,6 +474,65 @@ def render_end_to_end(e: dict[str, Any]) -> str:
     ])
 
 
+def links_over_netns(mbit: float, block_bytes: int, repeats: int) -> dict[str, Any]:
+    """(a) over a real full-duplex link: the same configurations between two network namespaces joined by a veth
+    pair shaped to ``mbit`` per direction, real TCP flows through it; the flow model configured only from transfers
+    measured alone predicts each one — forward flows sharing one link, the reverse flow the other direction's."""
+    netns_up(mbit)
+    try:
+        rig = Rig(8, 32, block_bytes, netns=True)
+        try:
+            for _ in range(2):  # warm up connections, page caches and TCP windows
+                rig.run([32])
+                rig.run([8] * 8, reverse=8)
+            alpha, bw = fit_alone(rig, block_bytes, repeats)
+            wire_bw = fit_host(rig, block_bytes, alpha, repeats)  # 8 at once: the link's own rate, above one stream's
+            print(f"measured over the shaped veth ({mbit:g} Mbit/s per direction): overhead {alpha * 1e3:.2f} ms, one transfer "
+                  f"alone {bw * 8 / 1e6:.0f} Mbit/s, eight at once {wire_bw * 8 / 1e6:.0f} Mbit/s ({block_bytes / 2**20:g} MiB blocks)")
+            rows, same, fwd_with_rev, rev_flow, half = [], [], [], [], []
+            for label, sizes, rev in CONFIGS:
+                errs, meas_all, pred_all = [], [], []
+                for _ in range(repeats):
+                    res = rig.run(sizes, rev)
+                    meas = [r[1] for r in res]
+                    pred = predict_duplex(res, alpha, bw, len(sizes), wire_bw)
+                    e = [abs(pm - m) / m for pm, m in zip(pred, meas)]
+                    errs += e
+                    meas_all += meas
+                    pred_all += pred
+                    if rev:
+                        fwd_with_rev += e[:len(sizes)]
+                        rev_flow += e[len(sizes):]
+                        one = predict(res, alpha, bw, None, wire_bw=wire_bw)  # half duplex: the reverse flow on the forward link
+                        half += [abs(pm - m) / m for pm, m in zip(one, meas)]
+                    else:
+                        same += e
+                rows.append({"config": label, "transfers": len(sizes) + (1 if rev else 0), "measured_median_ms": statistics.median(meas_all) * 1e3,
+                             "predicted_median_ms": statistics.median(pred_all) * 1e3, "error_median": statistics.median(errs),
+                             "error_p95": _p95(errs)})
+        finally:
+            rig.close()
+    finally:
+        netns_down()
+    print(f"\n{'configuration':>15} {'transfers':>9} {'measured ms':>11} {'flow model ms':>13} {'err p50':>8} {'err p95':>8}")
+    for r in rows:
+        print(f"{r['config']:>15} {r['transfers']:>9} {r['measured_median_ms']:>11.1f} {r['predicted_median_ms']:>13.1f} "
+              f"{r['error_median']:>8.1%} {r['error_p95']:>8.1%}")
+    res = {"mbit_per_direction": mbit, "alpha_s": alpha, "bandwidth_bytes_per_s": bw, "link_bytes_per_s": wire_bw, "block_bytes": block_bytes,
+           "repeats": repeats, "rows": rows,
+           "same_direction": {"median": statistics.median(same), "p95": _p95(same)},
+           "with_reverse": {"forward_median": statistics.median(fwd_with_rev), "forward_p95": _p95(fwd_with_rev),
+                            "reverse_median": statistics.median(rev_flow), "reverse_p95": _p95(rev_flow)},
+           "half_duplex_with_reverse": {"median": statistics.median(half), "p95": _p95(half)}}
+    sd, wr, hd = res["same_direction"], res["with_reverse"], res["half_duplex_with_reverse"]
+    res["target_met"] = sd["median"] <= 0.15 and sd["p95"] <= 0.15 and wr["forward_median"] <= 0.15 and wr["reverse_median"] <= 0.15
+    print(f"\nsame direction, k = 1..8 ({len(same)} transfers): error median {sd['median']:.1%}, p95 {sd['p95']:.1%}; "
+          f"with a reverse flow, full duplex (the simulator's NIC): forward median {wr['forward_median']:.1%} (p95 {wr['forward_p95']:.1%}), "
+          f"reverse median {wr['reverse_median']:.1%} (p95 {wr['reverse_p95']:.1%}) — half duplex would miss by {hd['median']:.1%} median "
+          f"(target <= 15 % median, <= 15 % p95 same direction: {'PASS' if res['target_met'] else 'MISS'})")
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
@@ -416,8 +543,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=5, help="(b): the preset's seed (default 5)")
     ap.add_argument("--skip-links", action="store_true", help="run only (b)")
     ap.add_argument("--skip-end-to-end", action="store_true", help="run only (a)")
+    ap.add_argument("--netns-mbit", type=float, default=None,
+                    help="(a) over two network namespaces joined by a veth pair shaped to this many Mbit/s per direction, instead of "
+                         "loopback: a full-duplex link real TCP flows share (needs root and iproute2; implies --skip-end-to-end)")
     args = ap.parse_args(argv)
     out: dict[str, Any] = {}
+    if args.netns_mbit is not None:
+        if not args.netns_mbit > 0:
+            raise SystemExit(f"--netns-mbit must be a positive number of Mbit/s, got {args.netns_mbit}")
+        out["links_netns"] = links_over_netns(args.netns_mbit, int(args.block_mib * 2**20), args.repeats)
+        path = write_json("sim_vs_real_netns", out, args.json)
+        print(f"wrote {path}")
+        return 1 if args.check and not out["links_netns"]["target_met"] else 0
     ok_b = True
     if not args.skip_end_to_end:
         e2e = end_to_end(args.requests, args.seed)
