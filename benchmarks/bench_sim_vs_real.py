@@ -16,6 +16,11 @@ rate is set by CPU time, which concurrent transfers share — roughly what a
 shared link does, but opposite directions share the same cores too, where a
 full-duplex NIC would not. The table reports both, and says which was validated.
 
+(a') --netns-mbit R: the same configurations between two network namespaces joined by a veth pair whose ends
+are each shaped to R Mbit/s (tc tbf, a 5 ms buffer) — real TCP through a real per-direction bottleneck, so full
+duplex can be checked; the model gets one stream's rate alone and the link's rate (eight at once), and each
+direction its own link. Needs root and iproute2.
+
 (b) end to end. Two reference-replica processes and one block server (a pool
 node: the replicas load from it and publish into it in the background) replay a
 slice of the ``chat`` preset scaled to the reference model (16-token blocks,
@@ -31,6 +36,7 @@ machine 2-4x what the profile measures back to back. Target: p50 and p95 TTFT
 error ≤ 20 %.
 
     python benchmarks/bench_sim_vs_real.py [--repeats 5] [--block-mib 4] [--requests 150] [--skip-links] [--json OUT] [--check]
+    sudo python benchmarks/bench_sim_vs_real.py --netns-mbit 800 [--repeats 5]
 """
 
 from __future__ import annotations
