@@ -64,6 +64,8 @@ NETNS = ("kvp-bench-a", "kvp-bench-b")  # a: the forward flows' server; b: their
 NETNS_ADDR = ("10.213.77.1", "10.213.77.2")
 CLONE_NEWNET = 0x40000000
 NETNS_QUEUE_MS = 5  # the shaped link's buffer, in milliseconds of its rate
+#: tbf drops a packet larger than its bucket, and veth hands it 64 KiB segments (GSO): below this a slow link stalls
+NETNS_MIN_BURST = 256 * 1024
 
 
 def _enter_netns(name: str | None) -> None:
@@ -88,7 +90,7 @@ def netns_up(mbit: float) -> None:
     netns_down()
     a, b = NETNS
     rate = f"{mbit:g}mbit"
-    burst = max(int(mbit * 1e6 / 8 * 0.004), 32 * 1024)  # 4 ms of the rate: smooth enough that the rate, not the burst, is measured
+    burst = max(int(mbit * 1e6 / 8 * 0.004), NETNS_MIN_BURST)  # 4 ms of the rate: smooth enough that the rate, not the burst, is measured
     cmds = [f"ip netns add {a}", f"ip netns add {b}", f"ip link add kvpb0 netns {a} type veth peer name kvpb1 netns {b}",
             f"ip -n {a} addr add {NETNS_ADDR[0]}/24 dev kvpb0", f"ip -n {b} addr add {NETNS_ADDR[1]}/24 dev kvpb1",
             f"ip -n {a} link set kvpb0 up", f"ip -n {b} link set kvpb1 up", f"ip -n {a} link set lo up", f"ip -n {b} link set lo up",
@@ -101,6 +103,15 @@ def netns_up(mbit: float) -> None:
         if r.returncode:
             netns_down()
             raise SystemExit(f"--netns-mbit: '{c}' failed: {r.stderr.strip()}")
+
+
+def netns_set_rate(mbit: float) -> None:
+    """Change the forward link's rate (the server side's egress) in place, mid-transfer if one runs."""
+    import subprocess
+
+    burst = max(int(mbit * 1e6 / 8 * 0.004), NETNS_MIN_BURST)
+    subprocess.run(["ip", "netns", "exec", NETNS[0], "tc", "qdisc", "change", "dev", "kvpb0", "root", "tbf", "rate", f"{mbit:g}mbit",
+                    "burst", str(burst), "latency", f"{NETNS_QUEUE_MS}ms"], check=True, capture_output=True)
 
 
 def netns_down() -> None:
@@ -265,6 +276,39 @@ def predict(results: list[tuple[float, float, int]], alpha: float, per_flow_bw: 
             ends[f.payload] = nxt
     return [ends[i] - (results[i][0] - t_base) for i in range(len(results))]
 
+
+def predict_with_drop(results: list[tuple[float, float, int]], alpha: float, per_flow_bw: float, wire_bw: float, t_drop: float,
+                      drop_bw: float) -> list[float]:
+    """The flow model's durations when the forward link's capacity falls to ``drop_bw`` at ``t_drop`` (seconds after
+    the first transfer started): what the simulator's degraded scenario does to a storage node's link."""
+    from kvpolicy.sim.network import FlowNetwork
+
+    net = FlowNetwork()
+    wire = net.add_link("server.out", wire_bw)
+    t_base = min(r[0] for r in results)
+    events = sorted([(r[0] - t_base, 0, i) for i, r in enumerate(results)] + [(t_drop, 1, -1)])
+    ends: dict[int, float] = {}
+
+    def run_to(t: float) -> None:
+        while True:
+            nxt = net.next_event_s()
+            if nxt > t or nxt == float("inf"):
+                return
+            for f in net.advance(nxt):
+                ends[f.payload] = nxt
+
+    for t, kind, i in events:
+        run_to(t)
+        if kind == 1:
+            net.set_capacity(t, wire, drop_bw)
+        else:
+            net.start(t, [net.add_link(f"endpoint-{i}", per_flow_bw), wire], results[i][2], latency_s=alpha, payload=i)
+    run_to(float("inf"))
+    return [ends[i] - (results[i][0] - t_base) for i in range(len(results))]
+
+
+#: (label, forward sizes in blocks, when the link drops as a share of the transfers' time undisturbed, the rate it drops to)
+DROPS = [("k=1, link to 25 % at 30 %", [32], 0.3, 0.25), ("k=2, link to 10 % at 50 %", [16, 16], 0.5, 0.10)]
 
 CONFIGS = [  # (label, forward sizes in blocks, reverse size in blocks or None)
     ("k=1", [16], None),
@@ -516,6 +560,40 @@ def links_over_netns(mbit: float, block_bytes: int, repeats: int) -> dict[str, A
                 rows.append({"config": label, "transfers": len(sizes) + (1 if rev else 0), "measured_median_ms": statistics.median(meas_all) * 1e3,
                              "predicted_median_ms": statistics.median(pred_all) * 1e3, "error_median": statistics.median(errs),
                              "error_p95": _p95(errs)})
+            # the degraded scenario's physics: the link's rate falls mid-transfer (tc changes the shaper in place)
+            import threading
+
+            drops, undisturbed = [], []
+            for label, sizes, at, share in DROPS:
+                errs, meas_all, pred_all, errs_flat = [], [], [], []
+                expected = alpha + sum(sizes) * block_bytes / wire_bw
+                for _ in range(repeats):
+                    changed: list[float] = []
+
+                    def drop(at_s: float) -> None:
+                        time.sleep(max(at_s - time.monotonic(), 0.0))
+                        netns_set_rate(mbit * share)
+                        changed.append(time.monotonic())  # the new rate holds from about here (the command took ~ms)
+
+                    t_start = time.monotonic() + 0.05  # Rig.run starts its transfers 50 ms after it is called
+                    th = threading.Thread(target=drop, args=(t_start + at * expected,))
+                    th.start()
+                    res = rig.run(sizes)
+                    th.join()
+                    netns_set_rate(mbit)
+                    meas = [r[1] for r in res]
+                    t_drop = changed[0] - min(r[0] for r in res)
+                    pred = predict_with_drop(res, alpha, bw, wire_bw, t_drop, wire_bw * share)
+                    flat = predict(res, alpha, bw, None, wire_bw=wire_bw)  # a model that ignores the drop
+                    errs += [abs(pm - m) / m for pm, m in zip(pred, meas)]
+                    errs_flat += [abs(pm - m) / m for pm, m in zip(flat, meas)]
+                    meas_all += meas
+                    pred_all += pred
+                drops += errs
+                undisturbed += errs_flat
+                rows.append({"config": label, "transfers": len(sizes), "measured_median_ms": statistics.median(meas_all) * 1e3,
+                             "predicted_median_ms": statistics.median(pred_all) * 1e3, "error_median": statistics.median(errs),
+                             "error_p95": _p95(errs)})
         finally:
             rig.close()
     finally:
@@ -529,13 +607,17 @@ def links_over_netns(mbit: float, block_bytes: int, repeats: int) -> dict[str, A
            "same_direction": {"median": statistics.median(same), "p95": _p95(same)},
            "with_reverse": {"forward_median": statistics.median(fwd_with_rev), "forward_p95": _p95(fwd_with_rev),
                             "reverse_median": statistics.median(rev_flow), "reverse_p95": _p95(rev_flow)},
-           "half_duplex_with_reverse": {"median": statistics.median(half), "p95": _p95(half)}}
+           "half_duplex_with_reverse": {"median": statistics.median(half), "p95": _p95(half)},
+           "link_drop": {"median": statistics.median(drops), "p95": _p95(drops), "ignoring_the_drop_median": statistics.median(undisturbed)}}
     sd, wr, hd = res["same_direction"], res["with_reverse"], res["half_duplex_with_reverse"]
     res["target_met"] = sd["median"] <= 0.15 and sd["p95"] <= 0.15 and wr["forward_median"] <= 0.15 and wr["reverse_median"] <= 0.15
     print(f"\nsame direction, k = 1..8 ({len(same)} transfers): error median {sd['median']:.1%}, p95 {sd['p95']:.1%}; "
           f"with a reverse flow, full duplex (the simulator's NIC): forward median {wr['forward_median']:.1%} (p95 {wr['forward_p95']:.1%}), "
           f"reverse median {wr['reverse_median']:.1%} (p95 {wr['reverse_p95']:.1%}) — half duplex would miss by {hd['median']:.1%} median "
           f"(target <= 15 % median, <= 15 % p95 same direction: {'PASS' if res['target_met'] else 'MISS'})")
+    ld = res["link_drop"]
+    print(f"the link's rate falling mid-transfer (the degraded scenario's physics): error median {ld['median']:.1%}, p95 {ld['p95']:.1%}; "
+          f"a model that ignored the drop would miss by {ld['ignoring_the_drop_median']:.1%} median")
     return res
 
 
