@@ -512,20 +512,10 @@ def test_the_in_memory_directory_can_be_shared_between_threads():
     """`kvpolicy ingest-events --ranks N --directory memory` feeds one directory from N threads, and an engine may
     share one across its own. Without a lock a publish beside a clear_holder raised KeyError or "dictionary changed
     size during iteration" within a second."""
-    import sys
-    import threading
+    from helpers import race
 
     d = InMemoryDirectory(max_keys_per_tenant=500)
     keys = [bytes([i % 256, i // 256]) * 8 for i in range(2000)]
-    errors = []
-
-    def guarded(fn):
-        def run():
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - what the ingest thread would have died of
-                errors.append(repr(e))
-        return threading.Thread(target=run)
 
     def publisher(holder):
         for i in range(2000):
@@ -539,15 +529,5 @@ def test_the_in_memory_directory_can_be_shared_between_threads():
             d.keys("t")
             d.evict("t", keys[i % 1990:i % 1990 + 4], holder="a")
 
-    threads = [guarded(lambda h=h: publisher(h)) for h in "abc"] + [guarded(reader)]
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
-    assert errors == []
+    assert race(*[lambda h=h: publisher(h) for h in "abc"], reader) == []
     assert d.count("t") <= 500, "the capacity bound held"

@@ -372,13 +372,13 @@ def test_sglang_strategy_applies_dropped_nodes_in_its_own_thread():
     and the policy apart (106 mirrored nodes against 450 in the policy in one run). Now it only queues the removal,
     and the next get_priority applies it."""
     import gc
-    import sys
     import threading
+
+    from helpers import race
 
     strat = PriorityStrategy(ReuseDistancePolicy(1 << 30))
     root = TreeNode(None, 0.0)
-    unraisable, errors, stop = [], [], threading.Event()
-    old_hook, old_switch = sys.unraisablehook, sys.getswitchinterval()
+    stop = threading.Event()
 
     def scheduler():
         try:
@@ -390,26 +390,14 @@ def test_sglang_strategy_applies_dropped_nodes_in_its_own_thread():
                 b.hit_count, b.last_access_time = 1, i + 0.5
                 strat.get_priority(b)
                 del a, b
-        except Exception as e:  # noqa: BLE001
-            errors.append(repr(e))
-        stop.set()
+        finally:
+            stop.set()
 
     def collector():  # another thread whose allocations trigger collections
         while not stop.is_set():
             gc.collect(0)
 
-    sys.unraisablehook = lambda u: unraisable.append(repr(u.exc_value))
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=scheduler), threading.Thread(target=collector)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old_switch)
-        sys.unraisablehook = old_hook
-    assert errors == [] and unraisable == []
+    assert race(scheduler, collector) == [], "nothing raised, nothing swallowed"
     gc.collect()
     live = TreeNode(root, 1e6)
     strat.get_priority(live)
@@ -1524,37 +1512,23 @@ def test_hicache_backend_decides_safely_from_sglangs_three_storage_threads():
     prefetch thread, the reads from its IO thread, the writes from the backup thread). kvpolicy's decisions share one
     controller and one filter: without a lock, a read's record() changed the latency histogram while batch_exists
     sorted it ("dictionary changed size during iteration" in SGLang's thread) and the slot counts could drift."""
-    import sys
-    import threading
+    from helpers import race
 
     s = hicache(400, publish="all")
     pages = [[f"p{i}-{j}" for j in range(8)] for i in range(97)]
     host = list(range(8 * 64))
     for keys in pages:
         s.batch_set_v1(keys, host)
-    n_iter, errors = 2000, []
+    n_iter = 2000
 
     def loop(call):
         def run():
-            try:
-                for i in range(n_iter):
-                    call(pages[i % len(pages)])
-            except Exception as e:  # noqa: BLE001 - what SGLang's thread would have died of
-                errors.append(repr(e))
-        return threading.Thread(target=run)
+            for i in range(n_iter):
+                call(pages[i % len(pages)])
+        return run
 
-    threads = [loop(lambda k: s.batch_exists(k)), loop(lambda k: s.batch_get_v1(k, host)), loop(lambda k: s.batch_get_v1(k, host)),
-               loop(lambda k: s.batch_set_v1(k, host))]
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can: the race shows within a second
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
-    assert errors == []
+    assert race(loop(lambda k: s.batch_exists(k)), loop(lambda k: s.batch_get_v1(k, host)), loop(lambda k: s.batch_get_v1(k, host)),
+                loop(lambda k: s.batch_set_v1(k, host))) == []
     assert s.counts["loads_timed"] == 2 * n_iter and s.counts["exists_pages"] == 8 * n_iter
     assert s.controller.loads_in_flight() == 0 and s.controller._replica_loads == {"replica-0": 0}
 
