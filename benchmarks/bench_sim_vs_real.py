@@ -68,6 +68,12 @@ NETNS_QUEUE_MS = 5  # the shaped link's buffer, in milliseconds of its rate
 NETNS_MIN_BURST = 256 * 1024
 
 
+def _burst_bytes(mbit: float) -> int:
+    """The shaper's bucket: 4 ms of the rate (smooth enough that the rate, not the burst, is measured), at least
+    NETNS_MIN_BURST."""
+    return max(int(mbit * 1e6 / 8 * 0.004), NETNS_MIN_BURST)
+
+
 def _enter_netns(name: str | None) -> None:
     """Move this process into network namespace ``name`` (``ip netns add``'s /run/netns/NAME); None: stay."""
     if name is None:
@@ -90,7 +96,7 @@ def netns_up(mbit: float) -> None:
     netns_down()
     a, b = NETNS
     rate = f"{mbit:g}mbit"
-    burst = max(int(mbit * 1e6 / 8 * 0.004), NETNS_MIN_BURST)  # 4 ms of the rate: smooth enough that the rate, not the burst, is measured
+    burst = _burst_bytes(mbit)
     cmds = [f"ip netns add {a}", f"ip netns add {b}", f"ip link add kvpb0 netns {a} type veth peer name kvpb1 netns {b}",
             f"ip -n {a} addr add {NETNS_ADDR[0]}/24 dev kvpb0", f"ip -n {b} addr add {NETNS_ADDR[1]}/24 dev kvpb1",
             f"ip -n {a} link set kvpb0 up", f"ip -n {b} link set kvpb1 up", f"ip -n {a} link set lo up", f"ip -n {b} link set lo up",
@@ -109,7 +115,7 @@ def netns_set_rate(mbit: float) -> None:
     """Change the forward link's rate (the server side's egress) in place, mid-transfer if one runs."""
     import subprocess
 
-    burst = max(int(mbit * 1e6 / 8 * 0.004), NETNS_MIN_BURST)
+    burst = _burst_bytes(mbit)
     subprocess.run(["ip", "netns", "exec", NETNS[0], "tc", "qdisc", "change", "dev", "kvpb0", "root", "tbf", "rate", f"{mbit:g}mbit",
                     "burst", str(burst), "latency", f"{NETNS_QUEUE_MS}ms"], check=True, capture_output=True)
 
