@@ -19,7 +19,8 @@ full-duplex NIC would not. The table reports both, and says which was validated.
 (a') --netns-mbit R: the same configurations between two network namespaces joined by a veth pair whose ends
 are each shaped to R Mbit/s (tc tbf, a 5 ms buffer) — real TCP through a real per-direction bottleneck, so full
 duplex can be checked; the model gets one stream's rate alone and the link's rate (eight at once), and each
-direction its own link. Needs root and iproute2.
+direction its own link. Needs root and iproute2. With --end-to-end-netns, (b) runs across that link instead: the
+block server on one side, the replicas on the other.
 
 (b) end to end. Two reference-replica processes and one block server (a pool
 node: the replicas load from it and publish into it in the background) replay a
@@ -37,6 +38,7 @@ error ≤ 20 %.
 
     python benchmarks/bench_sim_vs_real.py [--repeats 5] [--block-mib 4] [--requests 150] [--skip-links] [--json OUT] [--check]
     sudo python benchmarks/bench_sim_vs_real.py --netns-mbit 800 [--repeats 5]
+    sudo python benchmarks/bench_sim_vs_real.py --netns-mbit 200 --end-to-end-netns [--requests 150 --seed 5]
 """
 
 from __future__ import annotations
@@ -64,30 +66,39 @@ NETNS = ("kvp-bench-a", "kvp-bench-b")  # a: the forward flows' server; b: their
 NETNS_ADDR = ("10.213.77.1", "10.213.77.2")
 CLONE_NEWNET = 0x40000000
 NETNS_QUEUE_MS = 5  # the shaped link's buffer, in milliseconds of its rate
-#: tbf drops a packet larger than its bucket, and veth hands it 64 KiB segments (GSO): below this a slow link stalls
+#: the smallest bucket: tbf drops a packet larger than its bucket, and veth hands it 64 KiB segments (GSO) — a bucket
+#: under that stalled a slowed link. With small_segments (gso_max_size 1500: MTU-sized packets, more CPU per byte on
+#: 2 cores) the floor is SMALL_SEGMENTS_MIN_BURST, so that a load of a few hundred KiB is shaped rather than let
+#: through at line rate inside one bucket
 NETNS_MIN_BURST = 256 * 1024
+SMALL_SEGMENTS_MIN_BURST = 16 * 1024
 
 
-def _burst_bytes(mbit: float) -> int:
+def _burst_bytes(mbit: float, small_segments: bool = False) -> int:
     """The shaper's bucket: 4 ms of the rate (smooth enough that the rate, not the burst, is measured), at least
-    NETNS_MIN_BURST."""
+    NETNS_MIN_BURST; with MTU-sized segments 0.5 ms of it, at least SMALL_SEGMENTS_MIN_BURST (a load of a few
+    hundred KiB must be shaped, not passed whole inside one bucket)."""
+    if small_segments:
+        return max(int(mbit * 1e6 / 8 * 0.0005), SMALL_SEGMENTS_MIN_BURST)
     return max(int(mbit * 1e6 / 8 * 0.004), NETNS_MIN_BURST)
 
 
-def _enter_netns(name: str | None) -> None:
-    """Move this process into network namespace ``name`` (``ip netns add``'s /run/netns/NAME); None: stay."""
-    if name is None:
+def _enter_netns(name: str | None, path: str | None = None) -> None:
+    """Move this thread (and the processes and threads it starts from now on) into network namespace ``name``
+    (``ip netns add``'s /run/netns/NAME), or the one at ``path``; None: stay."""
+    if name is None and path is None:
         return
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    with open(f"/run/netns/{name}") as f:
+    with open(path or f"/run/netns/{name}") as f:
         if libc.setns(f.fileno(), CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into {name} failed (run as root)")
+            raise OSError(ctypes.get_errno(), f"setns into {name or path} failed (run as root)")
 
 
-def netns_up(mbit: float) -> None:
-    """Create the two namespaces, the veth pair between them, and a tbf of ``mbit`` on each end's egress."""
+def netns_up(mbit: float, small_segments: bool = False) -> None:
+    """Create the two namespaces, the veth pair between them, and a tbf of ``mbit`` on each end's egress
+    (``small_segments``: MTU-sized segments and a small bucket, for transfers of a few hundred KiB)."""
     import shutil
     import subprocess
 
@@ -96,9 +107,10 @@ def netns_up(mbit: float) -> None:
     netns_down()
     a, b = NETNS
     rate = f"{mbit:g}mbit"
-    burst = _burst_bytes(mbit)
+    burst = _burst_bytes(mbit, small_segments)
     cmds = [f"ip netns add {a}", f"ip netns add {b}", f"ip link add kvpb0 netns {a} type veth peer name kvpb1 netns {b}",
             f"ip -n {a} addr add {NETNS_ADDR[0]}/24 dev kvpb0", f"ip -n {b} addr add {NETNS_ADDR[1]}/24 dev kvpb1",
+            *([f"ip -n {a} link set kvpb0 gso_max_size 1500", f"ip -n {b} link set kvpb1 gso_max_size 1500"] if small_segments else []),
             f"ip -n {a} link set kvpb0 up", f"ip -n {b} link set kvpb1 up", f"ip -n {a} link set lo up", f"ip -n {b} link set lo up",
             # the rate, with a shallow buffer (tbf's queue holds LATENCY of it): a deep FIFO makes a new flow wait
             # behind everything queued, which no switch port built for this traffic does
@@ -327,8 +339,11 @@ CONFIGS = [  # (label, forward sizes in blocks, reverse size in blocks or None)
 ]
 
 
-def end_to_end(n_requests: int, seed: int) -> dict[str, Any]:
-    """(b): replay a slice on real replica processes and in the simulator; compare TTFT and bytes."""
+def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None) -> dict[str, Any]:
+    """(b): replay a slice on real replica processes and in the simulator; compare TTFT and bytes. With
+    ``netns_mbit`` the block server sits in one network namespace and the replicas in the other, across the veth
+    pair shaped to that rate per direction: every load and every publish crosses it, and the simulator's link
+    figures are the shaped link's, measured alone before the replay."""
     import threading
 
     import attrs
@@ -365,15 +380,30 @@ def end_to_end(n_requests: int, seed: int) -> dict[str, Any]:
     alpha = max(float(np.median(xfer_s - beta * nbytes)), 0.0)
     install_s_per_block = float(np.median((ex["remote_install_p50_ms"] + ex["remote_stage_p50_ms"]) / 1e3 / (prof.prefix_tokens / B)))
     link_bw = 1.0 / beta
+    if netns_mbit is not None:  # the shaped link's figures: this model's blocks, fetched alone across it
+        netns_up(netns_mbit, small_segments=True)  # loads of a few hundred KiB: shaped, not let through in one bucket
+        rig = Rig(1, 64, cfg.block_bytes(B), netns=True)
+        try:
+            for _ in range(2):
+                rig.run([64])
+            alpha, link_bw = fit_alone(rig, cfg.block_bytes(B), 5)
+        finally:
+            rig.close()
 
     # 2. the real run: a block server, two replicas loading from it and publishing into it
     store = BlockStore(cfg.namespace(B).digest, cfg.block_bytes(B))
-    server = BlockServer(store, secret=SECRET)
+    home = open("/proc/self/ns/net") if netns_mbit is not None else None  # this thread's namespace, to come back to
+    _enter_netns(NETNS[0] if home else None)  # the pool node's side of the link
+    server = BlockServer(store, secret=SECRET, host=NETNS_ADDR[0] if home else "127.0.0.1")
     prior = {"lookup_s": lookup_s, "transfer_overhead_s": alpha, "install_s_per_block": install_s_per_block, "dispatch_s": 0.0,
              "interference_s_per_byte": 0.0}
+    _enter_netns(NETNS[1] if home else None)  # the replicas' side: the processes started now live there
     reps = [PeerReplica.start(cfg, secret=SECRET, block_size_tokens=B, capacity_blocks=4096, publish="all", name=f"replica-{i}",
                               shared=(tuple(server.address), store.namespace_digest), link_bytes_per_s=link_bw, prefill=prefill, prior=prior)
             for i in range(2)]
+    if home is not None:
+        _enter_netns(None, path=f"/proc/self/fd/{home.fileno()}")
+        home.close()
     # T_dispatch of this serving path, measured at idle: a request's round trip through the driver and
     # the pipe, less the replica's own time for it (short prompts no other request shares, on each replica),
     # the probes spaced as the replay's requests reach one replica — a process woken from a wait answers
@@ -436,6 +466,8 @@ def end_to_end(n_requests: int, seed: int) -> dict[str, Any]:
         for r in reps:
             r.close()
         server.close()
+        if netns_mbit is not None:
+            netns_down()
 
     # 3. the simulator on the same slice, configured from the profile and the link figures only
     sim_trace = attrs.evolve(trace, output_tokens=np.zeros(len(trace), dtype=np.int64), tokens=None, token_offsets=None)
@@ -465,7 +497,7 @@ def end_to_end(n_requests: int, seed: int) -> dict[str, Any]:
         "rest_of_the_request": (q(part["ttft_s"] - part["match_s"] - part["prefill_s"], 0.5), q(fixed, 0.5)),
     }
 
-    out = {"requests": len(trace), "bytes_per_token": bpt, "dispatch_s": dispatch_s, "dispatch_probe_spacing_s": spacing_s, "link_bytes_per_s": link_bw, "lookup_s": lookup_s, "profile_lookup_s": profile_lookup_s, "a_s_woken": woken.a_s, "profile_a_s": profile_a_s, "transfer_overhead_s": alpha,
+    out = {"requests": len(trace), "netns_mbit": netns_mbit, "bytes_per_token": bpt, "dispatch_s": dispatch_s, "dispatch_probe_spacing_s": spacing_s, "link_bytes_per_s": link_bw, "lookup_s": lookup_s, "profile_lookup_s": profile_lookup_s, "a_s_woken": woken.a_s, "profile_a_s": profile_a_s, "transfer_overhead_s": alpha,
            "install_s_per_block": install_s_per_block, "prefill": prefill.to_dict(),
            "ttft_ms": {"real_p50": q(ttft, 0.5) * 1e3, "sim_p50": q(sim, 0.5) * 1e3, "real_p95": q(ttft, 0.95) * 1e3, "sim_p95": q(sim, 0.95) * 1e3,
                        "real_mean": float(ttft.mean()) * 1e3, "sim_mean": float(sim.mean()) * 1e3},
@@ -640,11 +672,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--netns-mbit", type=float, default=None,
                     help="(a) over two network namespaces joined by a veth pair shaped to this many Mbit/s per direction, instead of "
                          "loopback: a full-duplex link real TCP flows share (needs root and iproute2; implies --skip-end-to-end)")
+    ap.add_argument("--end-to-end-netns", action="store_true",
+                    help="with --netns-mbit: run (b) across the shaped link instead (the pool node on one side, the replicas on the other)")
     args = ap.parse_args(argv)
     out: dict[str, Any] = {}
+    if args.netns_mbit is not None and not args.netns_mbit > 0:
+        raise SystemExit(f"--netns-mbit must be a positive number of Mbit/s, got {args.netns_mbit}")
+    if args.end_to_end_netns:
+        if args.netns_mbit is None:
+            raise SystemExit("--end-to-end-netns needs --netns-mbit R (the shaped link's rate per direction)")
+        e2e = end_to_end(args.requests, args.seed, netns_mbit=args.netns_mbit)
+        print(render_end_to_end(e2e))
+        out["end_to_end_netns"] = e2e
+        path = write_json("sim_vs_real_netns_e2e", out, args.json)
+        print(f"wrote {path}")
+        return 1 if args.check and not e2e["target_met"] else 0
     if args.netns_mbit is not None:
-        if not args.netns_mbit > 0:
-            raise SystemExit(f"--netns-mbit must be a positive number of Mbit/s, got {args.netns_mbit}")
         out["links_netns"] = links_over_netns(args.netns_mbit, int(args.block_mib * 2**20), args.repeats)
         path = write_json("sim_vs_real_netns", out, args.json)
         print(f"wrote {path}")
