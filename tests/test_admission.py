@@ -120,6 +120,20 @@ def test_caps_queue_and_warming():
     assert path.loads, "what the path reports (20 blocks ahead) is under the cap"
 
 
+def test_promised_loads_count_against_the_caps():
+    """Loads an engine was told it may start but has not admitted yet fill the caps like loads in flight."""
+    c = controller(bw=25e9, max_loads_per_replica=3, max_loads_per_source=4)
+    assert c.propose(pm(0, 100), AdmissionContext(block_bytes=BLOCK_BYTES, promised_loads=2)).reason == "wins"
+    assert c.propose(pm(0, 100), AdmissionContext(block_bytes=BLOCK_BYTES, promised_loads=3)).reason == "replica_cap"
+    c.decide(pm(0, 100), AdmissionContext(block_bytes=BLOCK_BYTES, replica="other"))
+    assert c.propose(pm(0, 100), AdmissionContext(block_bytes=BLOCK_BYTES, promised_loads=2)).reason == "wins"
+    c.decide(pm(0, 100), AdmissionContext(block_bytes=BLOCK_BYTES, replica="third"))
+    assert c.propose(pm(0, 100), AdmissionContext(block_bytes=BLOCK_BYTES, promised_loads=2)).reason == "source_cap"
+    for bad in (-1, True, 1.0):
+        with pytest.raises(ConfigError, match="promised_loads"):
+            AdmissionContext(block_bytes=BLOCK_BYTES, promised_loads=bad)
+
+
 class AdmissionMachine(RuleBasedStateMachine):
     """Caps are never exceeded, and in-flight accounting always balances."""
 

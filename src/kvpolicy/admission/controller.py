@@ -121,6 +121,11 @@ class AdmissionContext:
     #: recompute takes is a second each of the requests queued behind it waits (their expected
     #: number: as many as wait now). The mirror of T_interference, which a load steals
     prefill_queue_requests: int = 0
+    #: loads this replica's engine was already told it may start but has not admitted yet (vLLM
+    #: answers ``get_num_new_matched_tokens`` for several requests before it admits their loads
+    #: when it defers async loads to a later step): the replica and source caps count them as in
+    #: flight, so the loads admitted later as committed never exceed the caps
+    promised_loads: int = 0
 
     def __attrs_post_init__(self) -> None:
         if isinstance(self.block_bytes, bool) or not isinstance(self.block_bytes, int) or self.block_bytes <= 0:
@@ -143,6 +148,9 @@ class AdmissionContext:
         n = self.prefill_queue_requests
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ConfigError("prefill_queue_requests", f"must be a non-negative int, got {n!r}")
+        n = self.promised_loads
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError("promised_loads", f"must be a non-negative int, got {n!r}")
 
     @property
     def knows_path(self) -> bool:
@@ -465,9 +473,9 @@ class AdmissionController:
             return "source_unhealthy"
         cfg = self.config
         cap = cfg.warming_max_loads_per_replica if ctx.warming else cfg.max_loads_per_replica
-        if self._replica_loads.get(ctx.replica, 0) >= cap:
+        if self._replica_loads.get(ctx.replica, 0) + ctx.promised_loads >= cap:
             return "replica_cap"
-        if self._source_loads.get(ctx.source, 0) >= cfg.max_loads_per_source:
+        if self._source_loads.get(ctx.source, 0) + ctx.promised_loads >= cfg.max_loads_per_source:
             return "source_cap"
         if queued > cfg.max_queue_bytes_per_source:
             return "queue_full"  # the cap bounds the bytes a load would wait behind, never its own size

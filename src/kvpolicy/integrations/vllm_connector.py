@@ -10,6 +10,10 @@ calls them (``vllm/v1/core/sched/scheduler.py``):
    the request's LoRA and ``cache_salt`` folded in as vLLM folds them), matches
    the remote index after the local blocks and asks the controller for a
    :meth:`~kvpolicy.admission.AdmissionController.propose` — no slot is taken.
+   A load answer is one promise per request (asked again, it replaces its own),
+   counted against the caps until the load is admitted: vLLM may answer several
+   requests before it admits any (it defers an async load's admission while a
+   step is in flight).
    Answer: ``(load_blocks × B, load_async)``; 0 = recompute.
 2. ``update_state_after_alloc(request, blocks, num_external_tokens)`` — the
    scheduler allocated blocks; ``num_external_tokens`` may be *trimmed* or zeroed
@@ -108,10 +112,21 @@ class VllmConnectorPolicy:
         self._proposals: dict[str, tuple[Any, Any, Any, float]] = {}
         self._loads: dict[str, dict[str, Any]] = {}  # req -> admitted load: decision, block ids, ...
         self._pending_meta: dict[str, dict[str, Any]] = {"loads": {}, "stores": {}}
+        #: requests answered "load" whose load is not admitted yet: vLLM may answer several before it admits any
+        #: (it defers an async load's update_state_after_alloc to a later step); the caps count them as in flight
+        self._promised: set[str] = set()
         self._step = 0  # scheduling steps so far (build_connector_meta calls)
 
     def _ctx(self) -> AdmissionContext:
-        return AdmissionContext(block_bytes=self.block_bytes, replica=self.replica, source=self.source, active_decodes=self.active_decodes)
+        return AdmissionContext(block_bytes=self.block_bytes, replica=self.replica, source=self.source, active_decodes=self.active_decodes,
+                                promised_loads=len(self._promised))
+
+    def _promise(self, rid: str, loads: bool) -> None:
+        """The answer to vLLM for ``rid`` is (``loads``) or is not a load: the caps count it until it is admitted."""
+        if loads:
+            self._promised.add(rid)
+        else:
+            self._promised.discard(rid)
 
     # ---------------------------------------------------------------- scheduler side
 
@@ -124,8 +139,11 @@ class VllmConnectorPolicy:
         keys = self.hasher.hash_blocks(toks, extra_keys=_extras(request, n_blocks))
         local = InMemoryBlockIndex(list(keys)[: num_computed_tokens // self.B])  # vLLM already found these locally
         m = match(keys, len(toks), local, self.remote, block_size_tokens=self.B)
+        rid = str(request.request_id)
+        self._promised.discard(rid)  # asked again: its earlier answer is not another load
         d = self.controller.propose(m, self._ctx())
-        self._remember(str(request.request_id), d, m, keys)
+        self._remember(rid, d, m, keys)
+        self._promise(rid, d.loads)
         return (d.load_blocks * self.B, self.load_async) if d.loads else (0, False)
 
     def _remember(self, rid: str, proposal: Any, match: Any, keys: Any) -> None:
@@ -142,6 +160,7 @@ class VllmConnectorPolicy:
         if sync is None:
             sync = not self.load_async
         rid = str(request.request_id)
+        self._promised.discard(rid)  # admitted below, or not a load: no longer only promised
         if rid in self._loads:  # the second call for an async load, after it finished: nothing new
             return self._loads[rid]["decision"].load_blocks
         prop = self._proposals.get(rid)
@@ -200,6 +219,7 @@ class VllmConnectorPolicy:
         toks = _tokens(request)
         rid = str(request.request_id)
         prop = self._proposals.pop(rid, None)
+        self._promised.discard(rid)
         now_s = self.controller.clock.now_s()
         keys = prop[2] if prop and prop[2] is not None else self.hasher.hash_blocks(toks, extra_keys=_extras(request, len(toks) // self.B))
         load = self._loads.pop(rid, None)

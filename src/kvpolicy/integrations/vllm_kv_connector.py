@@ -111,15 +111,20 @@ class _Counted(VllmConnectorPolicy):
         matchable = max(len(toks) - 1, 0) // B
         R = max(min(external_tokens // B, matchable - L), 0)
         m = PrefixMatch(len(toks), B, matchable, L, (R,), ("external",), "miss" if R < matchable - L else "all_matchable_found")
+        rid = str(request.request_id)
+        self._promised.discard(rid)  # asked again: its earlier answer is not another load
         d = self.controller.propose(m, self._ctx())
-        self._remember(str(request.request_id), d, m, None)
+        self._remember(rid, d, m, None)
         if not d.loads:
-            return 0, d.reason
-        if partial:
-            return d.load_blocks * B, d.reason
-        if d.load_blocks >= R:
-            return external_tokens, d.reason
-        return 0, "partial_plan"  # the best plan loads only a part: recompute it all
+            n, reason = 0, d.reason
+        elif partial:
+            n, reason = d.load_blocks * B, d.reason
+        elif d.load_blocks >= R:
+            n, reason = external_tokens, d.reason
+        else:
+            n, reason = 0, "partial_plan"  # the best plan loads only a part: recompute it all
+        self._promise(rid, n > 0)
+        return n, reason  # the best plan loads only a part: recompute it all
 
 
 #: kvpolicy's own counts in a stats interval: requests the inner connector offered a hit for (once vLLM allocated
@@ -299,6 +304,7 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
         if ext is None:
             return None, False  # the inner connector needs more time: vLLM asks again
         if not ext:
+            self.policy._promise(str(request.request_id), False)  # asked again, and nothing to load now
             return 0, False
         n, reason = self.policy.propose_from_count(request, num_computed_tokens, int(ext), partial=self.partial_loads)
         n = min(n, int(ext))
@@ -307,9 +313,10 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         offer = self._offers.pop(str(request.request_id), None)
-        if num_external_tokens:  # the slot, for the controller's books: a load vLLM was promised is never refused here
-            # a synchronous load (the inner connector answered is_async False: LMCache's) is released two steps on
-            self.policy.update_state_after_alloc(request, blocks, num_external_tokens, sync=not (offer and offer[3]))
+        # the slot, for the controller's books: a load vLLM was promised is never refused here (0 tokens: no load, and
+        # the promise is off); a synchronous load (the inner connector answered is_async False: LMCache's) is
+        # released two steps on
+        self.policy.update_state_after_alloc(request, blocks, num_external_tokens, sync=not (offer and offer[3]))
         if offer is not None:
             self.stats.count(offer[0], offer[1], int(num_external_tokens), offer[2])
         # vLLM counts these tokens as loaded from now on: the inner connector loads exactly them
