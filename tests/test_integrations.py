@@ -1228,6 +1228,9 @@ def test_the_loadable_connector_reports_its_decisions_and_the_inner_stats_to_vll
             KVPolicyConnector.build_kv_connector_stats({**payload, **bad})
         assert e.value.field == field
 
+    with pytest.raises(ConfigError, match="module:Class"):
+        KVPolicyConnector.build_kv_connector_stats({**payload, "inner_class": "no_colon_here"})
+
     # Prometheus: kvpolicy's counters, and the inner connector's metrics fed the inner part of each payload
     Counter.made.clear()
     extra = {**fast, "inner_connector": "InnerWithStats", "inner_connector_module_path": mod.__name__}
@@ -1444,6 +1447,58 @@ def _fake_vllm_metrics():
     multi = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.multi_connector")
     multi.MultiConnector = MultiConnector
     return {prom.__name__: prom, factory.__name__: factory, metrics.__name__: metrics, multi.__name__: multi}
+
+
+def test_a_stats_payload_never_makes_kvpolicy_import_a_module(monkeypatch, tmp_path):
+    """The stats dict crosses from vLLM's engine core to its front end: the inner class it names is found only among
+    modules already imported there or classes registered with vLLM's KVConnectorFactory — never imported because a
+    payload names it. An unknown one drops the inner part, with a warning; kvpolicy's own counts still count."""
+    import sys
+
+    from kvpolicy.integrations.vllm_kv_connector import KVPolicyConnector
+
+    (tmp_path / "kvpolicy_test_payload_target.py").write_text(
+        "import os\nopen(os.environ['KVPOLICY_TEST_FLAG'], 'w').write('imported')\n"
+        "class Inner:\n    @classmethod\n    def build_kv_connector_stats(cls, data=None):\n        return data\n")
+    flag = tmp_path / "flag"
+    monkeypatch.setenv("KVPOLICY_TEST_FLAG", str(flag))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "kvpolicy_test_payload_target", raising=False)
+    payload = {"requests": 3, "offered_tokens": 10, "loaded_tokens": 4, "declined_tokens": 6, "declined": {"replica_cap": 1},
+               "inner": {"transfer_bytes": 7}, "inner_class": "kvpolicy_test_payload_target:Inner"}
+    with pytest.warns(RuntimeWarning, match="kvpolicy_test_payload_target:Inner"):
+        rebuilt = KVPolicyConnector.build_kv_connector_stats(payload)
+    assert not flag.exists() and "kvpolicy_test_payload_target" not in sys.modules, "the payload's module was imported"
+    assert rebuilt.inner is None and rebuilt.reduce()["kvpolicy_requests"] == 3
+
+
+def test_a_stats_payload_finds_a_class_registered_with_vllm(monkeypatch):
+    """A registered inner connector (vLLM's own: OffloadingConnector, NIXL, LMCache's) is found by its registered
+    name, its module imported by vLLM's factory — but only when the registered class is the one the payload names."""
+    import sys
+    import types
+
+    Base, fakes = _fake_vllm_base()
+    m = _import_over(monkeypatch, "kvpolicy.integrations.vllm_kv_connector", fakes)
+    factory = fakes["vllm.distributed.kv_transfer.kv_connector.factory"].KVConnectorFactory
+    mod = types.ModuleType("kvpolicy_test_registered_inner")
+    mod.InnerWithStats = InnerWithStats
+    monkeypatch.setattr(InnerWithStats, "__module__", mod.__name__)
+    factory.register_connector("InnerWithStats", mod.__name__, "InnerWithStats")
+    imports = []
+
+    def import_module(name, package=None):  # vLLM's factory imports the registered module, lazily
+        imports.append(name)
+        return mod
+
+    monkeypatch.setattr("importlib.import_module", import_module)
+    payload = {"requests": 1, "inner": {"bytes_loaded": 5}, "inner_class": f"{mod.__name__}:InnerWithStats"}
+    assert mod.__name__ not in sys.modules
+    rebuilt = m.KVPolicyConnector.build_kv_connector_stats(payload)
+    assert isinstance(rebuilt.inner, InnerStats) and imports == [mod.__name__]
+    with pytest.warns(RuntimeWarning, match="dropped"):  # the registered name, another module: not that class
+        other = m.KVPolicyConnector.build_kv_connector_stats({**payload, "inner_class": "somewhere_else:InnerWithStats"})
+    assert other.inner is None and imports == [mod.__name__, mod.__name__]
 
 
 def test_the_connector_on_vllms_base_class_hands_every_other_call_to_the_inner_one(monkeypatch):

@@ -35,6 +35,8 @@ connector's stats and kvpolicy's own counts to vLLM's log line and Prometheus.
 from __future__ import annotations
 
 import importlib
+import sys
+import warnings
 from typing import Any
 
 from ..errors import ConfigError
@@ -137,16 +139,44 @@ def _class_path(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def _class_at(path: str) -> Any:
-    module, _, name = path.partition(":")
+def _registered(name: str, path: str) -> Any:
+    """The class vLLM's KVConnectorFactory has registered as ``name``, if it is the one at ``path``; else None."""
     try:
-        obj: Any = importlib.import_module(module)
-        for part in name.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError("kv_connector_stats.inner_class", f"cannot find the inner connector class {path!r}: {e}") from None
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    if name not in getattr(KVConnectorFactory, "_registry", {}):
+        return None
+    try:
+        cls = KVConnectorFactory.get_connector_class_by_name(name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return cls if isinstance(cls, type) and _class_path(cls) == path else None
+
+
+def _class_at(path: str) -> Any:
+    """The inner connector class a stats payload names (``module:Qualname``) — only a class this process already
+    has: its module imported (vLLM's front end imports the configured inner connector's module when it builds its
+    Prometheus metrics, from the config), or registered with vLLM's ``KVConnectorFactory`` under its own name (as
+    vLLM's ``MultiConnector`` finds its children's classes). A payload crosses a process boundary, so kvpolicy never
+    imports a module because one names it. None: neither."""
+    field = "kv_connector_stats.inner_class"
+    module, sep, name = path.partition(":")
+    if not sep or not module or not name:
+        raise ConfigError(field, f"must be 'module:Class', got {path!r}")
+    obj: Any = sys.modules.get(module)
+    if obj is None:
+        obj = _registered(name.rsplit(".", 1)[-1], path)
+        if obj is None:
+            return None
+    else:
+        try:
+            for part in name.split("."):
+                obj = getattr(obj, part)
+        except AttributeError as e:
+            raise ConfigError(field, f"cannot find the inner connector class {path!r}: {e}") from None
     if not callable(getattr(obj, "build_kv_connector_stats", None)):
-        raise ConfigError("kv_connector_stats.inner_class", f"{path!r} is not a vLLM connector class")
+        raise ConfigError(field, f"{path!r} is not a vLLM connector class")
     return obj
 
 
@@ -360,7 +390,15 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
             raise ConfigError("kv_connector_stats", f"must be the dict KVPolicyStats.to_dict gives, got {type(data).__name__}")
         inner, path = data.get("inner"), data.get("inner_class")
         if isinstance(inner, dict) and path:
-            inner = _class_at(str(path)).build_kv_connector_stats(data=inner)
+            inner_cls = _class_at(str(path))
+            if inner_cls is None:  # kvpolicy's counts still count; the inner connector's cannot be read here
+                warnings.warn(f"kvpolicy: the inner connector's transfer stats are dropped: {path!r} is neither imported in "
+                              "this process nor registered with vLLM's KVConnectorFactory, and kvpolicy imports no module a "
+                              "stats payload names (register the inner connector, or import its module in the front end)",
+                              RuntimeWarning, stacklevel=2)
+                inner = None
+            else:
+                inner = inner_cls.build_kv_connector_stats(data=inner)
         return KVPolicyStats(data, inner=inner, inner_class=path)
 
     # ---------------------------------------------------------------- questions vLLM asks of the class: the inner class's answer
