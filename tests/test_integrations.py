@@ -19,7 +19,7 @@ from kvpolicy.integrations.vllm_events import (
 from kvpolicy.keys import BlockHasher, Namespace, vllm_block_hashes
 from kvpolicy.ledger import Ledger
 from kvpolicy.profile import PrefillModel
-from kvpolicy.publish import PublishAll, ThresholdPublish
+from kvpolicy.publish import PublishAll, PublishRequest, ThresholdPublish
 from helpers import TimeRecorder
 
 B = 16
@@ -1681,6 +1681,38 @@ def test_prepare_store_offers_only_what_the_publish_filter_allows():
     assert wrapped(keys, Ctx("b")) == "spec" and offered[1:] == [["k0", "k1", "k2", "k3"]], "in request order, prefix-closed"
 
 
+def test_prepare_store_passes_on_the_chunks_the_tier_already_holds():
+    """vLLM 0.33's CPU manager records the resident chunks of an offer as the request's reuse (the eviction policy's
+    hits) and protects them from the eviction the same call may make. The filter's cut used to drop them too: the
+    policy never heard of the reuse, and a chunk the request had just reused could be evicted for its new ones."""
+    from kvpolicy.integrations.vllm_offload import _resident_in, filtered_prepare_store
+
+    offered = []
+    held = {"k1", "k3"}
+
+    class Manager:  # vLLM's lookup: MISS / HIT / HIT_PENDING
+        def lookup(self, key, req_context):
+            return type("R", (), {"name": "HIT" if key in held else "MISS"})()
+
+        def prepare_store(self, keys, req_context):
+            offered.append(list(keys))
+            return "spec"
+
+    class Ctx:
+        def __init__(self, rid):
+            self.req_id = rid
+
+        def get_offload_key_position(self, key):
+            return int(key[1:])
+
+    m = Manager()
+    wrapped = filtered_prepare_store(m.prepare_store, ThresholdPublish(2), 16, resident=_resident_in(m))
+    assert wrapped(["k3", "k0", "k1", "k2"], Ctx("a")) == "spec"
+    assert offered == [["k1", "k3"]], "seen once: no new chunk offered, the held ones still are"
+    wrapped(["k0", "k1", "k2", "k3", "k4"], Ctx("b"))
+    assert offered[1] == ["k0", "k1", "k2", "k3"], "the filter's cut (k4 seen once) and every held chunk"
+
+
 def test_an_offload_key_covers_a_chunk_of_blocks():
     import types
 
@@ -1820,6 +1852,46 @@ def test_the_offloading_specs_publish_setting_defaults_to_threshold_2():
     with pytest.raises(ConfigError) as e:
         offload_publish_filter("threshold-2")
     assert e.value.field == "kv_connector_extra_config"
+
+
+SPECS = ("all", "never", "boundary", "threshold-3", "reuse-aware", "structure-aware", "threshold-2+reuse-aware")
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_every_publish_spec_builds_behind_every_adapter(spec):
+    """reuse-aware weighs a write against a recompute and needs a block's bytes and recompute time: the vLLM
+    connector, the SGLang HiCache backend and the vLLM offloading spec built it without them — a TypeError from
+    deep inside, at engine start. Each now gives them from its own settings (LMCache's always did)."""
+    from kvpolicy.integrations.sglang_hicache import KVPolicyHiCacheStorage
+    from kvpolicy.integrations.vllm_kv_connector import KVPolicyConnector
+    from kvpolicy.integrations.vllm_offload import offload_publish_filter
+    from kvpolicy.publish import ReuseAwarePublish
+
+    conn = KVPolicyConnector(vllm_config({"kvpolicy": {"publish": spec, "bytes_per_token": 2048, "prefill_tokens_per_s": 10000}}),
+                             "scheduler", None, inner=InnerConnector(can_load=0))
+    hi = KVPolicyHiCacheStorage(type("C", (), {"extra_config": {"inner": {"backend_name": "file"}, "kvpolicy": {"publish": spec}}})(),
+                                {}, inner=DictStore())
+    off = offload_publish_filter({"kvpolicy_publish": spec, "kvpolicy_bytes_per_token": 4096}, 64)
+    for f, block_bytes, block_s in ((conn.policy.filter, 2048 * B, B / 10000), (hi.filter, 2 << 20, 64 / 20000),
+                                    (off, 4096 * 64, 64 / 20000)):
+        parts = getattr(f, "filters", (f,))
+        for p in parts:
+            if isinstance(p, ReuseAwarePublish):
+                assert p.block_bytes == block_bytes and p.recompute_s(0) == pytest.approx(block_s)
+        assert f.publishable(PublishRequest(request_id="x", num_tokens=4 * B, block_size_tokens=B, time_s=1.0), ["a", "b", "c", "d"]) in range(5)
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"kvpolicy_bytes_per_token": 0}, "kvpolicy_bytes_per_token"), ({"kvpolicy_bytes_per_token": 2.5}, "kvpolicy_bytes_per_token"),
+    ({"kvpolicy_prefill_tokens_per_s": float("inf")}, "kvpolicy_prefill_tokens_per_s"),
+    ({"kvpolicy_prefill_tokens_per_s": "fast"}, "kvpolicy_prefill_tokens_per_s"),
+])
+def test_the_offloading_specs_cost_settings_are_checked_by_name(extra, field):
+    from kvpolicy.integrations.vllm_offload import offload_publish_filter
+
+    with pytest.raises(ConfigError) as e:
+        offload_publish_filter({"kvpolicy_publish": "reuse-aware", **extra})
+    assert e.value.field == f"kv_connector_extra_config.{field}"
 
 
 def test_every_adapter_stamps_publish_requests_with_its_clock(monkeypatch):

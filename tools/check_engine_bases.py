@@ -32,6 +32,7 @@ VLLM_METRICS = "vllm/distributed/kv_transfer/kv_connector/v1/metrics.py"
 VLLM_FACTORY = "vllm/distributed/kv_transfer/kv_connector/factory.py"
 VLLM_MULTI = "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py"
 SGLANG_BASE = "sglang/srt/mem_cache/hicache_storage.py"
+VLLM_OFFLOAD = "vllm/v1/kv_offload/"
 LMCACHE_API = "lmcache/v1/distributed/api.py"
 LMCACHE_POLICY = "lmcache/v1/distributed/storage_controllers/store_policy.py"
 
@@ -81,6 +82,144 @@ def check_vllm(wheel: str) -> None:
 
     drive_vllm_connector(base.KVConnectorBase_V1, vllm_kv_connector)
     drive_vllm_metrics(metrics, factory, vllm_kv_connector, multi.MultiConnector)
+    check_vllm_offload(wheel)
+
+
+def check_vllm_offload(wheel: str) -> None:
+    """vLLM 0.33's own CPU offloading manager (``vllm/v1/kv_offload/cpu/manager.py``, its cache-policy base, factory
+    and LRU) read from the wheel, with kvpolicy's CachePolicy classes loaded by module path and kvpolicy's offloading
+    spec wrapping its ``prepare_store``: :func:`drive_vllm_offload` runs a seeded workload through it."""
+    for n in ("vllm.v1.kv_offload", "vllm.v1.kv_offload.cpu", "vllm.v1.kv_offload.cpu.policies",
+              "vllm.distributed.kv_transfer.kv_connector.v1.offloading"):
+        _module(n)
+    _module("vllm.v1.kv_hints", KvHintsEnvelope=object)
+    _module("vllm.v1.kv_offload.config", OffloadingConfig=object)
+    _module("vllm.utils.math_utils", cdiv=lambda a, b: -(-a // b))
+    _module("vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics", OffloadingConnectorStats=object)
+    _module("typing_extensions", override=lambda f: f)
+
+    class Logger(logging.LoggerAdapter):  # vLLM's logger adds the *_once methods
+        def warning_once(self, msg: str, *args: object) -> None:
+            self.warning(msg, *args)
+
+    _module("vllm.logger", init_logger=lambda name: Logger(logging.getLogger(name), {}))
+    ob = _load(wheel, VLLM_OFFLOAD + "base.py", "vllm.v1.kv_offload.base")
+    _load(wheel, VLLM_OFFLOAD + "cpu/common.py", "vllm.v1.kv_offload.cpu.common")
+    pb = _load(wheel, VLLM_OFFLOAD + "cpu/policies/base.py", "vllm.v1.kv_offload.cpu.policies.base")
+    _load(wheel, VLLM_OFFLOAD + "cpu/policies/factory.py", "vllm.v1.kv_offload.cpu.policies.factory")
+    _load(wheel, VLLM_OFFLOAD + "cpu/policies/lru.py", "vllm.v1.kv_offload.cpu.policies.lru")
+    manager = _load(wheel, VLLM_OFFLOAD + "cpu/manager.py", "vllm.v1.kv_offload.cpu.manager")
+
+    class CPUOffloadingSpec:  # the spec's shape kvpolicy's reads: its extra config, chunk geometry, get_manager
+        def __init__(self, extra_config: dict, num_chunks: int) -> None:
+            self.extra_config, self.num_chunks = extra_config, num_chunks
+            self.tokens_per_block, self.blocks_per_chunk = (16,), 1
+            self.eviction_policy = extra_config.get("eviction_policy", "lru")
+            self.cache_policy_module_path = extra_config.get("cache_policy_module_path")
+            self._manager = None
+
+        def get_manager(self) -> object:
+            if not self._manager:
+                self._manager = manager.CPUOffloadingManager(num_chunks=self.num_chunks, cache_policy=self.eviction_policy,
+                                                             cache_policy_module_path=self.cache_policy_module_path)
+            return self._manager
+
+    _module("vllm.v1.kv_offload.cpu.spec", CPUOffloadingSpec=CPUOffloadingSpec)
+    from kvpolicy.integrations import vllm_offload
+
+    assert vllm_offload._Base is pb.CachePolicy, "kvpolicy's policies subclass vLLM's CachePolicy"
+    runs = [(name, "threshold-2") for name in ("KVPolicyReuseDistance", "KVPolicyAdaptive", "KVPolicyGDSF", "KVPolicyLRU", "lru")]
+    runs += [("KVPolicyReuseDistance", "reuse-aware"), ("KVPolicyReuseDistance", "structure-aware"), ("lru", "structure-aware")]
+    for name, publish in runs:
+        extra = {"kvpolicy_publish": publish, "eviction_policy": name}
+        if name != "lru":
+            extra["cache_policy_module_path"] = vllm_offload.__name__
+        spec = vllm_offload.KVPolicyOffloadingSpec(extra, 48)
+        hits = drive_vllm_offload(spec.get_manager(), ob.ReqContext, ob.make_offload_key, seed=7)
+        print(f"  offload {name}, {publish}: chunk hit ratio {hits:.3f} (vLLM 0.33's CPU manager, 48 chunks)")
+
+    class EveryOther:  # a filter that allows all of one offer and none of the next: its cuts fall on resident chunks
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def observe(self, request: object, keys: list) -> None:
+            self.calls += 1
+
+        def publishable(self, request: object, keys: list) -> int:
+            return len(keys) if self.calls % 2 else 0
+
+    for name in ("KVPolicyReuseDistance", "lru"):
+        mgr = manager.CPUOffloadingManager(num_chunks=48, cache_policy=name,
+                                           cache_policy_module_path=None if name == "lru" else vllm_offload.__name__)
+        mgr.prepare_store = vllm_offload.filtered_prepare_store(mgr.prepare_store, EveryOther(), 16,
+                                                                resident=vllm_offload._resident_in(mgr))
+        hits = drive_vllm_offload(mgr, ob.ReqContext, ob.make_offload_key, seed=11)
+        print(f"  offload {name}, a filter cutting every other offer: chunk hit ratio {hits:.3f}")
+
+
+def drive_vllm_offload(mgr: object, ReqContext: type, make_key: object, *, seed: int, requests: int = 600) -> float:
+    """A seeded workload through an offloading manager in the order vLLM's scheduler calls it: requests of shared
+    prefix families, up to three in flight, each looking up its leading hits, loading them, storing the rest (one
+    store in ten fails) and finishing. After every call the manager's books must balance (evictable chunks counted
+    = chunks at ref count 0), vLLM's own assertions must hold, a chunk resident when offered must still be resident
+    after the store (vLLM protects the offer), and the policy must hear of every resident chunk an offer held as
+    that request's reuse. Returns the chunk hit ratio."""
+    import random
+
+    rng = random.Random(seed)
+    pol = mgr._policy  # type: ignore[attr-defined]
+    heard: dict[str, set] = {}
+    finished = pol.on_request_finished
+
+    def on_request_finished(key_groups, insertion_only_keys, reused_keys, req_context):
+        heard[req_context.req_id] = set(reused_keys)
+        return finished(key_groups, insertion_only_keys, reused_keys, req_context)
+
+    pol.on_request_finished = on_request_finished
+
+    def balanced() -> None:
+        ready0 = sum(1 for k in all_keys if (c := mgr.get_policy_chunk(k)) is not None and c.ref_cnt == 0)  # type: ignore[attr-defined]
+        assert mgr._num_evictable_cache_chunks == ready0, (mgr._num_evictable_cache_chunks, ready0)  # type: ignore[attr-defined]
+
+    mgr.get_policy_chunk = pol.get  # type: ignore[attr-defined]
+    all_keys: set = set()
+    families = [rng.randbytes(8) for _ in range(12)]
+    inflight: list[tuple] = []
+    looked = hit = 0
+    for i in range(requests):
+        fam = rng.choice(families) if rng.random() < 0.8 else rng.randbytes(8)
+        n = rng.randint(2, 10)
+        keys = [make_key(fam + j.to_bytes(2, "big") + (b"" if j < n - 2 else rng.randbytes(1)), 0) for j in range(n)]  # type: ignore[operator]
+        all_keys.update(keys)
+        ctx = ReqContext(req_id=f"r{i}")
+        for j, k in enumerate(keys):
+            ctx.set_offload_key_position(k, (j + 1) * 16)
+        mgr.on_new_request(ctx)  # type: ignore[attr-defined]
+        lead = 0
+        while lead < len(keys) and mgr.lookup(keys[lead], ctx).name == "HIT":  # type: ignore[attr-defined]
+            lead += 1
+        looked += len(keys)
+        hit += lead
+        if lead:
+            mgr.prepare_load(keys[:lead], ctx)  # type: ignore[attr-defined]
+        balanced()
+        held = {k for k in keys if mgr.lookup(k, ctx).name in ("HIT", "HIT_PENDING")}  # type: ignore[attr-defined]
+        ready = {k for k in keys if mgr.lookup(k, ctx).name == "HIT"}  # type: ignore[attr-defined]
+        out = mgr.prepare_store(keys, ctx)  # type: ignore[attr-defined]
+        assert all(mgr.lookup(k, ctx).name != "MISS" for k in held), "a chunk resident when offered was evicted"  # type: ignore[attr-defined]
+        balanced()
+        inflight.append((ctx, keys[:lead], list(out.keys_to_store) if out is not None else [], ready))
+        while len(inflight) > rng.randint(0, 3):
+            c, loaded, stored, was_ready = inflight.pop(0)
+            if loaded:
+                mgr.complete_load(loaded, c)  # type: ignore[attr-defined]
+            if stored:
+                mgr.complete_store(stored, c, success=rng.random() > 0.1)  # type: ignore[attr-defined]
+            mgr.on_request_finished(c)  # type: ignore[attr-defined]
+            balanced()
+            missing = was_ready - heard.get(c.req_id, set())
+            assert not missing, f"{len(missing)} chunks ready when {c.req_id} offered them were not the policy's reuse"
+    return hit / looked
 
 
 def drive_vllm_connector(Base: type, m: types.ModuleType) -> None:
@@ -440,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         r = subprocess.run([sys.executable, __file__, f"--{engine}", wheel, "--only", engine], capture_output=True, text=True)
         print(f"{engine}: {'OK' if r.returncode == 0 else 'FAILED'} ({wheel})")
+        if r.stdout.strip():
+            print(r.stdout.rstrip())
         if r.returncode:
             failed += 1
             print(r.stderr.strip()[-2000:])

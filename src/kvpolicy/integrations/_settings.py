@@ -40,16 +40,21 @@ def string_setting(cfg: dict[str, Any], key: str, where: str) -> str:
     return v
 
 
-def filter_setting(cfg: dict[str, Any], key: str, where: str, **kw: Any) -> Any:
+def filter_setting(cfg: dict[str, Any], key: str, where: str, *, block_bytes: int, block_s: float) -> Any:
     """The publish filter a setting names (a ``make_filter`` spec); a bad spec is an error naming ``where.key``,
-    not the filter's own ``policy``."""
+    not the filter's own ``policy``. ``block_bytes`` and ``block_s`` (the seconds one block takes to recompute) are
+    what ``reuse-aware`` weighs a write against — every adapter gives them, so every spec builds."""
+    return spec_filter(string_setting(cfg, key, where), f"{where}.{key}", block_bytes=block_bytes, block_s=block_s)
+
+
+def spec_filter(spec: str, field: str, *, block_bytes: int, block_s: float) -> Any:
+    """:func:`~kvpolicy.publish.make_filter` for an engine's setting ``field``: its errors name ``field``."""
     from ..publish import make_filter
 
-    spec = string_setting(cfg, key, where)
     try:
-        return make_filter(spec, **kw)
+        return make_filter(spec, block_bytes=block_bytes, recompute_s=lambda depth: block_s)
     except ConfigError as e:
-        raise ConfigError(f"{where}.{key}", e.problem) from None
+        raise ConfigError(field, e.problem) from None
 
 
 def controller_from_settings(cfg: dict[str, Any], where: str) -> AdmissionController:

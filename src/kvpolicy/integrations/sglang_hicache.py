@@ -75,7 +75,8 @@ class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         self.page_tokens = positive_int_setting(cfg, "page_tokens", "extra_config.kvpolicy")
         self.bytes_per_page = positive_int_setting(cfg, "bytes_per_page", "extra_config.kvpolicy")
         self.controller = controller_from_settings(cfg, "extra_config.kvpolicy")
-        self.filter = filter_setting(cfg, "publish", "extra_config.kvpolicy")
+        self.filter = filter_setting(cfg, "publish", "extra_config.kvpolicy", block_bytes=self.bytes_per_page,
+                                     block_s=self.page_tokens / cfg["prefill_tokens_per_s"])
         self._ids = itertools.count()
         self.counts = {"exists_pages": 0, "exposed_pages": 0, "set_pages": 0, "stored_pages": 0, "loads_timed": 0}
         # SGLang calls a backend from three threads at once (cache_controller.py: batch_exists from the prefetch

@@ -311,10 +311,11 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
         cfg = read_settings(extra.get("kvpolicy"), DEFAULTS, where)
         controller = controller_from_settings(cfg, where)
         bytes_per_token = positive_int_setting(cfg, "bytes_per_token", where)
-        kv_dtype, publish_filter = string_setting(cfg, "kv_dtype", where), filter_setting(cfg, "publish", where)
+        kv_dtype = string_setting(cfg, "kv_dtype", where)
         cache = getattr(vllm_config, "cache_config", None)
         block_size = positive_int_setting(cfg, "block_size", where)  # checked even where vLLM's cache config gives it
         B = int(getattr(cache, "block_size", None) or block_size)
+        publish_filter = filter_setting(cfg, "publish", where, block_bytes=bytes_per_token * B, block_s=B / cfg["prefill_tokens_per_s"])
         from ..keys import BlockHasher, Namespace
 
         model = getattr(getattr(vllm_config, "model_config", None), "model", None) or "model"

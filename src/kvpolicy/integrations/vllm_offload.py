@@ -188,11 +188,17 @@ class KVPolicyLRU(_KVPolicyCachePolicy):
         return LRUPolicy(capacity)
 
 
-def filtered_prepare_store(prepare_store: Any, publish_filter: Any, block_size_tokens: int, *, clock: Clock | None = None) -> Any:
+def filtered_prepare_store(prepare_store: Any, publish_filter: Any, block_size_tokens: int, *, clock: Clock | None = None,
+                           resident: Any = None) -> Any:
     """Wrap a manager's ``prepare_store(keys, req_context)`` so only the leading keys a kvpolicy
-    publish filter allows are offered (in the request's order when ``req_context`` gives positions); when it allows
-    none, the manager is asked to store no keys. ``block_size_tokens``: tokens per offload key (a chunk). Each call
-    is stamped with ``clock`` (default: monotonic seconds): the filter's windows and decay run on it."""
+    publish filter allows are offered as new stores (in the request's order when ``req_context`` gives positions); when
+    it allows none, the manager is asked to store no new keys. ``block_size_tokens``: tokens per offload key (a chunk).
+    Each call is stamped with ``clock`` (default: monotonic seconds): the filter's windows and decay run on it.
+
+    ``resident(key, req_context) -> bool``: whether the tier already holds the key (the manager's ``lookup``). Such keys
+    are always passed on, wherever the filter's cut falls: vLLM's manager records them as this request's reuse (the
+    eviction policy's hits) and protects them from the eviction this call may make — cut, a chunk the request had just
+    reused could be evicted to make room for its own new chunks."""
     from ..publish import PublishRequest
 
     counter = [0]
@@ -210,9 +216,10 @@ def filtered_prepare_store(prepare_store: Any, publish_filter: Any, block_size_t
         req = PublishRequest(request_id=rid, num_tokens=len(ks) * block_size_tokens, block_size_tokens=block_size_tokens, time_s=clk.now_s())
         publish_filter.observe(req, ks)
         n = publish_filter.publishable(req, ks)
+        offered = ks[:n] if resident is None else [k for i, k in enumerate(ks) if i < n or resident(k, req_context)]
         # nothing allowed is still an answer from the manager (vLLM's CPU manager: an empty store), never None:
         # the scheduler reads None as a failed allocation — counted, logged, and the same chunks offered again
-        return prepare_store(ks[:n], req_context)
+        return prepare_store(offered, req_context)
 
     return wrapped
 
@@ -234,10 +241,16 @@ def offload_key_tokens(spec: Any) -> int:
     return 16
 
 
-def offload_publish_filter(extra_config: Any) -> Any:
-    """The publish filter named by ``kv_connector_extra_config["kvpolicy_publish"]`` (default
-    ``threshold-2``). Anything else than a valid spec string is an error naming that key."""
-    from ..publish import make_filter
+#: the offloading spec's kvpolicy keys beside ``kvpolicy_publish``: what ``reuse-aware`` weighs a write against
+OFFLOAD_DEFAULTS = {"kvpolicy_bytes_per_token": 131072, "kvpolicy_prefill_tokens_per_s": 20000.0}
+
+
+def offload_publish_filter(extra_config: Any, key_tokens: int = 16) -> Any:
+    """The publish filter named by ``kv_connector_extra_config["kvpolicy_publish"]`` (default ``threshold-2``), for
+    offload keys of ``key_tokens`` tokens. ``reuse-aware`` weighs a write against a recompute: a chunk's bytes are
+    ``kvpolicy_bytes_per_token`` × ``key_tokens``, its recompute ``key_tokens`` / ``kvpolicy_prefill_tokens_per_s``
+    (defaults 131072 and 20000). Anything else than a valid spec string is an error naming that key."""
+    from ._settings import spec_filter
 
     where = "kv_connector_extra_config.kvpolicy_publish"
     extra = {} if extra_config is None else extra_config
@@ -246,10 +259,22 @@ def offload_publish_filter(extra_config: Any) -> Any:
     spec = extra.get("kvpolicy_publish", "threshold-2")
     if not isinstance(spec, str):
         raise ConfigError(where, f"must be a publish filter spec such as 'threshold-2', got {spec!r}")
-    try:
-        return make_filter(spec)
-    except ConfigError as e:
-        raise ConfigError(where, e.problem) from None
+    bpt = extra.get("kvpolicy_bytes_per_token", OFFLOAD_DEFAULTS["kvpolicy_bytes_per_token"])
+    if isinstance(bpt, bool) or not isinstance(bpt, int) or bpt <= 0:
+        raise ConfigError("kv_connector_extra_config.kvpolicy_bytes_per_token", f"must be a positive int, got {bpt!r}")
+    tps = extra.get("kvpolicy_prefill_tokens_per_s", OFFLOAD_DEFAULTS["kvpolicy_prefill_tokens_per_s"])
+    if isinstance(tps, bool) or not isinstance(tps, (int, float)) or not 0 < tps < float("inf"):
+        raise ConfigError("kv_connector_extra_config.kvpolicy_prefill_tokens_per_s", f"must be a finite positive number, got {tps!r}")
+    return spec_filter(spec, where, block_bytes=bpt * key_tokens, block_s=key_tokens / tps)
+
+
+def _resident_in(manager: Any) -> Any:
+    """``resident`` for :func:`filtered_prepare_store`: the manager's ``lookup`` finds the key (ready or being stored)."""
+
+    def resident(key: Any, req_context: Any) -> bool:
+        return getattr(manager.lookup(key, req_context), "name", None) in ("HIT", "HIT_PENDING")
+
+    return resident
 
 
 class KVPolicyOffloadingSpec(_SpecBase):  # type: ignore[misc,valid-type]
@@ -258,8 +283,8 @@ class KVPolicyOffloadingSpec(_SpecBase):  # type: ignore[misc,valid-type]
     def get_manager(self) -> Any:  # pragma: no cover - needs vLLM
         manager = super().get_manager()
         if not getattr(manager, "_kvpolicy_wrapped", False):
-            f = offload_publish_filter(getattr(self, "extra_config", None))
             block = offload_key_tokens(self)
-            manager.prepare_store = filtered_prepare_store(manager.prepare_store, f, block)
+            f = offload_publish_filter(getattr(self, "extra_config", None), block)
+            manager.prepare_store = filtered_prepare_store(manager.prepare_store, f, block, resident=_resident_in(manager))
             manager._kvpolicy_wrapped = True
         return manager
