@@ -787,6 +787,81 @@ def test_engine_payloads_over_a_real_pub_socket_with_restart_and_replay():
         router.close(linger=0)
 
 
+def test_a_replay_socket_that_never_ends_cannot_hold_ingestion_up():
+    """The subscriber fetches a gap from the engine's replay socket in its own thread: a replay that never sent its
+    end marker kept it reading forever, and an earlier fetch's leftovers were taken for the next one's batches."""
+    zmq = pytest.importorskip("zmq")
+    from kvpolicy.integrations.vllm_events import ReplayClient
+
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def endless():  # answers each request with batches from long before it on, and never the end marker
+        while not stop.is_set():
+            if router.poll(20):
+                ident, _, start = router.recv_multipart()
+                seq = int.from_bytes(start, "big") - 3
+                while not stop.is_set():
+                    router.send_multipart([ident, b"", b"kv", seq.to_bytes(8, "big"), b"x"])
+                    seq += 1
+                    time.sleep(0.001)
+
+    th = threading.Thread(target=endless, daemon=True)
+    th.start()
+    client = ReplayClient(f"tcp://127.0.0.1:{port}", timeout_ms=200, max_fetch_s=0.5)
+    got = []
+    fetcher = threading.Thread(target=lambda: got.append(client.fetch(100, until=110)), daemon=True)
+    t0 = time.monotonic()
+    fetcher.start()
+    fetcher.join(timeout=10)
+    try:
+        assert not fetcher.is_alive(), "the fetch never returned"
+        assert time.monotonic() - t0 < 5
+        assert [s for s, _ in got[0]] == list(range(100, 111)), "only the gap asked for, none from before it"
+    finally:
+        stop.set()
+        th.join(timeout=5)
+        client.close()
+        router.close(linger=0)
+    with pytest.raises(ConfigError, match="max_fetch_s"):
+        ReplayClient("tcp://127.0.0.1:1", max_fetch_s=0)
+
+
+def test_a_subscriber_refuses_a_message_larger_than_its_bound():
+    """Anything that can reach the event port could make the subscriber buffer one message of any size; ZMQ's
+    MAXMSGSIZE now bounds it (a peer sending more is disconnected, and may reconnect)."""
+    zmq = pytest.importorskip("zmq")
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    ing = ingestor(InMemoryDirectory())
+    sub = ZmqEventSubscriber(ing, f"tcp://127.0.0.1:{port}", topic="kv", max_message_bytes=1 << 16)
+    try:
+        small = encode_batch(0.0, [])
+        big = encode_batch(0.0, [BlockStored(tuple(range(1, 2)), None, tuple(range(B)), B)] * 4000)
+        assert len(big) > 1 << 16
+        deadline = time.time() + 10
+        seq = 0
+        while ing.counts["batches"] == 0 and time.time() < deadline:  # connected: small batches arrive
+            pub.send_multipart([b"kv", seq.to_bytes(8, "big"), small])
+            seq += 1
+            sub.poll_once()
+        assert ing.counts["batches"] >= 1
+        before = ing.counts["batches"]
+        pub.send_multipart([b"kv", seq.to_bytes(8, "big"), big])
+        for _ in range(20):
+            sub.poll_once()
+        assert ing.counts["batches"] == before and ing.counts["stored_blocks"] == 0, "the oversized batch was ingested"
+    finally:
+        sub.close()
+        pub.close(linger=0)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ConfigError, match="max_message_bytes"):
+            ZmqEventSubscriber(ing, "tcp://127.0.0.1:1", max_message_bytes=bad)
+
+
 def test_one_subscriber_per_data_parallel_rank():
     pytest.importorskip("zmq")
     d = InMemoryDirectory()

@@ -534,6 +534,19 @@ def _connect(sock: Any, endpoint: str, field: str) -> None:
         raise ConfigError(field, f"ZMQ cannot connect to {endpoint!r}: {e}") from None
 
 
+#: the largest message a subscriber accepts (ZMQ ``MAXMSGSIZE``; a peer that sends more is disconnected): vLLM's event
+#: batches are a step's events — kilobytes, a few megabytes with token ids of long prompts — so 64 MiB bounds the
+#: memory one message from anything that can reach the port can take, far above what an engine sends
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+def _bounded(sock: Any, zmq: Any, max_message_bytes: int, field: str) -> None:
+    if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or max_message_bytes <= 0:
+        sock.close(linger=0)
+        raise ConfigError(field, f"must be a positive int (bytes), got {max_message_bytes!r}")
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+
+
 class ZmqEventSubscriber:
     """A SUB socket on an engine's event endpoint feeding a :class:`KVEventIngestor`.
 
@@ -547,7 +560,7 @@ class ZmqEventSubscriber:
     """
 
     def __init__(self, ingestor: KVEventIngestor, endpoint: str, topic: str = "", *, poll_ms: int = 50,
-                 replay_endpoint: str | None = None) -> None:
+                 replay_endpoint: str | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
         try:
             import zmq
         except ImportError:
@@ -557,12 +570,13 @@ class ZmqEventSubscriber:
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
+        _bounded(self.sock, zmq, max_message_bytes, "max_message_bytes")
         self.sock.setsockopt_string(zmq.SUBSCRIBE, topic)
         _connect(self.sock, endpoint, "endpoint")
         self.poll_ms = poll_ms
         self.last_seq: int | None = None
         try:
-            self.replay = ReplayClient(replay_endpoint) if replay_endpoint else None
+            self.replay = ReplayClient(replay_endpoint, max_message_bytes=max_message_bytes) if replay_endpoint else None
         except ConfigError:
             self.sock.close(linger=0)
             raise
@@ -621,29 +635,42 @@ class ZmqEventSubscriber:
 
 class ReplayClient:
     """The engine's replay socket (a ROUTER): send the 8-byte start sequence, receive
-    ``[b"", topic, seq, payload]`` messages until ``seq`` = -1."""
+    ``[b"", topic, seq, payload]`` messages until ``seq`` = -1.
 
-    def __init__(self, endpoint: str, *, timeout_ms: int = 1000) -> None:
+    A fetch ends at the end marker, when no message came for ``timeout_ms``, or after ``max_fetch_s`` in all — a
+    replay socket that never sends its end marker cannot hold ingestion up — and keeps only ``start_seq`` ≤ seq ≤
+    ``until``: what a fetch that ended early left queued is not taken for the next one's batches."""
+
+    def __init__(self, endpoint: str, *, timeout_ms: int = 1000, max_fetch_s: float = 10.0,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
         import zmq
 
+        if isinstance(max_fetch_s, bool) or not isinstance(max_fetch_s, (int, float)) or not 0 < max_fetch_s < float("inf"):
+            raise ConfigError("max_fetch_s", f"must be a finite positive number of seconds, got {max_fetch_s!r}")
         self._zmq = zmq
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        _bounded(self.sock, zmq, max_message_bytes, "max_message_bytes")
         _connect(self.sock, endpoint, "replay_endpoint")
         self.timeout_ms = timeout_ms
+        self.max_fetch_s = float(max_fetch_s)
 
     def fetch(self, start_seq: int, until: int | None = None) -> list[tuple[int, bytes]]:
-        """Batches from ``start_seq`` on (up to ``until``), as ``(seq, payload)``; stops at the end marker or a timeout."""
+        """Batches from ``start_seq`` on (up to ``until``), as ``(seq, payload)``; stops at the end marker, a
+        timeout, or ``max_fetch_s``."""
+        import time
+
         self.sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
         out: list[tuple[int, bytes]] = []
-        while self.sock.poll(self.timeout_ms):
+        deadline = time.monotonic() + self.max_fetch_s
+        while time.monotonic() < deadline and self.sock.poll(self.timeout_ms):
             parts = self.sock.recv_multipart()
             if len(parts) != 4 or len(parts[2]) != 8:
                 continue
             seq = int.from_bytes(parts[2], "big", signed=True)
             if seq == -1:
                 break
-            if until is None or seq <= until:
+            if start_seq <= seq and (until is None or seq <= until):
                 out.append((seq, parts[3]))
         return out
 
