@@ -303,9 +303,12 @@ def test_publish_bench_and_the_adapters_take_a_filter_of_your_own(capsys, tmp_pa
         assert runs[sized][field] == runs["all"][field], field
     assert {g["policy"] for g in res["goals"]} >= {twin, sized}, "the goal lines judge a filter of your own too"
     assert make_filter(sized, block_bytes=7, recompute_s=lambda d: 1.0).block_bytes == 7, "only the keywords it takes"
-    assert filter_setting({"publish": twin}, "publish", "kvpolicy").publishable is not None, "an engine adapter's publish setting"
+    assert filter_setting({"publish": twin}, "publish", "kvpolicy", block_bytes=9, block_s=0.1).publishable is not None, \
+        "an engine adapter's publish setting"
+    assert filter_setting({"publish": sized}, "publish", "kvpolicy", block_bytes=9, block_s=0.1).block_bytes == 9, \
+        "the adapter's block bytes reach a filter of your own that takes them"
     with pytest.raises(ConfigError) as e:
-        filter_setting({"publish": f"{mine}:NoPublishable"}, "publish", "kvpolicy")
+        filter_setting({"publish": f"{mine}:NoPublishable"}, "publish", "kvpolicy", block_bytes=9, block_s=0.1)
     assert e.value.field == "kvpolicy.publish" and "lacks observe/publishable" in e.value.problem
     p = tmp_path / "mc.jsonl"
     tr.to_mooncake_jsonl(p)
