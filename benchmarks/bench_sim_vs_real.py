@@ -339,11 +339,12 @@ CONFIGS = [  # (label, forward sizes in blocks, reverse size in blocks or None)
 ]
 
 
-def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None) -> dict[str, Any]:
+def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publish: str = "all") -> dict[str, Any]:
     """(b): replay a slice on real replica processes and in the simulator; compare TTFT and bytes. With
     ``netns_mbit`` the block server sits in one network namespace and the replicas in the other, across the veth
     pair shaped to that rate per direction: every load and every publish crosses it, and the simulator's link
-    figures are the shaped link's, measured alone before the replay."""
+    figures are the shaped link's, measured alone before the replay. ``publish``: the replicas' (and the simulated
+    replicas') publish filter — ``never`` takes the background publisher out, a control for its cost."""
     import threading
 
     import attrs
@@ -398,7 +399,7 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None) -> d
     prior = {"lookup_s": lookup_s, "transfer_overhead_s": alpha, "install_s_per_block": install_s_per_block, "dispatch_s": 0.0,
              "interference_s_per_byte": 0.0}
     _enter_netns(NETNS[1] if home else None)  # the replicas' side: the processes started now live there
-    reps = [PeerReplica.start(cfg, secret=SECRET, block_size_tokens=B, capacity_blocks=4096, publish="all", name=f"replica-{i}",
+    reps = [PeerReplica.start(cfg, secret=SECRET, block_size_tokens=B, capacity_blocks=4096, publish=publish, name=f"replica-{i}",
                               shared=(tuple(server.address), store.namespace_digest), link_bytes_per_s=link_bw, prefill=prefill, prior=prior)
             for i in range(2)]
     if home is not None:
@@ -437,6 +438,8 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None) -> d
     reused = np.zeros(len(trace), dtype=np.int64)
     parts: list[dict[str, float]] = [{} for _ in range(len(trace))]  # the replica's own timings, per request
     queued = np.zeros(len(trace))  # arrival to the driver sending it: waiting for the replica
+    found = np.zeros(len(trace), dtype=np.int64)  # remote blocks the replica's lookup found
+    reasons: list[str | None] = [None] * len(trace)  # its admission controller's reason, when it found any
     queues: list[list[int]] = [[], []]
     for i in range(len(trace)):
         queues[i % 2].append(i)
@@ -454,14 +457,18 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None) -> d
             compute[i] = out["prefill_ms"] / 1e3
             inside[i] = out["ttft_ms"] / 1e3
             reused[i] = out["local_blocks"] + out["loaded_blocks"]
+            found[i] = out["remote_found"]
+            reasons[i] = out["reason"]
             parts[i] = out["timings"]
 
+    real_ledgers: list[dict[str, Any]] = []
     try:
         threads = [threading.Thread(target=serve, args=(r,)) for r in range(2)]
         for th in threads:
             th.start()
         for th in threads:
             th.join()
+        real_ledgers = [r.ledger() for r in reps]
     finally:
         for r in reps:
             r.close()
@@ -475,7 +482,7 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None) -> d
                             decode_tokens_per_s=1e9, storage_nodes=1, pool_capacity_bytes_per_node=10**12, node_bandwidth_bytes_per_s=link_bw,
                             replica_bandwidth_bytes_per_s=link_bw, placement_chunk_blocks=10**6, lookup_s=lookup_s, transfer_overhead_s=alpha,
                             install_s_per_block=install_s_per_block, dispatch_s=dispatch_s, interference_s_per_byte=0.0, router="round-robin")
-    ps = PolicySet("reference", local_eviction="lru", pool_eviction="lru", publish="all", load="admission", timeout="admission",
+    ps = PolicySet("reference", local_eviction="lru", pool_eviction="lru", publish=publish, load="admission", timeout="admission",
                    failure="recompute")
     res = Simulator(Prepared(sim_trace), cluster, ps).run()
     sim = res.ttft_s
@@ -497,7 +504,7 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None) -> d
         "rest_of_the_request": (q(part["ttft_s"] - part["match_s"] - part["prefill_s"], 0.5), q(fixed, 0.5)),
     }
 
-    out = {"requests": len(trace), "netns_mbit": netns_mbit, "bytes_per_token": bpt, "dispatch_s": dispatch_s, "dispatch_probe_spacing_s": spacing_s, "link_bytes_per_s": link_bw, "lookup_s": lookup_s, "profile_lookup_s": profile_lookup_s, "a_s_woken": woken.a_s, "profile_a_s": profile_a_s, "transfer_overhead_s": alpha,
+    out = {"requests": len(trace), "netns_mbit": netns_mbit, "publish": publish, "bytes_per_token": bpt, "dispatch_s": dispatch_s, "dispatch_probe_spacing_s": spacing_s, "link_bytes_per_s": link_bw, "lookup_s": lookup_s, "profile_lookup_s": profile_lookup_s, "a_s_woken": woken.a_s, "profile_a_s": profile_a_s, "transfer_overhead_s": alpha,
            "install_s_per_block": install_s_per_block, "prefill": prefill.to_dict(),
            "ttft_ms": {"real_p50": q(ttft, 0.5) * 1e3, "sim_p50": q(sim, 0.5) * 1e3, "real_p95": q(ttft, 0.95) * 1e3, "sim_p95": q(sim, 0.95) * 1e3,
                        "real_mean": float(ttft.mean()) * 1e3, "sim_mean": float(sim.mean()) * 1e3},
@@ -509,7 +516,12 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None) -> d
                                                    t_arr + ttft - inside, t_arr + ttft),
            "per_request": {"real_ttft_s": ttft.tolist(), "sim_ttft_s": sim.tolist(), "prompt_tokens": trace.input_tokens.tolist(),
                            "replica_s": inside.tolist(), "forward_s": compute.tolist(), "reused_blocks": reused.tolist(),
-                           "real_loaded_bytes": loaded.tolist(), "replica_timings_s": parts}}
+                           "real_loaded_bytes": loaded.tolist(), "real_remote_found_blocks": found.tolist(), "real_reason": reasons,
+                           "replica_timings_s": parts},
+           # the admission decisions on both sides: requests by outcome and prompt tokens by reuse or miss cause (the real
+           # replicas' ledgers also hold the idle probes: cold 2-block prompts, no remote block found, so the remote
+           # hit and declined counts are the replay's alone)
+           "decisions": {"real": _sum_ledgers(real_ledgers), "sim": {k: dict(res.ledger.to_dict()[k]) for k in ("requests", "tokens")}}}
     t = out["ttft_ms"]
     out["error_p50"] = abs(t["sim_p50"] - t["real_p50"]) / t["real_p50"]
     out["error_p95"] = abs(t["sim_p95"] - t["real_p95"]) / t["real_p95"]
@@ -531,6 +543,15 @@ def forward_ratios(ratio: Any, new_tokens: Any, start_s: Any, end_s: Any) -> dic
     return out
 
 
+def _sum_ledgers(ledgers: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {"requests": {}, "tokens": {}}
+    for led in ledgers:
+        for part in ("requests", "tokens"):
+            for k, v in (led.get(part) or {}).items():
+                out[part][k] = out[part].get(k, 0) + int(v)
+    return out
+
+
 def render_end_to_end(e: dict[str, Any]) -> str:
     t = e["ttft_ms"]
     b = e["bytes_loaded"]
@@ -546,6 +567,10 @@ def render_end_to_end(e: dict[str, Any]) -> str:
         f"{'TTFT p95 ms':>14} {t['real_p95']:>10.1f} {t['sim_p95']:>10.1f} {e['error_p95']:>7.1%}",
         f"{'TTFT mean ms':>14} {t['real_mean']:>10.1f} {t['sim_mean']:>10.1f}",
         f"{'loaded MiB':>14} {b['real'] / 2**20:>10.2f} {b['sim'] / 2**20:>10.2f}",
+        *([f"{'remote tokens':>14} real: {e['decisions']['real']['tokens'].get('remote_hit', 0):,} loaded, "
+           f"{e['decisions']['real']['tokens'].get('miss_declined', 0):,} declined; simulated: "
+           f"{e['decisions']['sim']['tokens'].get('remote_hit', 0):,} loaded, {e['decisions']['sim']['tokens'].get('miss_declined', 0):,} declined"]
+          if "decisions" in e else []),
         f"per-request TTFT error, median: {e['per_request_error_median']:.1%}   "
         f"(target: p50 and p95 within 20 %: {'PASS' if e['target_met'] else 'MISS'})",
         f"the replicas' forward passes ran {e['compute_slowdown_vs_profile']:.2f}x the profile's marginal (median; by size and by "
@@ -668,6 +693,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=150, help="(b): requests replayed end to end (default 150)")
     ap.add_argument("--seed", type=int, default=5, help="(b): the preset's seed (default 5)")
     ap.add_argument("--skip-links", action="store_true", help="run only (b)")
+    ap.add_argument("--publish", default="all", choices=("all", "never"),
+                    help="(b): what the replicas publish (default all; never: no background publisher — a control for its cost)")
     ap.add_argument("--skip-end-to-end", action="store_true", help="run only (a)")
     ap.add_argument("--netns-mbit", type=float, default=None,
                     help="(a) over two network namespaces joined by a veth pair shaped to this many Mbit/s per direction, instead of "
@@ -681,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.end_to_end_netns:
         if args.netns_mbit is None:
             raise SystemExit("--end-to-end-netns needs --netns-mbit R (the shaped link's rate per direction)")
-        e2e = end_to_end(args.requests, args.seed, netns_mbit=args.netns_mbit)
+        e2e = end_to_end(args.requests, args.seed, netns_mbit=args.netns_mbit, publish=args.publish)
         print(render_end_to_end(e2e))
         out["end_to_end_netns"] = e2e
         path = write_json("sim_vs_real_netns_e2e", out, args.json)
@@ -694,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if args.check and not out["links_netns"]["target_met"] else 0
     ok_b = True
     if not args.skip_end_to_end:
-        e2e = end_to_end(args.requests, args.seed)
+        e2e = end_to_end(args.requests, args.seed, publish=args.publish)
         print(render_end_to_end(e2e) + "\n")
         out["end_to_end"] = e2e
         ok_b = e2e["target_met"]
