@@ -1681,6 +1681,53 @@ def hicache(link_gbps, publish="threshold-2"):
     return KVPolicyHiCacheStorage(cfg, {}, inner=DictStore())
 
 
+def test_the_hicache_backend_builds_its_inner_store_with_sglangs_factory(monkeypatch):
+    """SGLang builds the inner store when it attaches the host pool (register_mem_pool_host), by its own
+    StorageBackendFactory. A "dynamic" inner store needs backend_name, module_path and class_name in its extra config
+    (SGLang 0.5.23's loader raises "Missing required field 'backend_name'" otherwise): the name was stripped. Checked
+    against SGLang's own backend_factory.py by tools/check_engine_bases.py --sglang; here, a stand-in with its rule."""
+    import dataclasses
+    import sys
+    import types
+
+    from kvpolicy.integrations.sglang_hicache import KVPolicyHiCacheStorage
+
+    built = []
+
+    class StorageBackendFactory:
+        @classmethod
+        def create_backend(cls, backend_name, storage_config, mem_pool_host, **kwargs):
+            extra = storage_config.extra_config
+            if backend_name == "dynamic":
+                for field in ("backend_name", "module_path", "class_name"):
+                    if field not in (extra or {}):
+                        raise ValueError(f"Missing required field '{field}' in backend config for 'dynamic' backend")
+            built.append((backend_name, extra, mem_pool_host))
+            return DictStore()
+
+    monkeypatch.setitem(sys.modules, "sglang.srt.mem_cache.storage.backend_factory",
+                        types.SimpleNamespace(StorageBackendFactory=StorageBackendFactory))
+
+    @dataclasses.dataclass
+    class Config:  # SGLang's HiCacheStorageConfig: a dataclass the backend copies for its inner store
+        model_name: str
+        extra_config: dict
+
+    pool = object()
+    for inner, expect in (({"backend_name": "dynamic", "module_path": "m", "class_name": "C"}, {"backend_name": "dynamic", "module_path": "m", "class_name": "C"}),
+                          ({"backend_name": "file", "file_storage_path": "/x"}, {"file_storage_path": "/x"}),
+                          ({"backend_name": "file"}, None)):
+        cfg = Config("m", {"inner": inner, "kvpolicy": {"link_gbps": 100}})
+        s = KVPolicyHiCacheStorage(cfg, {})
+        s.register_mem_pool_host(pool)
+        assert built[-1] == (inner["backend_name"], expect, pool) and isinstance(s.inner, DictStore)
+        assert cfg.extra_config["inner"] == inner, "the backend's own config is left as SGLang gave it"
+    for bad in ({}, {"backend_name": ""}, {"backend_name": 3}):
+        with pytest.raises(ConfigError) as e:
+            KVPolicyHiCacheStorage(Config("m", {"inner": bad}), {})
+        assert e.value.field == "extra_config.inner.backend_name"
+
+
 def test_hicache_backend_decides_safely_from_sglangs_three_storage_threads():
     """SGLang calls a storage backend from three threads at once (cache_controller.py: batch_exists from the
     prefetch thread, the reads from its IO thread, the writes from the backup thread). kvpolicy's decisions share one

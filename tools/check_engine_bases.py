@@ -32,6 +32,7 @@ VLLM_METRICS = "vllm/distributed/kv_transfer/kv_connector/v1/metrics.py"
 VLLM_FACTORY = "vllm/distributed/kv_transfer/kv_connector/factory.py"
 VLLM_MULTI = "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py"
 SGLANG_BASE = "sglang/srt/mem_cache/hicache_storage.py"
+SGLANG_FACTORY = "sglang/srt/mem_cache/storage/backend_factory.py"
 VLLM_OFFLOAD = "vllm/v1/kv_offload/"
 LMCACHE_API = "lmcache/v1/distributed/api.py"
 LMCACHE_POLICY = "lmcache/v1/distributed/storage_controllers/store_policy.py"
@@ -439,6 +440,72 @@ def check_sglang(wheel: str) -> None:
     from kvpolicy.integrations import sglang_hicache
 
     drive_hicache_backend(base.HiCacheStorage, sglang_hicache, base.PoolTransferResult)
+    _module("sglang.srt.mem_cache.storage")
+    _module("sglang.srt.mem_cache.storage.file")
+    _module("sglang.srt.utils")
+    _module("sglang.srt.utils.common", human_readable_int=str)
+    _load(wheel, "sglang/srt/mem_cache/storage/file/lru_file_evictor.py", "sglang.srt.mem_cache.storage.file.lru_file_evictor")
+    factory = _load(wheel, SGLANG_FACTORY, "sglang.srt.mem_cache.storage.backend_factory")
+    drive_hicache_factory(factory.StorageBackendFactory, base, sglang_hicache)
+
+
+def drive_hicache_factory(Factory: type, base: types.ModuleType, m: types.ModuleType) -> None:
+    """kvpolicy's backend built as SGLang's cache controller builds a ``dynamic`` one (``create_backend`` then
+    ``register_mem_pool_host``), its inner store built by the same factory: SGLang's ``file`` store, and a ``dynamic``
+    one (whose extra config must keep ``backend_name``, ``module_path`` and ``class_name``)."""
+    import tempfile
+
+    made: list[object] = []
+
+    class Recorder(base.HiCacheStorage):  # type: ignore[misc,name-defined]  # a third-party store SGLang loads dynamically
+        def __init__(self, storage_config, kwargs=None):
+            self.extra = storage_config.extra_config
+            made.append(self)
+
+        def register_mem_pool_host(self, pool):
+            self.pool = pool
+
+        def batch_exists(self, keys, extra_info=None):
+            return len(keys)
+
+        def get(self, key, target_location=None, target_sizes=None):
+            return None
+
+        def batch_get(self, keys, target_locations=None, target_sizes=None):
+            return [None] * len(keys)
+
+        def set(self, key, value=None, target_location=None, target_sizes=None):
+            return True
+
+        def batch_set(self, keys, values=None, target_locations=None, target_sizes=None):
+            return True
+
+        def exists(self, key):
+            return True
+
+    mod = f"kvpolicy_check_hicache_{id(Recorder)}"
+    sys.modules[mod] = types.SimpleNamespace(Recorder=Recorder)  # type: ignore[assignment]
+    pool = types.SimpleNamespace(layout="page_first", page_size=64)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for inner in ({"backend_name": "dynamic", "module_path": mod, "class_name": "Recorder", "marker": 7},
+                          {"backend_name": "file", "file_storage_path": tmp}):
+                cfg = base.HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                                                model_name="m", extra_config={"backend_name": "kvpolicy", "module_path": m.__name__,
+                                                                              "class_name": "KVPolicyHiCacheStorage", "inner": inner,
+                                                                              "kvpolicy": {"link_gbps": 100}})
+                backend = Factory.create_backend("dynamic", cfg, pool)  # SGLang's cache controller, then its attach
+                assert isinstance(backend, m.KVPolicyHiCacheStorage), type(backend)
+                backend.register_mem_pool_host(pool)
+                if inner["backend_name"] == "dynamic":
+                    assert made and backend.inner is made[-1] and made[-1].pool is pool, "the dynamic inner store was not built"
+                    assert made[-1].extra == inner, f"the inner store's extra config: {made[-1].extra}"
+                    assert backend.batch_exists([f"k{i}" for i in range(4)]) == 4
+                else:
+                    assert type(backend.inner).__name__ == "HiCacheFile" and backend.inner.file_path == tmp, backend.inner
+    finally:
+        del sys.modules[mod]
 
 
 def drive_hicache_backend(Base: type, m: types.ModuleType, Result: type) -> None:

@@ -53,14 +53,23 @@ except ImportError:
 DEFAULTS = {**ADMISSION_DEFAULTS, "bytes_per_page": 2 << 20, "page_tokens": 64}
 
 
-def _build_inner(spec: dict[str, Any], storage_config: Any, mem_pool_host: Any) -> Any:  # pragma: no cover - needs SGLang
+def _build_inner(spec: dict[str, Any], storage_config: Any, mem_pool_host: Any) -> Any:
+    """The real store ``spec`` names, built by SGLang's own ``StorageBackendFactory`` with the rest of ``spec`` as its
+    extra config. A ``dynamic`` inner store keeps ``backend_name`` in its config: SGLang's dynamic loader requires
+    ``backend_name``, ``module_path`` and ``class_name`` there (``backend_factory.py``)."""
     import copy
 
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # type: ignore[import-not-found]
-
+    try:
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # type: ignore[import-not-found]
+    except ImportError:
+        raise ConfigError("extra_config.inner", "building the inner store needs SGLang's StorageBackendFactory "
+                                                "(sglang.srt.mem_cache.storage.backend_factory)") from None
+    name = spec.get("backend_name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError("extra_config.inner.backend_name", f"names the real store (\"file\", \"mooncake\", \"dynamic\", ...), got {name!r}")
     cfg = copy.copy(storage_config)
-    cfg.extra_config = {k: v for k, v in spec.items() if k != "backend_name"} or None
-    return StorageBackendFactory.create_backend(spec["backend_name"], cfg, mem_pool_host)
+    cfg.extra_config = dict(spec) if name == "dynamic" else ({k: v for k, v in spec.items() if k != "backend_name"} or None)
+    return StorageBackendFactory.create_backend(name, cfg, mem_pool_host)
 
 
 class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
@@ -70,6 +79,9 @@ class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         self._inner_spec = extra.get("inner")
         if inner is None and not isinstance(self._inner_spec, dict):
             raise ConfigError("extra_config.inner", "names the real store: {\"backend_name\": \"file\"} or another SGLang backend")
+        if inner is None and not (isinstance(self._inner_spec.get("backend_name"), str) and self._inner_spec["backend_name"]):
+            raise ConfigError("extra_config.inner.backend_name", "names the real store (\"file\", \"mooncake\", \"dynamic\" with its "
+                                                                  f"module_path and class_name, ...), got {self._inner_spec.get('backend_name')!r}")
         self.inner = inner
         cfg = read_settings(extra.get("kvpolicy"), DEFAULTS, "extra_config.kvpolicy")
         self.page_tokens = positive_int_setting(cfg, "page_tokens", "extra_config.kvpolicy")
@@ -88,7 +100,7 @@ class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         self.mem_pool_host = mem_pool_host
-        if self.inner is None:  # pragma: no cover - needs SGLang
+        if self.inner is None:
             self.inner = _build_inner(self._inner_spec, self.storage_config, mem_pool_host)  # type: ignore[arg-type]
         if hasattr(self.inner, "register_mem_pool_host"):
             self.inner.register_mem_pool_host(mem_pool_host)
