@@ -270,6 +270,24 @@ def test_the_helper_tells_vllm_how_its_worker_loads():
         VllmConnectorPolicy(HASHER, d.index("acme"), controller(), ThresholdPublish(1), bytes_per_token=2048, load_async="yes")
 
 
+def test_a_request_preempted_after_its_sync_load_loads_again_when_readmitted():
+    """A synchronous load keeps its slot until step k + 2. A request preempted before then (vLLM preempts running
+    requests when blocks run short) is asked again and allocated anew, on new blocks: the new load was taken for
+    the old one — no new entry in the metadata, so the worker filled nothing and vLLM computed on unfilled blocks."""
+    helper, prompt = connector_setup(max_loads_per_replica=2)
+    req = FakeRequest("p", prompt)
+    n, _ = helper.get_num_new_matched_tokens(req, 0)
+    helper.update_state_after_alloc(req, FakeBlocks(range(100, 200)), n)
+    assert helper.build_connector_meta()["loads"]["p"]["block_ids"][0] == 100  # step k: the load runs
+    n2, _ = helper.get_num_new_matched_tokens(req, 0)  # step k + 1: preempted, asked again
+    assert n2 > 0 and helper.update_state_after_alloc(req, FakeBlocks(range(700, 800)), n2) == n2 // B
+    loads = helper.build_connector_meta()["loads"]
+    assert "p" in loads and loads["p"]["block_ids"][0] == 700, "the new load goes to the worker, into the new blocks"
+    assert helper.controller.loads_in_flight() == 1, "the old load ended; the new one holds the slot"
+    assert helper.update_state_after_alloc(req, FakeBlocks(range(700, 800)), 0) == n2 // B, "a call with 0 tokens: nothing new"
+    assert helper.controller.loads_in_flight() == 1
+
+
 def test_the_slot_is_taken_after_allocation_and_released_on_every_path():
     helper, prompt = connector_setup(max_loads_per_replica=2)
     reqs = [FakeRequest(f"r{i}", prompt) for i in range(4)]

@@ -161,10 +161,16 @@ class VllmConnectorPolicy:
             sync = not self.load_async
         rid = str(request.request_id)
         self._promised.discard(rid)  # admitted below, or not a load: no longer only promised
-        if rid in self._loads:  # the second call for an async load, after it finished: nothing new
-            return self._loads[rid]["decision"].load_blocks
-        prop = self._proposals.get(rid)
         n = max(int(num_external_tokens), 0) // self.B
+        old = self._loads.get(rid)
+        if old is not None:
+            if n == 0:  # vLLM's call for a request resuming after its async load (0 external tokens): nothing new
+                return old["decision"].load_blocks
+            # preempted after its synchronous load ran (its slot is released two steps on) and admitted again with a
+            # new load: the old one has ended — until 2026-12-01 the new load was taken for the old and never sent to
+            # the worker, which then computed on blocks nothing filled
+            self.load_finished(rid)
+        prop = self._proposals.get(rid)
         if prop is None or not prop[0].loads or n == 0:
             return 0
         d, m, keys, _ = prop
