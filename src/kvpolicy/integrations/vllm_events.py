@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
@@ -658,8 +659,6 @@ class ReplayClient:
     def fetch(self, start_seq: int, until: int | None = None) -> list[tuple[int, bytes]]:
         """Batches from ``start_seq`` on (up to ``until``), as ``(seq, payload)``; stops at the end marker, a
         timeout, or ``max_fetch_s``."""
-        import time
-
         self.sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
         out: list[tuple[int, bytes]] = []
         deadline = time.monotonic() + self.max_fetch_s

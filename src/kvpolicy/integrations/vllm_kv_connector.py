@@ -126,7 +126,7 @@ class _Counted(VllmConnectorPolicy):
         else:
             n, reason = 0, "partial_plan"  # the best plan loads only a part: recompute it all
         self._promise(rid, n > 0)
-        return n, reason  # the best plan loads only a part: recompute it all
+        return n, reason
 
 
 #: kvpolicy's own counts in a stats interval: requests the inner connector offered a hit for (once vLLM allocated
