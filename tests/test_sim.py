@@ -270,6 +270,13 @@ def test_cli_compare_json(tmp_path, capsys, trace):
     assert "steady" in text and "kvpolicy" in text and "recompute-only" in text
     data = json.loads(out.read_text())
     assert {r["policy"] for r in data["runs"]} == {"kvpolicy", "vllm-like", "recompute-only"}
+    assert data["cluster"]["compute_factor"] == 1.0
+    slow = tmp_path / "slow.json"
+    assert main(["compare", str(path), "--format", "mooncake", "--block-size", "64", "--scenario", "steady", "--policies", "recompute-only",
+                 "--bytes-per-token", str(BPT), "--replicas", "4", "--json", str(slow), "--no-progress", "--compute-factor", "2"]) == 0
+    twice = json.loads(slow.read_text())
+    assert twice["cluster"]["compute_factor"] == 2.0
+    assert twice["offered_load"]["cold_prefill_s"] == pytest.approx(2 * data["offered_load"]["cold_prefill_s"]), "the offered load is the real compute"
 
 
 def test_cli_compare_bad_input(capsys, tmp_path):
@@ -434,3 +441,33 @@ def test_compare_runs_a_policy_set_of_your_own(trace, tmp_path):
         PolicySet("x", local_eviction=f"{tmp_path}/absent.py:X")
     assert e.value.field == "local_eviction" and "no file" in e.value.problem
     assert main(["compare", "--preset", "chat", "--policies", f"{mod}:NOT_A_SET", "--no-progress"]) == 2
+
+
+def test_the_replicas_compute_runs_at_compute_factor_times_the_profile(trace, prepared):
+    """compute_factor is physics every policy set lives with: recompute-only's GPU seconds (no dispatch cost here)
+    scale by it (within 2 %: the order in which requests finish, and so what the local caches hold, moves a little)."""
+    base = run(prepared, cluster(trace, dispatch_s=0.0), "recompute-only")
+    for f in (0.5, 2.0):
+        res = run(prepared, cluster(trace, compute_factor=f, dispatch_s=0.0), "recompute-only")
+        assert res.gpu_prefill_s == pytest.approx(f * base.gpu_prefill_s, rel=0.02)
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError) as e:
+            cluster(trace, compute_factor=bad)
+        assert e.value.field == "compute_factor"
+
+
+def test_kvpolicys_controller_learns_the_compute_it_observes(trace, prepared):
+    """The admission controller's prior is the profile; the replicas' real prefill runs compute_factor times it. The
+    reference engine has always fed each measured prefill back (observe_prefill); the simulated replicas did not, so a
+    profile off by 2x stayed off for the whole run — with GPUs twice as fast as profiled, kvpolicy kept loading what
+    recompute now beat, and lost to recompute-only on agent, mixed and chat (docs/sim.md)."""
+    for f in (0.5, 2.0):
+        sim = Simulator(prepared, cluster(trace, compute_factor=f), policy_set("kvpolicy"))
+        sim.run()
+        learned = sim.controller.model.prefill_ratio.q(0.5)
+        assert learned == pytest.approx(f, rel=0.05), f"compute_factor {f}: the controller believes {learned}"
+    kept = Simulator(prepared, cluster(trace, compute_factor=0.5), attrs.evolve(policy_set("kvpolicy"), learn_compute=False))
+    kept.run()
+    assert kept.controller.model.prefill_ratio.q(0.5) == 1.0, "learn_compute=False: the profile is kept"
+    with pytest.raises(ConfigError, match="learn_compute"):
+        attrs.evolve(policy_set("kvpolicy"), learn_compute="yes")

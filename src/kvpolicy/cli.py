@@ -778,7 +778,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     prog.set_total(1 + len(scenarios) * len(set(policies) | {"recompute-only"}) + (1 if args.plot else 0))
     overrides: dict[str, Any] = {"router": args.router, "prefill_slots": args.prefill_slots, "decode_tokens_per_s": args.decode_tokens_per_s,
                                  "node_bandwidth_bytes_per_s": args.node_gbps * 1e9 / 8, "replica_bandwidth_bytes_per_s": args.replica_gbps * 1e9 / 8,
-                                 "failure_rate": args.failure_rate, "timeout_rate": args.timeout_rate}
+                                 "failure_rate": args.failure_rate, "timeout_rate": args.timeout_rate, "compute_factor": args.compute_factor}
     if args.stage_gbps is not None:
         overrides["stage_bytes_per_s"] = args.stage_gbps * 1e9 / 8
     for name, value in (("--node-gbps", args.node_gbps), ("--replica-gbps", args.replica_gbps), ("--local-kv-gib", args.local_kv_gib),
@@ -1103,6 +1103,9 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--stage-gbps", type=_positive_float, default=None, help="staging copy through CPU memory, Gbit/s (default: direct path)")
     cp.add_argument("--failure-rate", type=_non_negative_float, default=0.0, help="probability a transfer fails outside degradation windows (default 0)")
     cp.add_argument("--timeout-rate", type=_non_negative_float, default=0.0, help="probability a transfer hangs until it times out (default 0)")
+    cp.add_argument("--compute-factor", type=_positive_float, default=1.0,
+                    help="the replicas' real prefill over the profile's, which kvpolicy's controller is given as its prior and "
+                         "learns from the prefills it times (default 1; 2: GPUs twice as slow as profiled; 0.5: twice as fast)")
     cp.add_argument("--prefill-slots", type=_positive_int, default=1, help="concurrent prefills per replica (default 1)")
     cp.add_argument("--decode-tokens-per-s", type=_positive_float, default=30.0, help="decode rate per request (default 30)")
     cp.add_argument("--json", default=None, metavar="OUT", help="write every run as JSON")

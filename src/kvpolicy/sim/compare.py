@@ -33,7 +33,8 @@ def offered_load(trace: Any, cluster: ClusterConfig) -> dict[str, Any]:
     span_s = float(trace.arrival_s[-1] - trace.arrival_s[0]) if n > 1 else 0.0
     m = cluster.prefill
     T = trace.input_tokens.astype(np.float64)
-    cold_s = float(np.sum(m(T))) if n else 0.0
+    f = cluster.compute_factor  # the replicas' real compute over the profile's
+    cold_s = f * float(np.sum(m(T))) if n else 0.0
     B = trace.block_size_tokens
     seen: set[int] = set()
     ids, off = trace.block_ids, trace.block_offsets
@@ -45,7 +46,7 @@ def offered_load(trace: Any, cluster: ClusterConfig) -> dict[str, Any]:
             k += 1
         cached[i] = min(k * B, max(T[i] - 1.0, 0.0))
         seen.update(blk)
-    inf_s = float(np.sum(m.prefill_s(cached, T))) if n else 0.0
+    inf_s = f * float(np.sum(m.prefill_s(cached, T))) if n else 0.0
     capacity_s = span_s * cluster.replicas * cluster.prefill_slots
     util = (lambda w: (w / capacity_s) if capacity_s > 0 else None)
     return {"span_s": span_s, "prefill_slots_total": cluster.replicas * cluster.prefill_slots, "cold_prefill_s": cold_s,
@@ -183,7 +184,8 @@ def _cluster_dict(c: ClusterConfig) -> dict[str, Any]:
         "replicas": c.replicas, "local_capacity_gib": c.local_capacity_bytes / 2**30, "storage_nodes": c.storage_nodes,
         "pool_capacity_gib_per_node": c.pool_capacity_bytes_per_node / 2**30, "node_gbps": c.node_bandwidth_bytes_per_s * 8 / 1e9,
         "replica_gbps": c.replica_bandwidth_bytes_per_s * 8 / 1e9, "router": c.router, "bytes_per_token": c.bytes_per_token,
-        "prefill": c.prefill.to_dict(), "decode_tokens_per_s": c.decode_tokens_per_s, "prefill_slots": c.prefill_slots,
+        "prefill": c.prefill.to_dict(), "compute_factor": c.compute_factor, "decode_tokens_per_s": c.decode_tokens_per_s,
+        "prefill_slots": c.prefill_slots,
     }
 
 

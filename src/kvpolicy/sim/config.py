@@ -64,6 +64,10 @@ class ClusterConfig:
     #: writes are ordinary TCP/RDMA flows that share the NIC) or "background" (a lower class that
     #: only uses what loads leave, as with a QoS/traffic class for write-back)
     publish_priority: str = "fair"
+    #: the replicas' real prefill over ``prefill`` (the profile, which is also the admission controller's prior):
+    #: 1.0 the profile is right; 2.0 the GPUs run twice as slow as profiled (another GPU model, throttling, a noisy
+    #: neighbour); 0.5 twice as fast. kvpolicy's controller learns the ratio from the prefills it observes
+    compute_factor: float = attrs.field(default=1.0, validator=_pos)
 
     def __attrs_post_init__(self) -> None:
         if self.publish_priority not in ("fair", "background"):
@@ -80,8 +84,13 @@ class ClusterConfig:
 
     def prefill_s(self, start_tokens: int, end_tokens: int) -> float:
         """GPU seconds to prefill tokens [start, end) with [0, start) cached: fixed term + marginal
-        + reading the cached prefix (the profile's local-hit slope; 0 unless measured)."""
-        return float(self.prefill.prefill_s(start_tokens, end_tokens))
+        + reading the cached prefix (the profile's local-hit slope; 0 unless measured), × ``compute_factor``."""
+        return self.compute_factor * float(self.prefill.prefill_s(start_tokens, end_tokens))
+
+    @property
+    def prefill_a_s(self) -> float:
+        """The fixed term of a real prefill (the profile's, × ``compute_factor``)."""
+        return self.compute_factor * self.prefill.a_s
 
 
 @attrs.frozen

@@ -444,7 +444,7 @@ class Simulator:
         trace = self.p.trace
         self.ledger = Ledger(cluster.bytes_per_token, publication_log=PublicationLog(max_exact_keys=max(trace.num_block_ids + 1, 1024)),
                              write_cost_s_per_byte=(1.0 / cluster.node_bandwidth_bytes_per_s) if cluster.node_bandwidth_bytes_per_s > 0 else None,
-                             eviction_cost_s_per_token=cluster.prefill.b_s_per_token)
+                             eviction_cost_s_per_token=cluster.compute_factor * cluster.prefill.b_s_per_token)
         self.filter = self._make_filter()
         self.controller: AdmissionController | None = None
         if ps.load == "admission":
@@ -868,7 +868,7 @@ class Simulator:
                 pol.on_access(key)
                 pol.pin(key)  # a lease: not evicted under the reader
         if req.predicted_s is None:
-            req.predicted_s = self.c.dispatch_s + self.c.prefill_s(L * self.B, (L + k) * self.B) - self.c.prefill.a_s
+            req.predicted_s = self.c.dispatch_s + self.c.prefill_s(L * self.B, (L + k) * self.B) - self.c.prefill_a_s
         self.loads += 1
         if ps.compute_while_loading:
             # the load runs from the back; a split plan queues for its prefill slot now (the GPU computes
@@ -926,7 +926,7 @@ class Simulator:
         while True:
             kk = min(k, R)
             took = c.lookup_s + self._predict_read_s(rep, self._groups(keys[L:L + kk])) + c.install_s_per_block * kk
-            gain = c.prefill_s(L * self.B, (L + kk) * self.B) - c.prefill.a_s - took
+            gain = c.prefill_s(L * self.B, (L + kk) * self.B) - c.prefill_a_s - took
             if gain > best:
                 best_k, best = kk, gain
             if kk == R:
@@ -1024,8 +1024,8 @@ class Simulator:
         c = self.c
         start = (req.local + extent_blocks) * self.B
         T = self.p.input_tokens[req.i]
-        rest = c.prefill_s(start, T) - c.prefill.a_s
-        return rest + (c.dispatch_s + c.prefill.a_s if front_blocks == 0 else 0.0)
+        rest = c.prefill_s(start, T) - c.prefill_a_s
+        return rest + (c.dispatch_s + c.prefill_a_s if front_blocks == 0 else 0.0)
 
     def _arrival_s(self, load: _Load, m: int, now: float) -> float:
         """When the trailing m blocks of a reverse load will all have arrived, at today's rates."""
@@ -1210,6 +1210,9 @@ class Simulator:
             dur = c.dispatch_s + c.prefill_s(req.reused * self.B, T)
             req.prefill_s = dur
             self.gpu_prefill_s += dur
+            if self.controller is not None and self.ps.learn_compute:  # the engine times its prefill: the controller learns the real compute
+                start = req.reused * self.B
+                self.controller.model.observe_prefill(start, T - start, c.compute_factor * float(c.prefill.marginal_s(start, T)))
             req.job_end_s = t + dur + debt
             self._push(t + dur + debt, PREFILL_DONE, req)
 

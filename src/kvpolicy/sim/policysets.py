@@ -67,6 +67,9 @@ class PolicySet:
     uses_pool: bool = True
     #: prefill the leading blocks of a load range while the rest loads from the back (Cake)
     compute_while_loading: bool = False
+    #: the admission controller hears every prefill's time (``observe_prefill``), so it learns the replicas' real
+    #: compute when the profile it was given is off (``ClusterConfig.compute_factor``); False: it keeps the profile
+    learn_compute: bool = True
 
     def __attrs_post_init__(self) -> None:
         for field in ("local_eviction", "pool_eviction"):
@@ -89,6 +92,8 @@ class PolicySet:
             raise ConfigError("timeout", f"unknown timeout rule {self.timeout!r}")
         if self.failure not in ("recompute", "fail"):
             raise ConfigError("failure", f"must be 'recompute' or 'fail', got {self.failure!r}")
+        if not isinstance(self.learn_compute, bool):
+            raise ConfigError("learn_compute", f"must be True or False, got {self.learn_compute!r}")
         if self.compute_while_loading and self.load != "admission":
             raise ConfigError("compute_while_loading", "needs load='admission' (the split comes from the controller's plan)")
 
