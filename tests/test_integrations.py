@@ -288,6 +288,27 @@ def test_a_request_preempted_after_its_sync_load_loads_again_when_readmitted():
     assert helper.controller.loads_in_flight() == 1
 
 
+def test_the_helper_learns_the_compute_from_the_prefills_its_engine_times():
+    """The controller's prior is the profile; a model runner that times its prefills tells the helper, and the
+    controller's recompute estimate follows the deployment's real compute (here 3x the profile)."""
+    helper, prompt = connector_setup()
+    model = helper.controller.model
+    for i in range(25):
+        req = FakeRequest(f"t{i}", prompt)
+        n, _ = helper.get_num_new_matched_tokens(req, 8 * B)
+        helper.update_state_after_alloc(req, FakeBlocks(range(100)), n)
+        before = 8 * B + n
+        helper.prefill_timed(req, 3.0 * model.prefill_seconds(before, len(prompt)))
+        helper.request_finished(req, [])
+    assert model.prefill_ratio.q(0.5) == pytest.approx(3.0, rel=0.05)
+    with pytest.raises(ConfigError, match="request_id"):
+        helper.prefill_timed(FakeRequest("t0", prompt), 0.1)  # finished
+    helper.get_num_new_matched_tokens(FakeRequest("x", prompt), 0)
+    for bad in (0, -1.0, float("nan"), True):
+        with pytest.raises(ConfigError, match="seconds"):
+            helper.prefill_timed(FakeRequest("x", prompt), bad)
+
+
 def test_the_slot_is_taken_after_allocation_and_released_on_every_path():
     helper, prompt = connector_setup(max_loads_per_replica=2)
     reqs = [FakeRequest(f"r{i}", prompt) for i in range(4)]

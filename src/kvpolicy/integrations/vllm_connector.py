@@ -115,6 +115,7 @@ class VllmConnectorPolicy:
         #: requests answered "load" whose load is not admitted yet: vLLM may answer several before it admits any
         #: (it defers an async load's update_state_after_alloc to a later step); the caps count them as in flight
         self._promised: set[str] = set()
+        self._admitted: dict[str, int] = {}  # req -> blocks its admitted load brings (what it will not compute)
         self._step = 0  # scheduling steps so far (build_connector_meta calls)
 
     def _ctx(self) -> AdmissionContext:
@@ -172,6 +173,7 @@ class VllmConnectorPolicy:
             self.load_finished(rid)
         prop = self._proposals.get(rid)
         if prop is None or not prop[0].loads or n == 0:
+            self._admitted.pop(rid, None)
             return 0
         d, m, keys, _ = prop
         # vLLM counts the tokens get_num_new_matched_tokens answered as loaded from here on: a guard rail that filled
@@ -179,9 +181,11 @@ class VllmConnectorPolicy:
         # unfilled blocks (a sync load) or wait forever for the request (an async one)
         admitted = self.controller.admit(d, self._ctx(), load_blocks=min(n, d.load_blocks), committed=True)
         if not admitted.loads:
+            self._admitted.pop(rid, None)
             return 0
         start = m.local_blocks
         ids = _block_ids(blocks)
+        self._admitted[rid] = admitted.load_blocks
         self._loads[rid] = {"decision": admitted, "block_ids": ids[start:start + admitted.load_blocks], "start_block": start,
                             "sync": bool(sync), "step": self._step + 1, "admitted_s": self.controller.clock.now_s()}
         self._pending_meta["loads"][rid] = {"load_id": admitted.load_id, "start_block": start, "blocks": admitted.load_blocks,
@@ -226,6 +230,7 @@ class VllmConnectorPolicy:
         rid = str(request.request_id)
         prop = self._proposals.pop(rid, None)
         self._promised.discard(rid)
+        self._admitted.pop(rid, None)
         now_s = self.controller.clock.now_s()
         keys = prop[2] if prop and prop[2] is not None else self.hasher.hash_blocks(toks, extra_keys=_extras(request, len(toks) // self.B))
         load = self._loads.pop(rid, None)
@@ -264,6 +269,23 @@ class VllmConnectorPolicy:
         d = load["decision"]
         return self.controller.record(LoadOutcome(d.load_id, "timeout" if timeout else "failed", min(max(ok_blocks, 0), d.load_blocks),
                                                   transfer_s=elapsed_s)).usable_blocks
+
+    def prefill_timed(self, request: Any, seconds: float) -> None:
+        """Your engine timed this request's prefill — the forward passes over the tokens it computed, in seconds.
+        The controller learns this deployment's compute from it (the ratio to the profile its prior came from), as
+        kvpolicy's reference engine and simulator do: a profile off by 2x otherwise stays off (docs/sim.md, "When the
+        profile is wrong"). vLLM gives a connector no such time; a model runner that has it calls this before
+        :meth:`request_finished`."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
+            raise ConfigError("seconds", f"must be a finite positive number of seconds, got {seconds!r}")
+        rid = str(request.request_id)
+        prop = self._proposals.get(rid)
+        if prop is None:
+            raise ConfigError("request_id", f"{rid!r} was not asked about (get_num_new_matched_tokens), or has finished")
+        before = (prop[1].local_blocks + self._admitted.get(rid, 0)) * self.B
+        computed = len(_tokens(request)) - before
+        if computed > 0:
+            self.controller.model.observe_prefill(before, computed, float(seconds))
 
     def loads_in_flight(self) -> int:
         return len(self._loads)
