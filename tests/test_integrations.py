@@ -2318,3 +2318,63 @@ def test_kvpolicy_stats_add_up_whatever_the_split_and_survive_the_trip_to_vllms_
     assert rebuilt.is_empty() == (not counts)
     d = whole.data
     assert d["offered_tokens"] == d["loaded_tokens"] + d["declined_tokens"] + sum(min(a, o) - min(l, a, o) for o, a, l, _, _ in counts)
+
+
+from hypothesis import stateful as _stateful  # noqa: E402
+
+
+class PromisesMachine(_stateful.RuleBasedStateMachine):
+    """Whatever order vLLM asks, allocates (now or deferred), trims, steps, reports and finishes in, the loads in
+    flight plus the answers still only promised never exceed the replica's cap, and a finished request holds
+    neither a slot nor a promise."""
+
+    CAP = 3
+
+    def __init__(self):
+        super().__init__()
+        self.helper, self.prompt = connector_setup(max_loads_per_replica=self.CAP, max_loads_per_source=100)
+        self.answers = {}
+        self.live = set()
+
+    rids = _st.sampled_from([f"q{i}" for i in range(6)])
+
+    def req(self, rid):
+        return FakeRequest(rid, self.prompt)
+
+    @_stateful.rule(rid=rids, local=_st.sampled_from([0, 8 * B]))
+    def ask(self, rid, local):
+        self.answers[rid] = self.helper.get_num_new_matched_tokens(self.req(rid), local)[0]
+        self.live.add(rid)
+
+    @_stateful.rule(rid=rids, trim=_st.sampled_from([1.0, 0.5, 0.0]))
+    def allocate(self, rid, trim):
+        if rid in self.answers:
+            n = int(self.answers.pop(rid) * trim) // B * B
+            self.helper.update_state_after_alloc(self.req(rid), FakeBlocks(range(1000)), n)
+
+    @_stateful.rule()
+    def step(self):
+        self.helper.build_connector_meta(None)
+
+    @_stateful.rule(rid=rids, failed=_st.booleans())
+    def report(self, rid, failed):
+        out = FakeOutput(failed_recving={rid}) if failed else FakeOutput(finished_recving={rid})
+        self.helper.update_connector_output(out)
+
+    @_stateful.rule(rid=rids)
+    def finish(self, rid):
+        if rid in self.live:
+            self.helper.request_finished(self.req(rid), [])
+            self.live.discard(rid)
+            self.answers.pop(rid, None)
+            assert rid not in self.helper._promised and rid not in self.helper._loads
+
+    @_stateful.invariant()
+    def within_the_cap(self):
+        h = self.helper
+        assert h.controller.loads_in_flight() + len(h._promised) <= self.CAP, (h.controller.loads_in_flight(), h._promised)
+        assert h.controller.loads_in_flight() == len(h._loads)
+
+
+PromisesMachine.TestCase.settings = _settings(max_examples=150, stateful_step_count=40, deadline=None)
+test_promises_and_loads_stay_within_the_cap = PromisesMachine.TestCase
