@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
+from .._mix import key_bits
 from ..clock import ManualClock, MonotonicClock
 from ..errors import CapacityError, ConfigError
 from ..eviction.base import EvictionPolicy
@@ -135,7 +136,9 @@ class _KVPolicyCachePolicy(_Base):  # type: ignore[misc,valid-type]
         """The n lowest-priority evictable chunks outside ``protected``; None (and no change) if n cannot be met."""
         if n <= 0:
             return []
-        shield = [k for k in protected if k in self._evictable]
+        # in an order that does not depend on the process's string hashing (``protected`` is a set): a policy that
+        # samples its candidates (adaptive) keeps them in an array that pinning reorders
+        shield = sorted((k for k in protected if k in self._evictable), key=key_bits)
         if len(self._evictable) - len(shield) < n:
             return None
         pol = self.policy
