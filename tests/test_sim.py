@@ -274,6 +274,7 @@ def test_cli_compare_json(tmp_path, capsys, trace):
     slow = tmp_path / "slow.json"
     assert main(["compare", str(path), "--format", "mooncake", "--block-size", "64", "--scenario", "steady", "--policies", "recompute-only",
                  "--bytes-per-token", str(BPT), "--replicas", "4", "--json", str(slow), "--no-progress", "--compute-factor", "2"]) == 0
+    assert "compute 2x the profile" in capsys.readouterr().out, "the text report says the compute is not the profile's"
     twice = json.loads(slow.read_text())
     assert twice["cluster"]["compute_factor"] == 2.0
     assert twice["offered_load"]["cold_prefill_s"] == pytest.approx(2 * data["offered_load"]["cold_prefill_s"]), "the offered load is the real compute"

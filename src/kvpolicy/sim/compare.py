@@ -238,7 +238,8 @@ def render(report: dict[str, Any]) -> str:
     lines = [
         f"trace     {report['source']} ({report['requests']:,} requests, {report['block_size_tokens']}-token blocks)",
         f"cluster   {c['replicas']} replicas x {c['local_capacity_gib']:.0f} GiB local KV, router {c['router']}; pool {c['storage_nodes']} nodes x "
-        f"{c['pool_capacity_gib_per_node']:,.0f} GiB at {c['node_gbps']:.0f} Gbit/s; replica NIC {c['replica_gbps']:.0f} Gbit/s",
+        f"{c['pool_capacity_gib_per_node']:,.0f} GiB at {c['node_gbps']:.0f} Gbit/s; replica NIC {c['replica_gbps']:.0f} Gbit/s"
+        + (f"; compute {c['compute_factor']:g}x the profile (kvpolicy's controller learns it)" if c.get("compute_factor", 1.0) != 1.0 else ""),
     ]
     ld = report.get("offered_load")
     if ld and ld["cold_utilisation"] is not None:
