@@ -339,12 +339,13 @@ CONFIGS = [  # (label, forward sizes in blocks, reverse size in blocks or None)
 ]
 
 
-def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publish: str = "all") -> dict[str, Any]:
+def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publish: str = "all", replicas: int = 2) -> dict[str, Any]:
     """(b): replay a slice on real replica processes and in the simulator; compare TTFT and bytes. With
     ``netns_mbit`` the block server sits in one network namespace and the replicas in the other, across the veth
     pair shaped to that rate per direction: every load and every publish crosses it, and the simulator's link
     figures are the shaped link's, measured alone before the replay. ``publish``: the replicas' (and the simulated
-    replicas') publish filter — ``never`` takes the background publisher out, a control for its cost."""
+    replicas') publish filter — ``never`` takes the background publisher out, a control for its cost. ``replicas``:
+    how many replica processes share the requests round-robin (1: no replica competes with another for the cores)."""
     import threading
 
     import attrs
@@ -401,7 +402,7 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publ
     _enter_netns(NETNS[1] if home else None)  # the replicas' side: the processes started now live there
     reps = [PeerReplica.start(cfg, secret=SECRET, block_size_tokens=B, capacity_blocks=4096, publish=publish, name=f"replica-{i}",
                               shared=(tuple(server.address), store.namespace_digest), link_bytes_per_s=link_bw, prefill=prefill, prior=prior)
-            for i in range(2)]
+            for i in range(replicas)]
     if home is not None:
         _enter_netns(None, path=f"/proc/self/fd/{home.fileno()}")
         home.close()
@@ -440,9 +441,9 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publ
     queued = np.zeros(len(trace))  # arrival to the driver sending it: waiting for the replica
     found = np.zeros(len(trace), dtype=np.int64)  # remote blocks the replica's lookup found
     reasons: list[str | None] = [None] * len(trace)  # its admission controller's reason, when it found any
-    queues: list[list[int]] = [[], []]
+    queues: list[list[int]] = [[] for _ in reps]
     for i in range(len(trace)):
-        queues[i % 2].append(i)
+        queues[i % len(reps)].append(i)
     t0 = time.monotonic() + 0.5
 
     def serve(r: int) -> None:
@@ -463,7 +464,7 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publ
 
     real_ledgers: list[dict[str, Any]] = []
     try:
-        threads = [threading.Thread(target=serve, args=(r,)) for r in range(2)]
+        threads = [threading.Thread(target=serve, args=(r,)) for r in range(len(reps))]
         for th in threads:
             th.start()
         for th in threads:
@@ -478,7 +479,7 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publ
 
     # 3. the simulator on the same slice, configured from the profile and the link figures only
     sim_trace = attrs.evolve(trace, output_tokens=np.zeros(len(trace), dtype=np.int64), tokens=None, token_offsets=None)
-    cluster = ClusterConfig(bytes_per_token=bpt, prefill=woken, replicas=2, local_capacity_bytes=4096 * B * bpt, prefill_slots=1,
+    cluster = ClusterConfig(bytes_per_token=bpt, prefill=woken, replicas=len(reps), local_capacity_bytes=4096 * B * bpt, prefill_slots=1,
                             decode_tokens_per_s=1e9, storage_nodes=1, pool_capacity_bytes_per_node=10**12, node_bandwidth_bytes_per_s=link_bw,
                             replica_bandwidth_bytes_per_s=link_bw, placement_chunk_blocks=10**6, lookup_s=lookup_s, transfer_overhead_s=alpha,
                             install_s_per_block=install_s_per_block, dispatch_s=dispatch_s, interference_s_per_byte=0.0, router="round-robin")
@@ -504,7 +505,7 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publ
         "rest_of_the_request": (q(part["ttft_s"] - part["match_s"] - part["prefill_s"], 0.5), q(fixed, 0.5)),
     }
 
-    out = {"requests": len(trace), "netns_mbit": netns_mbit, "publish": publish, "bytes_per_token": bpt, "dispatch_s": dispatch_s, "dispatch_probe_spacing_s": spacing_s, "link_bytes_per_s": link_bw, "lookup_s": lookup_s, "profile_lookup_s": profile_lookup_s, "a_s_woken": woken.a_s, "profile_a_s": profile_a_s, "transfer_overhead_s": alpha,
+    out = {"requests": len(trace), "replicas": len(reps), "netns_mbit": netns_mbit, "publish": publish, "bytes_per_token": bpt, "dispatch_s": dispatch_s, "dispatch_probe_spacing_s": spacing_s, "link_bytes_per_s": link_bw, "lookup_s": lookup_s, "profile_lookup_s": profile_lookup_s, "a_s_woken": woken.a_s, "profile_a_s": profile_a_s, "transfer_overhead_s": alpha,
            "install_s_per_block": install_s_per_block, "prefill": prefill.to_dict(),
            "ttft_ms": {"real_p50": q(ttft, 0.5) * 1e3, "sim_p50": q(sim, 0.5) * 1e3, "real_p95": q(ttft, 0.95) * 1e3, "sim_p95": q(sim, 0.95) * 1e3,
                        "real_mean": float(ttft.mean()) * 1e3, "sim_mean": float(sim.mean()) * 1e3},
@@ -513,7 +514,7 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publ
            "compute_slowdown_vs_profile": slowdown,
            "breakdown_s": {k: {"real_p50": a, "model": m} for k, (a, m) in breakdown.items()},
            "forward_over_marginal": forward_ratios(compute / np.maximum(model_compute, 1e-9), trace.input_tokens - reused * B,
-                                                   t_arr + ttft - inside, t_arr + ttft),
+                                                   t_arr + ttft - inside, t_arr + ttft, len(reps)),
            "per_request": {"real_ttft_s": ttft.tolist(), "sim_ttft_s": sim.tolist(), "prompt_tokens": trace.input_tokens.tolist(),
                            "replica_s": inside.tolist(), "forward_s": compute.tolist(), "reused_blocks": reused.tolist(),
                            "real_loaded_bytes": loaded.tolist(), "real_remote_found_blocks": found.tolist(), "real_reason": reasons,
@@ -529,13 +530,13 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publ
     return out
 
 
-def forward_ratios(ratio: Any, new_tokens: Any, start_s: Any, end_s: Any) -> dict[str, Any]:
-    """Medians of forward pass / the profile's marginal, by the request's new tokens, and by whether the
-    other replica was serving at the same time (requests alternate between two replicas)."""
+def forward_ratios(ratio: Any, new_tokens: Any, start_s: Any, end_s: Any, replicas: int = 2) -> dict[str, Any]:
+    """Medians of forward pass / the profile's marginal, by the request's new tokens, and by whether another
+    replica was serving at the same time (requests go round-robin over ``replicas``)."""
     import numpy as np
 
     idx = np.arange(len(ratio))
-    other_busy = np.array([bool(np.any((idx % 2 != i % 2) & (start_s < end_s[i]) & (end_s > start_s[i]))) for i in idx])
+    other_busy = np.array([bool(np.any((idx % replicas != i % replicas) & (start_s < end_s[i]) & (end_s > start_s[i]))) for i in idx])
     out: dict[str, Any] = {}
     for label, sel in (("new < 64", new_tokens < 64), ("new 64-159", (new_tokens >= 64) & (new_tokens < 160)), ("new >= 160", new_tokens >= 160),
                        ("other replica busy", other_busy), ("other replica idle", ~other_busy)):
@@ -556,7 +557,7 @@ def render_end_to_end(e: dict[str, Any]) -> str:
     t = e["ttft_ms"]
     b = e["bytes_loaded"]
     return "\n".join([
-        f"(b) end to end: {e['requests']} requests of the chat preset on 2 reference replicas + 1 block server; the simulator "
+        f"(b) end to end: {e['requests']} requests of the chat preset on {e.get('replicas', 2)} reference replica(s) + 1 block server; the simulator "
         f"configured from the profile (prefill fit, overhead {e['transfer_overhead_s'] * 1e3:.2f} ms, "
         f"{e['link_bytes_per_s'] / 1e9:.2f} GB/s, install {e['install_s_per_block'] * 1e6:.0f} us/block) and the dispatch "
         f"round trip, the hashing + lookup and the fixed cost a of a prefill measured at idle ({e['dispatch_s'] * 1e3:.2f}, {e['lookup_s'] * 1e3:.2f} "
@@ -693,6 +694,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=150, help="(b): requests replayed end to end (default 150)")
     ap.add_argument("--seed", type=int, default=5, help="(b): the preset's seed (default 5)")
     ap.add_argument("--skip-links", action="store_true", help="run only (b)")
+    ap.add_argument("--replicas", type=int, default=2, help="(b): replica processes sharing the requests round-robin (default 2; "
+                    "1: no replica competes with another for the cores)")
     ap.add_argument("--publish", default="all", choices=("all", "never"),
                     help="(b): what the replicas publish (default all; never: no background publisher — a control for its cost)")
     ap.add_argument("--skip-end-to-end", action="store_true", help="run only (a)")
@@ -703,12 +706,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --netns-mbit: run (b) across the shaped link instead (the pool node on one side, the replicas on the other)")
     args = ap.parse_args(argv)
     out: dict[str, Any] = {}
+    if args.replicas < 1:
+        raise SystemExit(f"--replicas must be at least 1, got {args.replicas}")
     if args.netns_mbit is not None and not args.netns_mbit > 0:
         raise SystemExit(f"--netns-mbit must be a positive number of Mbit/s, got {args.netns_mbit}")
     if args.end_to_end_netns:
         if args.netns_mbit is None:
             raise SystemExit("--end-to-end-netns needs --netns-mbit R (the shaped link's rate per direction)")
-        e2e = end_to_end(args.requests, args.seed, netns_mbit=args.netns_mbit, publish=args.publish)
+        e2e = end_to_end(args.requests, args.seed, netns_mbit=args.netns_mbit, publish=args.publish, replicas=args.replicas)
         print(render_end_to_end(e2e))
         out["end_to_end_netns"] = e2e
         path = write_json("sim_vs_real_netns_e2e", out, args.json)
@@ -721,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if args.check and not out["links_netns"]["target_met"] else 0
     ok_b = True
     if not args.skip_end_to_end:
-        e2e = end_to_end(args.requests, args.seed, publish=args.publish)
+        e2e = end_to_end(args.requests, args.seed, publish=args.publish, replicas=args.replicas)
         print(render_end_to_end(e2e) + "\n")
         out["end_to_end"] = e2e
         ok_b = e2e["target_met"]
