@@ -67,7 +67,7 @@ class PolicySet:
     uses_pool: bool = True
     #: prefill the leading blocks of a load range while the rest loads from the back (Cake)
     compute_while_loading: bool = False
-    #: the admission controller hears every prefill's time (``observe_prefill``), so it learns the replicas' real
+    #: the admission controller hears the time of every prefill run in one piece (``observe_prefill``), so it learns the replicas' real
     #: compute when the profile it was given is off (``ClusterConfig.compute_factor``); False: it keeps the profile
     learn_compute: bool = True
 
