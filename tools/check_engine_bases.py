@@ -179,10 +179,9 @@ def drive_vllm_offload(mgr: object, ReqContext: type, make_key: object, *, seed:
     pol.on_request_finished = on_request_finished
 
     def balanced() -> None:
-        ready0 = sum(1 for k in all_keys if (c := mgr.get_policy_chunk(k)) is not None and c.ref_cnt == 0)  # type: ignore[attr-defined]
+        ready0 = sum(1 for k in all_keys if (c := pol.get(k)) is not None and c.ref_cnt == 0)
         assert mgr._num_evictable_cache_chunks == ready0, (mgr._num_evictable_cache_chunks, ready0)  # type: ignore[attr-defined]
 
-    mgr.get_policy_chunk = pol.get  # type: ignore[attr-defined]
     all_keys: set = set()
     families = [rng.randbytes(8) for _ in range(12)]
     inflight: list[tuple] = []
