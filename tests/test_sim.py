@@ -457,6 +457,33 @@ def test_the_replicas_compute_runs_at_compute_factor_times_the_profile(trace, pr
         assert e.value.field == "compute_factor"
 
 
+def test_a_uniform_compute_scale_is_the_compute_factor_per_request(trace, prepared):
+    """compute_scale replays measured compute request by request (bench_sim_vs_real feeds it each real forward pass
+    over the profile's); a scale of f on every request is compute_factor=f exactly — every TTFT and every GPU second,
+    through plain loads, compute while loading and the controller's learning — wherever the router does not read the
+    cluster's prediction (round-robin here: a request's compute is not known before it runs). At 100 MB/s kvpolicy
+    declines, splits and loads by turns, and how many of each follows the compute it learns."""
+    for name in ("recompute-only", "kvpolicy", "lmcache-like"):
+        for f in (0.5, 2.0):
+            c = cluster(trace, router="round-robin", node_bandwidth_bytes_per_s=1e8, replica_bandwidth_bytes_per_s=1e8)
+            per_request = run(prepared, c, name, compute_scale=np.full(len(trace), f))
+            whole = run(prepared, attrs.evolve(c, compute_factor=f), name)
+            assert np.array_equal(per_request.ttft_s, whole.ttft_s), (name, f)
+            assert per_request.gpu_prefill_s == whole.gpu_prefill_s
+    one = np.ones(len(trace))
+    one[7] = 3.0  # one slow forward pass: that request's TTFT grows, by no more than twice its own prefill
+    c = cluster(trace, router="round-robin", dispatch_s=0.0)
+    base = run(prepared, c, "recompute-only")
+    slow = run(prepared, c, "recompute-only", compute_scale=one)
+    own = c.prefill_s(0, int(trace.input_tokens[7]))
+    assert own < slow.ttft_s[7] - base.ttft_s[7] <= 2 * own + 1e-9
+    for bad, says in ((np.ones(3), "one number per request"), (np.r_[one[:-1], 0.0], "request 239"),
+                      (np.r_[np.nan, one[1:]], "request 0"), ([[1.0]], "one number per request")):
+        with pytest.raises(ConfigError) as e:
+            Simulator(prepared, c, policy_set("kvpolicy"), compute_scale=bad)
+        assert e.value.field == "compute_scale" and says in e.value.problem, e.value.problem
+
+
 def test_kvpolicys_controller_learns_the_compute_it_observes(trace, prepared):
     """The admission controller's prior is the profile; the replicas' real prefill runs compute_factor times it. The
     reference engine has always fed each measured prefill back (observe_prefill); the simulated replicas did not, so a

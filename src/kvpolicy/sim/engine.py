@@ -393,8 +393,21 @@ class SimResult:
 
 class Simulator:
     def __init__(self, prepared: Prepared | Any, cluster: ClusterConfig, policy_set: PolicySet, *,
-                 events: tuple[ScaleOut | Degrade, ...] = (), seed: int = 0) -> None:
+                 events: tuple[ScaleOut | Degrade, ...] = (), seed: int = 0, compute_scale: Any = None) -> None:
+        """``compute_scale``: optional, one positive number per request (trace order) multiplying ``compute_factor``
+        for that request's own prefill — the compute a real run measured, replayed (e.g. each request's measured
+        forward pass over the profile's). The router's and the oracles' predictions keep the cluster's model: an
+        engine does not know a request's compute before it runs; kvpolicy's controller hears it afterwards."""
         self.p = prepared if isinstance(prepared, Prepared) else Prepared(prepared)
+        self._scale: np.ndarray | None = None
+        if compute_scale is not None:
+            scale = np.asarray(compute_scale, dtype=float)
+            if scale.ndim != 1 or scale.size != len(self.p.trace):
+                raise ConfigError("compute_scale", f"needs one number per request ({len(self.p.trace)}), got shape {scale.shape}")
+            bad = np.flatnonzero(~np.isfinite(scale) | (scale <= 0))
+            if bad.size:
+                raise ConfigError("compute_scale", f"must be finite and > 0; request {int(bad[0])} has {scale[bad[0]]!r}")
+            self._scale = scale
         if not isinstance(cluster, ClusterConfig):
             raise ConfigError("cluster", "must be a kvpolicy.sim.ClusterConfig")
         if not isinstance(policy_set, PolicySet):
@@ -1012,20 +1025,25 @@ class Simulator:
 
     # ---------------------------------------------------------------- compute while loading
 
-    def _front_s(self, L: int, j: int) -> float:
+    def _k(self, req: _Req) -> float:
+        """This request's compute over the cluster's model (``compute_scale``; 1 without one)."""
+        return 1.0 if self._scale is None else float(self._scale[req.i])
+
+    def _front_s(self, req: _Req, L: int, j: int) -> float:
         """GPU seconds to prefill blocks [L, L+j) with [0, L) cached (dispatch and fixed term included)."""
         if j <= 0:
             return 0.0
         c = self.c
-        return c.dispatch_s + c.prefill_s(L * self.B, (L + j) * self.B)
+        return c.dispatch_s + self._k(req) * c.prefill_s(L * self.B, (L + j) * self.B)
 
     def _tail_s(self, req: _Req, front_blocks: int, extent_blocks: int) -> float:
         """GPU seconds for the rest of the prompt after blocks [0, L + extent), given the front computed."""
         c = self.c
+        k = self._k(req)
         start = (req.local + extent_blocks) * self.B
         T = self.p.input_tokens[req.i]
-        rest = c.prefill_s(start, T) - c.prefill_a_s
-        return rest + (c.dispatch_s + c.prefill_a_s if front_blocks == 0 else 0.0)
+        rest = k * (c.prefill_s(start, T) - c.prefill_a_s)
+        return rest + (c.dispatch_s + k * c.prefill_a_s if front_blocks == 0 else 0.0)
 
     def _arrival_s(self, load: _Load, m: int, now: float) -> float:
         """When the trailing m blocks of a reverse load will all have arrived, at today's rates."""
@@ -1060,12 +1078,12 @@ class Simulator:
         t_s = req.slot_s
 
         def meet(j: int) -> float:
-            return max(t_s + self._front_s(L, j), self._arrival_s(load, K - j, now))
+            return max(t_s + self._front_s(req, L, j), self._arrival_s(load, K - j, now))
 
         lo, hi = s_, K
         while lo < hi:  # the first j where the front is no earlier than the arrivals
             mid = (lo + hi) // 2
-            if t_s + self._front_s(L, mid) >= self._arrival_s(load, K - mid, now):
+            if t_s + self._front_s(req, L, mid) >= self._arrival_s(load, K - mid, now):
                 hi = mid
             else:
                 lo = mid + 1
@@ -1107,7 +1125,7 @@ class Simulator:
         L, K = req.local, req.load
         m = min(load.arrived_blocks(self.block_bytes), K)
         j = K - m
-        front_done = req.slot_s + self._front_s(L, j)
+        front_done = req.slot_s + self._front_s(req, L, j)
         if front_done > t + 1e-9:  # the front has not reached what arrived: re-plan
             if self._cake_schedule(req, t) <= t:  # no later point to wait for: the front decides
                 req.meet_ver += 1
@@ -1204,15 +1222,16 @@ class Simulator:
                     self._cake_schedule(req, t)
                     continue
                 m = min(load.arrived_blocks(self.block_bytes), req.load)
-                self._cake_finish(req, m, req.slot_s + self._front_s(req.local, req.load - m))
+                self._cake_finish(req, m, req.slot_s + self._front_s(req, req.local, req.load - m))
                 continue
             T = self.p.input_tokens[req.i]
-            dur = c.dispatch_s + c.prefill_s(req.reused * self.B, T)
+            k = self._k(req)
+            dur = c.dispatch_s + k * c.prefill_s(req.reused * self.B, T)
             req.prefill_s = dur
             self.gpu_prefill_s += dur
             if self.controller is not None and self.ps.learn_compute:  # the engine times its prefill: the controller learns the real compute
                 start = req.reused * self.B
-                self.controller.model.observe_prefill(start, T - start, c.compute_factor * float(c.prefill.marginal_s(start, T)))
+                self.controller.model.observe_prefill(start, T - start, k * c.compute_factor * float(c.prefill.marginal_s(start, T)))
             req.job_end_s = t + dur + debt
             self._push(t + dur + debt, PREFILL_DONE, req)
 
