@@ -221,6 +221,39 @@ def test_replicas_share_a_block_server_publishing_into_it_and_loading_from_it():
         server.close()
 
 
+def test_a_probe_prefill_is_not_what_the_replicas_controller_learns_from():
+    """bench_sim_vs_real probes each replica's serving path with short cold prompts before the replay. Those prefills
+    used to feed the controller's prefill ratio like traffic (short prompts run furthest from the profile), so the
+    real controllers started the replay believing recompute ~1.7x dearer, and loaded 1.7-7x the simulated ones'
+    bytes. learn=False keeps a probe out; stats() shows what the controller learned; min_samples is the model's."""
+    from kvpolicy.reference.transport import BlockServer, BlockStore
+
+    store = BlockStore(CFG.namespace(B).digest, BLOCK_BYTES)
+    server = BlockServer(store, secret=SECRET)
+    shared = (tuple(server.address), store.namespace_digest)
+    prefill = PrefillModel(a_s=0.0, b_s_per_token=1e-9, c_s_per_token2=0.0, rms_rel_error=0.0, max_rel_error=0.0)  # far too fast
+    rep = PeerReplica.start(CFG, secret=SECRET, block_size_tokens=B, capacity_blocks=512, name="a", shared=shared, link_bytes_per_s=1e9,
+                            prefill=prefill, min_samples=1)
+    try:
+        def ratio():
+            return rep.stats()["admission"]["peer"]["p50"]["prefill_ratio"]
+
+        for i in range(3):
+            rep.prefill(RNG.integers(0, 512, 2 * B), learn=False)
+        assert ratio() == 1.0, "probes heard: the controller left its prior"
+        rep.prefill(RNG.integers(0, 512, 2 * B))
+        assert ratio() > 10.0, "traffic heard: the real forward pass is far slower than this profile"
+        with pytest.raises(ConfigError) as e:
+            rep.prefill([1, 2, 3], learn="no")
+        assert e.value.field == "learn"
+    finally:
+        rep.close()
+        server.close()
+    with pytest.raises(ConfigError) as e:
+        PeerReplica.start(CFG, secret=SECRET, block_size_tokens=B, min_samples=0)
+    assert e.value.field == "min_samples"
+
+
 def test_model_config_refuses_the_wrong_types_by_name():
     from kvpolicy.errors import ConfigError
     from kvpolicy.reference.model import ModelConfig

@@ -16,11 +16,15 @@ from __future__ import annotations
 import multiprocessing as mp
 from typing import Any
 
+from .._validate import check_positive_int
+from ..errors import ConfigError
 from .model import ModelConfig
 
 
 def _serve(conn: Any, config: ModelConfig, block_size_tokens: int, capacity_blocks: int, publish: str, name: str,
            peer: tuple[tuple[str, int], bytes] | None, opts: dict[str, Any], secret: bytes) -> None:
+    import attrs
+
     from ..admission import AdmissionConfig, AdmissionController, CircuitBreaker, LatencyModel, LinkPrior
     from ..ledger import Ledger
     from ..publish import make_filter
@@ -35,7 +39,7 @@ def _serve(conn: Any, config: ModelConfig, block_size_tokens: int, capacity_bloc
     controller = None
     if peer:
         prefill = opts.get("prefill") or DEFAULT_PREFILL
-        model = LatencyModel(LinkPrior(bandwidth_bytes_per_s=opts["link_bytes_per_s"], **opts.get("prior", {})), prefill, min_samples=3,
+        model = LatencyModel(LinkPrior(bandwidth_bytes_per_s=opts["link_bytes_per_s"], **opts.get("prior", {})), prefill, min_samples=opts["min_samples"],
                              window_s=opts["window_s"])
         controller = AdmissionController(model, AdmissionConfig(probe_interval_s=opts["probe_interval_s"]),
                                          breaker_factory=lambda: CircuitBreaker(failure_threshold=3, open_s=opts["breaker_open_s"]))
@@ -50,9 +54,9 @@ def _serve(conn: Any, config: ModelConfig, block_size_tokens: int, capacity_bloc
         except EOFError:
             break
         if cmd == "prefill":
-            tokens, boundary = arg
+            tokens, boundary, learn = arg
             r = eng.prefill(tokens, boundary_tokens=boundary, publish=False)
-            if controller is not None:  # feed the measured prefill back: the model learns this machine's speed
+            if controller is not None and learn:  # feed the measured prefill back: the model learns this machine's speed
                 controller.model.observe_prefill((r.local_blocks + r.loaded_blocks) * block_size_tokens, r.computed_tokens, r.timings["prefill_s"])
             # the first token goes out before the write-back, as an engine answers before it offloads;
             # the next command (a request, stats, flush) is read after the publish
@@ -73,7 +77,11 @@ def _serve(conn: Any, config: ModelConfig, block_size_tokens: int, capacity_bloc
             conn.send(True)
         elif cmd == "stats":
             conn.send({"published_blocks": len(eng.store.blocks), "allocated_kv_bytes": eng.allocated_kv_bytes(), **eng.counts,
-                       "server": dict(eng.server.stats), "peers": {p.name: dict(p.stats) for p in eng.peers}})
+                       "server": dict(eng.server.stats), "peers": {p.name: dict(p.stats) for p in eng.peers},
+                       # what its admission controller has learned of each source, at the quantiles the rule compares
+                       "admission": {p.name: {"p50": attrs.asdict(controller.model.coefficients(0.5, p.name)),
+                                              "p95": attrs.asdict(controller.model.coefficients(0.95, p.name))}
+                                     for p in eng.peers} if controller is not None else {}})
         elif cmd == "ledger":
             conn.send(eng.ledger.to_dict() if eng.ledger is not None else {})
         elif cmd == "stop":
@@ -93,21 +101,24 @@ class PeerReplica:
     def start(cls, config: ModelConfig | None = None, *, secret: bytes, block_size_tokens: int = 16, capacity_blocks: int = 4096,
               publish: str = "all", name: str = "replica", peer: PeerReplica | None = None, link_bytes_per_s: float = 1e9,
               breaker_open_s: float = 10.0, window_s: float = 300.0, probe_interval_s: float = 30.0, timeout_s: float = 60.0,
-              shared: tuple[tuple[str, int], bytes] | None = None, prefill: Any = None, prior: dict[str, float] | None = None) -> PeerReplica:
+              shared: tuple[tuple[str, int], bytes] | None = None, prefill: Any = None, prior: dict[str, float] | None = None,
+              min_samples: int = 3) -> PeerReplica:
         """Spawn a replica process. With ``peer``, it loads from that replica through its
         admission controller (prior: ``link_bytes_per_s``), corrected by live measurements.
         With ``shared`` (a block server's address and namespace digest) instead, it loads from that
         server and publishes into it in the background — replicas sharing a pool node; ``prefill``
-        (a PrefillModel) and ``prior`` (LinkPrior fields) configure its admission model. ``secret``: the
+        (a PrefillModel) and ``prior`` (LinkPrior fields) configure its admission model, which trusts a term's own
+        measurements from its ``min_samples``-th on (3: a short demo learns at once; the library's default is 20). ``secret``: the
         deployment secret (16..64 bytes) its keys and its peers' connections are authenticated with."""
         from .transport import TransportKeys
 
         TransportKeys.from_secret(secret)  # refuse a bad secret here, not in the child
+        check_positive_int("min_samples", min_samples)
         ctx = mp.get_context("spawn")
         a, b = ctx.Pipe()
         peer_arg = (peer.address, peer.namespace_digest) if peer is not None else shared
         opts = {"link_bytes_per_s": link_bytes_per_s, "breaker_open_s": breaker_open_s, "window_s": window_s, "probe_interval_s": probe_interval_s,
-                "shared": shared is not None, "prefill": prefill, "prior": prior or {}}
+                "shared": shared is not None, "prefill": prefill, "prior": prior or {}, "min_samples": min_samples}
         proc = ctx.Process(target=_serve, args=(b, config or ModelConfig(), block_size_tokens, capacity_blocks, publish, name, peer_arg, opts, bytes(secret)),
                            daemon=True)
         proc.start()
@@ -121,13 +132,17 @@ class PeerReplica:
         self.conn.send((cmd, arg))
         return self.conn.recv()
 
-    def prefill(self, tokens: Any, boundary_tokens: int | None = None, *, wait_published: bool = False) -> dict[str, Any]:
+    def prefill(self, tokens: Any, boundary_tokens: int | None = None, *, wait_published: bool = False, learn: bool = True) -> dict[str, Any]:
         """Prefill on the replica; returns what happened (blocks found and loaded, TTFT, every timing) as
         soon as the first token is ready. The replica publishes after answering; any later command
         (``stats``, ``flush``, the next prefill) sees the blocks published, but another replica asking
         over TCP may not yet. ``wait_published=True`` returns only once the blocks are served (and, with a
-        shared server, have reached it); the reply then also holds ``published_blocks``."""
-        out = self._ask("prefill", (list(map(int, tokens)), boundary_tokens))
+        shared server, have reached it); the reply then also holds ``published_blocks``. ``learn=False``: the
+        admission controller does not hear this prefill's time — a probe of the serving path, not traffic (a
+        probe's short cold prompts run further from the profile than the traffic does)."""
+        if not isinstance(learn, bool):
+            raise ConfigError("learn", f"must be True or False, got {learn!r}")
+        out = self._ask("prefill", (list(map(int, tokens)), boundary_tokens, learn))
         if wait_published:
             self.flush()
             out["published_blocks"] = self.stats()["published_blocks"]
@@ -147,7 +162,7 @@ class PeerReplica:
     def set_faults(self, **faults: Any) -> None:
         self._ask("faults", faults)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         return self._ask("stats")
 
     def close(self) -> None:
