@@ -405,17 +405,21 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publ
     server = BlockServer(store, secret=SECRET, host=NETNS_ADDR[0] if home else "127.0.0.1")
     prior = {"lookup_s": lookup_s, "transfer_overhead_s": alpha, "install_s_per_block": install_s_per_block, "dispatch_s": 0.0,
              "interference_s_per_byte": 0.0}
-    _enter_netns(NETNS[1] if home else None)  # the replicas' side: the processes started now live there
-    # the replicas' controllers trust a term's own measurements from as many samples on as the simulator's (the
-    # library's default): with the demo's 3 the real ones left their priors after a few loads while the simulated
-    # ones kept them (p95 = prior x 1.5) for most of a 150-request replay, and declined more for it
-    reps = [PeerReplica.start(cfg, secret=SECRET, block_size_tokens=B, capacity_blocks=4096, publish=publish, name=f"replica-{i}",
-                              shared=(tuple(server.address), store.namespace_digest), link_bytes_per_s=link_bw, prefill=prefill, prior=prior,
-                              min_samples=MIN_SAMPLES)
-            for i in range(replicas)]
-    if home is not None:
-        _enter_netns(None, path=f"/proc/self/fd/{home.fileno()}")
-        home.close()
+
+    def start_replicas(prior: dict[str, float]) -> list[Any]:
+        # the replicas' controllers trust a term's own measurements from as many samples on as the simulator's
+        # (the library's default), so the two sides learn at the same pace
+        _enter_netns(NETNS[1] if home else None)  # the replicas' side: the processes started now live there
+        try:
+            return [PeerReplica.start(cfg, secret=SECRET, block_size_tokens=B, capacity_blocks=4096, publish=publish, name=f"replica-{i}",
+                                      shared=(tuple(server.address), store.namespace_digest), link_bytes_per_s=link_bw, prefill=prefill,
+                                      prior=prior, min_samples=MIN_SAMPLES)
+                    for i in range(replicas)]
+        finally:
+            if home is not None:
+                _enter_netns(None, path=f"/proc/self/fd/{home.fileno()}")
+
+    reps = start_replicas(prior)
     # T_dispatch of this serving path, measured at idle: a request's round trip through the driver and
     # the pipe, less the replica's own time for it (short prompts no other request shares, on each replica),
     # the probes spaced as the replay's requests reach one replica — a process woken from a wait answers
@@ -441,6 +445,14 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publ
     lookup_s = float(np.median(probe_match))
     profile_a_s = prefill.a_s
     woken = attrs.evolve(prefill, a_s=max(float(np.median(probe_rest)) - prefill.marginal_s(0, 2 * B), 0.0))
+    # the replay's replicas: fresh processes whose controllers start from the priors the simulated ones are given —
+    # the lookup and the dispatch round trip as probed (the profile's back-to-back lookup and no dispatch term
+    # before); the probes ran on processes just like them
+    for r in reps:
+        r.close()
+    reps = start_replicas({**prior, "lookup_s": lookup_s, "dispatch_s": dispatch_s})
+    if home is not None:
+        home.close()
     t_arr = trace.arrival_s - trace.arrival_s[0]
     ttft = np.zeros(len(trace))
     loaded = np.zeros(len(trace))
@@ -495,8 +507,10 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publ
                             decode_tokens_per_s=1e9, storage_nodes=1, pool_capacity_bytes_per_node=10**12, node_bandwidth_bytes_per_s=link_bw,
                             replica_bandwidth_bytes_per_s=link_bw, placement_chunk_blocks=10**6, lookup_s=lookup_s, transfer_overhead_s=alpha,
                             install_s_per_block=install_s_per_block, dispatch_s=dispatch_s, interference_s_per_byte=0.0, router="round-robin")
+    # each simulated replica decides with a controller of its own, as each real replica process does: one cluster
+    # controller hears every replica's loads and prefills and leaves its priors twice as early
     ps = PolicySet("reference", local_eviction="lru", pool_eviction="lru", publish=publish, load="admission", timeout="admission",
-                   failure="recompute")
+                   failure="recompute", controller_scope="replica")
     res = Simulator(Prepared(sim_trace), cluster, ps).run()
     sim = res.ttft_s
     # the same, told each request's real forward pass (Simulator compute_scale): its forward pass in the replay over
@@ -551,9 +565,9 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publ
         "scale": {"p5": q(scale, 0.05), "median": q(scale, 0.5), "p95": q(scale, 0.95)},
         "decisions": {k: dict(res_replayed.ledger.to_dict()[k]) for k in ("requests", "tokens")}}
     # what each side's admission controllers learned by the end: every term at the two quantiles the rule compares
-    sim_model = replayed.controller.model if replayed.controller is not None else None
-    out["learned"] = {"real": real_models, "sim_replayed": {q: attrs.asdict(sim_model.coefficients(v, "node-0")) for q, v in (("p50", 0.5), ("p95", 0.95))}
-                      if sim_model is not None else {}}
+    sim_models = [ctl.model for ctl in (replayed.controller, *replayed.controllers.values()) if ctl is not None]
+    out["learned"] = {"real": real_models, "sim_replayed": [{q: attrs.asdict(m.coefficients(v, "node-0")) for q, v in (("p50", 0.5), ("p95", 0.95))}
+                                                            for m in sim_models]}
     out["per_request"]["sim_replayed_ttft_s"] = sim_replayed.tolist()
     t = out["ttft_ms"]
     out["error_p50"] = abs(t["sim_p50"] - t["real_p50"]) / t["real_p50"]

@@ -484,6 +484,47 @@ def test_a_uniform_compute_scale_is_the_compute_factor_per_request(trace, prepar
         assert e.value.field == "compute_scale" and says in e.value.problem, e.value.problem
 
 
+def test_each_replica_can_have_its_own_controller(trace, prepared, monkeypatch):
+    """controller_scope="replica": every replica decides with a controller of its own, as an engine process that
+    embeds one (bench_sim_vs_real's real replicas do) — it learns from its own loads and prefills only, so it leaves
+    its priors later than the cluster's, which hears them all. One replica: the two scopes are the same run."""
+    from kvpolicy.admission import AdmissionController
+
+    ps = policy_set("kvpolicy")
+    own = attrs.evolve(ps, controller_scope="replica")
+    c = cluster(trace, router="round-robin", node_bandwidth_bytes_per_s=1e8, replica_bandwidth_bytes_per_s=1e8)
+    alone = attrs.evolve(c, replicas=1)
+    assert np.array_equal(run(prepared, alone, ps).ttft_s, run(prepared, alone, own).ttft_s)
+    asked: dict[int, set] = {}
+    decide = AdmissionController.decide
+
+    def spy(self, m, ctx):
+        asked.setdefault(id(self), set()).add(ctx.replica)
+        return decide(self, m, ctx)
+
+    monkeypatch.setattr(AdmissionController, "decide", spy)
+    for scope, controllers in (("cluster", 1), ("replica", c.replicas)):
+        asked.clear()
+        sim = Simulator(prepared, attrs.evolve(c, compute_factor=2.0), attrs.evolve(ps, controller_scope=scope))
+        res = sim.run()
+        check_conservation(res, trace)
+        assert len(asked) == controllers, (scope, asked)
+        if scope == "replica":
+            assert all(len(names) == 1 for names in asked.values()), "a controller decided for another replica"
+        else:
+            assert asked[id(sim.controller)] == {r.name for r in sim.replicas} and not sim.controllers
+    # every prefill in one piece (no compute while loading): each replica's controller heard exactly its own
+    # replica's requests, and learned the compute from them
+    sim = Simulator(prepared, attrs.evolve(c, compute_factor=2.0), attrs.evolve(own, compute_while_loading=False))
+    res = sim.run()
+    for idx, ctl in ((0, sim.controller), *sim.controllers.items()):
+        assert ctl.model.prefill_ratio.hist.count == int(np.sum(res.routes == idx)) >= 20
+        assert ctl.model.prefill_ratio.q(0.5) == pytest.approx(2.0, rel=0.05)
+    with pytest.raises(ConfigError) as e:
+        attrs.evolve(ps, controller_scope="node")
+    assert e.value.field == "controller_scope"
+
+
 def test_kvpolicys_controller_learns_the_compute_it_observes(trace, prepared):
     """The admission controller's prior is the profile; the replicas' real prefill runs compute_factor times it. The
     reference engine has always fed each measured prefill back (observe_prefill); the simulated replicas did not, so a

@@ -467,8 +467,16 @@ class Simulator:
             prior = LinkPrior(bandwidth_bytes_per_s=max(bw, 1e-3), lookup_s=cluster.lookup_s, transfer_overhead_s=cluster.transfer_overhead_s,
                               stage_bytes_per_s=None, install_s_per_block=cluster.install_s_per_block,
                               dispatch_s=cluster.dispatch_s, interference_s_per_byte=cluster.interference_s_per_byte)
-            self.controller = AdmissionController(LatencyModel(prior, cluster.prefill),
-                                                  AdmissionConfig(compute_while_loading=ps.compute_while_loading), clock=self.clock)
+
+            def make_controller() -> AdmissionController:
+                return AdmissionController(LatencyModel(prior, cluster.prefill), AdmissionConfig(compute_while_loading=ps.compute_while_loading),
+                                           clock=self.clock)
+
+            self._make_controller = make_controller
+            #: the cluster's controller (controller_scope "cluster"), or replica 0's ("replica": each replica has its own)
+            self.controller = make_controller()
+        #: controller_scope "replica": each replica's own, by replica index (made when the replica first needs it)
+        self.controllers: dict[int, AdmissionController] = {}
         self._rr = 0
         self._seq = 0
         self.heap: list[tuple[float, int, int, Any]] = []
@@ -561,7 +569,7 @@ class Simulator:
             t, _, kind, obj = heapq.heappop(heap)
             clock.t = t
             handlers[kind](obj, t)
-        if self.controller is not None and self.controller.loads_in_flight():
+        if any(ctl.loads_in_flight() for ctl in (self.controller, *self.controllers.values()) if ctl is not None):
             raise AssertionError("loads still in flight at the end of the run")  # pragma: no cover - conservation
         t0 = p.arrival_s[0]
         return SimResult(
@@ -634,19 +642,31 @@ class Simulator:
 
     # ------------------------------------------------------------------ pool placement and transfers
 
-    def _healthy(self, node: _Node) -> bool:
-        if self.controller is None:
+    def _ctl(self, rep: _Replica) -> AdmissionController | None:
+        """The admission controller that decides for ``rep`` (None: the set does not use one)."""
+        if self.controller is None or self.ps.controller_scope == "cluster" or rep.idx == 0:
+            return self.controller
+        ctl = self.controllers.get(rep.idx)
+        if ctl is None:
+            ctl = self.controllers[rep.idx] = self._make_controller()
+        return ctl
+
+    def _healthy(self, node: _Node, rep: _Replica | None = None) -> bool:
+        """Whether ``node``'s breaker is closed — in ``rep``'s controller (the cluster's, or the first replica's
+        when none is named)."""
+        ctl = self._ctl(rep) if rep is not None else self.controller
+        if ctl is None:
             return True
-        b = self.controller.breakers.get(node.name)
+        b = ctl.breakers.get(node.name)
         return b is None or b.state == "closed"
 
-    def _place(self, chunk_key: int) -> _Node:
-        """Rendezvous placement of a chunk; kvpolicy skips nodes whose breaker is open."""
+    def _place(self, chunk_key: int, rep: _Replica | None = None) -> _Node:
+        """Rendezvous placement of a chunk; kvpolicy skips nodes whose breaker is open (in the writer's controller)."""
         mix = _mix
         order = sorted(self.nodes, key=lambda n: -mix((chunk_key * 0x9E3779B1) ^ mix(n.idx + 7)))
         if self.ps.load == "admission":
             for n in order:
-                if self._healthy(n):
+                if self._healthy(n, rep):
                     return n
         return order[0]
 
@@ -843,12 +863,13 @@ class Simulator:
             elif load == "min-tokens":
                 k = R if R * self.B >= ps.min_load_tokens else 0
             elif load == "admission":
-                assert self.controller is not None
+                ctl = self._ctl(rep)
+                assert ctl is not None
                 src = self.where[keys[L]]
                 ctx = AdmissionContext(block_bytes=self.block_bytes, replica=rep.name, source=src.name, active_decodes=rep.active,
                                        warming=t < rep.warming_until_s, path_flows_bytes=self._path_flows(rep, src, R * self.block_bytes),
                                        queue_wait_s=self._queue_wait_s(rep, t), prefill_queue_requests=len(rep.queue))
-                d = self.controller.decide(pm, ctx)
+                d = ctl.decide(pm, ctx)
                 req.decision = d
                 k = d.load_blocks
                 s_ = d.split_blocks
@@ -977,13 +998,14 @@ class Simulator:
             self.loads_failed += 1
         delivered = load.delivered_bytes()
         stall = self._charge_interference(req.replica, req, delivered)
-        if self.controller is None or req.decision is None:
+        ctl = self._ctl(req.replica)
+        if ctl is None or req.decision is None:
             return ok_blocks
         n = req.load
         out = LoadOutcome(load_id=req.decision.load_id, status=status, ok_blocks=min(ok_blocks, n), lookup_s=self.c.lookup_s,
                           transfer_s=(load.end_s if load.ended else t) - load.t0, install_s=self.c.install_s_per_block * ok_blocks if status == "ok" else None,
                           stall_s=stall if status == "ok" else None, bytes_delivered=delivered)
-        return self.controller.record(out).usable_blocks
+        return ctl.record(out).usable_blocks
 
     def _load_done(self, req: _Req, t: float) -> None:
         rep: _Replica = req.replica
@@ -1229,9 +1251,10 @@ class Simulator:
             dur = c.dispatch_s + k * c.prefill_s(req.reused * self.B, T)
             req.prefill_s = dur
             self.gpu_prefill_s += dur
-            if self.controller is not None and self.ps.learn_compute:  # the engine times its prefill: the controller learns the real compute
+            ctl = self._ctl(rep)
+            if ctl is not None and self.ps.learn_compute:  # the engine times its prefill: the controller learns the real compute
                 start = req.reused * self.B
-                self.controller.model.observe_prefill(start, T - start, k * c.compute_factor * float(c.prefill.marginal_s(start, T)))
+                ctl.model.observe_prefill(start, T - start, k * c.compute_factor * float(c.prefill.marginal_s(start, T)))
             req.job_end_s = t + dur + debt
             self._push(t + dur + debt, PREFILL_DONE, req)
 
@@ -1309,13 +1332,13 @@ class Simulator:
             if j % chunk == 0:
                 target = None
             node = where.get(key)
-            if node is not None and not (moving and not self._healthy(node)):
+            if node is not None and not (moving and not self._healthy(node, rep)):
                 node.policy.on_access(key)
                 continue
             if key in writing:
                 continue
             if target is None:
-                target = self._place(keys[j - j % chunk])
+                target = self._place(keys[j - j % chunk], rep)
             if target is node:
                 continue
             batches.setdefault(target, []).append(key)

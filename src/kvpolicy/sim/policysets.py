@@ -70,6 +70,11 @@ class PolicySet:
     #: the admission controller hears the time of every prefill run in one piece (``observe_prefill``), so it learns the replicas' real
     #: compute when the profile it was given is off (``ClusterConfig.compute_factor``); False: it keeps the profile
     learn_compute: bool = True
+    #: ``load="admission"``: "cluster" — one controller for every replica (its model pools all their measurements, its
+    #: per-source caps and breakers are the cluster's, as a shared sidecar or directory service would keep them);
+    #: "replica" — each replica its own, as an engine process that embeds one (each learns from its own loads and
+    #: prefills only, so it leaves its priors later; its breakers steer only its own writes)
+    controller_scope: str = "cluster"
 
     def __attrs_post_init__(self) -> None:
         for field in ("local_eviction", "pool_eviction"):
@@ -94,6 +99,8 @@ class PolicySet:
             raise ConfigError("failure", f"must be 'recompute' or 'fail', got {self.failure!r}")
         if not isinstance(self.learn_compute, bool):
             raise ConfigError("learn_compute", f"must be True or False, got {self.learn_compute!r}")
+        if self.controller_scope not in ("cluster", "replica"):
+            raise ConfigError("controller_scope", f"must be 'cluster' or 'replica', got {self.controller_scope!r}")
         if self.compute_while_loading and self.load != "admission":
             raise ConfigError("compute_while_loading", "needs load='admission' (the split comes from the controller's plan)")
 
