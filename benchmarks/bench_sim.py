@@ -11,7 +11,7 @@
    * GPU prefill seconds saved in ``steady`` ≥ 60 % of the oracle's;
    * timed-out loads < 5 % of kvpolicy's admitted loads.
 
-    python benchmarks/bench_sim.py [--presets rag,agent,mixed,chat] [--seed 11] [--skip-mooncake] [--json OUT]
+    python benchmarks/bench_sim.py [--presets rag,agent,mixed,chat] [--seed 11] [--skip-mooncake] [--controller-scope replica] [--json OUT]
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ import sys
 import time
 from typing import Any
 
+import attrs
 from _common import add_check_flag, report_targets, write_json
 from bench_reuse import TRACE
 
 from kvpolicy.publish_sim import DEFAULT_PREFILL
-from kvpolicy.sim import Prepared, Simulator, compare, default_cluster, policy_set, render
+from kvpolicy.sim import POLICY_SETS, Prepared, Simulator, compare, default_cluster, policy_set, render
 from kvpolicy.traces import generate, preset, read_mooncake
 
 BPT = 131072  # Llama-3-8B: 32 MiB per 256-token block, 64 MiB per 512-token block
@@ -56,9 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presets", default="rag,agent,mixed,chat")
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--skip-mooncake", action="store_true")
+    ap.add_argument("--controller-scope", choices=("cluster", "replica"), default=None,
+                    help="kvpolicy's admission controller: one for the cluster (the preset) or one per replica, as an engine embeds it")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     out: dict[str, Any] = {}
+    sets = [policy_set(n) for n in POLICY_SETS]
+    if args.controller_scope is not None:  # the same set, still named kvpolicy: the goals are checked against it
+        sets = [attrs.evolve(ps, controller_scope=args.controller_scope) if ps.name == "kvpolicy" else ps for ps in sets]
+        out["controller_scope"] = args.controller_scope
     traces = []
     if not args.skip_mooncake:
         if not TRACE.exists():
@@ -88,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, tr, seed in traces:
         c = default_cluster(tr, bytes_per_token=BPT, prefill=DEFAULT_PREFILL)
         t0 = time.perf_counter()
-        report, _ = compare(tr, c, seed=seed)
+        report, _ = compare(tr, c, seed=seed, policies=sets)
         report["wall_s"] = time.perf_counter() - t0
         out[label] = report
         print(f"\n### {label}: all scenarios x policy sets in {report['wall_s']:.1f} s")
