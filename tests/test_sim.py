@@ -478,7 +478,8 @@ def test_a_uniform_compute_scale_is_the_compute_factor_per_request(trace, prepar
     own = c.prefill_s(0, int(trace.input_tokens[7]))
     assert own < slow.ttft_s[7] - base.ttft_s[7] <= 2 * own + 1e-9
     for bad, says in ((np.ones(3), "one number per request"), (np.r_[one[:-1], 0.0], "request 239"),
-                      (np.r_[np.nan, one[1:]], "request 0"), ([[1.0]], "one number per request")):
+                      (np.r_[np.nan, one[1:]], "request 0"), ([[1.0]], "one number per request"),
+                      (["fast"] * len(trace), "one number per request"), ([None] * len(trace), "request 0 has nan")):
         with pytest.raises(ConfigError) as e:
             Simulator(prepared, c, policy_set("kvpolicy"), compute_scale=bad)
         assert e.value.field == "compute_scale" and says in e.value.problem, e.value.problem

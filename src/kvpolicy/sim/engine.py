@@ -401,12 +401,15 @@ class Simulator:
         self.p = prepared if isinstance(prepared, Prepared) else Prepared(prepared)
         self._scale: np.ndarray | None = None
         if compute_scale is not None:
-            scale = np.asarray(compute_scale, dtype=float)
+            try:
+                scale = np.asarray(compute_scale, dtype=float)
+            except (TypeError, ValueError) as e:
+                raise ConfigError("compute_scale", f"needs one number per request: {e}") from None
             if scale.ndim != 1 or scale.size != len(self.p.trace):
                 raise ConfigError("compute_scale", f"needs one number per request ({len(self.p.trace)}), got shape {scale.shape}")
             bad = np.flatnonzero(~np.isfinite(scale) | (scale <= 0))
             if bad.size:
-                raise ConfigError("compute_scale", f"must be finite and > 0; request {int(bad[0])} has {scale[bad[0]]!r}")
+                raise ConfigError("compute_scale", f"must be finite and > 0; request {int(bad[0])} has {float(scale[bad[0]])}")
             self._scale = scale
         if not isinstance(cluster, ClusterConfig):
             raise ConfigError("cluster", "must be a kvpolicy.sim.ClusterConfig")
