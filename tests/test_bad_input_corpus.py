@@ -39,7 +39,7 @@ KIND = {
     "config": "config", "json": "out", "out": "out", "plot": "out-dir",
     "format": "name", "preset": "name", "routing": "name", "router": "name", "scenario": "name", "scheme": "name", "kv_dtype": "name",
     "dtype": "name", "host": "name", "model": "name", "model_name": "name", "openai_url": "name", "api_key_env": "name", "cache_salt": "name",
-    "lora_name": "name", "lora_path": "name", "secret_hex": "name", "request": "name", "policies": "name",
+    "lora_name": "name", "lora_path": "name", "secret_hex": "name", "request": "name", "policies": "name", "controller_scope": "name",
     "endpoint": "name", "replay_endpoint": "name", "topic": "name", "directory": "name", "tenant": "name", "holder": "name", "verify": "name",
 }
 

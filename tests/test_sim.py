@@ -278,6 +278,15 @@ def test_cli_compare_json(tmp_path, capsys, trace):
     twice = json.loads(slow.read_text())
     assert twice["cluster"]["compute_factor"] == 2.0
     assert twice["offered_load"]["cold_prefill_s"] == pytest.approx(2 * data["offered_load"]["cold_prefill_s"]), "the offered load is the real compute"
+    # the report holds every policy set as it ran; --controller-scope gives kvpolicy's one controller per replica
+    assert data["policy_sets"]["kvpolicy"]["controller_scope"] == "cluster" and data["policy_sets"]["vllm-like"]["load"] == "always"
+    own = tmp_path / "own.json"
+    assert main(["compare", str(path), "--format", "mooncake", "--block-size", "64", "--scenario", "steady", "--policies", "kvpolicy,vllm-like",
+                 "--bytes-per-token", str(BPT), "--replicas", "4", "--json", str(own), "--no-progress", "--controller-scope", "replica"]) == 0
+    assert "one controller per replica (as an engine embeds it): kvpolicy" in capsys.readouterr().out
+    per = json.loads(own.read_text())
+    assert per["policy_sets"]["kvpolicy"]["controller_scope"] == "replica" and per["policy_sets"]["kvpolicy"]["publish"] == "reuse-aware"
+    assert {r["policy"] for r in per["runs"]} == {"kvpolicy", "vllm-like", "recompute-only"}
 
 
 def test_cli_compare_bad_input(capsys, tmp_path):

@@ -775,6 +775,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     trace = _load_trace(args)
     scenarios = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     policies = args.policies or list(POLICY_SETS)
+    if args.controller_scope is not None:  # kvpolicy's preset, still named kvpolicy, with one controller per replica (or the cluster's)
+        import attrs
+
+        policies = [attrs.evolve(policy_set(p), controller_scope=args.controller_scope) if p == "kvpolicy" else p for p in policies]
     prog.set_total(1 + len(scenarios) * len(set(policies) | {"recompute-only"}) + (1 if args.plot else 0))
     overrides: dict[str, Any] = {"router": args.router, "prefill_slots": args.prefill_slots, "decode_tokens_per_s": args.decode_tokens_per_s,
                                  "node_bandwidth_bytes_per_s": args.node_gbps * 1e9 / 8, "replica_bandwidth_bytes_per_s": args.replica_gbps * 1e9 / 8,
@@ -1106,6 +1110,9 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--compute-factor", type=_positive_float, default=1.0,
                     help="the replicas' real prefill over the profile's, which kvpolicy's controller is given as its prior and "
                          "learns from the prefills it times (default 1; 2: GPUs twice as slow as profiled; 0.5: twice as fast)")
+    cp.add_argument("--controller-scope", choices=["cluster", "replica"], default=None,
+                    help="kvpolicy's admission controller: one for the cluster (the preset: it hears every replica) or one per "
+                         "replica, as an engine process embeds it")
     cp.add_argument("--prefill-slots", type=_positive_int, default=1, help="concurrent prefills per replica (default 1)")
     cp.add_argument("--decode-tokens-per-s", type=_positive_float, default=30.0, help="decode rate per request (default 30)")
     cp.add_argument("--json", default=None, metavar="OUT", help="write every run as JSON")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 
 from ..errors import ConfigError
@@ -117,6 +118,8 @@ def compare(trace: Any, cluster: ClusterConfig, *, scenarios: list[str] | None =
         "cluster": _cluster_dict(cluster),
         "offered_load": load,
         "scenarios": descriptions,
+        # what each policy set was, field by field (a set of your own, or a preset evolved, is in the report as it ran)
+        "policy_sets": {ps.name: attrs.asdict(ps) for ps in sets},
         "runs": runs,
     }
     report["checks"] = checks(report)
@@ -241,6 +244,9 @@ def render(report: dict[str, Any]) -> str:
         f"{c['pool_capacity_gib_per_node']:,.0f} GiB at {c['node_gbps']:.0f} Gbit/s; replica NIC {c['replica_gbps']:.0f} Gbit/s"
         + (f"; compute {c['compute_factor']:g}x the profile (kvpolicy's controller learns it)" if c.get("compute_factor", 1.0) != 1.0 else ""),
     ]
+    per_replica = [n for n, ps in report.get("policy_sets", {}).items() if ps.get("load") == "admission" and ps.get("controller_scope") == "replica"]
+    if per_replica:
+        lines.append(f"admission one controller per replica (as an engine embeds it): {', '.join(per_replica)}")
     ld = report.get("offered_load")
     if ld and ld["cold_utilisation"] is not None:
         lines.append(f"load      prefill utilisation {ld['cold_utilisation']:.0%} cold, {ld['infinite_cache_utilisation']:.0%} with an infinite cache "
