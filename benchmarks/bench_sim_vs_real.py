@@ -345,6 +345,114 @@ CONFIGS = [  # (label, forward sizes in blocks, reverse size in blocks or None)
 ]
 
 
+
+def replay_trace(n_requests: int, seed: int) -> Any:
+    """(b)'s slice: the chat preset scaled to the reference model (16-token blocks, its vocabulary), with tokens."""
+    from kvpolicy.reference.model import ModelConfig
+    from kvpolicy.traces import generate, preset
+
+    cfg = ModelConfig()
+    return generate(preset("chat", n_requests=n_requests, block_size_tokens=16, vocab=cfg.vocab_size, system_prompt_tokens=(64, 512),
+                           user_tokens=(16, 160), output_tokens=(16, 160), think_time_s=4.0, rate_per_s=6.0, seed=seed), keep_tokens=True)
+
+
+def simulated(e: dict[str, Any], trace: Any, compute_scale: Any = None) -> Any:
+    """The simulator of (b), configured only from the figures an end-to-end record holds (the profile's fit, the link
+    measured alone, the probes); ``compute_scale`` as Simulator takes it. Returns the Simulator, run."""
+    import attrs
+    import numpy as np
+
+    from kvpolicy.profile import PrefillModel
+    from kvpolicy.sim import ClusterConfig, PolicySet, Prepared, Simulator
+
+    B = trace.block_size_tokens
+    bpt = int(e["bytes_per_token"])
+    prefill = PrefillModel(**{k: v for k, v in e["prefill"].items() if k in attrs.fields_dict(PrefillModel)})
+    woken = attrs.evolve(prefill, a_s=e["a_s_woken"])
+    link_bw = e["link_bytes_per_s"]
+    sim_trace = attrs.evolve(trace, output_tokens=np.zeros(len(trace), dtype=np.int64), tokens=None, token_offsets=None)
+    cluster = ClusterConfig(bytes_per_token=bpt, prefill=woken, replicas=int(e["replicas"]), local_capacity_bytes=4096 * B * bpt, prefill_slots=1,
+                            decode_tokens_per_s=1e9, storage_nodes=1, pool_capacity_bytes_per_node=10**12, node_bandwidth_bytes_per_s=link_bw,
+                            replica_bandwidth_bytes_per_s=link_bw, placement_chunk_blocks=10**6, lookup_s=e["lookup_s"],
+                            transfer_overhead_s=e["transfer_overhead_s"], install_s_per_block=e["install_s_per_block"], dispatch_s=e["dispatch_s"],
+                            interference_s_per_byte=0.0, router="round-robin")
+    # each simulated replica decides with a controller of its own, as each real replica process does: one cluster
+    # controller hears every replica's loads and prefills and leaves its priors twice as early
+    ps = PolicySet("reference", local_eviction="lru", pool_eviction="lru", publish=e["publish"], load="admission", timeout="admission",
+                   failure="recompute", controller_scope="replica")
+    sim = Simulator(Prepared(sim_trace), cluster, ps, compute_scale=compute_scale)
+    sim.result = sim.run()
+    return sim
+
+
+def own_compute_scale(e: dict[str, Any], trace: Any) -> Any:
+    """Each request's forward pass in the replay over the profile's marginal at the reuse it had."""
+    import attrs
+    import numpy as np
+
+    from kvpolicy.profile import PrefillModel
+
+    pr = e["per_request"]
+    if "compute_scale" in pr:
+        return np.asarray(pr["compute_scale"])
+    prefill = PrefillModel(**{k: v for k, v in e["prefill"].items() if k in attrs.fields_dict(PrefillModel)})
+    B = trace.block_size_tokens
+    model = np.asarray([prefill.marginal_s(int(r * B), int(T)) for T, r in zip(trace.input_tokens, pr["reused_blocks"])])
+    return np.maximum(np.asarray(pr["forward_s"]), 1e-9) / np.maximum(model, 1e-9)
+
+
+def noise_from_other_runs(paths: list[str], draws: int = 5) -> dict[str, Any]:
+    """Each saved end-to-end run (``--json`` of (b) or (b′)) simulated again three ways, nothing re-measured: from the
+    profile alone; told its own forward passes; and with compute noise — each request's forward pass over the profile
+    drawn at random (seeds 0..draws-1) from the **other** runs' requests, so nothing of the run judged goes in. The
+    third is what a deployment can do: measure its compute spread once, then predict runs it has not made."""
+    import json
+
+    import numpy as np
+
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            doc = json.load(f)
+        e = doc.get("end_to_end_netns") or doc.get("end_to_end")
+        if not e or "per_request" not in e:
+            raise SystemExit(f"{path}: not an end-to-end record of this benchmark (run it with --json)")
+        if "seed" not in e:
+            raise SystemExit(f"{path}: the record has no seed (made before 2026-12-01); re-run it")
+        trace = replay_trace(int(e["requests"]), int(e["seed"]))
+        runs.append((path, e, trace, own_compute_scale(e, trace)))
+    rows = []
+    for i, (path, e, trace, own) in enumerate(runs):
+        real = np.asarray(e["per_request"]["real_ttft_s"])
+        pool = np.concatenate([r[3] for j, r in enumerate(runs) if j != i])
+
+        def err(x: Any) -> float:
+            return abs(float(np.quantile(x, 0.95)) - float(np.quantile(real, 0.95))) / float(np.quantile(real, 0.95))
+
+        noisy = [err(simulated(e, trace, compute_scale=np.random.default_rng(d).choice(pool, size=len(trace))).result.ttft_s)
+                 for d in range(draws)]
+        rows.append({"run": path, "netns_mbit": e.get("netns_mbit"), "publish": e["publish"], "seed": int(e["seed"]),
+                     "real_p95_ms": float(np.quantile(real, 0.95)) * 1e3,
+                     "error_p95_profile": err(simulated(e, trace).result.ttft_s),
+                     "error_p95_own_compute": err(simulated(e, trace, compute_scale=own).result.ttft_s),
+                     "error_p95_noise_mean": float(np.mean(noisy)), "error_p95_noise_min": min(noisy), "error_p95_noise_max": max(noisy)})
+    return {"draws": draws, "rows": rows}
+
+
+def render_noise(r: dict[str, Any]) -> str:
+    lines = [f"TTFT p95 error of the simulator on each saved run: from the profile; told the run's own forward passes; with the "
+             f"other runs' compute noise (mean of {r['draws']} draws, min-max)",
+             f"{'run':<40} {'real p95 ms':>11} {'profile':>8} {'own':>6} {'noise':>6}  {'draws':>13}"]
+    for x in r["rows"]:
+        lines.append(f"{x['run'][-40:]:<40} {x['real_p95_ms']:>11.1f} {x['error_p95_profile']:>8.1%} {x['error_p95_own_compute']:>6.1%} "
+                     f"{x['error_p95_noise_mean']:>6.1%}  {x['error_p95_noise_min']:>5.1%}-{x['error_p95_noise_max']:.1%}")
+    n = len(r["rows"])
+    lines.append(f"within 20 %: from the profile {sum(x['error_p95_profile'] <= 0.2 for x in r['rows'])} of {n}, told the compute "
+                 f"{sum(x['error_p95_own_compute'] <= 0.2 for x in r['rows'])} of {n}, with the other runs' noise (mean) "
+                 f"{sum(x['error_p95_noise_mean'] <= 0.2 for x in r['rows'])} of {n}")
+    return "\n".join(lines)
+
+
 def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publish: str = "all", replicas: int = 2) -> dict[str, Any]:
     """(b): replay a slice on real replica processes and in the simulator; compare TTFT and bytes. With
     ``netns_mbit`` the block server sits in one network namespace and the replicas in the other, across the veth
@@ -361,13 +469,10 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publ
     from kvpolicy.reference.profiling import ReferenceProfileTarget, run_profile
     from kvpolicy.reference.replica import PeerReplica
     from kvpolicy.reference.transport import BlockServer, BlockStore
-    from kvpolicy.sim import ClusterConfig, PolicySet, Prepared, Simulator
-    from kvpolicy.traces import generate, preset
 
     cfg = ModelConfig()
     B = 16
-    trace = generate(preset("chat", n_requests=n_requests, block_size_tokens=B, vocab=cfg.vocab_size, system_prompt_tokens=(64, 512),
-                            user_tokens=(16, 160), output_tokens=(16, 160), think_time_s=4.0, rate_per_s=6.0, seed=seed), keep_tokens=True)
+    trace = replay_trace(n_requests, seed)
     prompts = [trace.tokens[trace.token_offsets[i]:trace.token_offsets[i + 1]].astype(np.int64) for i in range(len(trace))]
     longest = int(max(p.size for p in prompts))
 
@@ -502,24 +607,18 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publ
             netns_down()
 
     # 3. the simulator on the same slice, configured from the profile and the link figures only
-    sim_trace = attrs.evolve(trace, output_tokens=np.zeros(len(trace), dtype=np.int64), tokens=None, token_offsets=None)
-    cluster = ClusterConfig(bytes_per_token=bpt, prefill=woken, replicas=len(reps), local_capacity_bytes=4096 * B * bpt, prefill_slots=1,
-                            decode_tokens_per_s=1e9, storage_nodes=1, pool_capacity_bytes_per_node=10**12, node_bandwidth_bytes_per_s=link_bw,
-                            replica_bandwidth_bytes_per_s=link_bw, placement_chunk_blocks=10**6, lookup_s=lookup_s, transfer_overhead_s=alpha,
-                            install_s_per_block=install_s_per_block, dispatch_s=dispatch_s, interference_s_per_byte=0.0, router="round-robin")
-    # each simulated replica decides with a controller of its own, as each real replica process does: one cluster
-    # controller hears every replica's loads and prefills and leaves its priors twice as early
-    ps = PolicySet("reference", local_eviction="lru", pool_eviction="lru", publish=publish, load="admission", timeout="admission",
-                   failure="recompute", controller_scope="replica")
-    res = Simulator(Prepared(sim_trace), cluster, ps).run()
+    figures = {"bytes_per_token": bpt, "replicas": len(reps), "link_bytes_per_s": link_bw, "lookup_s": lookup_s, "transfer_overhead_s": alpha,
+               "install_s_per_block": install_s_per_block, "dispatch_s": dispatch_s, "a_s_woken": woken.a_s, "prefill": prefill.to_dict(),
+               "publish": publish}
+    res = simulated(figures, trace).result
     sim = res.ttft_s
     # the same, told each request's real forward pass (Simulator compute_scale): its forward pass in the replay over
     # the profile's marginal at the reuse it had — the ratio its replica's controller heard (observe_prefill), so the
     # simulated controller hears it too. What error is left is the transfers', the queues' and the decisions'
     model_compute = np.asarray([prefill.marginal_s(int(r * B), int(T)) for T, r in zip(trace.input_tokens, reused)])
     scale = np.maximum(compute, 1e-9) / np.maximum(model_compute, 1e-9)
-    replayed = Simulator(Prepared(sim_trace), cluster, ps, compute_scale=scale)
-    res_replayed = replayed.run()
+    replayed = simulated(figures, trace, compute_scale=scale)
+    res_replayed = replayed.result
     sim_replayed = res_replayed.ttft_s
 
     def q(x: Any, p: float) -> float:
@@ -569,6 +668,8 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publ
     out["learned"] = {"real": real_models, "sim_replayed": [{q: attrs.asdict(m.coefficients(v, "node-0")) for q, v in (("p50", 0.5), ("p95", 0.95))}
                                                             for m in sim_models]}
     out["per_request"]["sim_replayed_ttft_s"] = sim_replayed.tolist()
+    out["per_request"]["compute_scale"] = scale.tolist()
+    out["seed"] = seed
     t = out["ttft_ms"]
     out["error_p50"] = abs(t["sim_p50"] - t["real_p50"]) / t["real_p50"]
     out["error_p95"] = abs(t["sim_p95"] - t["real_p95"]) / t["real_p95"]
@@ -752,6 +853,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--publish", default="all", choices=("all", "never"),
                     help="(b): what the replicas publish (default all; never: no background publisher — a control for its cost)")
     ap.add_argument("--skip-end-to-end", action="store_true", help="run only (a)")
+    ap.add_argument("--noise-from-other-runs", nargs="+", metavar="RUN.json", default=None,
+                    help="no new measurement: simulate each saved end-to-end run again from its profile, told its own compute, "
+                         "and with compute noise drawn from the other runs")
     ap.add_argument("--netns-mbit", type=float, default=None,
                     help="(a) over two network namespaces joined by a veth pair shaped to this many Mbit/s per direction, instead of "
                          "loopback: a full-duplex link real TCP flows share (needs root and iproute2; implies --skip-end-to-end)")
@@ -759,6 +863,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --netns-mbit: run (b) across the shaped link instead (the pool node on one side, the replicas on the other)")
     args = ap.parse_args(argv)
     out: dict[str, Any] = {}
+    if args.noise_from_other_runs:
+        if len(args.noise_from_other_runs) < 2:
+            raise SystemExit("--noise-from-other-runs needs at least two saved runs (each is judged with the others' noise)")
+        out["noise_from_other_runs"] = r = noise_from_other_runs(args.noise_from_other_runs)
+        print(render_noise(r))
+        path = write_json("sim_vs_real_noise", out, args.json)
+        print(f"wrote {path}")
+        return 0
     if args.replicas < 1:
         raise SystemExit(f"--replicas must be at least 1, got {args.replicas}")
     if args.netns_mbit is not None and not args.netns_mbit > 0:
