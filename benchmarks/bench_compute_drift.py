@@ -12,7 +12,7 @@ preset (256-token blocks) at each seed, ``steady`` scenario, with the replicas' 
 Goal per run: kvpolicy's p95 TTFT ≤ recompute-only's and ≤ every baseline's. Nothing here is tuned: the factor is
 physics, the learning is the controller's ordinary ``prefill_ratio`` term.
 
-    python benchmarks/bench_compute_drift.py [--presets rag,agent,mixed,chat] [--seeds 53,97] [--factors 0.5,2] [--controller-scope replica] [--json OUT] [--check]
+    python benchmarks/bench_compute_drift.py [--presets rag,agent,mixed,chat] [--seeds 53,97] [--factors 0.5,2] [--controller-scope replica] [--link-prior-factor 4] [--json OUT] [--check]
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ BASELINES = ("vllm-like", "sglang-like", "lmcache-like")
 KEPT = "kvpolicy, profile kept"
 
 
-def run(name: str, seed: int, factor: float, scope: str = "cluster") -> dict[str, Any]:
+def run(name: str, seed: int, factor: float, scope: str = "cluster", link_prior: float = 1.0) -> dict[str, Any]:
     tr = generate(preset(name, block_size_tokens=256, seed=seed))
-    c = attrs.evolve(default_cluster(tr, bytes_per_token=BPT, prefill=DEFAULT_PREFILL), compute_factor=factor)
+    c = attrs.evolve(default_cluster(tr, bytes_per_token=BPT, prefill=DEFAULT_PREFILL), compute_factor=factor, link_prior_factor=link_prior)
     kv = attrs.evolve(policy_set("kvpolicy"), controller_scope=scope)  # still named kvpolicy
     kept = attrs.evolve(kv, name=KEPT, learn_compute=False)
     report, _ = compare(tr, c, scenarios=["steady"], policies=[kv, kept, *BASELINES], seed=seed)
@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--factors", default="0.5,2")
     ap.add_argument("--controller-scope", choices=("cluster", "replica"), default="cluster",
                     help="kvpolicy's admission controller: one for the cluster (the preset) or one per replica, each learning alone")
+    ap.add_argument("--link-prior-factor", type=float, default=1.0,
+                    help="kvpolicy's link prior over the real bandwidth (default 1; 4: it believes the links 4x faster than they are)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     try:
@@ -70,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--seeds takes integers and --factors numbers, comma-separated: {e}") from None
     if any(not f > 0 for f in factors):
         raise SystemExit(f"--factors must be positive, got {args.factors}")
+    if not args.link_prior_factor > 0:
+        raise SystemExit(f"--link-prior-factor must be positive, got {args.link_prior_factor}")
     table = ["| trace | compute × profile | kvpolicy p95 ms | profile kept | recompute-only | best baseline | GPU s: kvpolicy / kept / best baseline |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     runs = []
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in [p for p in args.presets.split(",") if p]:
         for seed in seeds:
             for f in factors:
-                r = run(name, seed, f, args.controller_scope)
+                r = run(name, seed, f, args.controller_scope, args.link_prior_factor)
                 runs.append(r)
                 p, g, b = r["p95_ms"], r["gpu_prefill_s"], r["best_baseline"]
                 table.append(f"| {r['trace']} | {f:g} | {p['kvpolicy']:,.0f} {'✓' if r['met'] else '✗'} | {p[KEPT]:,.0f} "
@@ -91,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{kept} of {len(runs)} with the profile kept ({time.perf_counter() - t0:.0f} s)")
     targets = {f"{r['trace']} x{r['factor']:g}: kvpolicy p95 <= recompute-only and every baseline": r["met"] for r in runs}
     rc = report_targets(targets, args.check)
-    path = write_json("compute_drift", {"runs": runs, "table": table, "controller_scope": args.controller_scope}, args.json)
+    path = write_json("compute_drift", {"runs": runs, "table": table, "controller_scope": args.controller_scope,
+                                            "link_prior_factor": args.link_prior_factor}, args.json)
     print(f"wrote {path}")
     return rc
 

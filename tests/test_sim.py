@@ -273,10 +273,13 @@ def test_cli_compare_json(tmp_path, capsys, trace):
     assert data["cluster"]["compute_factor"] == 1.0
     slow = tmp_path / "slow.json"
     assert main(["compare", str(path), "--format", "mooncake", "--block-size", "64", "--scenario", "steady", "--policies", "recompute-only",
-                 "--bytes-per-token", str(BPT), "--replicas", "4", "--json", str(slow), "--no-progress", "--compute-factor", "2"]) == 0
-    assert "compute 2x the profile" in capsys.readouterr().out, "the text report says the compute is not the profile's"
+                 "--bytes-per-token", str(BPT), "--replicas", "4", "--json", str(slow), "--no-progress", "--compute-factor", "2",
+                 "--link-prior-factor", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "compute 2x the profile" in text, "the text report says the compute is not the profile's"
+    assert "link prior 4x the real bandwidth" in text
     twice = json.loads(slow.read_text())
-    assert twice["cluster"]["compute_factor"] == 2.0
+    assert twice["cluster"]["compute_factor"] == 2.0 and twice["cluster"]["link_prior_factor"] == 4.0
     assert twice["offered_load"]["cold_prefill_s"] == pytest.approx(2 * data["offered_load"]["cold_prefill_s"]), "the offered load is the real compute"
     # the report holds every policy set as it ran; --controller-scope gives kvpolicy's one controller per replica
     assert data["policy_sets"]["kvpolicy"]["controller_scope"] == "cluster" and data["policy_sets"]["vllm-like"]["load"] == "always"
@@ -464,6 +467,25 @@ def test_the_replicas_compute_runs_at_compute_factor_times_the_profile(trace, pr
         with pytest.raises(ConfigError) as e:
             cluster(trace, compute_factor=bad)
         assert e.value.field == "compute_factor"
+
+
+def test_kvpolicys_controller_learns_the_link_when_its_prior_is_wrong(trace, prepared):
+    """link_prior_factor: kvpolicy's controller is told the path's bandwidth times this (a NIC's spec, an idle-fabric
+    benchmark); it learns B_eff from the transfers it admits. The physics and every baseline are unchanged."""
+    c = cluster(trace, router="round-robin")
+    real_bw = min(c.node_bandwidth_bytes_per_s, c.replica_bandwidth_bytes_per_s)
+    for f in (4.0, 0.5):
+        sim = Simulator(prepared, attrs.evolve(c, link_prior_factor=f), policy_set("kvpolicy"))
+        assert sim.controller.model.prior.bandwidth_bytes_per_s == pytest.approx(f * real_bw)
+        sim.run()
+        learned = 1.0 / sim.controller.model.coefficients(0.5).s_per_byte
+        assert abs(np.log(learned / real_bw)) < abs(np.log(f)) / 2, f"prior {f}x: it believes {learned / real_bw:.2f}x the link"
+    base = run(prepared, c, "vllm-like")
+    assert np.array_equal(run(prepared, attrs.evolve(c, link_prior_factor=4.0), "vllm-like").ttft_s, base.ttft_s), "a baseline has no prior"
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ConfigError) as e:
+            attrs.evolve(c, link_prior_factor=bad)
+        assert e.value.field == "link_prior_factor"
 
 
 def test_a_uniform_compute_scale_is_the_compute_factor_per_request(trace, prepared):

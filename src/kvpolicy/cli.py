@@ -782,7 +782,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     prog.set_total(1 + len(scenarios) * len(set(policies) | {"recompute-only"}) + (1 if args.plot else 0))
     overrides: dict[str, Any] = {"router": args.router, "prefill_slots": args.prefill_slots, "decode_tokens_per_s": args.decode_tokens_per_s,
                                  "node_bandwidth_bytes_per_s": args.node_gbps * 1e9 / 8, "replica_bandwidth_bytes_per_s": args.replica_gbps * 1e9 / 8,
-                                 "failure_rate": args.failure_rate, "timeout_rate": args.timeout_rate, "compute_factor": args.compute_factor}
+                                 "failure_rate": args.failure_rate, "timeout_rate": args.timeout_rate, "compute_factor": args.compute_factor,
+                                 "link_prior_factor": args.link_prior_factor}
     if args.stage_gbps is not None:
         overrides["stage_bytes_per_s"] = args.stage_gbps * 1e9 / 8
     for name, value in (("--node-gbps", args.node_gbps), ("--replica-gbps", args.replica_gbps), ("--local-kv-gib", args.local_kv_gib),
@@ -1110,6 +1111,9 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--compute-factor", type=_positive_float, default=1.0,
                     help="the replicas' real prefill over the profile's, which kvpolicy's controller is given as its prior and "
                          "learns from the prefills it times (default 1; 2: GPUs twice as slow as profiled; 0.5: twice as fast)")
+    cp.add_argument("--link-prior-factor", type=_positive_float, default=1.0,
+                    help="kvpolicy's controller's prior for the links' bandwidth over the real one; it learns B_eff from the "
+                         "transfers it admits (default 1; 4: it is told links 4x faster than they are)")
     cp.add_argument("--controller-scope", choices=["cluster", "replica"], default=None,
                     help="kvpolicy's admission controller: one for the cluster (the preset: it hears every replica) or one per "
                          "replica, as an engine process embeds it")

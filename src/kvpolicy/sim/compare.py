@@ -187,7 +187,7 @@ def _cluster_dict(c: ClusterConfig) -> dict[str, Any]:
         "replicas": c.replicas, "local_capacity_gib": c.local_capacity_bytes / 2**30, "storage_nodes": c.storage_nodes,
         "pool_capacity_gib_per_node": c.pool_capacity_bytes_per_node / 2**30, "node_gbps": c.node_bandwidth_bytes_per_s * 8 / 1e9,
         "replica_gbps": c.replica_bandwidth_bytes_per_s * 8 / 1e9, "router": c.router, "bytes_per_token": c.bytes_per_token,
-        "prefill": c.prefill.to_dict(), "compute_factor": c.compute_factor, "decode_tokens_per_s": c.decode_tokens_per_s,
+        "prefill": c.prefill.to_dict(), "compute_factor": c.compute_factor, "link_prior_factor": c.link_prior_factor, "decode_tokens_per_s": c.decode_tokens_per_s,
         "prefill_slots": c.prefill_slots,
     }
 
@@ -242,7 +242,8 @@ def render(report: dict[str, Any]) -> str:
         f"trace     {report['source']} ({report['requests']:,} requests, {report['block_size_tokens']}-token blocks)",
         f"cluster   {c['replicas']} replicas x {c['local_capacity_gib']:.0f} GiB local KV, router {c['router']}; pool {c['storage_nodes']} nodes x "
         f"{c['pool_capacity_gib_per_node']:,.0f} GiB at {c['node_gbps']:.0f} Gbit/s; replica NIC {c['replica_gbps']:.0f} Gbit/s"
-        + (f"; compute {c['compute_factor']:g}x the profile (kvpolicy's controller learns it)" if c.get("compute_factor", 1.0) != 1.0 else ""),
+        + (f"; compute {c['compute_factor']:g}x the profile (kvpolicy's controller learns it)" if c.get("compute_factor", 1.0) != 1.0 else "")
+        + (f"; kvpolicy's link prior {c['link_prior_factor']:g}x the real bandwidth (it learns B_eff)" if c.get("link_prior_factor", 1.0) != 1.0 else ""),
     ]
     per_replica = [n for n, ps in report.get("policy_sets", {}).items() if ps.get("load") == "admission" and ps.get("controller_scope") == "replica"]
     if per_replica:

@@ -68,6 +68,10 @@ class ClusterConfig:
     #: 1.0 the profile is right; 2.0 the GPUs run twice as slow as profiled (another GPU model, throttling, a noisy
     #: neighbour); 0.5 twice as fast. kvpolicy's controller learns the ratio from the prefills it observes
     compute_factor: float = attrs.field(default=1.0, validator=_pos)
+    #: kvpolicy's controller's prior for the path's bandwidth over the real one: 1.0 it is told the link as it is;
+    #: 4.0 it believes the link 4x faster than it is (a NIC's spec, a benchmark on an idle fabric); 0.25 4x slower.
+    #: It learns B_eff from the transfers it observes (only from those it admits)
+    link_prior_factor: float = attrs.field(default=1.0, validator=_pos)
 
     def __attrs_post_init__(self) -> None:
         if self.publish_priority not in ("fair", "background"):

@@ -467,7 +467,7 @@ class Simulator:
             # the prior is the deployment's own figures: the path's slowest link (the staging copy is a
             # link of the path, pipelined with the network leg)
             bw = min(cluster.node_bandwidth_bytes_per_s, cluster.replica_bandwidth_bytes_per_s, cluster.stage_bytes_per_s or math.inf)
-            prior = LinkPrior(bandwidth_bytes_per_s=max(bw, 1e-3), lookup_s=cluster.lookup_s, transfer_overhead_s=cluster.transfer_overhead_s,
+            prior = LinkPrior(bandwidth_bytes_per_s=max(bw * cluster.link_prior_factor, 1e-3), lookup_s=cluster.lookup_s, transfer_overhead_s=cluster.transfer_overhead_s,
                               stage_bytes_per_s=None, install_s_per_block=cluster.install_s_per_block,
                               dispatch_s=cluster.dispatch_s, interference_s_per_byte=cluster.interference_s_per_byte)
 
