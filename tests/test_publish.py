@@ -357,3 +357,45 @@ def test_filters_that_run_on_time_refuse_a_request_without_one():
         f.publishable(r, keys)
     with pytest.raises(ConfigError, match="time_s"):
         PublishRequest(request_id=1, num_tokens=4, block_size_tokens=B, time_s=float("nan"))
+
+
+def test_reuse_aware_windows_mature_in_the_order_they_opened_however_a_request_is_observed():
+    """Found by the publish-filter contract (distinct-request counting): a block the sketch had forgotten (one half-life
+    after its first sighting) was recorded again in its old place in the queue of open windows, ahead of older ones.
+    Maturing stops at the first window still open, so a filter that observed the request whole left windows of t=0
+    unmatured that one observing it block by block had counted: the two learned different first-sighting odds and
+    published different runs. The forgotten window is counted first and the new one opens at the back."""
+    def run(noisy):
+        f = reuse_aware()
+        steps = [(1, 0.0, [("c", 0), ("c", 1), ("c", 2), ("c", 3), ("t", 1)], 2), (2, 127.0, [("c", 0), ("c", 1), ("t", 2)], 2),
+                 (3, 601.0, [("c", 0), ("c", 1), ("c", 2)], 2), (4, 754.0, [("c", 0), ("t", 4)], 2)]
+        out = []
+        for i, t, keys, reused in steps:
+            r = req(i, len(keys), t=t, reused_blocks=reused)
+            if noisy:
+                for j in range(1, len(keys) + 1):
+                    f.observe(r, keys[:j])
+            else:
+                f.observe(r, keys)
+            times = [o[1] for o in f._origin.values()]
+            assert times == sorted(times), f"open windows out of order: {times}"
+            out.append((f.publishable(r, keys), list(f.created), list(f.seen_again)))
+        return out
+
+    whole, by_block = run(False), run(True)
+    assert whole == by_block
+    assert whole[2][1] == [0.0, 5.0, 0.0, 0.0], "every window of t=0 matured at t=601 (the forgotten one first)"
+
+
+def test_structure_aware_a_key_its_counts_forgot_inside_its_window_is_seen_again_not_created_again():
+    """capacity_keys bounds the exact counts; a key they drop (least recently seen) may still have its window open.
+    Seen again then, it is a second sighting of the class that created it — not a new block of the request seeing it."""
+    f = StructureAwarePublish(capacity_keys=2, lifetime_s=600)
+    f.observe(req(1, 1, t=0.0), [("a", 0)])
+    f.observe(req(2, 1, t=0.1), [("x", 0)])
+    f.observe(req(3, 1, t=1.0), [("x", 0)])  # x seen again: the window learns a 0.9 s delay (2.7 s)
+    f.observe(req(4, 1, t=1.1), [("y", 0)])  # a third key: ("a", 0), least recently seen, leaves the counts
+    assert ("a", 0) in f._origin and ("a", 0) not in f._seen, "its window is still open"
+    before = list(f.reused)
+    f.observe(req(5, 1, t=1.2), [("a", 0)])
+    assert sum(f.reused) == sum(before) + 1 and ("a", 0) not in f._origin

@@ -368,7 +368,10 @@ class ReuseAwarePublish:
         origin = self._origin
         for key in self._dedup.new_keys(request.request_id, keys):
             if self.sketch.estimate(key, t) < 0.5:  # first sighting: remember which kind of request made it, and when
-                origin[key] = [b, t, 0]
+                old = origin.pop(key, None)
+                if old is not None:  # the sketch forgot an earlier sighting: that window is over, counted before this one opens
+                    self._mature(*old)
+                origin[key] = [b, t, 0]  # at the back: the windows stay in the order they opened, as maturing reads them
                 if len(origin) > self._origin_capacity:
                     self._mature(*origin.popitem(last=False)[1])
             else:
@@ -516,7 +519,14 @@ class StructureAwarePublish:
             if key not in fresh:
                 continue
             rec = self._seen.get(key)
-            if rec is None:  # first sighting: remember its class and when
+            o = origin.pop(key, None) if rec is None else None
+            if o is not None:  # the counts forgot it (capacity) inside its open window: this is its second sighting
+                self.reused[o[0]] += 1
+                self._watch.pop(key, None)
+                self._seen[key] = [1.0, t]
+                if len(self._seen) > self._capacity:
+                    self._seen.popitem(last=False)
+            elif rec is None:  # first sighting: remember its class and when
                 self._seen[key] = [1.0, t]
                 if len(self._seen) > self._capacity:
                     self._seen.popitem(last=False)
