@@ -356,9 +356,9 @@ def replay_trace(n_requests: int, seed: int) -> Any:
                            user_tokens=(16, 160), output_tokens=(16, 160), think_time_s=4.0, rate_per_s=6.0, seed=seed), keep_tokens=True)
 
 
-def simulated(e: dict[str, Any], trace: Any, compute_scale: Any = None) -> Any:
+def simulated(e: dict[str, Any], trace: Any, compute_scale: Any = None) -> tuple[Any, Any]:
     """The simulator of (b), configured only from the figures an end-to-end record holds (the profile's fit, the link
-    measured alone, the probes); ``compute_scale`` as Simulator takes it. Returns the Simulator, run."""
+    measured alone, the probes); ``compute_scale`` as Simulator takes it. Returns the Simulator and its result."""
     import attrs
     import numpy as np
 
@@ -381,8 +381,7 @@ def simulated(e: dict[str, Any], trace: Any, compute_scale: Any = None) -> Any:
     ps = PolicySet("reference", local_eviction="lru", pool_eviction="lru", publish=e["publish"], load="admission", timeout="admission",
                    failure="recompute", controller_scope="replica")
     sim = Simulator(Prepared(sim_trace), cluster, ps, compute_scale=compute_scale)
-    sim.result = sim.run()
-    return sim
+    return sim, sim.run()
 
 
 def own_compute_scale(e: dict[str, Any], trace: Any) -> Any:
@@ -429,12 +428,12 @@ def noise_from_other_runs(paths: list[str], draws: int = 5) -> dict[str, Any]:
         def err(x: Any) -> float:
             return abs(float(np.quantile(x, 0.95)) - float(np.quantile(real, 0.95))) / float(np.quantile(real, 0.95))
 
-        noisy = [err(simulated(e, trace, compute_scale=np.random.default_rng(d).choice(pool, size=len(trace))).result.ttft_s)
+        noisy = [err(simulated(e, trace, compute_scale=np.random.default_rng(d).choice(pool, size=len(trace)))[1].ttft_s)
                  for d in range(draws)]
         rows.append({"run": path, "netns_mbit": e.get("netns_mbit"), "publish": e["publish"], "seed": int(e["seed"]),
                      "real_p95_ms": float(np.quantile(real, 0.95)) * 1e3,
-                     "error_p95_profile": err(simulated(e, trace).result.ttft_s),
-                     "error_p95_own_compute": err(simulated(e, trace, compute_scale=own).result.ttft_s),
+                     "error_p95_profile": err(simulated(e, trace)[1].ttft_s),
+                     "error_p95_own_compute": err(simulated(e, trace, compute_scale=own)[1].ttft_s),
                      "error_p95_noise_mean": float(np.mean(noisy)), "error_p95_noise_min": min(noisy), "error_p95_noise_max": max(noisy)})
     return {"draws": draws, "rows": rows}
 
@@ -610,15 +609,14 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publ
     figures = {"bytes_per_token": bpt, "replicas": len(reps), "link_bytes_per_s": link_bw, "lookup_s": lookup_s, "transfer_overhead_s": alpha,
                "install_s_per_block": install_s_per_block, "dispatch_s": dispatch_s, "a_s_woken": woken.a_s, "prefill": prefill.to_dict(),
                "publish": publish}
-    res = simulated(figures, trace).result
+    res = simulated(figures, trace)[1]
     sim = res.ttft_s
     # the same, told each request's real forward pass (Simulator compute_scale): its forward pass in the replay over
     # the profile's marginal at the reuse it had — the ratio its replica's controller heard (observe_prefill), so the
     # simulated controller hears it too. What error is left is the transfers', the queues' and the decisions'
     model_compute = np.asarray([prefill.marginal_s(int(r * B), int(T)) for T, r in zip(trace.input_tokens, reused)])
     scale = np.maximum(compute, 1e-9) / np.maximum(model_compute, 1e-9)
-    replayed = simulated(figures, trace, compute_scale=scale)
-    res_replayed = replayed.result
+    replayed, res_replayed = simulated(figures, trace, compute_scale=scale)
     sim_replayed = res_replayed.ttft_s
 
     def q(x: Any, p: float) -> float:
