@@ -295,6 +295,8 @@ def test_cli_compare_json(tmp_path, capsys, trace):
 def test_cli_compare_bad_input(capsys, tmp_path):
     assert main(["compare", "--policies", "kvpolicy,bogus", "--no-progress"]) == 2
     assert "bogus" in capsys.readouterr().err
+    assert main(["compare", "--policies", "vllm-like", "--controller-scope", "replica", "--no-progress"]) == 2
+    assert "--controller-scope" in capsys.readouterr().err, "a flag that would change nothing is refused by name"
     assert main(["compare", "--node-gbps", "-1", "--no-progress"]) == 2
     assert "--node-gbps" in capsys.readouterr().err
 

@@ -778,6 +778,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if args.controller_scope is not None:  # kvpolicy's preset, still named kvpolicy, with one controller per replica (or the cluster's)
         import attrs
 
+        if "kvpolicy" not in policies:
+            raise ConfigError("--controller-scope", "applies to the kvpolicy policy set, which --policies leaves out "
+                                                    "(a set of your own sets PolicySet.controller_scope itself)")
+
         policies = [attrs.evolve(policy_set(p), controller_scope=args.controller_scope) if p == "kvpolicy" else p for p in policies]
     prog.set_total(1 + len(scenarios) * len(set(policies) | {"recompute-only"}) + (1 if args.plot else 0))
     overrides: dict[str, Any] = {"router": args.router, "prefill_slots": args.prefill_slots, "decode_tokens_per_s": args.decode_tokens_per_s,
