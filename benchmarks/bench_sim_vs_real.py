@@ -367,8 +367,7 @@ def simulated(e: dict[str, Any], trace: Any, compute_scale: Any = None) -> tuple
 
     B = trace.block_size_tokens
     bpt = int(e["bytes_per_token"])
-    prefill = PrefillModel(**{k: v for k, v in e["prefill"].items() if k in attrs.fields_dict(PrefillModel)})
-    woken = attrs.evolve(prefill, a_s=e["a_s_woken"])
+    woken = attrs.evolve(PrefillModel(**e["prefill"]), a_s=e["a_s_woken"])
     link_bw = e["link_bytes_per_s"]
     sim_trace = attrs.evolve(trace, output_tokens=np.zeros(len(trace), dtype=np.int64), tokens=None, token_offsets=None)
     cluster = ClusterConfig(bytes_per_token=bpt, prefill=woken, replicas=int(e["replicas"]), local_capacity_bytes=4096 * B * bpt, prefill_slots=1,
@@ -384,20 +383,14 @@ def simulated(e: dict[str, Any], trace: Any, compute_scale: Any = None) -> tuple
     return sim, sim.run()
 
 
-def own_compute_scale(e: dict[str, Any], trace: Any) -> Any:
-    """Each request's forward pass in the replay over the profile's marginal at the reuse it had."""
-    import attrs
+def forward_over_marginal(prefill: Any, trace: Any, reused_blocks: Any, forward_s: Any) -> tuple[Any, Any]:
+    """Each request's forward pass in the replay over the profile's marginal at the reuse it had (the ratio its
+    replica's controller heard), and that marginal."""
     import numpy as np
 
-    from kvpolicy.profile import PrefillModel
-
-    pr = e["per_request"]
-    if "compute_scale" in pr:
-        return np.asarray(pr["compute_scale"])
-    prefill = PrefillModel(**{k: v for k, v in e["prefill"].items() if k in attrs.fields_dict(PrefillModel)})
     B = trace.block_size_tokens
-    model = np.asarray([prefill.marginal_s(int(r * B), int(T)) for T, r in zip(trace.input_tokens, pr["reused_blocks"])])
-    return np.maximum(np.asarray(pr["forward_s"]), 1e-9) / np.maximum(model, 1e-9)
+    marginal = np.asarray([prefill.marginal_s(int(r * B), int(T)) for T, r in zip(trace.input_tokens, reused_blocks)])
+    return np.maximum(np.asarray(forward_s), 1e-9) / np.maximum(marginal, 1e-9), marginal
 
 
 def noise_from_other_runs(paths: list[str], draws: int = 5) -> dict[str, Any]:
@@ -416,10 +409,10 @@ def noise_from_other_runs(paths: list[str], draws: int = 5) -> dict[str, Any]:
         e = doc.get("end_to_end_netns") or doc.get("end_to_end")
         if not e or "per_request" not in e:
             raise SystemExit(f"{path}: not an end-to-end record of this benchmark (run it with --json)")
-        if "seed" not in e:
-            raise SystemExit(f"{path}: the record has no seed (made before 2026-12-01); re-run it")
+        if "seed" not in e or "compute_scale" not in e["per_request"]:
+            raise SystemExit(f"{path}: the record has no seed or compute scale (made before 2026-12-01); re-run it")
         trace = replay_trace(int(e["requests"]), int(e["seed"]))
-        runs.append((path, e, trace, own_compute_scale(e, trace)))
+        runs.append((path, e, trace, np.asarray(e["per_request"]["compute_scale"])))
     rows = []
     for i, (path, e, trace, own) in enumerate(runs):
         real = np.asarray(e["per_request"]["real_ttft_s"])
@@ -428,6 +421,7 @@ def noise_from_other_runs(paths: list[str], draws: int = 5) -> dict[str, Any]:
         def err(x: Any) -> float:
             return abs(float(np.quantile(x, 0.95)) - float(np.quantile(real, 0.95))) / float(np.quantile(real, 0.95))
 
+        # the record's own two simulations are run again rather than read back, so all three come from this code
         noisy = [err(simulated(e, trace, compute_scale=np.random.default_rng(d).choice(pool, size=len(trace)))[1].ttft_s)
                  for d in range(draws)]
         rows.append({"run": path, "netns_mbit": e.get("netns_mbit"), "publish": e["publish"], "seed": int(e["seed"]),
@@ -614,8 +608,7 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publ
     # the same, told each request's real forward pass (Simulator compute_scale): its forward pass in the replay over
     # the profile's marginal at the reuse it had — the ratio its replica's controller heard (observe_prefill), so the
     # simulated controller hears it too. What error is left is the transfers', the queues' and the decisions'
-    model_compute = np.asarray([prefill.marginal_s(int(r * B), int(T)) for T, r in zip(trace.input_tokens, reused)])
-    scale = np.maximum(compute, 1e-9) / np.maximum(model_compute, 1e-9)
+    scale, model_compute = forward_over_marginal(prefill, trace, reused, compute)
     replayed, res_replayed = simulated(figures, trace, compute_scale=scale)
     sim_replayed = res_replayed.ttft_s
 
@@ -623,7 +616,7 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publ
         return float(np.quantile(x, p))
 
     # how much slower the replicas' forward passes ran in the replay than the profile's marginal says
-    slowdown = float(np.median(compute / np.maximum(model_compute, 1e-9)))
+    slowdown = float(np.median(scale))
     # where a request's time went, real (medians over the replay) beside the figure the simulator was given for it
     part = {k: np.asarray([p.get(k, 0.0) for p in parts]) for k in ("match_s", "prefill_s", "ttft_s")}
     fixed = np.asarray([woken.a_s + woken.d_s_per_cached_token * r * B for r in reused])
@@ -643,7 +636,7 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publ
            "per_request_error_median": float(np.median(np.abs(sim - ttft) / ttft)),
            "compute_slowdown_vs_profile": slowdown,
            "breakdown_s": {k: {"real_p50": a, "model": m} for k, (a, m) in breakdown.items()},
-           "forward_over_marginal": forward_ratios(compute / np.maximum(model_compute, 1e-9), trace.input_tokens - reused * B,
+           "forward_over_marginal": forward_ratios(scale, trace.input_tokens - reused * B,
                                                    t_arr + ttft - inside, t_arr + ttft, len(reps)),
            "per_request": {"real_ttft_s": ttft.tolist(), "sim_ttft_s": sim.tolist(), "prompt_tokens": trace.input_tokens.tolist(),
                            "replica_s": inside.tolist(), "forward_s": compute.tolist(), "reused_blocks": reused.tolist(),

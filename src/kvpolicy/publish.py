@@ -519,17 +519,16 @@ class StructureAwarePublish:
             if key not in fresh:
                 continue
             rec = self._seen.get(key)
-            o = origin.pop(key, None) if rec is None else None
-            if o is not None:  # the counts forgot it (capacity) inside its open window: this is its second sighting
-                self.reused[o[0]] += 1
-                self._watch.pop(key, None)
+            if rec is None:
                 self._seen[key] = [1.0, t]
                 if len(self._seen) > self._capacity:
                     self._seen.popitem(last=False)
-            elif rec is None:  # first sighting: remember its class and when
-                self._seen[key] = [1.0, t]
-                if len(self._seen) > self._capacity:
-                    self._seen.popitem(last=False)
+                o = origin.pop(key, None)
+                if o is not None:  # the counts forgot it (capacity) inside its open window: this is its second sighting
+                    self.reused[o[0]] += 1
+                    self._watch.pop(key, None)
+                    continue
+                # first sighting: remember its class and when
                 origin[key] = [self.block_class(request, max(j - request.reused_blocks, 0)), t]
                 self._watch[key] = t
                 if len(origin) > self._capacity:
