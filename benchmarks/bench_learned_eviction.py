@@ -30,6 +30,7 @@ import argparse
 import math
 import sys
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 
@@ -40,7 +41,7 @@ from kvpolicy.eviction import replay
 from kvpolicy.eviction.base import Node
 from kvpolicy.eviction.hit_density import HitDensityPolicy, block_class, splitmix64
 from kvpolicy.eviction.kernels import replay_kernel
-from kvpolicy.traces import generate, preset
+from kvpolicy.traces import generate, preset, read_trace
 
 AGE_BINS = 14  # log2(age / H) from -8 to +5
 N_FEATURES = 1 + 3 * AGE_BINS + 14
@@ -219,7 +220,8 @@ class LearnedRelaxedBelady(HitDensityPolicy):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--presets", default="chat,agent")
+    ap.add_argument("--presets", default="chat,agent", help="synthetic presets ('' for none)")
+    ap.add_argument("--trace", default=None, help="a Mooncake-format trace file to add (e.g. data/mooncake_conversation_trace.jsonl.gz)")
     ap.add_argument("--seeds", default="1,2")
     ap.add_argument("--fractions", default="64,16", help="capacities as 1/N of the distinct blocks")
     ap.add_argument("--horizon", type=float, default=1.0, help="H as a multiple of the mean eviction age")
@@ -228,24 +230,26 @@ def main(argv: list[str] | None = None) -> int:
     add_check_flag(ap)
     args = ap.parse_args(argv)
     rows, out = [], []
-    for name in args.presets.split(","):
-        for seed in (int(s) for s in args.seeds.split(",")):
-            trace = generate(preset(name, seed=seed))
-            distinct = int(np.unique(trace.block_ids).size)
-            for frac in (int(f) for f in args.fractions.split(",")):
-                cap = distinct // frac
-                pts = {p: 100 * replay_kernel(trace, p, cap).token_hit_ratio() for p in ("lru", "hit-density", "adaptive", "belady")}
-                pol = LearnedRelaxedBelady(cap, horizon=args.horizon, density=args.density)
-                pts["lrb"] = 100 * replay(trace, pol).token_hit_ratio()
-                gap = pts["belady"] - pts["lru"]
-                closed = {p: (v - pts["lru"]) / gap if gap > 0 else float("nan") for p, v in pts.items()}
-                mean_p, rate = pol.model.calibration()
-                rows.append([f"{name} seed {seed}", f"1/{frac} ({cap:,})", f"{pts['lru']:.2f}"]
-                            + [f"{pts[p]:.2f} ({closed[p]:+.0%})" for p in ("hit-density", "adaptive", "lrb")]
-                            + [f"{pts['belady']:.2f}", f"{mean_p:.3f} / {rate:.3f}"])
-                out.append({"preset": name, "seed": seed, "capacity_blocks": cap, "token_hit_points": pts, "gap_closed": closed,
-                            "labels": pol.model.n, "window_mean_prediction": mean_p, "window_positive_rate": rate})
-                print("  " + "  ".join(rows[-1]), file=sys.stderr, flush=True)
+    runs = [(f"{name} seed {seed}", name, seed) for name in args.presets.split(",") if name for seed in (int(x) for x in args.seeds.split(","))]
+    if args.trace:
+        runs.append((Path(args.trace).name, args.trace, None))
+    for label, name, seed in runs:
+        trace = read_trace(name) if seed is None else generate(preset(name, seed=seed))
+        distinct = int(np.unique(trace.block_ids).size)
+        for frac in (int(f) for f in args.fractions.split(",")):
+            cap = distinct // frac
+            pts = {p: 100 * replay_kernel(trace, p, cap).token_hit_ratio() for p in ("lru", "hit-density", "adaptive", "belady")}
+            pol = LearnedRelaxedBelady(cap, horizon=args.horizon, density=args.density)
+            pts["lrb"] = 100 * replay(trace, pol).token_hit_ratio()
+            gap = pts["belady"] - pts["lru"]
+            closed = {p: (v - pts["lru"]) / gap if gap > 0 else float("nan") for p, v in pts.items()}
+            mean_p, rate = pol.model.calibration()
+            rows.append([label, f"1/{frac} ({cap:,})", f"{pts['lru']:.2f}"]
+                        + [f"{pts[p]:.2f} ({closed[p]:+.0%})" for p in ("hit-density", "adaptive", "lrb")]
+                        + [f"{pts['belady']:.2f}", f"{mean_p:.3f} / {rate:.3f}"])
+            out.append({"trace": label, "preset": name if seed is not None else None, "seed": seed, "capacity_blocks": cap, "token_hit_points": pts, "gap_closed": closed,
+                        "labels": pol.model.n, "window_mean_prediction": mean_p, "window_positive_rate": rate})
+            print("  " + "  ".join(rows[-1]), file=sys.stderr, flush=True)
     print("token hit ratio (%), [share of the LRU -> Belady gap closed]\n")
     print_table(["trace", "capacity", "lru", "hit-density", "adaptive", "lrb", "belady", "lrb model: mean P / positive rate"], rows)
     print(f"\nwrote {write_json('bench_learned_eviction', {'runs': out, 'horizon': args.horizon, 'density': args.density}, args.json)}")
