@@ -34,8 +34,6 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import add_check_flag, print_table, report_targets, write_json
-
 from kvpolicy.clock import ManualClock
 from kvpolicy.eviction import replay
 from kvpolicy.eviction.base import Node
@@ -109,8 +107,8 @@ class LearnedRelaxedBelady(HitDensityPolicy):
 
     name = "lrb"
 
-    def __init__(self, capacity_bytes: int, *, horizon: float = 1.0, density: bool = False, **kw) -> None:
-        super().__init__(capacity_bytes, clock=ManualClock(), **kw)
+    def __init__(self, capacity_bytes: int, *, horizon: float = 1.0, density: bool = False, clock=None, **kw) -> None:
+        super().__init__(capacity_bytes, clock=clock or ManualClock(), **kw)
         self.horizon, self.use_density = horizon, density
         self.model = LogisticWindow()
         self.extra: dict = {}  # key -> [last inter-use gap, turn, root key, insert time]
@@ -219,6 +217,8 @@ class LearnedRelaxedBelady(HitDensityPolicy):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from _common import add_check_flag, print_table, report_targets, write_json  # here: the policy loads by path too
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="chat,agent", help="synthetic presets ('' for none)")
     ap.add_argument("--trace", default=None, help="a Mooncake-format trace file to add (e.g. data/mooncake_conversation_trace.jsonl.gz)")
