@@ -54,8 +54,10 @@ def test_documented_command_parses_and_its_repo_paths_exist(doc, line):
     except SystemExit as exc:
         pytest.fail(f"{doc}: `{line}` does not parse (exit {exc.code})")
     for a in argv:
-        if a.startswith(("data/", "examples/", "benchmarks/")):
-            assert (ROOT / a).exists(), f"{doc}: `{line}` names {a}, which is not in the repository"
+        for piece in a.split(","):  # --policies PATH.py:NAME,lru: each path, without the class it names
+            path = piece.partition(":")[0] if ".py:" in piece else piece
+            if path.startswith(("data/", "examples/", "benchmarks/")):
+                assert (ROOT / path).exists(), f"{doc}: `{line}` names {path}, which is not in the repository"
 
 
 def test_the_example_inputs_are_what_their_script_writes_and_diagnose_finds_the_time_line(tmp_path, capsys):
