@@ -15,10 +15,12 @@ eviction age (hit density's running estimate; ``--horizon`` multiplies it). Feat
 Training data come from the decisions themselves: the first of each eviction's samples is recorded with its
 features; it is labelled 1 when its key is used again (a hit, or inserted again after its eviction) within its H,
 else 0 once H has passed. The model is refit by damped Newton (IRLS, ridge 1) on the last 16,384 labels every 2,048
-new ones. Until the first fit it is hit density. Nothing is chosen on the conversation trace; the defaults run the
-tuning seeds 1–2 of the presets (pass ``--seeds 101,202`` for the reporting ones).
+new ones. Until the first fit it is hit density (its victims are the samples then). These constants were set once,
+before any run; the two variants (``--horizon``, ``--density``) were tried on the tuning seeds 1–2 only, which the
+defaults run (pass ``--seeds 101,202`` for the reporting ones). Nothing is chosen on the conversation trace.
 
-    python benchmarks/bench_learned_eviction.py [--presets chat,agent] [--seeds 1,2] [--horizon 1] [--density]
+    python benchmarks/bench_learned_eviction.py [--presets chat,agent] [--seeds 1,2] [--trace FILE] [--horizon 1] [--density]
+    kvpolicy evict-bench FILE --policies benchmarks/bench_learned_eviction.py:LearnedRelaxedBelady,adaptive [--judge-second-half]
 
 A prototype for measurement, not a library policy: it replays through the pure-Python reference (up to a few
 minutes a point).
