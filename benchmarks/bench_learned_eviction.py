@@ -47,6 +47,10 @@ AGE_BINS = 14  # log2(age / H) from -8 to +5
 N_FEATURES = 1 + 3 * AGE_BINS + 14
 
 
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-np.clip(z, -30, 30)))
+
+
 class LogisticWindow:
     """Logistic regression refit on a sliding window of labelled feature vectors (damped Newton, ridge)."""
 
@@ -82,7 +86,7 @@ class LogisticWindow:
         w = np.zeros(N_FEATURES) if self.w is None else self.w.copy()
         cur = loss(w)
         for _ in range(8):
-            p = 1.0 / (1.0 + np.exp(-np.clip(X @ w, -30, 30)))
+            p = _sigmoid(X @ w)
             step = np.linalg.solve((X * (p * (1 - p) + 1e-9)[:, None]).T @ X + np.diag(lam), X.T @ (p - y) + lam * w)
             t = 1.0
             while t > 1e-4 and loss(w - t * step) > cur:  # damped: never a step that raises the loss
@@ -100,8 +104,7 @@ class LogisticWindow:
     def calibration(self) -> tuple[float, float]:
         """(mean predicted probability, positive rate) over the window — equal when the fit is sound."""
         m = min(self.n, self.window)
-        p = 1.0 / (1.0 + np.exp(-np.clip(self.X[:m] @ self.w, -30, 30)))
-        return float(p.mean()), float(self.y[:m].mean())
+        return float(_sigmoid(self.X[:m] @ self.w).mean()), float(self.y[:m].mean())
 
 
 class LearnedRelaxedBelady(HitDensityPolicy):
@@ -115,7 +118,7 @@ class LearnedRelaxedBelady(HitDensityPolicy):
         self.model = LogisticWindow()
         self.extra: dict = {}  # key -> [last inter-use gap, turn, root key, insert time]
         self.pending: dict = {}  # key -> [(time, H, features)] awaiting a label
-        self.deadlines: deque = deque()  # (time + H, key), in time order
+        self.deadlines: deque = deque()  # (time + H, key), in the order recorded (H varies: each item checks its own)
 
     def _admit(self, node: Node) -> None:
         now = self.clock.now_s()
@@ -180,11 +183,11 @@ class LearnedRelaxedBelady(HitDensityPolicy):
             x[1 + 2 * AGE_BINS + b] = 1.0
         o = 1 + 3 * AGE_BINS
         root_node = self.nodes.get(root)
+        log_r = math.log(max(r, 1e-6))
         x[o : o + 12] = (math.log1p(min(hits, 64)), math.log1p(kids), math.log1p(node.depth) / 4, math.log1p(turn),
                          math.log1p(gap / h), math.log1p((t_last - t_insert) / h),
                          math.log1p(root_node.data[1]) / 4 if root_node is not None else 0.0, 1.0 if node.depth == 0 else 0.0,
-                         math.log1p((now - t_insert) / h), min(r, 64.0), math.log(max(r, 1e-6)),
-                         math.log(max(r, 1e-6)) if hits > 0 else 0.0)
+                         math.log1p((now - t_insert) / h), min(r, 64.0), log_r, log_r if hits > 0 else 0.0)
         if self.use_density and self.learned:
             x[o + 12] = math.log(float(self.density[block_class(hits, kids), self._bin(age)]) * h + 1e-4)
             x[o + 13] = 1.0
@@ -204,7 +207,7 @@ class LearnedRelaxedBelady(HitDensityPolicy):
                 self._record(best, now, h, self.features(best, now, h))
             return best
         n = len(self._cand)
-        best, best_p, first = None, math.inf, None
+        best, best_logit, first = None, math.inf, None
         for _ in range(self.samples):
             self._rng, z = splitmix64(self._rng)
             node = self._cand[((z >> 32) * n) >> 32]
@@ -212,8 +215,8 @@ class LearnedRelaxedBelady(HitDensityPolicy):
             logit = float(x @ self.model.w)
             if first is None:
                 first = (node, x)
-            if logit < best_p:  # the first drawn wins ties
-                best, best_p = node, logit
+            if logit < best_logit:  # the first drawn wins ties
+                best, best_logit = node, logit
         self._record(first[0], now, h, first[1])
         return best
 
