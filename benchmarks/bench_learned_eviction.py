@@ -102,8 +102,11 @@ class LogisticWindow:
         self.w = w
 
     def calibration(self) -> tuple[float, float]:
-        """(mean predicted probability, positive rate) over the window — equal when the fit is sound."""
+        """(mean predicted probability, positive rate) over the window — equal when the fit is sound. A model never fit
+        (too few evictions, or one label only) has no prediction: NaN, which the calibration check counts as a miss."""
         m = min(self.n, self.window)
+        if self.w is None:
+            return math.nan, float(self.y[:m].mean()) if m else math.nan
         return float(_sigmoid(self.X[:m] @ self.w).mean()), float(self.y[:m].mean())
 
 
