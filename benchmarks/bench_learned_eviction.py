@@ -39,7 +39,7 @@ import numpy as np
 from kvpolicy.clock import ManualClock
 from kvpolicy.eviction import replay
 from kvpolicy.eviction.base import Node
-from kvpolicy.eviction.hit_density import HitDensityPolicy, block_class, splitmix64
+from kvpolicy.eviction.hit_density import N_CLASSES, AdaptivePolicy, HitDensityPolicy, block_class, splitmix64
 from kvpolicy.eviction.kernels import replay_kernel
 from kvpolicy.traces import generate, preset, read_trace
 
@@ -187,7 +187,7 @@ class LearnedRelaxedBelady(HitDensityPolicy):
         o = 1 + 3 * AGE_BINS
         root_node = self.nodes.get(root)
         log_r = math.log(max(r, 1e-6))
-        x[o : o + 12] = (math.log1p(min(hits, 64)), math.log1p(kids), math.log1p(node.depth) / 4, math.log1p(turn),
+        x[o : o + 12] = (math.log1p(min(hits, 64)), math.log1p(kids), math.log1p(self.depth_of(node)) / 4, math.log1p(turn),
                          math.log1p(gap / h), math.log1p((t_last - t_insert) / h),
                          math.log1p(root_node.data[1]) / 4 if root_node is not None else 0.0, 1.0 if node.depth == 0 else 0.0,
                          math.log1p((now - t_insert) / h), min(r, 64.0), log_r, log_r if hits > 0 else 0.0)
@@ -195,6 +195,9 @@ class LearnedRelaxedBelady(HitDensityPolicy):
             x[o + 12] = math.log(float(self.density[block_class(hits, kids), self._bin(age)]) * h + 1e-4)
             x[o + 13] = 1.0
         return x
+
+    def depth_of(self, node: Node) -> int:
+        return node.depth
 
     def _record(self, node: Node, now: float, h: float, x: np.ndarray) -> None:
         self.pending.setdefault(node.key, []).append((now, h, x))
@@ -221,6 +224,122 @@ class LearnedRelaxedBelady(HitDensityPolicy):
             if logit < best_logit:  # the first drawn wins ties
                 best, best_logit = node, logit
         self._record(first[0], now, h, first[1])
+        return best
+
+
+class AdaptiveLRB(LearnedRelaxedBelady, AdaptivePolicy):
+    """Adaptive with lrb as a fourth expert: the mini-simulations judge hit density, LRU, LFU and the learned model.
+
+    The real cache learns the model (its training sample is the first of each eviction's samples, whichever expert
+    evicts); the fourth mini-simulation ranks its samples by the real cache's model and horizon, with each sampled
+    block's depth in the real chain (the mini-simulation's chains are compressed)."""
+
+    name = "adaptive-lrb"
+    EXPERTS = ("hit-density", "lru", "lfu", "lrb")
+
+    def __init__(self, capacity_bytes: int, **kw) -> None:
+        super().__init__(capacity_bytes, **kw)
+        knobs = {"samples": self.samples, "bins": self.bins, "span": self.span, "interval": self.interval, "decay": self.decay, "seed": self.seed}
+        self.real_depth: dict = {}
+        self.mini_sims.append(_MiniLRB(self.mini_capacity_bytes, self, clock=ManualClock(), **knobs))
+        self.evictions_by_expert.append(0)
+        self.scores.append(0.0)
+        self.mini_hits.append(0)
+        self._window_hits.append(0)
+
+    def _observe(self, node: Node) -> None:
+        if self.is_sampled(node.key):
+            self.real_depth[node.key] = node.depth
+        super()._observe(node)
+
+    def _begin(self) -> None:
+        self._flush()
+        if (self._since_requests + 1 >= self.interval and self._since_events >= N_CLASSES * self.bins) or (
+                not self.learned and self._since_judge + 1 >= self.interval):
+            self._since_judge = 0
+            for q in range(len(self.scores)):
+                self.scores[q] = self.scores[q] * self.decay + self._window_hits[q]
+                self._window_hits[q] = 0
+            lead = self._executing
+            for q in range(len(self.scores)):
+                if self.scores[q] > self.scores[lead]:
+                    lead = q
+            self._executing = lead
+        self._since_judge += 1
+        self._pending_t = self.clock.now_s()
+
+    def _choose(self) -> Node:
+        now = self.clock.now_s()
+        self._label_expired(now)
+        h = self.horizon_s()
+        e = self._executing
+        self.evictions_by_expert[e] += 1
+        if e == 3 and (self.model.w is None or h is None or h <= 0):
+            e = 0
+        n = len(self._cand)
+        best, best_key, first = None, None, None
+        for _ in range(self.samples):
+            self._rng, z = splitmix64(self._rng)
+            node = self._cand[((z >> 32) * n) >> 32]
+            if e == 0:
+                k = self.rank(node, now)
+            elif e == 1:
+                k = node.data[0]
+            elif e == 2:
+                k = (min(node.data[1], 3), node.data[0])
+            else:
+                k = float(self.features(node, now, h) @ self.model.w)
+            if first is None:
+                first = node
+            if best is None or k < best_key:
+                best, best_key = node, k
+        if h is not None and h > 0:
+            self._record(first, now, h, self.features(first, now, h))
+        return best
+
+
+class _MiniLRB(LearnedRelaxedBelady):
+    """adaptive-lrb's fourth mini-simulation: evicts by the teacher's model; learns nothing."""
+
+    def __init__(self, capacity_bytes: int, teacher: AdaptiveLRB, **kw) -> None:
+        super().__init__(capacity_bytes, **kw)
+        self._teacher = teacher
+
+    def horizon_s(self):
+        return self._teacher.horizon_s()
+
+    def depth_of(self, node: Node) -> int:
+        return self._teacher.real_depth.get(node.key, node.depth)
+
+    def rank(self, node: Node, now_s: float) -> float:
+        return self._teacher.rank(node, now_s)
+
+    def _event(self, hist, cls, age_s):
+        return 0, 0.0
+
+    def reconfigure(self) -> None:
+        pass
+
+    def _label_use(self, key, now: float) -> None:
+        pass
+
+    def _label_expired(self, now: float) -> None:
+        pass
+
+    def _choose(self) -> Node:
+        now = self.clock.now_s()
+        h = self.horizon_s()
+        w = self._teacher.model.w
+        if w is None or h is None or h <= 0:
+            return HitDensityPolicy._choose(self)
+        n = len(self._cand)
+        best, best_logit = None, math.inf
+        for _ in range(self.samples):
+            self._rng, z = splitmix64(self._rng)
+            node = self._cand[((z >> 32) * n) >> 32]
+            logit = float(self.features(node, now, h) @ w)
+            if logit < best_logit:
+                best, best_logit = node, logit
         return best
 
 
