@@ -29,7 +29,7 @@ from kvpolicy.testing import (
 )
 
 PREFILL = fit_prefill([4096, 16384, 32768, 65536], [0.31, 1.41, 3.19, 7.6])
-EVICTION = ["lru", "fifo", "lfu", "ttl", "s3fifo", "sieve", "arc", "gdsf", "reuse-distance", "hit-density", "adaptive", "belady"]
+EVICTION = ["lru", "fifo", "lfu", "ttl", "s3fifo", "sieve", "arc", "gdsf", "reuse-distance", "hit-density", "adaptive", "lrb", "belady"]
 
 
 def eviction_contract(name):

@@ -3,6 +3,7 @@
 from .base import EvictionPolicy, Node, PriorityPolicy
 from .facade import PolicyCache
 from .hit_density import AdaptivePolicy, HitDensityPolicy
+from .learned import LearnedRelaxedBeladyPolicy, LogisticWindow
 from .policies import (
     POLICIES,
     ARCPolicy,
@@ -31,6 +32,8 @@ __all__ = [
     "HitDensityPolicy",
     "GDSFPolicy",
     "LFUPolicy",
+    "LearnedRelaxedBeladyPolicy",
+    "LogisticWindow",
     "LRUPolicy",
     "Node",
     "PolicyCache",

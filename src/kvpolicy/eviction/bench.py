@@ -82,6 +82,8 @@ def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, by
             if "evictions_by_expert" in stats[name]:  # adaptive: who executed its evictions, and what its judge saw (whole replay)
                 row["evictions_by_expert"] = stats[name]["evictions_by_expert"]
                 row["mini_sim_hit_ratio"] = stats[name]["mini_sim_hit_ratio"]
+            if "fits" in stats[name]:  # lrb: its model's labels, fits and calibration on its window at the end
+                row["model"] = stats[name]
             if bytes_per_token:
                 row["hit_bytes"] = h * B * bytes_per_token
                 row["byte_hit_ratio"] = row["token_hit_ratio"]  # bytes ∝ tokens for one model
@@ -126,7 +128,7 @@ def gap_where(trace: Any, capacity_blocks: int, lru_hits: Any, belady_hits: Any,
 
 #: the classics a kvpolicy eviction policy must not fall behind, and the policies judged against the goals (issue #20)
 GOAL_CLASSICS = ("lru", "arc", "s3fifo")
-GOAL_POLICIES = ("adaptive", "hit-density", "reuse-distance")
+GOAL_POLICIES = ("adaptive", "hit-density", "lrb", "reuse-distance")
 #: issue #20: close >= 30 % of the LRU -> Belady gap where that gap is >= 5 points; never > 1 point below the best classic
 GOAL_MIN_GAP_POINTS = 5.0
 GOAL_GAP_CLOSED = 0.30

@@ -30,9 +30,10 @@ from ..traces.model import check_trace
 from .base import EvictionPolicy, serve
 from .policies import POLICIES, BeladyPolicy, TraceOracle, TTLPolicy
 from .hit_density import AdaptivePolicy, HitDensityPolicy
+from .learned import LearnedRelaxedBeladyPolicy
 from .reuse_distance import ReuseDistancePolicy
 
-ALL_POLICIES = ("lru", "fifo", "lfu", "ttl", "s3fifo", "sieve", "arc", "gdsf", "reuse-distance", "hit-density", "adaptive", "belady", "belady-bypass")
+ALL_POLICIES = ("lru", "fifo", "lfu", "ttl", "s3fifo", "sieve", "arc", "gdsf", "reuse-distance", "hit-density", "adaptive", "lrb", "belady", "belady-bypass")
 
 _YOURS = "a class (or factory) called as NAME(capacity_bytes, clock=clock)"
 
@@ -95,7 +96,8 @@ def make_policy(name: str, capacity_bytes: int, *, trace: Any = None, clock: Man
     clock = clock or ManualClock()
     if is_own(name):
         return _own_policy(name, capacity_bytes, clock, kw)
-    cls = {"reuse-distance": ReuseDistancePolicy, "hit-density": HitDensityPolicy, "adaptive": AdaptivePolicy, "belady": BeladyPolicy,
+    cls = {"reuse-distance": ReuseDistancePolicy, "hit-density": HitDensityPolicy, "adaptive": AdaptivePolicy, "lrb": LearnedRelaxedBeladyPolicy,
+           "belady": BeladyPolicy,
            "belady-bypass": BeladyPolicy}.get(name) or POLICIES.get(name)
     if cls is not None:
         check_options(cls, name, kw)
@@ -105,6 +107,8 @@ def make_policy(name: str, capacity_bytes: int, *, trace: Any = None, clock: Man
         return HitDensityPolicy(capacity_bytes, clock=clock, **kw)
     if name == "adaptive":
         return AdaptivePolicy(capacity_bytes, clock=clock, **kw)
+    if name == "lrb":
+        return LearnedRelaxedBeladyPolicy(capacity_bytes, clock=clock, **kw)
     if name in ("belady", "belady-bypass"):
         oracle = kw.pop("oracle", None)
         if oracle is None and trace is not None:
@@ -167,5 +171,5 @@ def replay(trace: Any, policy: EvictionPolicy | str, capacity_blocks: int | None
         m = min(serve(policy, ids[s:e], victims=victims if record_victims else None), matchable[r])
         if m:
             hits[s : s + m] = True
-    stats = policy.stats() if isinstance(policy, AdaptivePolicy) else {}
+    stats = policy.stats() if isinstance(policy, (AdaptivePolicy, LearnedRelaxedBeladyPolicy)) else {}
     return ReplayResult(policy.name, capacity_blocks, hits, victims, trace.block_size_tokens, trace.total_input_tokens, stats)

@@ -1,0 +1,299 @@
+"""Learned relaxed Belady (LRB, NSDI'20) on a prefix cache's structural features.
+
+Belady evicts the block used again furthest in the future. *Relaxed*, it is enough to evict a block that will not be
+used again within a horizon H: such a block was not worth keeping at the cache's current size. ``lrb`` learns, online,
+the probability that a block is used again within H, and evicts the sampled leaf with the lowest.
+
+* **Horizon** H = ``horizon`` × the mean eviction age (hit density's running, decayed estimate: how long this cache
+  keeps blocks now, learned, not picked).
+* **Candidates**: hit density's ``samples`` leaves, drawn uniformly with a seeded splitmix64 (the same draws).
+* **Features** of a candidate at the decision (:meth:`LearnedRelaxedBeladyPolicy.features`, 55 of them):
+
+  - its age since last use, relative to H: a one-hot log2 bin (2^-8 .. 2^5 of H), the same bin again for reused
+    and for branched blocks, ``min(age/H, 64)`` and ``log(age/H)`` (again for reused blocks);
+  - ``log1p`` of: hits (≈ distinct requests that read it), child inserts (a branch point or a truncated chain),
+    depth, the turn count of its chain (requests that extended it), its last inter-use gap / H, how long it lived
+    before its last use / H, how long it has been resident / H, its root block's hits (the prefix group's
+    popularity); whether it is a root.
+
+* **Model**: logistic regression, P(used again within H) = σ(w · x), refit every ``refit`` new labels on the last
+  ``window`` by damped Newton steps (IRLS; every step halves until the penalised loss falls) with an L2 ``ridge``
+  on every weight but the intercept — so at the optimum the mean prediction equals the positive rate of the window
+  (:meth:`LogisticWindow.calibration`).
+* **Labels** come from the decisions themselves: the first of each eviction's samples (a uniform draw from the
+  candidates, the population the model ranks) is recorded with its features and H; it is labelled 1 if its key is
+  used again (a hit, or inserted again after its eviction) within H of the decision, else 0 — either label once H
+  has passed, so the model's window holds the outcomes of consecutive decisions (labelled at once, returns would
+  arrive up to H before the non-returns of the same decisions and inflate the window's positive rate).
+* **Victim**: the sample with the lowest w · x (the first drawn wins ties). Until the first fit: hit density's
+  victim (so with no fit it evicts exactly what :class:`HitDensityPolicy` does, sample for sample).
+
+Knobs and defaults: ``horizon`` 1, ``window`` 16,384 labels, ``refit`` 2,048, ``ridge`` 1, and hit density's
+(``samples`` 16, ``bins``, ``span``, ``interval``, ``decay``, ``seed``). They were set once before any run; the
+variants tried (H = ½ the mean eviction age; hit density's value as a feature) were tried on the synthetic presets at
+seeds 1–2 only, and changed nothing. Measured in docs/benchmarks.md (``benchmarks/bench_learned_eviction.py``).
+
+Replay cost: 16 feature vectors and dot products per eviction and a 55 × 55 Newton solve per refit, in Python and
+NumPy — there is no Numba kernel yet, so ``evict-bench`` replays it online (about 10⁴–10⁵ accesses/s).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+
+from .._validate import check_positive_int, check_positive_number
+from ..errors import ConfigError
+from ..protocols import Clock
+from .base import Node
+from .hit_density import HitDensityPolicy, splitmix64
+
+AGE_BINS = 14  # log2(age / H) from -8 to +5, one-hot
+N_FEATURES = 1 + 3 * AGE_BINS + 12
+MAX_WINDOW = 1 << 20  # labels kept, at most (window x 55 floats)
+
+
+def sigmoid(z: Any) -> Any:
+    return 1.0 / (1.0 + np.exp(-np.clip(z, -30.0, 30.0)))
+
+
+class LogisticWindow:
+    """Logistic regression refit on a sliding window of labelled feature vectors (damped Newton, L2 ridge)."""
+
+    def __init__(self, n_features: int, *, window: int = 16384, refit: int = 2048, ridge: float = 1.0) -> None:
+        check_positive_int("n_features", n_features)
+        check_positive_int("window", window)
+        check_positive_int("refit", refit)
+        check_positive_number("ridge", ridge)
+        if window > MAX_WINDOW:
+            raise ConfigError("window", f"must be at most {MAX_WINDOW} labels, got {window!r}")
+        self.X = np.zeros((window, n_features))
+        self.y = np.zeros(window)
+        self.window, self.refit, self.ridge = window, refit, float(ridge)
+        self.n = 0  # labels added, ever
+        self.fits = 0
+        self._since = 0
+        self.w: np.ndarray | None = None  # None until a window holding both labels was fit
+        self._fitted_on = (math.nan, math.nan)  # (mean prediction, positive rate) on the window of the last fit
+        self._oos = [0.0, 0.0, 0]  # out of sample: predictions made at decision time, their labels, how many
+
+    def add(self, x: np.ndarray, label: float, predicted: float = math.nan) -> None:
+        """One labelled vector; ``predicted``: what the model said when the decision was taken (NaN: no model yet)."""
+        if not math.isnan(predicted):
+            self._oos[0] += predicted
+            self._oos[1] += label
+            self._oos[2] += 1
+        i = self.n % self.window
+        self.X[i], self.y[i] = x, label
+        self.n += 1
+        self._since += 1
+        if self._since >= self.refit:
+            self._since = 0
+            self.fit()
+
+    def penalty(self) -> np.ndarray:
+        lam = np.full(self.X.shape[1], self.ridge)
+        lam[0] = 1e-6  # the intercept is (all but) not shrunk: the fit stays calibrated
+        return lam
+
+    def loss(self, w: np.ndarray) -> float:
+        """The penalised negative log-likelihood of the window at ``w``."""
+        m = min(self.n, self.window)
+        z = self.X[:m] @ w
+        return float(np.sum(np.logaddexp(0.0, z) - self.y[:m] * z) + 0.5 * np.sum(self.penalty() * w * w))
+
+    def gradient(self, w: np.ndarray) -> np.ndarray:
+        m = min(self.n, self.window)
+        return self.X[:m].T @ (sigmoid(self.X[:m] @ w) - self.y[:m]) + self.penalty() * w
+
+    def fit(self, steps: int = 8) -> None:
+        """Damped Newton from the last weights; a window with one label only is not fit (the weights stay)."""
+        m = min(self.n, self.window)
+        X, y = self.X[:m], self.y[:m]
+        if m == 0 or y.min() == y.max():
+            return
+        lam = self.penalty()
+        w = np.zeros(X.shape[1]) if self.w is None else self.w.copy()
+        cur = self.loss(w)
+        for _ in range(steps):
+            p = sigmoid(X @ w)
+            hess = (X * (p * (1.0 - p) + 1e-9)[:, None]).T @ X + np.diag(lam)
+            step = np.linalg.solve(hess, X.T @ (p - y) + lam * w)
+            t = 1.0
+            while t > 1e-4 and self.loss(w - t * step) > cur:  # damped: never a step that raises the loss
+                t *= 0.5
+            if t <= 1e-4:
+                break
+            w = w - t * step
+            new = self.loss(w)
+            done = cur - new < 1e-6 * max(cur, 1.0)
+            cur = new
+            if done:
+                break
+        self.w = w
+        self.fits += 1
+        self._fitted_on = (float(sigmoid(X @ w).mean()), float(y.mean()))
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        if self.w is None:
+            raise ConfigError("model", "not fit yet: no window with both labels has been seen")
+        return sigmoid(np.asarray(X, dtype=float) @ self.w)
+
+    def calibration(self) -> tuple[float, float]:
+        """(mean predicted probability, positive rate) on the window of the last fit — equal at the optimum (the
+        intercept is not shrunk); NaN while the model was never fit."""
+        return self._fitted_on
+
+    def out_of_sample(self) -> tuple[float, float, int]:
+        """(mean predicted probability, positive rate, labels) over the labels whose prediction was made before the
+        outcome was known (at the decision) — the calibration that matters online; NaN before any."""
+        p, y, n = self._oos
+        return (p / n, y / n, n) if n else (math.nan, math.nan, 0)
+
+
+class LearnedRelaxedBeladyPolicy(HitDensityPolicy):
+    """Sampled leaves ranked by the learned P(used again within H) (the module docstring)."""
+
+    name = "lrb"
+
+    def __init__(self, capacity_bytes: int, *, horizon: float = 1.0, window: int = 16384, refit: int = 2048, ridge: float = 1.0,
+                 clock: Clock | None = None, **kw: Any) -> None:
+        check_positive_number("horizon", horizon)
+        super().__init__(capacity_bytes, clock=clock, **kw)
+        self.horizon = float(horizon)
+        self.model = LogisticWindow(N_FEATURES, window=window, refit=refit, ridge=ridge)
+        # key -> [last inter-use gap (s), turn, root key, insert time (s), request that inserted it]
+        self._extra: dict[Hashable, list[Any]] = {}
+        # key -> [[decision time, H, x, the model's P at the decision or NaN, 1.0 once used again within H]]
+        self._pending: dict[Hashable, list[list[Any]]] = {}
+        self._deadlines: deque[tuple[float, Hashable]] = deque()  # (time + H, key), in recording order
+
+    # ------------------------------------------------------------------ hooks
+
+    def _admit(self, node: Node) -> None:
+        now = self.clock.now_s()
+        self._label_use(node.key, now)  # inserted again after its eviction: a use
+        super()._admit(node)
+        p = node.parent
+        if p is None:
+            turn, root = 0, node.key
+        else:
+            pe = self._extra[p.key]
+            turn, root = pe[1] + (1 if pe[4] < self.requests else 0), pe[2]  # a later request than the parent's extended the chain
+        self._extra[node.key] = [0.0, turn, root, now, self.requests]
+
+    def _hit(self, node: Node) -> None:
+        now = self.clock.now_s()
+        self._label_use(node.key, now)
+        gap = now - node.data[0]
+        super()._hit(node)
+        self._extra[node.key][0] = gap
+
+    def _forget(self, node: Node) -> None:
+        super()._forget(node)
+        del self._extra[node.key]
+
+    def _choose(self) -> Node:
+        now = self.clock.now_s()
+        self._label_expired(now)
+        h = self.horizon_s()
+        if self.model.w is None or h is None or h <= 0:
+            first = self._peek_first()
+            best = super()._choose()  # hit density until the first fit
+        else:
+            n = len(self._cand)
+            w = self.model.w
+            best, best_logit, first = None, math.inf, None
+            for _ in range(self.samples):
+                self._rng, z = splitmix64(self._rng)
+                node = self._cand[((z >> 32) * n) >> 32]
+                logit = float(self.features(node, now, h) @ w)
+                if first is None:
+                    first = node
+                if logit < best_logit:  # the first drawn wins ties
+                    best, best_logit = node, logit
+        if h is not None and h > 0:
+            assert first is not None
+            self._record(first, now, h)
+        assert best is not None
+        return best
+
+    # ------------------------------------------------------------------ learning
+
+    def horizon_s(self) -> float | None:
+        """H: ``horizon`` × the mean eviction age; None before the first eviction."""
+        return self.horizon * self._age_sum_s / self._age_n if self._age_n > 0 else None
+
+    def _peek_first(self) -> Node:
+        """The candidate the next draw picks, without drawing it."""
+        _, z = splitmix64(self._rng)
+        return self._cand[((z >> 32) * len(self._cand)) >> 32]
+
+    def features(self, node: Node, now_s: float, h_s: float) -> np.ndarray:
+        """The feature vector of resident ``node`` at ``now_s`` under horizon ``h_s`` (the module docstring)."""
+        t_last, hits, kids = node.data
+        gap, turn, root, t_insert, _ = self._extra[node.key]
+        r = (now_s - t_last) / h_s
+        x = np.zeros(N_FEATURES)
+        x[0] = 1.0
+        b = 0 if r <= 0 else int(min(max(math.log2(r) + 8.0, 0.0), AGE_BINS - 1))
+        x[1 + b] = 1.0
+        if hits > 0:
+            x[1 + AGE_BINS + b] = 1.0
+        if kids >= 2:
+            x[1 + 2 * AGE_BINS + b] = 1.0
+        root_node = self.nodes.get(root)
+        log_r = math.log(max(r, 1e-6))
+        x[1 + 3 * AGE_BINS:] = (
+            math.log1p(min(hits, 64)), math.log1p(kids), math.log1p(node.depth) / 4, math.log1p(turn),
+            math.log1p(gap / h_s), math.log1p((t_last - t_insert) / h_s),
+            math.log1p(root_node.data[1]) / 4 if root_node is not None else 0.0, 1.0 if node.depth == 0 else 0.0,
+            math.log1p((now_s - t_insert) / h_s), min(r, 64.0), log_r, log_r if hits > 0 else 0.0)
+        return x
+
+    def _record(self, node: Node, now_s: float, h_s: float) -> None:
+        x = self.features(node, now_s, h_s)
+        p = math.nan if self.model.w is None else float(sigmoid(x @ self.model.w))
+        self._pending.setdefault(node.key, []).append([now_s, h_s, x, p, 0.0])
+        self._deadlines.append((now_s + h_s, node.key))
+
+    def _label_use(self, key: Hashable, now_s: float) -> None:
+        """A use of ``key``: every record of it still within its H is a return (labelled when its H ends)."""
+        for item in self._pending.get(key, ()):
+            if now_s - item[0] <= item[1]:
+                item[4] = 1.0
+
+    def _label_expired(self, now_s: float) -> None:
+        """Records whose H has passed go to the model with their label, in recording order. A return is not labelled
+        before its H ends either: labelled at once, returns would reach the model up to H before the non-returns of
+        the same decisions, and a window would hold more of them than the decisions had (at the start, and whenever
+        the eviction rate grows)."""
+        q = self._deadlines
+        while q and q[0][0] < now_s:
+            _, key = q.popleft()
+            waiting = self._pending.get(key)
+            if not waiting:
+                continue
+            keep = []
+            for item in waiting:
+                if now_s - item[0] > item[1]:
+                    self.model.add(item[2], item[4], item[3])
+                else:
+                    keep.append(item)
+            if keep:
+                self._pending[key] = keep
+            else:
+                del self._pending[key]
+
+    def stats(self) -> dict:
+        """Labels seen, fits done, the horizon now, the model's calibration on the window of its last fit, and out of
+        sample (its predictions at the decisions against what happened)."""
+        mean_p, rate = self.model.calibration()
+        oos_p, oos_rate, oos_n = self.model.out_of_sample()
+        return {"labels": self.model.n, "fits": self.model.fits, "horizon_s": self.horizon_s(),
+                "window_mean_prediction": mean_p, "window_positive_rate": rate,
+                "out_of_sample_mean_prediction": oos_p, "out_of_sample_positive_rate": oos_rate, "out_of_sample_labels": oos_n}

@@ -1,0 +1,181 @@
+"""lrb: the learned relaxed Belady — its model's fit, its labels, its features, and its victims."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from strategies_prefix import chain_trace, flat_trace, prefix_traces
+from kvpolicy.clock import ManualClock
+from kvpolicy.errors import ConfigError
+from kvpolicy.eviction import LearnedRelaxedBeladyPolicy, LogisticWindow, replay
+from kvpolicy.eviction.base import serve
+from kvpolicy.eviction.hit_density import splitmix64
+from kvpolicy.eviction.kernels import replay_kernel
+from kvpolicy.eviction.learned import N_FEATURES, sigmoid
+from kvpolicy.traces import first_appearance_ids
+
+FAST = {"bins": 4, "interval": 1, "samples": 3, "span": 2.0}  # hit density's knobs, as tests/test_hit_density.py runs them
+
+
+def _reference_fit(X, y, lam, iters=20000):
+    """Plain gradient descent with a fixed step (1 / the loss's Lipschitz bound): slow, but no Newton, no line search."""
+    w = np.zeros(X.shape[1])
+    lip = 0.25 * np.linalg.norm(X, 2) ** 2 + lam.max()
+    for _ in range(iters):
+        w -= (X.T @ (sigmoid(X @ w) - y) + lam * w) / lip
+    return w
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), m=st.integers(8, 60), d=st.integers(2, 5))
+def test_the_fit_is_the_penalised_optimum_and_calibrated(seed, m, d):
+    rng = np.random.default_rng(seed)
+    X = np.column_stack([np.ones(m), rng.normal(size=(m, d - 1))])
+    y = (rng.random(m) < sigmoid(X @ rng.normal(size=d))).astype(float)
+    y[0], y[1] = 0.0, 1.0  # both labels: a window with one label only is never fit
+    model = LogisticWindow(d, window=64, refit=10**6)
+    for x, label in zip(X, y):
+        model.add(x, label)
+    model.fit(steps=50)
+    ref = _reference_fit(X, y, model.penalty())
+    assert model.loss(model.w) <= model.loss(ref) + 1e-7 * max(model.loss(ref), 1.0)  # no worse than the reference's optimum
+    assert np.allclose(model.w[1:], ref[1:], atol=2e-3)
+    mean_p, rate = model.calibration()
+    assert mean_p == pytest.approx(rate, abs=1e-4)  # the unshrunk intercept: mean prediction = positive rate
+
+
+def test_a_window_with_one_label_is_not_fit_and_the_window_slides():
+    model = LogisticWindow(2, window=4, refit=4)
+    for _ in range(4):
+        model.add(np.array([1.0, 0.5]), 0.0)  # refit due at 4 labels: zeros only, not fit
+    assert model.w is None and math.isnan(model.calibration()[0])
+    with pytest.raises(ConfigError, match="not fit"):
+        model.predict(np.ones((1, 2)))
+    for _ in range(4):
+        model.add(np.array([1.0, -0.5]), 1.0)  # the four zeros slide out: at 8 labels the window holds ones only
+    assert model.n == 8 and model.y.tolist() == [1.0] * 4 and model.w is None
+    for label in (0.0, 0.0, 1.0, 1.0):
+        model.add(np.array([1.0, 0.5 if label == 0 else -0.5]), label)  # both labels at the next refit: fit
+    assert model.w is not None and model.fits == 1
+    p = model.predict(np.array([[1.0, 0.5], [1.0, -0.5]]))
+    assert p[0] < 0.5 < p[1]
+
+
+@pytest.mark.parametrize("field, value", [("horizon", 0), ("horizon", -1.0), ("window", 0), ("window", 1 << 21), ("refit", 0),
+                                          ("ridge", 0.0), ("ridge", "1"), ("samples", 0), ("seed", -1)])
+def test_knobs_are_validated(field, value):
+    with pytest.raises(ConfigError) as e:
+        LearnedRelaxedBeladyPolicy(8, **{field: value})
+    assert e.value.field == field
+
+
+@settings(max_examples=60, deadline=None)
+@given(tr=prefix_traces(max_requests=40), cap=st.integers(0, 14), seed=st.integers(0, 2**64 - 1))
+def test_until_its_first_fit_it_evicts_what_hit_density_evicts(tr, cap, seed):
+    """Differential: with no fit (the refit never comes) the victims are hit density's, sample for sample — recording
+    the training samples draws nothing from the generator."""
+    lrb = replay(tr, "lrb", cap, record_victims=True, seed=seed, refit=10**6, **FAST)
+    hd = replay_kernel(tr, "hit-density", cap, seed=seed, **FAST)
+    assert lrb.victims == hd.victims.tolist() and np.array_equal(lrb.hits, hd.hits)
+    assert lrb.stats["fits"] == 0
+
+
+class _Checked(LearnedRelaxedBeladyPolicy):
+    """Checks every learned decision against a reference: re-draw the same samples, score each, take the first lowest."""
+
+    checked = 0
+
+    def _choose(self):
+        now, h, rng, cand = self.clock.now_s(), self.horizon_s(), self._rng, list(self._cand)
+        fitted = self.model.w is not None and h is not None and h > 0
+        victim = super()._choose()
+        if fitted:
+            drawn = []
+            for _ in range(self.samples):
+                rng, z = splitmix64(rng)
+                drawn.append(cand[((z >> 32) * len(cand)) >> 32])
+            scores = [float(sigmoid(self.features(n, now, h) @ self.model.w)) if n is not victim else None for n in drawn]
+            v_score = float(sigmoid(self.features(victim, now, h) @ self.model.w))
+            assert victim in drawn
+            assert all(s is None or s >= v_score for s in scores)  # no sample the model rates less likely to return
+            assert drawn.index(victim) == min(i for i, n in enumerate(drawn) if n is victim)
+            self.checked += 1
+        return victim
+
+
+def test_every_learned_victim_is_the_sample_least_likely_to_return():
+    rng = np.random.default_rng(5)
+    ids = first_appearance_ids((300 * rng.random(6000) ** 2).astype(np.int64))
+    tr = flat_trace(ids)
+    p = _Checked(40, clock=ManualClock(), window=512, refit=64, **FAST)
+    replay(tr, p)
+    assert p.model.fits > 5 and p.checked > 1000, (p.model.fits, p.checked)
+
+
+def test_a_sample_is_labelled_by_whether_it_is_used_again_within_the_horizon():
+    clock = ManualClock()
+    p = LearnedRelaxedBeladyPolicy(1, clock=clock, refit=10**6)  # room for one block: the only candidate is the sample
+
+    def request(t, key):
+        clock._now_s = float(t)
+        p.victims(1, incoming=key)
+        p.on_insert(key, 1)
+
+    request(0, "a")
+    request(1, "b")  # evicts a at age 1: no horizon before the first eviction, so no sample; H = 1 from now on
+    assert p.horizon_s() == 1.0 and not p._pending
+    request(2, "c")  # evicts b (age 1): recorded at t=2 with H = 1
+    assert list(p._pending) == ["b"] and p.model.n == 0
+    request(2.5, "b")  # b is back 0.5 s later, within H: a return, labelled when its H ends; c (age 0.5) is recorded
+    assert p.model.n == 0 and [r[4] for r in p._pending["b"]] == [1.0] and list(p._pending) == ["b", "c"]
+    request(10, "e")  # both Hs have ended: b goes to the model as 1, c (not back by 2.5 + H) as 0, in that order
+    assert p.model.n == 2 and p.model.y[:2].tolist() == [1.0, 0.0]
+    assert p.model.out_of_sample()[2] == 0  # no model yet: nothing was predicted before its outcome
+    p.model.w = np.zeros(N_FEATURES)  # a model that says 1/2 for every block
+    request(11, "f")  # b (recorded at 10 with no model) is not back by 10 + H: labelled 0; e recorded with P = 1/2
+    request(11.5, "e")  # e is back within H: labelled 1, predicted 1/2; f recorded with P = 1/2
+    request(30, "g")  # f is not back by 11.5 + H: labelled 0, predicted 1/2
+    assert p.model.y[:5].tolist() == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert p.model.out_of_sample() == (0.5, 0.5, 2)  # only e and f were predicted at their decisions
+
+
+@pytest.mark.parametrize("same_time", [False, True])
+def test_the_chain_features_count_turns_and_find_the_root(same_time):
+    # a conversation: each request re-reads its history and appends a turn; another session shares block 0. Turns
+    # are counted in requests, not clock ticks: requests at one timestamp (a coarse engine clock) count the same
+    requests = [[0], [0, 1], [0, 1, 2], [0, 5], [0, 1, 2, 3]]
+    p = LearnedRelaxedBeladyPolicy(100, clock=ManualClock())
+    if same_time:  # an engine, through the policy API, with a clock that does not move
+        for keys in requests:
+            serve(p, keys)
+    else:
+        replay(chain_trace(requests), p)
+    extra = {k: p._extra[k] for k in p.nodes}
+    assert [extra[k][1] for k in (0, 1, 2, 3, 5)] == [0, 1, 2, 3, 1]  # turns: requests that extended the chain
+    assert all(extra[k][2] == 0 for k in (0, 1, 2, 3, 5))  # the root of every chain
+    x = p.features(p.nodes[3], now_s=10.0, h_s=4.0)
+    assert x.shape == (N_FEATURES,) and x[0] == 1.0 and x[1:15].sum() == 1.0  # intercept, one age bin
+    assert x[1 + 14 * 3 + 3] == pytest.approx(math.log1p(3))  # turn
+    assert x[1 + 14 * 3 + 6] == pytest.approx(math.log1p(p.nodes[0].data[1]) / 4)  # the root's hits: 4 re-reads
+
+
+def test_it_learns_to_keep_a_reused_class_through_a_scan():
+    """tests/test_hit_density.py's hot set of 10 (reuse distance 30) through a scan, in a cache of 20: LRU hits
+    nothing, and so does the sampled LRU lrb is before its first fit (hit density kept from learning: ``interval``).
+    The model alone learns that a reused block comes back and a scanned one does not. The boundary matters: a hot
+    block returns 30 s after its last use, past H = the mean eviction age (about 19 s here), so only an old hot block
+    is labelled a return; at ``horizon`` 2 every return falls within H and it keeps nearly all of them."""
+    hot = list(range(10))
+    ids, nxt = [], 1000
+    for i in range(3000):
+        ids += [hot[i % len(hot)], nxt, nxt + 1]
+        nxt += 2
+    tr = flat_trace(first_appearance_ids(np.asarray(ids, dtype=np.int64)))
+    assert replay_kernel(tr, "lru", 20).hit_blocks == 0
+    assert replay(tr, "lrb", 20, refit=10**6, interval=10**9).hit_blocks == 0
+    r = replay(tr, "lrb", 20, refit=256, interval=10**9)
+    assert r.stats["fits"] > 10 and r.hit_blocks > 0.25 * 3000, r.stats
+    assert abs(r.stats["window_mean_prediction"] - r.stats["window_positive_rate"]) < 1e-3
+    assert replay(tr, "lrb", 20, refit=256, interval=10**9, horizon=2.0).hit_blocks > 0.95 * 3000
