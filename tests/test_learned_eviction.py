@@ -179,3 +179,26 @@ def test_it_learns_to_keep_a_reused_class_through_a_scan():
     assert r.stats["fits"] > 10 and r.hit_blocks > 0.25 * 3000, r.stats
     assert abs(r.stats["window_mean_prediction"] - r.stats["window_positive_rate"]) < 1e-3
     assert replay(tr, "lrb", 20, refit=256, interval=10**9, horizon=2.0).hit_blocks > 0.95 * 3000
+
+
+@settings(max_examples=30, deadline=None)
+@given(tr=prefix_traces(max_requests=40), cap=st.integers(1, 14), window=st.integers(1, 6))
+def test_no_more_samples_wait_for_their_outcome_than_the_window_holds(tr, cap, window):
+    """Memory stays bounded by ``window``, not by the evictions within one H (about the cache's size in blocks)."""
+    p = LearnedRelaxedBeladyPolicy(cap, clock=ManualClock(), window=window, refit=10**6, **FAST)
+    offsets, ids = tr.block_offsets.tolist(), tr.block_ids.tolist()
+    for r in range(len(tr)):
+        p.clock._now_s = float(tr.arrival_s[r]) + r * 1e-9
+        serve(p, ids[offsets[r]:offsets[r + 1]])
+        assert len(p._deadlines) <= window and sum(map(len, p._pending.values())) <= window
+
+
+def test_a_decision_past_the_cap_is_skipped_not_lost():
+    rng = np.random.default_rng(3)
+    tr = flat_trace(first_appearance_ids((200 * rng.random(3000)).astype(np.int64)))
+    capped, free = (LearnedRelaxedBeladyPolicy(20, clock=ManualClock(), window=w, refit=10**6) for w in (4, 4096))
+    a, b = replay(tr, capped, record_victims=True), replay(tr, free, record_victims=True)
+    assert a.victims == b.victims  # no fit: both are hit density, decision for decision
+    waiting = [sum(map(len, p._pending.values())) for p in (capped, free)]
+    assert capped.unrecorded > 0 and free.unrecorded == 0
+    assert capped.model.n + waiting[0] + capped.unrecorded == free.model.n + waiting[1]  # every decision: labelled, waiting or skipped

@@ -25,6 +25,9 @@ the probability that a block is used again within H, and evicts the sampled leaf
   used again (a hit, or inserted again after its eviction) within H of the decision, else 0 — either label once H
   has passed, so the model's window holds the outcomes of consecutive decisions (labelled at once, returns would
   arrive up to H before the non-returns of the same decisions and inflate the window's positive rate).
+* **Memory**: at most ``window`` samples wait for their outcome at once (about as many decisions as there are
+  blocks in the cache would wait otherwise: one H of evictions); past that a decision is not recorded. Whether it
+  is recorded is settled before its outcome is known, so the labels stay unbiased.
 * **Victim**: the sample with the lowest w · x (the first drawn wins ties). Until the first fit: hit density's
   victim (so with no fit it evicts exactly what :class:`HitDensityPolicy` does, sample for sample).
 
@@ -171,6 +174,7 @@ class LearnedRelaxedBeladyPolicy(HitDensityPolicy):
         # key -> [[decision time, H, x, the model's P at the decision or NaN, 1.0 once used again within H]]
         self._pending: dict[Hashable, list[list[Any]]] = {}
         self._deadlines: deque[tuple[float, Hashable]] = deque()  # (time + H, key), in recording order
+        self.unrecorded = 0  # decisions not sampled because ``window`` samples were waiting for their outcome
 
     # ------------------------------------------------------------------ hooks
 
@@ -218,7 +222,10 @@ class LearnedRelaxedBeladyPolicy(HitDensityPolicy):
                     best, best_logit = node, logit
         if h is not None and h > 0:
             assert first is not None
-            self._record(first, now, h)
+            if len(self._deadlines) < self.model.window:
+                self._record(first, now, h)
+            else:  # as many samples wait for their outcome as the window holds: this decision is not a sample
+                self.unrecorded += 1
         assert best is not None
         return best
 
@@ -294,6 +301,6 @@ class LearnedRelaxedBeladyPolicy(HitDensityPolicy):
         sample (its predictions at the decisions against what happened)."""
         mean_p, rate = self.model.calibration()
         oos_p, oos_rate, oos_n = self.model.out_of_sample()
-        return {"labels": self.model.n, "fits": self.model.fits, "horizon_s": self.horizon_s(),
+        return {"labels": self.model.n, "fits": self.model.fits, "horizon_s": self.horizon_s(), "unrecorded": self.unrecorded,
                 "window_mean_prediction": mean_p, "window_positive_rate": rate,
                 "out_of_sample_mean_prediction": oos_p, "out_of_sample_positive_rate": oos_rate, "out_of_sample_labels": oos_n}
