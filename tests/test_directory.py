@@ -411,10 +411,11 @@ def test_the_security_page_shows_the_acl_the_code_builds():
     assert " ".join(tenant_acl_rules("acme")) in page
 
 
-def _faulty_writer(url: str, prefix: str, wid: int, run_s: float, out: "mp.Queue") -> None:
+def _faulty_writer(url: str, prefix: str, wid: int, run_s: float, out: "mp.Queue", ready: "mp.Queue") -> None:
     """Publish chain prefixes, evict chain suffixes, match and lease — through a Redis that dies mid-run.
     Records, per key, what this writer knows: 'yes' (publish acknowledged), 'maybe' (a publish or evict
-    whose answer was lost), 'no' (evict acknowledged after the last publish)."""
+    whose answer was lost), 'no' (evict acknowledged after the last publish). Says ``ready`` after its first
+    operation, so the outage is timed from the writers' work, not from their start (a loaded machine imports slowly)."""
     from kvpolicy.directory import Entry, RedisDirectory
 
     d = RedisDirectory(url=url, prefix=prefix, socket_timeout_s=0.3)
@@ -448,6 +449,8 @@ def _faulty_writer(url: str, prefix: str, wid: int, run_s: float, out: "mp.Queue
             done = d.errors == before
         ok_ops += done
         failed_ops += not done
+        if ok_ops + failed_ops == 1:
+            ready.put(wid)
     out.put((wid, {k.hex(): v for k, v in state.items()}, ok_ops, failed_ops))
 
 
@@ -460,11 +463,13 @@ def test_killing_redis_under_four_writers_leaves_nothing_stale_or_phantom(redis_
 
     prefix = f"kill{uuid.uuid4().hex[:8]}"
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_faulty_writer, args=(redis_server.url, prefix, w, 4.0, q)) for w in range(4)]
+    q, ready = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_faulty_writer, args=(redis_server.url, prefix, w, 4.0, q, ready)) for w in range(4)]
     for p in procs:
         p.start()
-    time.sleep(1.5)  # the writers are importing, connecting and running
+    for _ in procs:
+        ready.get(timeout=120)  # every writer has connected and done its first operation: each runs ~4 s from its start
+    time.sleep(0.3)
     redis_server.stop()  # SIGKILL, mid-run
     time.sleep(0.5)
     redis_server.start()  # empty (no persistence), same port
