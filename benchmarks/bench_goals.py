@@ -68,9 +68,10 @@ def _pass(x: bool | None) -> str:
     return "n/a" if x is None else ("**PASS**" if x else "**MISS**")
 
 
-def markdown(runs: list[dict[str, Any]], evict_policies: list[str]) -> str:
+def markdown(runs: list[dict[str, Any]], evict_policies: list[str] | None = None) -> str:
+    """Every point as markdown tables: one per eviction policy (default the scoreboard's three), then publishing."""
     out = []
-    for p in evict_policies:
+    for p in evict_policies or EVICT_POLICIES:
         out += [f"\n#### {p}, every point\n", "| trace | capacity (blocks) | gap closed | vs the best classic (token hit ratio) |", "|---|---:|---|---|"]
         for r in runs:
             if r["what"] != "evict":

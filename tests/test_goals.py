@@ -269,3 +269,11 @@ def test_compare_names_bad_capacities_and_policies():
         compare(tr, "lru", [10])
     with pytest.raises(ConfigError, match="bytes_per_token"):
         compare(tr, ["lru"], [10], bytes_per_token=-1)
+
+
+def test_bench_goals_names_a_bad_evict_policy_before_running_anything(capsys):
+    mod = _bench_goals()
+    for bad, said in (("nope", "unknown policy 'nope'"), ("", "name at least one policy")):
+        with pytest.raises(SystemExit) as e:
+            mod.main(["--evict-policies", bad, "--no-trace", "--presets", "chat"])
+        assert e.value.code == 2 and f"--evict-policies: {said}" in capsys.readouterr().err
