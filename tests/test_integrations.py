@@ -927,7 +927,7 @@ from hypothesis import given as _given  # noqa: E402
 from hypothesis import settings as _settings  # noqa: E402
 from hypothesis import strategies as _st  # noqa: E402
 
-from kvpolicy.integrations.vllm_offload import KVPolicyAdaptive, KVPolicyGDSF, KVPolicyLRU, KVPolicyReuseDistance  # noqa: E402
+from kvpolicy.integrations.vllm_offload import KVPolicyAdaptive, KVPolicyGDSF, KVPolicyLRB, KVPolicyLRU, KVPolicyReuseDistance  # noqa: E402
 
 
 class Chunk:  # vLLM's ChunkStatus: ref_cnt, chunk_id
@@ -958,7 +958,7 @@ def test_offload_cache_policy_evicts_only_evictable_unprotected_chunks_lru_first
 @_settings(max_examples=60, deadline=None)
 @_given(_st.lists(_st.tuples(_st.sampled_from(["insert", "evictable", "busy", "touch", "evict", "remove"]), _st.integers(0, 9),
                              _st.integers(1, 3)), max_size=60),
-        _st.sampled_from([KVPolicyLRU, KVPolicyGDSF, KVPolicyReuseDistance, KVPolicyAdaptive]))
+        _st.sampled_from([KVPolicyLRU, KVPolicyGDSF, KVPolicyReuseDistance, KVPolicyAdaptive, KVPolicyLRB]))
 def test_offload_cache_policy_never_evicts_what_it_must_not(ops, cls):
     pol = cls(cache_capacity=10)
     busy = set()
@@ -993,15 +993,17 @@ def test_offload_cache_policy_never_evicts_what_it_must_not(ops, cls):
 
 
 _EVICTIONS = """
-import random
-from kvpolicy.integrations.vllm_offload import KVPolicyAdaptive
+import random, sys
+from kvpolicy.integrations import vllm_offload
 
 class Chunk:
     def __init__(self, i):
         self.chunk_id, self.ref_cnt = i, -1
 
 rng = random.Random(3)
-pol = KVPolicyAdaptive(cache_capacity=24)
+pol = getattr(vllm_offload, sys.argv[1])(cache_capacity=24)
+if sys.argv[1] == "KVPolicyLRB":
+    pol.policy.model.refit = 64  # fit within the run: the learned ranks decide, not only hit density's
 keys = [rng.randbytes(8) for _ in range(80)]  # bytes keys, as vLLM's OffloadKey: their hash() varies per process
 out = []
 for step in range(1500):
@@ -1016,11 +1018,12 @@ for step in range(1500):
                 pol.mark_evictable(k)
         else:
             pol.touch([k], None)
-print(len(out), "".join(out)[-64:], __import__("hashlib").sha256("".join(out).encode()).hexdigest())
+print(len(out), "".join(out)[-64:], __import__("hashlib").sha256("".join(out).encode()).hexdigest(), getattr(pol.policy, "model", None) and pol.policy.model.fits)
 """
 
 
-def test_the_offload_cache_policy_decides_the_same_whatever_the_process_hash_seed():
+@pytest.mark.parametrize("cls", ["KVPolicyAdaptive", "KVPolicyLRB"])
+def test_the_offload_cache_policy_decides_the_same_whatever_the_process_hash_seed(cls):
     """vLLM protects a store's whole offer, a set of bytes keys whose iteration order follows the process's string
     hashing; pinning them in that order reordered the adaptive policy's sampled candidates, so the same workload
     evicted differently from one process to the next (check_engine_bases: hit ratio 0.240 to 0.259)."""
@@ -1028,9 +1031,11 @@ def test_the_offload_cache_policy_decides_the_same_whatever_the_process_hash_see
     import subprocess
     import sys
 
-    runs = {subprocess.run([sys.executable, "-c", _EVICTIONS], capture_output=True, text=True, check=True,
+    runs = {subprocess.run([sys.executable, "-c", _EVICTIONS, cls], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2, 3)}
     assert len(runs) == 1, runs
+    if cls == "KVPolicyLRB":
+        assert int(runs.pop().split()[-1]) > 0  # the model was fit: its decisions were compared too
 
 
 # --------------------------------------------------------------------------- the loadable vLLM connector (inner connector wrapped)

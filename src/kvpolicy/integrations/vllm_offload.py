@@ -9,7 +9,7 @@ resolved by name, or loaded out of tree::
         "eviction_policy": "KVPolicyReuseDistance",
         "cache_policy_module_path": "kvpolicy.integrations.vllm_offload"}}'
 
-:class:`KVPolicyReuseDistance` (and :class:`KVPolicyAdaptive`, :class:`KVPolicyGDSF`,
+:class:`KVPolicyReuseDistance` (and :class:`KVPolicyAdaptive`, :class:`KVPolicyLRB`, :class:`KVPolicyGDSF`,
 :class:`KVPolicyLRU`) answer the policy's calls with a kvpolicy eviction policy: ``insert`` /
 ``touch`` / ``on_request_finished`` feed it, ``mark_evictable`` /
 ``mark_non_evictable`` (a chunk's transfer count going to / from 0) pin and unpin,
@@ -39,6 +39,7 @@ from ..clock import ManualClock, MonotonicClock
 from ..errors import CapacityError, ConfigError
 from ..eviction.base import EvictionPolicy
 from ..eviction.hit_density import AdaptivePolicy
+from ..eviction.learned import LearnedRelaxedBeladyPolicy
 from ..eviction.policies import GDSFPolicy, LRUPolicy
 from ..eviction.reuse_distance import ReuseDistancePolicy
 from ..protocols import Clock
@@ -175,6 +176,15 @@ class KVPolicyAdaptive(_KVPolicyCachePolicy):
 
     def make_policy(self, capacity: int) -> EvictionPolicy:
         return AdaptivePolicy(capacity)
+
+
+class KVPolicyLRB(_KVPolicyCachePolicy):
+    """kvpolicy's learned relaxed Belady (docs/eviction/learned.md) for vLLM's CPU offloading tier. Chunks are flat
+    here, so its chain features (depth, turns, the root's hits) are those of a root; ages, hits and gaps are in the
+    manager's logical ticks, as for :class:`KVPolicyAdaptive`."""
+
+    def make_policy(self, capacity: int) -> EvictionPolicy:
+        return LearnedRelaxedBeladyPolicy(capacity)
 
 
 class KVPolicyGDSF(_KVPolicyCachePolicy):
