@@ -202,3 +202,16 @@ def test_a_decision_past_the_cap_is_skipped_not_lost():
     waiting = [sum(map(len, p._pending.values())) for p in (capped, free)]
     assert capped.unrecorded > 0 and free.unrecorded == 0
     assert capped.model.n + waiting[0] + capped.unrecorded == free.model.n + waiting[1]  # every decision: labelled, waiting or skipped
+
+
+def test_an_engine_clock_that_steps_back_does_not_break_a_decision():
+    """Engine clocks are not replay's: one that steps back (a wall clock adjusted, timestamps from several threads)
+    must not make a negative interval reach a logarithm inside an eviction."""
+    clock = ManualClock()
+    p = LearnedRelaxedBeladyPolicy(8, clock=clock, refit=16, samples=4)
+    rng = np.random.default_rng(9)
+    for step in range(600):
+        clock._now_s = float(step) - (50.0 if step % 7 == 0 else 0.0)  # every 7th request 50 s in the past
+        serve(p, [int(k) for k in rng.integers(0, 40, size=1)])
+    assert p.model.fits > 0
+    p.check()

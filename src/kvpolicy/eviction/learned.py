@@ -241,7 +241,8 @@ class LearnedRelaxedBeladyPolicy(HitDensityPolicy):
         return self._cand[((z >> 32) * len(self._cand)) >> 32]
 
     def features(self, node: Node, now_s: float, h_s: float) -> np.ndarray:
-        """The feature vector of resident ``node`` at ``now_s`` under horizon ``h_s`` (the module docstring)."""
+        """The feature vector of resident ``node`` at ``now_s`` under horizon ``h_s`` (the module docstring). An engine
+        clock that steps back makes no negative interval: each is taken as 0."""
         t_last, hits, kids = node.data
         gap, turn, root, t_insert, _ = self._extra[node.key]
         r = (now_s - t_last) / h_s
@@ -257,9 +258,9 @@ class LearnedRelaxedBeladyPolicy(HitDensityPolicy):
         log_r = math.log(max(r, 1e-6))
         x[1 + 3 * AGE_BINS:] = (
             math.log1p(min(hits, 64)), math.log1p(kids), math.log1p(node.depth) / 4, math.log1p(turn),
-            math.log1p(gap / h_s), math.log1p((t_last - t_insert) / h_s),
+            math.log1p(max(gap, 0.0) / h_s), math.log1p(max(t_last - t_insert, 0.0) / h_s),
             math.log1p(root_node.data[1]) / 4 if root_node is not None else 0.0, 1.0 if node.depth == 0 else 0.0,
-            math.log1p((now_s - t_insert) / h_s), min(r, 64.0), log_r, log_r if hits > 0 else 0.0)
+            math.log1p(max(now_s - t_insert, 0.0) / h_s), min(r, 64.0), log_r, log_r if hits > 0 else 0.0)
         return x
 
     def _record(self, node: Node, now_s: float, h_s: float) -> None:
