@@ -337,3 +337,15 @@ def test_the_docs_example_runs(capsys):
     ev = ns["alone"].stats["evictions_by_expert"]
     assert ev["lfu"] > 0 and ev["hit-density"] == ev["lru"] == 0
     assert len(capsys.readouterr().out.splitlines()) == 3
+
+
+def test_an_engine_clock_that_steps_back_counts_in_the_youngest_bin():
+    """A negative age indexed the histogram from its end: a use 5 s 'before' the last one was counted as a hit at
+    the oldest ages, silently skewing what the policy learns."""
+    clock = ManualClock(10.0)
+    p = HitDensityPolicy(4, clock=clock)
+    p.on_insert("a", 1)
+    clock._now_s = 5.0
+    p.on_access("a")
+    assert p.hit_hist[0, 0] == 1.0 and p.hit_hist.sum() == 1.0
+    assert p.rank(p.nodes["a"], 1.0) == -(1.0 - 5.0)  # before anything is learned the rank is -age, whatever its sign

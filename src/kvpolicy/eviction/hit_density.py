@@ -129,7 +129,11 @@ class HitDensityPolicy(EvictionPolicy):
     # ------------------------------------------------------------------ learning
 
     def _bin(self, age_s: float) -> int:
+        """The age bin; an age below 0 (an engine clock that stepped back) is bin 0, never a negative index that
+        would count it in the oldest bins. Replay's time only moves forward, which is all the kernel sees."""
         b = age_s * self._inv_width
+        if b <= 0.0:
+            return 0
         return self.bins - 1 if b >= self.bins - 1 else int(b)
 
     def _excess(self, age_s: float) -> float:
