@@ -277,3 +277,17 @@ def test_bench_goals_names_a_bad_evict_policy_before_running_anything(capsys):
         with pytest.raises(SystemExit) as e:
             mod.main(["--evict-policies", bad, "--no-trace", "--presets", "chat"])
         assert e.value.code == 2 and f"--evict-policies: {said}" in capsys.readouterr().err
+
+
+def test_evict_bench_shows_the_learned_models_labels_fits_and_calibration():
+    trace = generate(preset("chat", n_requests=600, seed=5))
+    distinct = int(np.unique(trace.block_ids).size)
+    res = compare(trace, ["lrb"], [distinct // 16, distinct])  # the second never evicts: never fit
+    small, whole = ([r for r in res["results"] if r["policy"] == "lrb" and r["capacity_blocks"] == c][0] for c in (distinct // 16, distinct))
+    m = small["model"]
+    assert m["fits"] > 0 and m["labels"] > 0 and abs(m["window_mean_prediction"] - m["window_positive_rate"]) < 1e-3
+    text = render(res)
+    assert (f"  lrb @ {distinct // 16:,} blocks: {m['labels']:,} labels, {m['fits']} fits; fit {m['window_mean_prediction']:.3f} / "
+            f"{m['window_positive_rate']:.3f}, out of sample {m['out_of_sample_mean_prediction']:.3f} / "
+            f"{m['out_of_sample_positive_rate']:.3f}") in text
+    assert whole["model"]["fits"] == 0 and f"  lrb @ {distinct:,} blocks: 0 labels, 0 fits; never fit" in text

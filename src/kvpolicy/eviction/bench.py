@@ -204,6 +204,16 @@ def render(res: dict[str, Any]) -> str:
             shares = " / ".join(f"{100 * ev[q] / n:.0f}" for q in names) + " %" if n else "no evictions"
             seen = " / ".join(f"{100 * r['mini_sim_hit_ratio'][q]:.1f}" for q in names)
             lines.append(f"  {r['policy']} @ {r['capacity_blocks']:,} blocks: {shares}; mini-simulations {seen} %")
+    modelled = [r for r in res["results"] if r.get("model")]
+    if modelled:
+        lines += ["", "the learned model (lrb): labels, fits; calibration as mean prediction / positive rate, on the window of its last "
+                      "fit and out of sample (its predictions at the decisions against what then happened)"]
+        for r in modelled:
+            m = r["model"]
+            seen = (f"fit {m['window_mean_prediction']:.3f} / {m['window_positive_rate']:.3f}, out of sample "
+                    f"{m['out_of_sample_mean_prediction']:.3f} / {m['out_of_sample_positive_rate']:.3f}" if m["fits"]
+                    else "never fit (too few evictions): it evicted as hit-density does")
+            lines.append(f"  {r['policy']} @ {r['capacity_blocks']:,} blocks: {m['labels']:,} labels, {m['fits']} fits; {seen}")
     wide = {c for c in caps if ("lru", c) in by and ("belady", c) in by
             and 100 * (by[("belady", c)]["token_hit_ratio"] - by[("lru", c)]["token_hit_ratio"]) >= GOAL_MIN_GAP_POINTS}
     rows = [w for w in res.get("gap_where") or [] if w["capacity_blocks"] in wide and w["extra_reuse_gap_s"] and w["lru_lifetime_s"]]
