@@ -216,6 +216,10 @@ class HitDensityPolicy(EvictionPolicy):
                 self._cand[i] = last
                 self._pos[last.key] = i
 
+    def _pick(self, z: int) -> Node:
+        """The candidate a 64-bit draw ``z`` picks: Lemire's multiply-shift, uniform enough in [0, candidates)."""
+        return self._cand[((z >> 32) * len(self._cand)) >> 32]
+
     def _choose(self) -> Node:
         n = len(self._cand)
         if n == 0:
@@ -226,7 +230,7 @@ class HitDensityPolicy(EvictionPolicy):
         best_key: Any = None
         for _ in range(self.samples):
             self._rng, z = splitmix64(self._rng)
-            node = self._cand[((z >> 32) * n) >> 32]  # Lemire's multiply-shift: uniform enough in [0, n)
+            node = self._pick(z)
             if expert == 0:
                 k: Any = self.rank(node, now)
             elif expert == 1:

@@ -205,25 +205,26 @@ class LearnedRelaxedBeladyPolicy(HitDensityPolicy):
         now = self.clock.now_s()
         self._label_expired(now)
         h = self.horizon_s()
-        if self.model.w is None or h is None or h <= 0:
-            first = self._peek_first()
+        w = self.model.w
+        if w is None or h is None or h <= 0:
+            first = self._pick(splitmix64(self._rng)[1])  # the sample hit density draws first (nothing drawn here)
             best = super()._choose()  # hit density until the first fit
+            first_x = first_logit = None
         else:
-            n = len(self._cand)
-            w = self.model.w
             best, best_logit, first = None, math.inf, None
             for _ in range(self.samples):
                 self._rng, z = splitmix64(self._rng)
-                node = self._cand[((z >> 32) * n) >> 32]
-                logit = float(self.features(node, now, h) @ w)
+                node = self._pick(z)
+                x = self.features(node, now, h)
+                logit = float(x @ w)
                 if first is None:
-                    first = node
+                    first, first_x, first_logit = node, x, logit
                 if logit < best_logit:  # the first drawn wins ties
                     best, best_logit = node, logit
         if h is not None and h > 0:
             assert first is not None
             if len(self._deadlines) < self.model.window:
-                self._record(first, now, h)
+                self._record(first, now, h, first_x, first_logit)
             else:  # as many samples wait for their outcome as the window holds: this decision is not a sample
                 self.unrecorded += 1
         assert best is not None
@@ -234,11 +235,6 @@ class LearnedRelaxedBeladyPolicy(HitDensityPolicy):
     def horizon_s(self) -> float | None:
         """H: ``horizon`` × the mean eviction age; None before the first eviction."""
         return self.horizon * self._age_sum_s / self._age_n if self._age_n > 0 else None
-
-    def _peek_first(self) -> Node:
-        """The candidate the next draw picks, without drawing it."""
-        _, z = splitmix64(self._rng)
-        return self._cand[((z >> 32) * len(self._cand)) >> 32]
 
     def features(self, node: Node, now_s: float, h_s: float) -> np.ndarray:
         """The feature vector of resident ``node`` at ``now_s`` under horizon ``h_s`` (the module docstring). An engine
@@ -254,18 +250,21 @@ class LearnedRelaxedBeladyPolicy(HitDensityPolicy):
             x[1 + AGE_BINS + b] = 1.0
         if kids >= 2:
             x[1 + 2 * AGE_BINS + b] = 1.0
-        root_node = self.nodes.get(root)
         log_r = math.log(max(r, 1e-6))
         x[1 + 3 * AGE_BINS:] = (
             math.log1p(min(hits, 64)), math.log1p(kids), math.log1p(node.depth) / 4, math.log1p(turn),
             math.log1p(max(gap, 0.0) / h_s), math.log1p(max(t_last - t_insert, 0.0) / h_s),
-            math.log1p(root_node.data[1]) / 4 if root_node is not None else 0.0, 1.0 if node.depth == 0 else 0.0,
+            math.log1p(self.nodes[root].data[1]) / 4, 1.0 if node.depth == 0 else 0.0,  # its root is resident: the tree is prefix-closed
             math.log1p(max(now_s - t_insert, 0.0) / h_s), min(r, 64.0), log_r, log_r if hits > 0 else 0.0)
         return x
 
-    def _record(self, node: Node, now_s: float, h_s: float) -> None:
-        x = self.features(node, now_s, h_s)
-        p = math.nan if self.model.w is None else float(sigmoid(x @ self.model.w))
+    def _record(self, node: Node, now_s: float, h_s: float, x: np.ndarray | None = None, logit: float | None = None) -> None:
+        """Sample ``node`` (its features ``x`` and the model's ``logit``, when the decision computed them already)."""
+        if x is None:
+            x = self.features(node, now_s, h_s)
+        if logit is None and self.model.w is not None:
+            logit = float(x @ self.model.w)
+        p = math.nan if logit is None else float(sigmoid(logit))
         self._pending.setdefault(node.key, []).append([now_s, h_s, x, p, 0.0])
         self._deadlines.append((now_s + h_s, node.key))
 
