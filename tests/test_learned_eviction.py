@@ -13,7 +13,7 @@ from kvpolicy.eviction import LearnedRelaxedBeladyPolicy, LogisticWindow, replay
 from kvpolicy.eviction.base import serve
 from kvpolicy.eviction.hit_density import splitmix64
 from kvpolicy.eviction.kernels import replay_kernel
-from kvpolicy.eviction.learned import N_FEATURES, sigmoid
+from kvpolicy.eviction.learned import N_FEATURES, logistic_fit, sigmoid
 from kvpolicy.traces import first_appearance_ids
 
 FAST = {"bins": 4, "interval": 1, "samples": 3, "span": 2.0}  # hit density's knobs, as tests/test_hit_density.py runs them
@@ -44,6 +44,53 @@ def test_the_fit_is_the_penalised_optimum_and_calibrated(seed, m, d):
     assert np.allclose(model.w[1:], ref[1:], atol=2e-3)
     mean_p, rate = model.calibration()
     assert mean_p == pytest.approx(rate, abs=1e-4)  # the unshrunk intercept: mean prediction = positive rate
+
+
+def _numpy_newton(X, y, w, lam, steps):
+    """The damped Newton iteration written with NumPy's dense algebra (the compiled fit lists each row's nonzero
+    columns, fills one triangle and solves by its own Cholesky: those are what this checks)."""
+    def loss(v):
+        z = X @ v
+        return float(np.sum(np.logaddexp(0.0, z) - y * z) + 0.5 * np.sum(lam * v * v))
+    cur = loss(w)
+    for _ in range(steps):
+        p = sigmoid(X @ w)
+        hess = (X * (p * (1.0 - p) + 1e-9)[:, None]).T @ X + np.diag(lam)
+        step = np.linalg.solve(hess, X.T @ (p - y) + lam * w)
+        t = 1.0
+        while t > 1e-4 and loss(w - t * step) > cur:
+            t *= 0.5
+        if t <= 1e-4:
+            break
+        w = w - t * step
+        new = loss(w)
+        done = cur - new < 1e-6 * max(cur, 1.0)
+        cur = new
+        if done:
+            break
+    return w
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), m=st.integers(4, 80), steps=st.integers(1, 8))
+def test_the_compiled_fit_takes_numpys_newton_steps_on_sparse_rows(seed, m, steps):
+    rng = np.random.default_rng(seed)
+    d = 12
+    X = np.zeros((m + 5, d))  # rows past m are not the window's: the fit must not read them
+    X[:, 0] = 1.0
+    X[np.arange(m + 5), 1 + rng.integers(0, 6, m + 5)] = 1.0  # a one-hot bin
+    dense = rng.normal(size=(m + 5, 5)) * (rng.random((m + 5, 5)) < 0.6)  # some zeros in the dense part too
+    X[:, 7:] = dense
+    X[m:] = 9.0
+    y = (rng.random(m + 5) < 0.4).astype(float)
+    lam = np.full(d, 1.0)
+    lam[0] = 1e-6
+    w0 = rng.normal(size=d) * 0.3
+    w = w0.copy()
+    mean_p, rate = logistic_fit(X, y, m, w, lam, steps)
+    ref = _numpy_newton(X[:m], y[:m], w0, lam, steps)
+    assert np.allclose(w, ref, rtol=1e-7, atol=1e-9)
+    assert mean_p == pytest.approx(float(sigmoid(X[:m] @ w).mean()), rel=1e-12) and rate == pytest.approx(y[:m].mean(), rel=1e-12)
 
 
 def test_a_window_with_one_label_is_not_fit_and_the_window_slides():
@@ -129,7 +176,7 @@ def test_a_sample_is_labelled_by_whether_it_is_used_again_within_the_horizon():
     request(2, "c")  # evicts b (age 1): recorded at t=2 with H = 1
     assert list(p._pending) == ["b"] and p.model.n == 0
     request(2.5, "b")  # b is back 0.5 s later, within H: a return, labelled when its H ends; c (age 0.5) is recorded
-    assert p.model.n == 0 and [r[4] for r in p._pending["b"]] == [1.0] and list(p._pending) == ["b", "c"]
+    assert p.model.n == 0 and [r[3] for r in p._pending["b"]] == [1.0] and list(p._pending) == ["b", "c"]
     request(10, "e")  # both Hs have ended: b goes to the model as 1, c (not back by 2.5 + H) as 0, in that order
     assert p.model.n == 2 and p.model.y[:2].tolist() == [1.0, 0.0]
     assert p.model.out_of_sample()[2] == 0  # no model yet: nothing was predicted before its outcome

@@ -47,6 +47,7 @@ from collections import deque
 from collections.abc import Hashable
 from typing import Any
 
+import numba as nb
 import numpy as np
 
 from .._validate import check_positive_int, check_positive_number
@@ -62,6 +63,171 @@ MAX_WINDOW = 1 << 20  # labels kept, at most (window x 55 floats)
 
 def sigmoid(z: Any) -> Any:
     return 1.0 / (1.0 + np.exp(-np.clip(z, -30.0, 30.0)))
+
+
+# ----------------------------------------------------------------------------- compiled arithmetic
+# The online policy and the replay kernel call these same functions, so their features, logits and fits agree to the
+# bit and their decisions can be compared victim for victim. The NumPy reference of the fit is ``LogisticWindow.loss``
+# / ``gradient`` (and tests/test_learned_eviction.py's Newton); the feature definition is the module docstring.
+
+@nb.njit(cache=True)
+def sigmoid1(z):  # pragma: no cover - compiled
+    """σ(z) of one float, clipped to ±30 as :func:`sigmoid`."""
+    return 1.0 / (1.0 + math.exp(-min(max(z, -30.0), 30.0)))
+
+
+@nb.njit(cache=True)
+def lrb_features(x, t_last_s, hits, kids, depth, gap_s, turn, t_insert_s, root_hits, now_s, h_s):  # pragma: no cover - compiled
+    """Write the 55 features of a resident block into ``x`` (the module docstring; negative intervals count as 0)."""
+    r = (now_s - t_last_s) / h_s
+    for i in range(x.size):
+        x[i] = 0.0
+    x[0] = 1.0
+    b = 0 if r <= 0 else int(min(max(math.log2(r) + 8.0, 0.0), AGE_BINS - 1.0))
+    x[1 + b] = 1.0
+    if hits > 0:
+        x[1 + AGE_BINS + b] = 1.0
+    if kids >= 2:
+        x[1 + 2 * AGE_BINS + b] = 1.0
+    log_r = math.log(max(r, 1e-6))
+    k = 1 + 3 * AGE_BINS
+    x[k] = math.log1p(min(hits, 64))
+    x[k + 1] = math.log1p(kids)
+    x[k + 2] = math.log1p(depth) / 4
+    x[k + 3] = math.log1p(turn)
+    x[k + 4] = math.log1p(max(gap_s, 0.0) / h_s)
+    x[k + 5] = math.log1p(max(t_last_s - t_insert_s, 0.0) / h_s)
+    x[k + 6] = math.log1p(root_hits) / 4
+    x[k + 7] = 1.0 if depth == 0 else 0.0
+    x[k + 8] = math.log1p(max(now_s - t_insert_s, 0.0) / h_s)
+    x[k + 9] = min(r, 64.0)
+    x[k + 10] = log_r
+    x[k + 11] = log_r if hits > 0 else 0.0
+
+
+@nb.njit(cache=True)
+def lrb_logit(x, w):  # pragma: no cover - compiled
+    """w · x, summed in index order."""
+    z = 0.0
+    for i in range(x.size):
+        z += x[i] * w[i]
+    return z
+
+
+@nb.njit(cache=True)
+def _penalised_loss(X, y, m, w, lam, nz, nnz):  # pragma: no cover - compiled
+    out = 0.0
+    for r in range(m):
+        z = 0.0
+        for a in range(nnz[r]):
+            i = nz[r, a]
+            z += X[r, i] * w[i]
+        out += max(z, 0.0) + math.log1p(math.exp(-abs(z))) - y[r] * z  # log(1 + e^z) - y z, without overflow
+    pen = 0.0
+    for i in range(w.size):
+        pen += lam[i] * w[i] * w[i]
+    return out + 0.5 * pen
+
+
+@nb.njit(cache=True)
+def logistic_fit(X, y, m, w, lam, steps):  # pragma: no cover - compiled
+    """Damped Newton on the first ``m`` rows of (``X``, ``y``) from ``w`` (updated in place): each step solves
+    (Xᵀ D X + diag λ) s = Xᵀ (p − y) + λ w (Cholesky) and halves until the penalised loss does not rise; stops after
+    ``steps``, when a step gains < 1e-6 of the loss, or when no step of length ≥ 1e-4 helps. Rows are sparse (one-hot
+    age bins), so each row's nonzero columns are listed once. Returns (mean prediction, positive rate) at the end."""
+    k = X.shape[1]
+    nz = np.empty((m, k), np.int64)
+    nnz = np.zeros(m, np.int64)
+    for r in range(m):
+        c = 0
+        for i in range(k):
+            if X[r, i] != 0.0:
+                nz[r, c] = i
+                c += 1
+        nnz[r] = c
+    H = np.empty((k, k))
+    g = np.empty(k)
+    step = np.empty(k)
+    trial = np.empty(k)
+    cur = _penalised_loss(X, y, m, w, lam, nz, nnz)
+    for _ in range(steps):
+        for i in range(k):
+            g[i] = lam[i] * w[i]
+            for j in range(k):
+                H[i, j] = 0.0
+            H[i, i] = lam[i]
+        for r in range(m):
+            z = 0.0
+            for a in range(nnz[r]):
+                i = nz[r, a]
+                z += X[r, i] * w[i]
+            p = sigmoid1(z)
+            d = p * (1.0 - p) + 1e-9
+            e = p - y[r]
+            for a in range(nnz[r]):
+                i = nz[r, a]
+                xi = X[r, i]
+                g[i] += e * xi
+                dxi = d * xi
+                for b in range(a, nnz[r]):
+                    j = nz[r, b]
+                    H[i, j] += dxi * X[r, j]
+        for i in range(k):  # the rows' nonzero columns come in increasing order: the upper triangle was filled
+            for j in range(i):
+                H[i, j] = H[j, i]
+        _cholesky_solve(H, g, step)
+        t = 1.0
+        while True:
+            for i in range(k):
+                trial[i] = w[i] - t * step[i]
+            if not (t > 1e-4 and _penalised_loss(X, y, m, trial, lam, nz, nnz) > cur):
+                break
+            t *= 0.5
+        if t <= 1e-4:
+            break
+        for i in range(k):
+            w[i] = w[i] - t * step[i]
+        new = _penalised_loss(X, y, m, w, lam, nz, nnz)
+        done = cur - new < 1e-6 * max(cur, 1.0)
+        cur = new
+        if done:
+            break
+    sp = 0.0
+    sy = 0.0
+    for r in range(m):
+        z = 0.0
+        for a in range(nnz[r]):
+            i = nz[r, a]
+            z += X[r, i] * w[i]
+        sp += sigmoid1(z)
+        sy += y[r]
+    return sp / m, sy / m
+
+
+@nb.njit(cache=True)
+def _cholesky_solve(A, b, out):  # pragma: no cover - compiled
+    """Solve A x = b for symmetric positive definite A (overwritten by its Cholesky factor)."""
+    n = A.shape[0]
+    for j in range(n):
+        s = A[j, j]
+        for q in range(j):
+            s -= A[j, q] * A[j, q]
+        A[j, j] = math.sqrt(max(s, 1e-300))
+        for i in range(j + 1, n):
+            s = A[i, j]
+            for q in range(j):
+                s -= A[i, q] * A[j, q]
+            A[i, j] = s / A[j, j]
+    for i in range(n):
+        s = b[i]
+        for q in range(i):
+            s -= A[i, q] * out[q]
+        out[i] = s / A[i, i]
+    for i in range(n - 1, -1, -1):
+        s = out[i]
+        for q in range(i + 1, n):
+            s -= A[q, i] * out[q]
+        out[i] = s / A[i, i]
 
 
 class LogisticWindow:
@@ -114,32 +280,16 @@ class LogisticWindow:
         return self.X[:m].T @ (sigmoid(self.X[:m] @ w) - self.y[:m]) + self.penalty() * w
 
     def fit(self, steps: int = 8) -> None:
-        """Damped Newton from the last weights; a window with one label only is not fit (the weights stay)."""
+        """Damped Newton from the last weights (:func:`logistic_fit`); a window with one label only is not fit (the
+        weights stay)."""
         m = min(self.n, self.window)
-        X, y = self.X[:m], self.y[:m]
-        if m == 0 or y.min() == y.max():
+        if m == 0 or self.y[:m].min() == self.y[:m].max():
             return
-        lam = self.penalty()
-        w = np.zeros(X.shape[1]) if self.w is None else self.w.copy()
-        cur = self.loss(w)
-        for _ in range(steps):
-            p = sigmoid(X @ w)
-            hess = (X * (p * (1.0 - p) + 1e-9)[:, None]).T @ X + np.diag(lam)
-            step = np.linalg.solve(hess, X.T @ (p - y) + lam * w)
-            t = 1.0
-            while t > 1e-4 and self.loss(w - t * step) > cur:  # damped: never a step that raises the loss
-                t *= 0.5
-            if t <= 1e-4:
-                break
-            w = w - t * step
-            new = self.loss(w)
-            done = cur - new < 1e-6 * max(cur, 1.0)
-            cur = new
-            if done:
-                break
+        w = np.zeros(self.X.shape[1]) if self.w is None else self.w.copy()
+        mean_p, rate = logistic_fit(self.X, self.y, m, w, self.penalty(), steps)
         self.w = w
         self.fits += 1
-        self._fitted_on = (float(sigmoid(X @ w).mean()), float(y.mean()))
+        self._fitted_on = (float(mean_p), float(rate))
 
     def predict(self, X: np.ndarray) -> np.ndarray:
         if self.w is None:
@@ -171,7 +321,7 @@ class LearnedRelaxedBeladyPolicy(HitDensityPolicy):
         self.model = LogisticWindow(N_FEATURES, window=window, refit=refit, ridge=ridge)
         # key -> [last inter-use gap (s), turn, root key, insert time (s), request that inserted it]
         self._extra: dict[Hashable, list[Any]] = {}
-        # key -> [[decision time, H, x, the model's P at the decision or NaN, 1.0 once used again within H]]
+        # key -> [[decision time + H, x, the model's P at the decision or NaN, 1.0 once used again by then]]
         self._pending: dict[Hashable, list[list[Any]]] = {}
         self._deadlines: deque[tuple[float, Hashable]] = deque()  # (time + H, key), in recording order
         self.unrecorded = 0  # decisions not sampled because ``window`` samples were waiting for their outcome
@@ -216,7 +366,7 @@ class LearnedRelaxedBeladyPolicy(HitDensityPolicy):
                 self._rng, z = splitmix64(self._rng)
                 node = self._pick(z)
                 x = self.features(node, now, h)
-                logit = float(x @ w)
+                logit = lrb_logit(x, w)
                 if first is None:
                     first, first_x, first_logit = node, x, logit
                 if logit < best_logit:  # the first drawn wins ties
@@ -241,21 +391,8 @@ class LearnedRelaxedBeladyPolicy(HitDensityPolicy):
         clock that steps back makes no negative interval: each is taken as 0."""
         t_last, hits, kids = node.data
         gap, turn, root, t_insert, _ = self._extra[node.key]
-        r = (now_s - t_last) / h_s
-        x = np.zeros(N_FEATURES)
-        x[0] = 1.0
-        b = 0 if r <= 0 else int(min(max(math.log2(r) + 8.0, 0.0), AGE_BINS - 1))
-        x[1 + b] = 1.0
-        if hits > 0:
-            x[1 + AGE_BINS + b] = 1.0
-        if kids >= 2:
-            x[1 + 2 * AGE_BINS + b] = 1.0
-        log_r = math.log(max(r, 1e-6))
-        x[1 + 3 * AGE_BINS:] = (
-            math.log1p(min(hits, 64)), math.log1p(kids), math.log1p(node.depth) / 4, math.log1p(turn),
-            math.log1p(max(gap, 0.0) / h_s), math.log1p(max(t_last - t_insert, 0.0) / h_s),
-            math.log1p(self.nodes[root].data[1]) / 4, 1.0 if node.depth == 0 else 0.0,  # its root is resident: the tree is prefix-closed
-            math.log1p(max(now_s - t_insert, 0.0) / h_s), min(r, 64.0), log_r, log_r if hits > 0 else 0.0)
+        x = np.empty(N_FEATURES)  # its root is resident: the tree is prefix-closed
+        lrb_features(x, t_last, hits, kids, node.depth, gap, turn, t_insert, self.nodes[root].data[1], now_s, h_s)
         return x
 
     def _record(self, node: Node, now_s: float, h_s: float, x: np.ndarray | None = None, logit: float | None = None) -> None:
@@ -263,16 +400,17 @@ class LearnedRelaxedBeladyPolicy(HitDensityPolicy):
         if x is None:
             x = self.features(node, now_s, h_s)
         if logit is None and self.model.w is not None:
-            logit = float(x @ self.model.w)
-        p = math.nan if logit is None else float(sigmoid(logit))
-        self._pending.setdefault(node.key, []).append([now_s, h_s, x, p, 0.0])
-        self._deadlines.append((now_s + h_s, node.key))
+            logit = lrb_logit(x, self.model.w)
+        p = math.nan if logit is None else sigmoid1(logit)
+        deadline = now_s + h_s
+        self._pending.setdefault(node.key, []).append([deadline, x, p, 0.0])
+        self._deadlines.append((deadline, node.key))
 
     def _label_use(self, key: Hashable, now_s: float) -> None:
         """A use of ``key``: every record of it still within its H is a return (labelled when its H ends)."""
         for item in self._pending.get(key, ()):
-            if now_s - item[0] <= item[1]:
-                item[4] = 1.0
+            if now_s <= item[0]:
+                item[3] = 1.0
 
     def _label_expired(self, now_s: float) -> None:
         """Records whose H has passed go to the model with their label, in recording order. A return is not labelled
@@ -287,8 +425,8 @@ class LearnedRelaxedBeladyPolicy(HitDensityPolicy):
                 continue
             keep = []
             for item in waiting:
-                if now_s - item[0] > item[1]:
-                    self.model.add(item[2], item[4], item[3])
+                if item[0] < now_s:  # the test that popped its deadline: a record never outlives its entry
+                    self.model.add(item[1], item[3], item[2])
                 else:
                     keep.append(item)
             if keep:
