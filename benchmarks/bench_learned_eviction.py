@@ -12,7 +12,8 @@ conversation trace.
     python benchmarks/bench_learned_eviction.py [--presets chat,agent] [--seeds 1,2] [--trace FILE] [--horizon 1]
     kvpolicy evict-bench FILE --policies lrb,adaptive [--judge-second-half]
 
-lrb replays through the pure-Python policy (no kernel yet): up to a few minutes a point.
+lrb replays through its kernel (``replay_kernel(trace, "lrb", ...)``, victim for victim the online policy's): seconds
+a point.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpolicy.clock import ManualClock
-from kvpolicy.eviction import LearnedRelaxedBeladyPolicy, replay
 from kvpolicy.eviction.kernels import replay_kernel
 from kvpolicy.traces import generate, preset, read_trace
 
@@ -51,17 +50,18 @@ def main(argv: list[str] | None = None) -> int:
         for frac in (int(f) for f in args.fractions.split(",")):
             cap = distinct // frac
             pts = {p: 100 * replay_kernel(trace, p, cap).token_hit_ratio() for p in ("lru", "hit-density", "adaptive", "belady")}
-            pol = LearnedRelaxedBeladyPolicy(cap, horizon=args.horizon, clock=ManualClock())
-            pts["lrb"] = 100 * replay(trace, pol).token_hit_ratio()
+            lrb = replay_kernel(trace, "lrb", cap, horizon=args.horizon)
+            pts["lrb"] = 100 * lrb.token_hit_ratio()
+            m = lrb.stats
             gap = pts["belady"] - pts["lru"]
             closed = {p: (v - pts["lru"]) / gap if gap > 0 else float("nan") for p, v in pts.items()}
-            mean_p, rate = pol.model.calibration()
-            oos_p, oos_rate, oos_n = pol.model.out_of_sample()
+            mean_p, rate = m["window_mean_prediction"], m["window_positive_rate"]
+            oos_p, oos_rate, oos_n = m["out_of_sample_mean_prediction"], m["out_of_sample_positive_rate"], m["out_of_sample_labels"]
             rows.append([label, f"1/{frac} ({cap:,})", f"{pts['lru']:.2f}"]
                         + [f"{pts[p]:.2f} ({closed[p]:+.0%})" for p in ("hit-density", "adaptive", "lrb")]
                         + [f"{pts['belady']:.2f}", f"{mean_p:.3f} / {rate:.3f}", f"{oos_p:.3f} / {oos_rate:.3f}"])
             out.append({"trace": label, "preset": name if seed is not None else None, "seed": seed, "capacity_blocks": cap, "token_hit_points": pts, "gap_closed": closed,
-                        "labels": pol.model.n, "fits": pol.model.fits, "window_mean_prediction": mean_p, "window_positive_rate": rate,
+                        "labels": m["labels"], "fits": m["fits"], "window_mean_prediction": mean_p, "window_positive_rate": rate,
                         "out_of_sample_mean_prediction": oos_p, "out_of_sample_positive_rate": oos_rate, "out_of_sample_labels": oos_n})
             print("  " + "  ".join(rows[-1]), file=sys.stderr, flush=True)
     print("token hit ratio (%), [share of the LRU -> Belady gap closed]\n")

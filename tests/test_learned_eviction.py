@@ -129,6 +129,48 @@ def test_until_its_first_fit_it_evicts_what_hit_density_evicts(tr, cap, seed):
     assert lrb.stats["fits"] == 0
 
 
+def _same_stats(a, b):
+    return a.keys() == b.keys() and all(a[k] == b[k] or (isinstance(a[k], float) and math.isnan(a[k]) and math.isnan(b[k])) for k in a)
+
+
+@settings(max_examples=80, deadline=None)
+@given(tr=prefix_traces(max_requests=40), cap=st.integers(0, 14), seed=st.integers(0, 2**64 - 1), window=st.integers(1, 12),
+       refit=st.integers(1, 4), horizon=st.sampled_from([0.5, 1.0, 3.0]))
+def test_the_kernel_makes_the_online_decisions_while_it_learns(tr, cap, seed, window, refit, horizon):
+    """Differential: the replay kernel against the online policy, victim for victim, with fits every few labels, a
+    window small enough that decisions go unrecorded, and the model's own account (labels, fits, calibration)."""
+    kw = dict(seed=seed, window=window, refit=refit, horizon=horizon, **FAST)
+    online = replay(tr, "lrb", cap, record_victims=True, **kw)
+    kernel = replay_kernel(tr, "lrb", cap, **kw)
+    assert kernel.victims.tolist() == online.victims and np.array_equal(kernel.hits, online.hits)
+    assert _same_stats(kernel.stats, online.stats), (kernel.stats, online.stats)
+
+
+def test_the_kernel_agrees_through_hundreds_of_fits_on_a_conversation_preset():
+    from kvpolicy.traces.synthetic import generate, preset
+
+    tr = generate(preset("chat", seed=3, n_requests=300))
+    kw = dict(window=64, refit=16)
+    online = replay(tr, "lrb", 114, record_victims=True, **kw)
+    kernel = replay_kernel(tr, "lrb", 114, **kw)
+    assert online.stats["fits"] > 100 and online.stats["unrecorded"] > 0  # it learned, and the window's cap was reached
+    assert kernel.victims.tolist() == online.victims and np.array_equal(kernel.hits, online.hits)
+    assert _same_stats(kernel.stats, online.stats)
+
+
+def test_the_kernel_takes_lrb_knobs_and_refuses_others():
+    tr = flat_trace(np.array([0, 1, 2, 0]))
+    with pytest.raises(ConfigError) as e:
+        replay_kernel(tr, "lrb", 2, bins=1)
+    assert e.value.field == "bins"
+    with pytest.raises(ConfigError) as e:
+        replay_kernel(tr, "lrb", 2, alpha=1)
+    assert e.value.field == "alpha"
+    with pytest.raises(ConfigError) as e:
+        replay_kernel(tr, "lrb", 2, clock=ManualClock())
+    assert e.value.field == "clock"
+
+
 class _Checked(LearnedRelaxedBeladyPolicy):
     """Checks every learned decision against a reference: re-draw the same samples, score each, take the first lowest."""
 

@@ -1046,8 +1046,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("evict-bench", help="replay a trace through eviction policies, with Belady and the infinite cache beside them")
     _add_trace_args(e)
     e.add_argument("--capacities-blocks", type=_int_list, default=None, help="capacities in blocks (default: 1/64, 1/16, 1/4, 1/2 of the distinct blocks)")
-    e.add_argument("--policies", type=_policy_list, default=["lru", "fifo", "lfu", "ttl", "s3fifo", "sieve", "arc", "gdsf", "reuse-distance", "hit-density", "adaptive", "belady"],
-                   help="comma-separated (default: lru,fifo,lfu,ttl,s3fifo,sieve,arc,gdsf,reuse-distance,hit-density,adaptive,belady; also belady-bypass, and lrb (no kernel: replayed online, minutes a capacity on a large trace); "
+    e.add_argument("--policies", type=_policy_list, default=["lru", "fifo", "lfu", "ttl", "s3fifo", "sieve", "arc", "gdsf", "reuse-distance", "hit-density", "adaptive", "lrb", "belady"],
+                   help="comma-separated (default: lru,fifo,lfu,ttl,s3fifo,sieve,arc,gdsf,reuse-distance,hit-density,adaptive,lrb,belady; also belady-bypass; "
                         "and your own: MODULE:CLASS or PATH.py:CLASS, an EvictionPolicy subclass built as CLASS(capacity_bytes, clock=clock))")
     e.add_argument("--judge-second-half", action="store_true",
                    help="a held-out split: every policy runs over the whole trace but only the second half's requests are scored")

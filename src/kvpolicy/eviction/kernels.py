@@ -36,6 +36,7 @@ from numba.extending import intrinsic
 
 from ..errors import ConfigError
 from ..traces.model import check_trace
+from .learned import lrb_features, lrb_logit, logistic_fit, sigmoid1
 from .replay import ReplayResult
 
 NIL = -1
@@ -1382,15 +1383,202 @@ def _hd_reconfigure(H, E, X, D, decay, span, age_sum, age_n, inv_width):
 
 
 # one hit-density cache's scalars between calls of _hd_run, as float64 slots (exact: every count stays under 2**31)
-S_NC, S_USED, S_NV, S_NEV, S_REQ, S_EVT, S_LEARNED, S_INVW, S_AGESUM, S_AGEN, S_HITS, S_SJ = range(12)  # S_SJ: adaptive's
-N_SCALARS = 12
+S_NC, S_USED, S_NV, S_NEV, S_REQ, S_EVT, S_LEARNED, S_INVW, S_AGESUM, S_AGEN, S_HITS, S_SJ, S_TREQ = range(13)  # S_SJ: adaptive's
+N_SCALARS = 13  # S_TREQ: requests ever (lrb's turns)
 BATCH_REQUESTS = 4096  # the mini-simulations' batch: requests and block references (plus the longest request)
 BATCH_REFS = 65536
 
 
+# ----------------------------------------------------------------------------- lrb's learning, for _hd_run
+# lrb's state is one tuple LS = (lf, li, rf, ri, fr, dq_t, dq_k, MX, MY, mw, lam, ls, xb), all empty for hit density:
+#   lf[2x] last inter-use gap, lf[2x+1] insert time; li[6x] turn, +1 root, +2 request that inserted it, +3 depth,
+#   +4/+5 first/last of its waiting samples (-1: none);
+#   a waiting sample in slot s: rf[s, 0] its deadline (decision time + H), rf[s, 1] the model's P at the decision
+#   (NaN: no model), rf[s, 2] 1.0 once used again by the deadline, rf[s, 3:] its features; ri[s] the key's next;
+#   fr: free slots (a stack); dq_t/dq_k: the deadlines queue, in recording order (a ring of `window`);
+#   MX/MY the model's window of labelled rows, mw its weights, lam its ridge; ls the scalars L_*; xb one feature row
+#   per sample of a decision. Every piece mirrors LearnedRelaxedBeladyPolicy (kvpolicy.eviction.learned).
+L_HOR, L_WIN, L_REFIT, L_N, L_SINCE, L_FITS, L_HASW, L_FITP, L_FITY, L_OOSP, L_OOSY, L_OOSN, L_UNREC, L_DQH, L_DQN, L_FREE = range(16)
+L_AGESUM, L_AGEN = 16, 17  # the cache's eviction-age sums at the end (its horizon)
+N_LRB_SCALARS = 18
+
+
+@nb.njit(cache=True, inline="always")
+def _lrb_use(x, now, li, rf, ri):
+    """A use of block x: each of its waiting samples whose deadline has not passed is a return."""
+    s = li[6 * x + 4]
+    while s >= 0:
+        if now <= rf[s, 0]:
+            rf[s, 2] = 1.0
+        s = ri[s]
+
+
+@nb.njit(cache=True)
+def _lrb_add(s, rf, MX, MY, mw, lam, ls):
+    """LogisticWindow.add of waiting sample s (and its refit when due)."""
+    p = rf[s, 1]
+    label = rf[s, 2]
+    if not math.isnan(p):
+        ls[L_OOSP] += p
+        ls[L_OOSY] += label
+        ls[L_OOSN] += 1.0
+    win = np.int64(ls[L_WIN])
+    n = np.int64(ls[L_N])
+    i = n % win
+    for c in range(MX.shape[1]):
+        MX[i, c] = rf[s, 3 + c]
+    MY[i] = label
+    n += 1
+    ls[L_N] = n
+    ls[L_SINCE] += 1.0
+    if ls[L_SINCE] >= ls[L_REFIT]:
+        ls[L_SINCE] = 0.0
+        m = min(n, win)
+        lo = MY[0]
+        hi = MY[0]
+        for r in range(m):
+            lo = min(lo, MY[r])
+            hi = max(hi, MY[r])
+        if lo != hi:
+            mean_p, rate = logistic_fit(MX, MY, m, mw, lam, 8)  # from the last weights (zeros before the first fit)
+            ls[L_HASW] = 1.0
+            ls[L_FITS] += 1.0
+            ls[L_FITP] = mean_p
+            ls[L_FITY] = rate
+
+
+@nb.njit(cache=True)
+def _lrb_expire(now, li, rf, ri, fr, dq_t, dq_k, MX, MY, mw, lam, ls):
+    """LearnedRelaxedBeladyPolicy._label_expired: pop the queue while its head's deadline has passed; each popped
+    key's samples whose deadline has passed go to the model, in their recording order."""
+    win = np.int64(ls[L_WIN])
+    while ls[L_DQN] > 0:
+        hd = np.int64(ls[L_DQH])
+        if not dq_t[hd] < now:
+            break
+        key = dq_k[hd]
+        ls[L_DQH] = (hd + 1) % win
+        ls[L_DQN] -= 1.0
+        s = li[6 * key + 4]
+        prev = -1
+        while s >= 0:
+            nxt = ri[s]
+            if rf[s, 0] < now:
+                _lrb_add(s, rf, MX, MY, mw, lam, ls)
+                if prev < 0:
+                    li[6 * key + 4] = nxt
+                else:
+                    ri[prev] = nxt
+                fr[np.int64(ls[L_FREE])] = s
+                ls[L_FREE] += 1.0
+            else:
+                prev = s
+            s = nxt
+        li[6 * key + 5] = prev
+
+
+@nb.njit(cache=True, inline="always")
+def _lrb_features(xrow, v, t_last, now, h, W, lf, li):
+    lrb_features(xrow, t_last, W[16 * v + 8], W[16 * v + 9], li[6 * v + 3], lf[2 * v], li[6 * v], lf[2 * v + 1],
+                 W[16 * li[6 * v + 1] + 8], now, h)
+
+
+@nb.njit(cache=True)
+def _lrb_record(v, now, h, q, p, li, rf, ri, fr, dq_t, dq_k, ls, xb):
+    """Sample v (features xb[q], the model's P or NaN) waits for its outcome until now + h."""
+    ls[L_FREE] -= 1.0
+    s = fr[np.int64(ls[L_FREE])]
+    deadline = now + h
+    rf[s, 0] = deadline
+    rf[s, 1] = p
+    rf[s, 2] = 0.0
+    for c in range(xb.shape[1]):
+        rf[s, 3 + c] = xb[q, c]
+    ri[s] = -1
+    t = li[6 * v + 5]
+    if t < 0:
+        li[6 * v + 4] = s
+    else:
+        ri[t] = s
+    li[6 * v + 5] = s
+    win = np.int64(ls[L_WIN])
+    pos = (np.int64(ls[L_DQH]) + np.int64(ls[L_DQN])) % win
+    dq_t[pos] = deadline
+    dq_k[pos] = v
+    ls[L_DQN] += 1.0
+
+
+# lrb's hooks in _hd_run. With LS None (hit density, adaptive and its mini-simulations) Numba prunes the branch
+# before typing: each hook compiles to nothing, and the hit-density kernel is the code it was without lrb.
+
+@nb.njit(cache=True)
+def _lrb_on_use(LS, x, now, t_last):
+    """A hit on x (last used at t_last): a use for its waiting samples; its inter-use gap."""
+    if LS is not None:
+        _lrb_use(x, now, LS[1], LS[2], LS[3])
+        LS[0][2 * x] = now - t_last
+
+
+@nb.njit(cache=True)
+def _lrb_on_insert(LS, x, p, now, treq):
+    """x inserted under p (NIL: a root) by request ``treq``: a use for its waiting samples; its chain's facts."""
+    if LS is not None:
+        lf, li = LS[0], LS[1]
+        _lrb_use(x, now, li, LS[2], LS[3])  # inserted again after its eviction: a use
+        lf[2 * x] = 0.0
+        lf[2 * x + 1] = now
+        if p == NIL:
+            li[6 * x] = 0
+            li[6 * x + 1] = x
+            li[6 * x + 3] = 0
+        else:  # a later request than the parent's extended the chain: one more turn
+            li[6 * x] = li[6 * p] + (1 if li[6 * p + 2] < treq else 0)
+            li[6 * x + 1] = li[6 * p + 1]
+            li[6 * x + 3] = li[6 * p + 3] + 1
+        li[6 * x + 2] = treq
+
+
+@nb.njit(cache=True)
+def _lrb_begin(LS, now, age_sum, age_n):
+    """A decision begins: expired samples go to the model (refits). Returns H (-1: none yet) and whether the model
+    ranks this decision's samples."""
+    if LS is not None:
+        ls = LS[11]
+        _lrb_expire(now, LS[1], LS[2], LS[3], LS[4], LS[5], LS[6], LS[7], LS[8], LS[9], LS[10], ls)
+        h = ls[L_HOR] * age_sum / age_n if age_n > 0 else -1.0
+        return h, ls[L_HASW] != 0.0 and h > 0
+    return -1.0, False
+
+
+@nb.njit(cache=True)
+def _lrb_logit(LS, q, v, t_last, now, h, W):
+    """The model's logit for sample q (block v, last used at t_last); its features stay in row q."""
+    if LS is not None:
+        xb = LS[12]
+        _lrb_features(xb[q], v, t_last, now, h, W, LS[0], LS[1])
+        return lrb_logit(xb[q], LS[9])
+    return 0.0
+
+
+@nb.njit(cache=True)
+def _lrb_sample(LS, v, t_last, now, h, W, use_model, logit0):
+    """The decision's first sample (block v) waits for its label, unless ``window`` samples already wait."""
+    if LS is not None:
+        ls, xb = LS[11], LS[12]
+        if use_model:
+            p0 = sigmoid1(logit0)  # its features are in row 0
+        else:
+            _lrb_features(xb[0], v, t_last, now, h, W, LS[0], LS[1])
+            p0 = np.nan
+        if ls[L_DQN] < ls[L_WIN]:
+            _lrb_record(v, now, h, 0, p0, LS[1], LS[2], LS[3], LS[4], LS[5], LS[6], ls, xb)
+        else:
+            ls[L_UNREC] += 1.0
+
+
 @nb.njit(cache=True)
 def _hd_run(offsets, ids, m_blocks, rid, t_now, r_lo, r_hi, cap, hits, victims, I, F, W, cand, crec, drawn, H, E, D, X, sc, su,
-            samples, nbins, span, interval, decay, expert, learn, b_off, b_ids, b_m, b_rid, b_now, b_room, no_judge_r):
+            samples, nbins, span, interval, decay, expert, learn, b_off, b_ids, b_m, b_rid, b_now, b_room, no_judge_r, LS):
     """Requests ``r_lo .. r_hi - 1`` of ``(offsets, ids)`` through one hit-density cache whose state is the arrays
     passed in (its records, candidates, histograms, scalars ``sc`` and generator ``su``): the main cache, or one of
     adaptive's mini-simulations. ``expert`` picks the victim among the samples: 0 the lowest hit density, 1 the
@@ -1404,7 +1592,10 @@ def _hd_run(offsets, ids, m_blocks, rid, t_now, r_lo, r_hi, cap, hits, victims, 
     next — and the run stops before a request that will recompute the densities (the judge's turn: the
     mini-simulations must rank by the densities those requests saw; until they are first computed, every
     ``interval`` requests), except request ``no_judge_r``, or once fewer than ``b_room`` slots are left in the
-    batch. Returns how many requests the batch holds, the next request to run and whether it stopped for the judge."""
+    batch. Returns how many requests the batch holds, the next request to run and whether it stopped for the judge.
+
+    ``LS`` not None (and ``learn``): lrb — the samples are ranked by the learned model once it is fit, the first
+    sample of each decision waits for its label (the block comment above ``L_HOR``)."""
     # one 64-byte record per block, in three views of the same memory (I int64, F float64, W int32 halves):
     # F[8x] last use (kept while it is a ghost), W[16x+2] its id in the mini-simulations (-1: not sampled), F[8x+2]
     # ghost's excess, I[8x+3] ghost's eviction count (-1: none), W[16x+8] hits, +9 child inserts, +10 resident
@@ -1423,6 +1614,7 @@ def _hd_run(offsets, ids, m_blocks, rid, t_now, r_lo, r_hi, cap, hits, victims, 
     age_sum = sc[S_AGESUM]
     age_n = sc[S_AGEN]
     nhit = np.int64(sc[S_HITS])
+    treq = np.int64(sc[S_TREQ])
     st = su[0]
     collect = b_off.size > 0
     nb = 0
@@ -1458,6 +1650,7 @@ def _hd_run(offsets, ids, m_blocks, rid, t_now, r_lo, r_hi, cap, hits, victims, 
             x = ids[k]
             if k == s:
                 requests += 1
+                treq += 1
                 if learn and requests >= interval and events >= 8 * nbins:  # rare: a call (not inlined) costs nothing here
                     requests, events, inv_width, age_sum, age_n = _hd_reconfigure(H, E, X, D, decay, span, age_sum, age_n, inv_width)
                     learned = True
@@ -1467,6 +1660,8 @@ def _hd_run(offsets, ids, m_blocks, rid, t_now, r_lo, r_hi, cap, hits, victims, 
                 age = now - F[8 * x]
                 H[c, _hd_bin(age, inv_width, nbins)] += 1.0
                 X[c] += _hd_excess(age, inv_width, nbins)
+            if learn:
+                _lrb_on_use(LS, x, now, F[8 * x])
             F[8 * x] = now
             W[16 * x + 8] = nh + 1
             events += 1
@@ -1491,6 +1686,8 @@ def _hd_run(offsets, ids, m_blocks, rid, t_now, r_lo, r_hi, cap, hits, victims, 
             if used + 1 > cap:
                 if nc == 0:
                     break  # everything resident is pinned by this request
+                h, use_model = _lrb_begin(LS, now, age_sum, age_n) if learn else (-1.0, False)
+                logit0 = 0.0
                 bi = NIL
                 best_rank = np.inf  # every rank is finite: the first sample always takes it (first drawn wins ties)
                 t_b = np.inf
@@ -1503,7 +1700,14 @@ def _hd_run(offsets, ids, m_blocks, rid, t_now, r_lo, r_hi, cap, hits, victims, 
                 for q in range(samples):
                     i = drawn[q]
                     t_i = crec[2 * i]
-                    if expert == 0:
+                    if use_model:
+                        rk = _lrb_logit(LS, q, cand[i], t_i, now, h, W)
+                        if q == 0:
+                            logit0 = rk
+                        if rk < best_rank:
+                            bi = i
+                            best_rank = rk
+                    elif expert == 0:
                         if learned:
                             rk = D[np.int64(crec[2 * i + 1]) & 7, _hd_bin(now - t_i, inv_width, nbins)]
                         else:
@@ -1521,6 +1725,8 @@ def _hd_run(offsets, ids, m_blocks, rid, t_now, r_lo, r_hi, cap, hits, victims, 
                             bi = i
                             c_b = c_i
                             t_b = t_i
+                if h > 0:  # lrb: the decision's first sample waits for its label
+                    _lrb_sample(LS, cand[drawn[0]], crec[2 * drawn[0]], now, h, W, use_model, logit0)
                 v = cand[bi]
                 i = bi
                 # the victim's record is only written from here on: what is read comes from its candidate slot
@@ -1567,9 +1773,12 @@ def _hd_run(offsets, ids, m_blocks, rid, t_now, r_lo, r_hi, cap, hits, victims, 
                 W[16 * p + 9] += 1
             else:
                 requests += 1
+                treq += 1
                 if learn and requests >= interval and events >= 8 * nbins:  # rare: a call (not inlined) costs nothing here
                     requests, events, inv_width, age_sum, age_n = _hd_reconfigure(H, E, X, D, decay, span, age_sum, age_n, inv_width)
                     learned = True
+            if learn:
+                _lrb_on_insert(LS, x, p, now, treq)
             if I[8 * x + 3] >= 0 and nev - I[8 * x + 3] <= cap:  # a ghost hit: the eviction is taken back, the hit counted
                 c = W[16 * x + 14] // nbins
                 if learn:
@@ -1621,13 +1830,21 @@ def _hd_run(offsets, ids, m_blocks, rid, t_now, r_lo, r_hi, cap, hits, victims, 
     sc[S_AGESUM] = age_sum
     sc[S_AGEN] = age_n
     sc[S_HITS] = nhit
+    sc[S_TREQ] = treq
     su[0] = st
     return nb, r_next, judge
 
 
 @nb.njit(cache=True)
+def _lrb_end(LS, age_sum, age_n):
+    if LS is not None:
+        LS[11][L_AGESUM] = age_sum
+        LS[11][L_AGEN] = age_n
+
+
+@nb.njit(cache=True)
 def hit_density_kernel(offsets, ids, m_blocks, rid, t_now, cap, hits, victims, I, F, W, samples, nbins, span, interval, decay, seed,
-                       pin, sub_cap, SI, SF, SW, executed, sub_hits, sub_refs):
+                       pin, sub_cap, SI, SF, SW, executed, sub_hits, sub_refs, LS):
     """:class:`~kvpolicy.eviction.hit_density.HitDensityPolicy` and :class:`~kvpolicy.eviction.hit_density.AdaptivePolicy`,
     decision for decision.
 
@@ -1636,7 +1853,8 @@ def hit_density_kernel(offsets, ids, m_blocks, rid, t_now, cap, hits, victims, I
     the sampled references in batches; before each request that will recompute the real cache's densities (and
     every ``interval`` requests until they are first computed), the
     expert whose mini-simulation hit most (hits decayed by ``decay`` each time) takes over. ``executed``: evictions
-    per expert; ``sub_hits``/``sub_refs``: the mini-simulations' hits and references. Returns the number of victims."""
+    per expert; ``sub_hits``/``sub_refs``: the mini-simulations' hits and references. ``LS``: lrb's state (None
+    for hit density and adaptive; :func:`_hd_run`). Returns the number of victims."""
     n_ids = W.size // 16
     ncap = min(n_ids, cap + 1) + 1  # candidates are resident leaves: at most cap of them
     cand = np.empty(ncap, np.int32)
@@ -1684,7 +1902,7 @@ def hit_density_kernel(offsets, ids, m_blocks, rid, t_now, cap, hits, victims, I
     while r < n:
         nv0 = np.int64(sc[S_NV])
         nb, r_next, judged = _hd_run(offsets, ids, m_blocks, rid, t_now, r, n, cap, hits, victims, I, F, W, cand, crec, drawn, H, E, D, X,
-                                     sc, su, samples, nbins, span, interval, decay, lead, True, b_off, b_ids, b_m, b_rid, b_now, room, no_judge)
+                                     sc, su, samples, nbins, span, interval, decay, lead, True, b_off, b_ids, b_m, b_rid, b_now, room, no_judge, LS)
         executed[lead] += np.int64(sc[S_NV]) - nv0
         r = r_next
         if not judge:
@@ -1697,7 +1915,7 @@ def hit_density_kernel(offsets, ids, m_blocks, rid, t_now, cap, hits, victims, I
                 sc3[q, S_LEARNED] = sc[S_LEARNED]
                 _hd_run(b_off, b_ids, b_m, b_rid, b_now, 0, nb, sub_cap, none_b, none_i, SI[q * 8 * n_sub : (q + 1) * 8 * n_sub],
                         SF[q * 8 * n_sub : (q + 1) * 8 * n_sub], SW[q * 16 * n_sub : (q + 1) * 16 * n_sub], cand3[q], crec3[q], drawn,
-                        H, E, D, X, sc3[q], su3[q], samples, nbins, span, interval, decay, q, False, none_i, none_i, none_i, none_i, none_f, 0, -1)
+                        H, E, D, X, sc3[q], su3[q], samples, nbins, span, interval, decay, q, False, none_i, none_i, none_i, none_i, none_f, 0, -1, None)
                 h = np.int64(sc3[q, S_HITS]) - h0
                 sub_hits[q] += h
                 window[q] += h
@@ -1712,6 +1930,7 @@ def hit_density_kernel(offsets, ids, m_blocks, rid, t_now, cap, hits, victims, I
                 for q in range(3):
                     if score[q] > score[lead]:  # ties keep the current leader
                         lead = q
+    _lrb_end(LS, sc[S_AGESUM], sc[S_AGEN])
     return np.int64(sc[S_NV])
 
 
@@ -1748,8 +1967,35 @@ def _hd_records(n_ids: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return rec, rec.view(np.float64), w
 
 
-KERNEL_POLICIES = ("lru", "fifo", "lfu", "ttl", "sieve", "s3fifo", "arc", "gdsf", "reuse-distance", "hit-density", "adaptive", "belady",
-                   "belady-bypass")
+KERNEL_POLICIES = ("lru", "fifo", "lfu", "ttl", "sieve", "s3fifo", "arc", "gdsf", "reuse-distance", "hit-density", "adaptive", "lrb",
+                   "belady", "belady-bypass")
+
+
+def _lrb_state(p: Any, n_ids: int) -> tuple:
+    """lrb's state for :func:`_hd_run`, from a fresh :class:`~kvpolicy.eviction.learned.LearnedRelaxedBeladyPolicy`
+    (its knobs; the layout is the block comment above ``L_HOR``)."""
+    from .learned import N_FEATURES
+
+    win = p.model.window
+    li = np.zeros(6 * n_ids, np.int64)
+    li[4::6] = -1
+    li[5::6] = -1
+    ls = np.zeros(N_LRB_SCALARS)
+    ls[L_HOR], ls[L_WIN], ls[L_REFIT], ls[L_FREE] = p.horizon, win, p.model.refit, win
+    ls[L_FITP] = ls[L_FITY] = np.nan
+    return (np.zeros(2 * n_ids), li, np.zeros((win, 3 + N_FEATURES)), np.full(win, -1, np.int64), np.arange(win, dtype=np.int64),
+            np.zeros(win), np.zeros(win, np.int64), np.zeros((win, N_FEATURES)), np.zeros(win), np.zeros(N_FEATURES),
+            p.model.penalty(), ls, np.zeros((p.samples, N_FEATURES)))
+
+
+def _lrb_stats(ls: np.ndarray) -> dict:
+    """LearnedRelaxedBeladyPolicy.stats from the kernel's scalars."""
+    age_sum, age_n = ls[L_AGESUM], ls[L_AGEN]
+    n_oos = int(ls[L_OOSN])
+    return {"labels": int(ls[L_N]), "fits": int(ls[L_FITS]), "horizon_s": float(ls[L_HOR] * age_sum / age_n) if age_n > 0 else None,
+            "unrecorded": int(ls[L_UNREC]), "window_mean_prediction": float(ls[L_FITP]), "window_positive_rate": float(ls[L_FITY]),
+            "out_of_sample_mean_prediction": float(ls[L_OOSP] / n_oos) if n_oos else math.nan,
+            "out_of_sample_positive_rate": float(ls[L_OOSY] / n_oos) if n_oos else math.nan, "out_of_sample_labels": n_oos}
 
 
 @nb.njit(cache=True)
@@ -1786,7 +2032,7 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
     check_trace(trace)
     if policy not in KERNEL_POLICIES:
         raise ConfigError("policy", f"no kernel for {policy!r}; kernels: {KERNEL_POLICIES}")
-    if kw and policy not in ("hit-density", "adaptive", "ttl", "reuse-distance"):
+    if kw and policy not in ("hit-density", "adaptive", "lrb", "ttl", "reuse-distance"):
         raise ConfigError(next(iter(kw)), f"the {policy} kernel takes no such option")
     if small_fraction is not None:
         if policy != "s3fifo":
@@ -1837,13 +2083,14 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
         t_now = np.ascontiguousarray(trace.arrival_s, dtype=np.float64) + np.arange(n, dtype=np.int64) * 1e-9  # as replay's clock reads
         nv = priority_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, t_now, PRIORITY_KINDS[policy], ttl_s,
                              float(ewma), float(aging), float(boost), float(c_eff), hits, victims)
-    elif policy in ("hit-density", "adaptive"):
+    elif policy in ("hit-density", "adaptive", "lrb"):
         if n_ids >= 2**31 - 1 or ids.size >= 2**31 - 1:
             raise ConfigError("trace", f"the {policy} kernel replays fewer than 2**31 distinct blocks and block references, got {n_ids:,} and {ids.size:,}; use replay()")
         from .hit_density import AdaptivePolicy, HitDensityPolicy
+        from .learned import LearnedRelaxedBeladyPolicy
         from .replay import check_options
 
-        cls = HitDensityPolicy if policy == "hit-density" else AdaptivePolicy
+        cls = {"hit-density": HitDensityPolicy, "adaptive": AdaptivePolicy, "lrb": LearnedRelaxedBeladyPolicy}[policy]
         check_options(cls, policy, kw)
         if "clock" in kw:
             raise ConfigError("clock", "the kernel runs on the trace's arrival times; a clock is for the online policy")
@@ -1866,10 +2113,14 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
         else:
             si, sf, sw = np.empty(0, np.int64), np.empty(0, np.float64), np.empty(0, np.int32)
             pin, sub_cap = 0, 0
+        lrb_state = _lrb_state(p, n_ids) if policy == "lrb" else None
         nv = hit_density_kernel(off, ids, m_blocks, rid, t_now, capacity_blocks, hits, victims, rec_i, rec_f, rec_w, p.samples, p.bins,
-                                p.span, p.interval, p.decay, np.uint64(p._rng), pin, sub_cap, si, sf, sw, executed, sub_hits, sub_refs)
+                                p.span, p.interval, p.decay, np.uint64(p._rng), pin, sub_cap, si, sf, sw, executed, sub_hits, sub_refs,
+                                lrb_state)
         if policy == "adaptive":
             stats = AdaptivePolicy.judge_stats(executed.tolist(), sub_hits.tolist(), int(sub_refs[0]))
+        elif policy == "lrb":
+            stats = _lrb_stats(lrb_state[11])  # type: ignore[index]
     else:
         if ids.size >= 2**31 - 1:
             raise ConfigError("trace", f"the Belady kernel replays fewer than 2**31 block references, got {ids.size:,}; use replay()")
