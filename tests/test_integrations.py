@@ -1,7 +1,9 @@
 import threading
 import time
 
+import numpy as np
 import pytest
+from hypothesis import given, settings as hyp_settings, strategies as st
 
 from kvpolicy.admission import AdmissionContext, AdmissionController, LatencyModel, LinkPrior
 from kvpolicy.clock import ManualClock
@@ -21,6 +23,7 @@ from kvpolicy.ledger import Ledger
 from kvpolicy.profile import PrefillModel
 from kvpolicy.publish import PublishAll, PublishRequest, ThresholdPublish
 from helpers import TimeRecorder
+from strategies_prefix import prefix_traces
 
 B = 16
 NS = Namespace(model_id="m", model_revision="r", tokenizer_version="t", kv_dtype="bf16", block_size_tokens=B)
@@ -521,6 +524,105 @@ def test_sglang_register_adds_the_policies_to_sglangs_registry_and_cli(monkeypat
     strat = factories["kvpolicy-reuse-distance"]()  # get_eviction_strategy(name, config) calls factory(**config)
     assert isinstance(strat, EvictionStrategy) and isinstance(strat, PriorityStrategy)
     assert isinstance(strat.policy, ReuseDistancePolicy)
+    from kvpolicy.eviction import AdaptivePolicy, HitDensityPolicy
+
+    with pytest.raises(ConfigError) as e:  # no --radix-eviction-policy-config: SGLang calls factory()
+        factories["kvpolicy-hit-density"]()
+    assert e.value.field == "capacity_tokens"
+    with pytest.raises(ConfigError) as e:
+        factories["kvpolicy-hit-density"](capacity_tokens=4096, sample=3)
+    assert e.value.field == "sample"
+    hd = factories["kvpolicy-hit-density"](capacity_tokens=4096, samples=8)
+    assert type(hd.policy) is HitDensityPolicy and hd.policy.ghost_window_bytes == 4096 and hd.policy.samples == 8
+    assert hd._now_s is time.monotonic, "SGLang stamps its nodes with time.monotonic()"
+    assert type(factories["kvpolicy-adaptive"](capacity_tokens=4096).policy) is AdaptivePolicy
+
+
+def test_sglang_strategy_refuses_lrb_and_a_clock_that_is_not_one():
+    from kvpolicy.eviction import HitDensityPolicy, LearnedRelaxedBeladyPolicy
+
+    with pytest.raises(ConfigError, match="never be fit") as e:
+        PriorityStrategy(LearnedRelaxedBeladyPolicy(1 << 20))
+    assert e.value.field == "policy"
+    with pytest.raises(ConfigError) as e:
+        PriorityStrategy(HitDensityPolicy(1 << 20), now_s=3.0)
+    assert e.value.field == "now_s"
+
+
+def test_hit_density_through_sglang_ranks_every_leaf_by_age_until_it_learns():
+    from kvpolicy.eviction import HitDensityPolicy
+
+    now = [10.0]
+    strat = PriorityStrategy(HitDensityPolicy(1 << 20), now_s=lambda: now[0])
+    root = TreeNode(None, 0.0)
+    leaves = [TreeNode(root, t) for t in (7.0, 2.0, 9.0, 5.0)]
+    for i, x in enumerate(leaves):
+        x.key = [i]
+        x.creation_time = 1.0  # cached at 1, last read at t: the age counts from the read
+    assert sorted(leaves, key=strat.get_priority) == [leaves[1], leaves[3], leaves[0], leaves[2]], "the oldest first"
+    assert strat.get_priority(leaves[1]) == (-(10.0 - 2.0),), "ranked at SGLang's now, from SGLang's last access"
+
+
+def test_a_block_sglang_dropped_and_caches_again_is_hit_densitys_ghost():
+    """The mirror keys a node by its content (parent's key, its tokens and namespace), not by the TreeNode: the same
+    blocks cached again after SGLang evicted them are the same key, so hit density's ghost takes the eviction back and
+    counts the hit it would have been (a fresh key each time: ghosts never return, and it keeps evicting that class
+    young). A different namespace (SGLang's extra_key) is different content."""
+    import gc
+
+    from kvpolicy.eviction import HitDensityPolicy
+
+    class Key:  # SGLang's RadixKey
+        def __init__(self, ids, extra_key=None):
+            self.token_ids, self.extra_key, self.cache_salt, self.limit = ids, extra_key, None, None
+
+    now = [1.0]
+    strat = PriorityStrategy(HitDensityPolicy(1 << 20), now_s=lambda: now[0])
+    root = TreeNode(None, 0.0)
+    a = TreeNode(root, 1.0)
+    a.key = Key([1, 2, 3])
+    strat.get_priority(a)
+    del a  # SGLang evicted it
+    gc.collect()
+    now[0] = 2.0
+    other = TreeNode(root, 2.0)
+    other.key = Key([1, 2, 3], extra_key="lora-b")
+    strat.get_priority(other)  # applies the drop; a different namespace: no ghost
+    assert strat.policy.ghost_hits == 0 and len(strat.policy._ghosts) == 1 and len(strat.policy.nodes) == 1, "the drop was an eviction"
+    again = TreeNode(root, 3.0)
+    again.key = Key([1, 2, 3])
+    now[0] = 3.0
+    strat.get_priority(again)
+    assert strat.policy.ghost_hits == 1, "cached again within the ghost window: its eviction is taken back"
+
+
+def test_hit_density_through_sglangs_eviction_loop_learns_and_beats_lru():
+    """End to end through the stand-in of SGLang's radix cache (kvpolicy.testing.radix): the strategy counts requests
+    from the radix root's stamps, learns its densities, and keeps what SGLang's LRU loses. Without the request count it
+    never reconfigures and is LRU exactly (red: checked by breaking request_began)."""
+    from kvpolicy.eviction import HitDensityPolicy
+    from kvpolicy.testing.radix import radix_replay, sglang_lru
+    from kvpolicy.traces import generate, preset
+
+    trace = generate(preset("mixed", seed=9, n_requests=1500))
+    cap = 300
+    lru = int(radix_replay(trace, sglang_lru, cap).sum())
+    clock = [0.0]
+    strat = PriorityStrategy(HitDensityPolicy(cap), now_s=lambda: clock[0])
+    hd = int(radix_replay(trace, strat.get_priority, cap, clock=clock).sum())
+    assert strat.policy.learned and strat.policy.ghost_hits > 0
+    assert hd > 1.05 * lru, (hd, lru)
+
+
+@hyp_settings(max_examples=60, deadline=None)
+@given(tr=prefix_traces(max_requests=40), cap=st.integers(1, 14))
+def test_the_radix_stand_in_under_sglangs_lru_is_kvpolicys_lru(tr, cap):
+    """Differential: SGLang's eviction loop with its LRU priority (the last access time) keeps what kvpolicy's LRU
+    replay keeps, reference for reference — the stand-in's match, lock, evict and insert are replay's semantics."""
+    from kvpolicy.eviction.kernels import replay_kernel
+    from kvpolicy.testing.radix import radix_replay, sglang_lru
+
+    assert np.array_equal(radix_replay(tr, sglang_lru, cap), replay_kernel(tr, "lru", cap).hits)
 
 
 class ObjectKey:  # LMCache 0.5.6's lmcache.v1.distributed.api.ObjectKey fields

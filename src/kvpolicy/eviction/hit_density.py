@@ -90,6 +90,10 @@ class HitDensityPolicy(EvictionPolicy):
     name = "hit-density"
     #: which expert picks the victim among the samples: 0 hit density, 1 LRU, 2 LFU (adaptive's mini-simulations)
     _executing = 0
+    #: True: the engine says when a request begins (:meth:`request_began`) and a root's use or insertion counts no
+    #: request — an engine that shows kvpolicy its blocks late and out of order (SGLang's radix cache, through its
+    #: eviction strategy) would count some requests twice and miss others
+    requests_from_engine = False
 
     def __init__(self, capacity_bytes: int, *, samples: int = 16, bins: int = 256, span: float = 8.0, interval: int = 50,
                  decay: float = 0.9, seed: int = 0, clock: Clock | None = None) -> None:
@@ -125,6 +129,9 @@ class HitDensityPolicy(EvictionPolicy):
         self._ghosts: OrderedDict[Hashable, tuple[int, float, int, int, float]] = OrderedDict()
         self._evicted_bytes = 0
         self.ghost_hits = 0
+        #: how many bytes may be evicted after a ghost before it is forgotten: the capacity (kept when an engine's mirror
+        #: raises ``capacity_bytes`` so that it never evicts by itself: kvpolicy.integrations.sglang)
+        self.ghost_window_bytes = capacity_bytes
 
     # ------------------------------------------------------------------ learning
 
@@ -155,6 +162,12 @@ class HitDensityPolicy(EvictionPolicy):
             self._since_requests = self._since_events = 0
             self.reconfigure()
 
+    def request_began(self) -> None:
+        """A request began, said by an engine that shows kvpolicy its blocks out of order (SGLang's radix cache seen
+        through its eviction strategy, where a root's use is seen late or never; set ``requests_from_engine``):
+        counted toward the reconfiguration, as a root's use or insertion is otherwise."""
+        self._tick()
+
     def reconfigure(self) -> None:
         """Recompute the densities, decay the histograms, re-derive the bin width from the mean eviction age."""
         self.density = densities(self.hit_hist, self.evict_hist, self.excess)
@@ -180,12 +193,13 @@ class HitDensityPolicy(EvictionPolicy):
     def _admit(self, node: Node) -> None:
         now = self.clock.now_s()
         if node.parent is None:
-            self._tick()
+            if not self.requests_from_engine:
+                self._tick()
         else:
             node.parent.data[2] += 1
         node.data = [now, 0, 0]  # last use, hits, child inserts (this residency, or since a ghost's return)
         g = self._ghosts.pop(node.key, None)
-        if g is not None and self._evicted_bytes - g[0] <= self.capacity_bytes:
+        if g is not None and self._evicted_bytes - g[0] <= self.ghost_window_bytes:
             _, t_last, cls, b, x = g
             self.evict_hist[cls, b] = max(self.evict_hist[cls, b] - 1.0, 0.0)
             self.excess[cls] = max(self.excess[cls] - x, 0.0)
@@ -197,7 +211,7 @@ class HitDensityPolicy(EvictionPolicy):
 
     def _hit(self, node: Node) -> None:
         now = self.clock.now_s()
-        if node.parent is None:
+        if node.parent is None and not self.requests_from_engine:
             self._tick()
         t_last, hits, kids = node.data
         self._event(self.hit_hist, block_class(hits, kids), now - t_last)
@@ -231,16 +245,23 @@ class HitDensityPolicy(EvictionPolicy):
         for _ in range(self.samples):
             self._rng, z = splitmix64(self._rng)
             node = self._pick(z)
-            if expert == 0:
-                k: Any = self.rank(node, now)
-            elif expert == 1:
-                k = node.data[0]  # LRU: the oldest
-            else:
-                k = (min(node.data[1], 3), node.data[0])  # LFU: the fewest hits (0, 1, 2, 3+), then the oldest
+            k = self.priority_of(node, now, expert)
             if best is None or k < best_key:  # the first drawn wins ties
                 best, best_key = node, k
         assert best is not None
         return best
+
+    def priority_of(self, node: Node, now_s: float, expert: int | None = None) -> tuple:
+        """What a decision compares (lower is evicted first) — of any resident block, not only a sample: the learned
+        hit density per byte (``−age`` until the first reconfiguration); for adaptive's LRU expert the last use, for
+        its LFU expert (hits 0, 1, 2, 3+, last use). ``expert`` None: the one executing now. An engine that ranks
+        every leaf itself (SGLang's radix cache) asks this (:class:`kvpolicy.integrations.sglang.PriorityStrategy`)."""
+        expert = self._executing if expert is None else expert
+        if expert == 0:
+            return (self.rank(node, now_s),)
+        if expert == 1:
+            return (node.data[0],)  # LRU: the oldest
+        return (min(node.data[1], 3), node.data[0])  # LFU: the fewest hits (0, 1, 2, 3+), then the oldest
 
     def _forget(self, node: Node) -> None:
         now = self.clock.now_s()
@@ -255,7 +276,7 @@ class HitDensityPolicy(EvictionPolicy):
         self._evicted_bytes += node.size
         while self._ghosts:
             k, g = next(iter(self._ghosts.items()))
-            if self._evicted_bytes - g[0] <= self.capacity_bytes:
+            if self._evicted_bytes - g[0] <= self.ghost_window_bytes:
                 break
             del self._ghosts[k]
 
@@ -394,21 +415,25 @@ class AdaptivePolicy(HitDensityPolicy):
 
     # ------------------------------------------------------------------ hooks
 
+    def request_began(self) -> None:
+        self._begin()  # the blocks sampled since the last one go to the mini-simulations as one request; the judge's turn
+        super().request_began()
+
     def admit(self, key: Hashable, size: int, parent: Hashable | None = None) -> bool:
-        if parent is None:  # a request begins with its root's insertion: before anything is evicted for it
+        if parent is None and not self.requests_from_engine:  # a request begins with its root's insertion: before anything is evicted for it
             self._begin()
             self._admitted_root = key
         return True
 
     def _hit(self, node: Node) -> None:
-        if node.parent is None:
+        if node.parent is None and not self.requests_from_engine:
             self._begin()
             self._admitted_root = _NONE
         super()._hit(node)
         self._observe(node)
 
     def _admit(self, node: Node) -> None:
-        if node.parent is None:
+        if node.parent is None and not self.requests_from_engine:
             if self._admitted_root == node.key:  # begun by admit() just before
                 self._admitted_root = _NONE
             else:

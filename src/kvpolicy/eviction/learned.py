@@ -384,6 +384,14 @@ class LearnedRelaxedBeladyPolicy(HitDensityPolicy):
         assert best is not None
         return best
 
+    def priority_of(self, node: Node, now_s: float, expert: int | None = None) -> tuple:
+        """What a decision compares (lower is evicted first): the model's logit of P(used again within H) once it is
+        fit, hit density's before."""
+        h, w = self.horizon_s(), self.model.w
+        if w is None or h is None or h <= 0:
+            return super().priority_of(node, now_s, expert)
+        return (lrb_logit(self.features(node, now_s, h), w),)
+
     # ------------------------------------------------------------------ learning
 
     def horizon_s(self) -> float | None:

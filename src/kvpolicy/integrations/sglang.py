@@ -24,6 +24,8 @@ strategy — the default Rust core does not — so the server also needs
 
 from __future__ import annotations
 
+import math
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -32,6 +34,8 @@ from typing import Any
 from ..clock import ManualClock
 from ..errors import ConfigError
 from ..eviction.base import PriorityPolicy
+from ..eviction.hit_density import HitDensityPolicy
+from ..eviction.learned import LearnedRelaxedBeladyPolicy
 
 
 class _Mirror:
@@ -41,6 +45,20 @@ class _Mirror:
         self.token = token
         self.hits = hits
         self.t_access = t_access
+
+
+def _content(node: Any) -> Any:
+    """A node's own tokens and namespace, hashable (SGLang's ``RadixKey``: token ids, LoRA key, salt, limit)."""
+    key = getattr(node, "key", None)
+    ids = getattr(key, "token_ids", None)
+    if ids is not None:
+        limit = getattr(key, "limit", None)
+        toks = tuple(ids[:limit] if limit is not None else ids)
+        return (getattr(key, "extra_key", None), getattr(key, "cache_salt", None), toks)
+    try:
+        return tuple(key) if key is not None else None
+    except TypeError:
+        return repr(key)
 
 
 def _size(node: Any) -> int:
@@ -55,11 +73,31 @@ MAX_REPLAYED_HITS = 64
 
 
 class PriorityStrategy:
-    """``get_priority(node)`` from a kvpolicy priority policy (lowest is evicted first), stateful across calls."""
+    """``get_priority(node)`` from a kvpolicy policy (lowest is evicted first), stateful across calls.
 
-    def __init__(self, policy: PriorityPolicy) -> None:
-        if not isinstance(policy, PriorityPolicy):
-            raise ConfigError("policy", "must be a kvpolicy PriorityPolicy (LRU, LFU, GDSF, reuse-distance, ...)")
+    ``policy``: a :class:`~kvpolicy.eviction.base.PriorityPolicy` (LRU, LFU, GDSF, reuse-distance, ...), or
+    :class:`~kvpolicy.eviction.hit_density.HitDensityPolicy` / ``AdaptivePolicy``, which sample their victims inside
+    kvpolicy but rank any block on request (``priority_of``): SGLang ranks every evictable leaf itself. Their learning
+    needs the time of each event, so the mirror replays a node's hits at SGLang's ``last_access_time``, takes
+    evictions when SGLang drops the node, and ranks at ``now_s()`` — SGLang's clock (:func:`make_sglang_strategy`
+    passes ``time.monotonic``, what SGLang stamps its nodes with); without it, at the latest timestamp seen.
+    ``lrb`` is refused: it learns from the outcomes of the evictions it picks, and here SGLang picks them."""
+
+    def __init__(self, policy: PriorityPolicy | HitDensityPolicy, now_s: Callable[[], float] | None = None) -> None:
+        if isinstance(policy, LearnedRelaxedBeladyPolicy):
+            raise ConfigError("policy", "lrb learns from the evictions it picks, and under SGLang the radix cache picks them: its model "
+                                        "would never be fit; use hit-density or adaptive")
+        self._ranked = isinstance(policy, HitDensityPolicy)
+        if self._ranked:
+            policy.requests_from_engine = True  # type: ignore[union-attr]  # requests are counted from the radix root's stamps
+        if not self._ranked and not isinstance(policy, PriorityPolicy):
+            raise ConfigError("policy", "must be a kvpolicy PriorityPolicy (LRU, LFU, GDSF, reuse-distance, ...), hit-density or adaptive")
+        if now_s is not None and not callable(now_s):
+            raise ConfigError("now_s", f"must be a callable returning seconds on SGLang's clock, got {type(now_s).__name__}")
+        self._now_s = now_s
+        self._by_token: dict[Any, int] = {}  # ranked policies: content key -> id(TreeNode) holding it
+        self._radix_root: Any = None  # a weak reference to SGLang's root node, once seen
+        self._root_t = -math.inf  # its last stamp seen
         if policy.nodes:
             raise ConfigError("policy", "must be empty: the strategy mirrors SGLang's tree into it")
         self.policy = policy
@@ -79,6 +117,20 @@ class PriorityStrategy:
         if t > self._clock.now_s():
             self._clock.advance(t - self._clock.now_s())
 
+    def _replay_at(self, t: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` with the mirror's clock at ``t`` (a ranked policy: the event's own time, so what it learns from
+        ages is not stretched by how late the mirror sees it); then the clock is back where it was, or at ``t``."""
+        if not self._ranked:
+            self._at(t)
+            fn()
+            return
+        later = max(self._clock.now_s(), t)
+        self._clock._now_s = t
+        try:
+            fn()
+        finally:
+            self._clock._now_s = later
+
     def _mirrored(self, node: Any) -> _Mirror | None:
         """The node's mirror, inserting it (and its ancestors) on first sight; None for the radix root."""
         if getattr(node, "parent", None) is None:
@@ -89,10 +141,19 @@ class PriorityStrategy:
         parent = self._mirrored(node.parent)
         self._tokens += 1
         t_access = float(getattr(node, "last_access_time", 0.0))
-        self._at(float(getattr(node, "creation_time", t_access)))
-        self.policy.on_insert(self._tokens, _size(node), parent.token if parent is not None else None)
-        m = _Mirror(self._tokens, int(getattr(node, "hit_count", 0)), t_access)
+        token: Any = self._tokens
+        if self._ranked:  # the same content gets the same key again after SGLang drops it: hit density's ghosts find it
+            token = ("kv", hash((parent.token if parent is not None else None, _content(node))))
+            stale = self._by_token.get(token)
+            if stale is not None:  # the dropped node that held it: its finalizer has not run yet
+                self._remove(stale, token)
+        self._replay_at(float(getattr(node, "creation_time", t_access)),
+                        lambda: self.policy.on_insert(token, _size(node), parent.token if parent is not None else None))
+        m = _Mirror(token, int(getattr(node, "hit_count", 0)), t_access)
         self._mirror[id(node)] = m
+        if self._ranked:
+            self._by_token[token] = id(node)
+            self.policy.nodes[token].data[1] = max(m.hits - 1, 0)  # hits before it was first seen (SGLang counts its insert)
         self._sync(node, m)
         weakref.finalize(node, self._gone, id(node), m.token)
         return m
@@ -111,6 +172,8 @@ class PriorityStrategy:
         if m is None or m.token != token:
             return
         del self._mirror[node_id]
+        if self._by_token.get(token) == node_id:
+            del self._by_token[token]
         pol = self.policy
         if token not in pol.nodes:
             return
@@ -134,14 +197,35 @@ class PriorityStrategy:
         hits = int(getattr(node, "hit_count", 0))
         t = float(getattr(node, "last_access_time", 0.0))
         if hits > m.hits or t > m.t_access:
-            self._at(t)
             # one access per hit since the last look, at most MAX_REPLAYED_HITS: a hot node first seen at eviction time may
             # carry millions, and this runs inside SGLang's eviction loop (the count itself is synced below, whole)
-            for _ in range(min(max(hits - m.hits, 1), MAX_REPLAYED_HITS)):
-                self.policy.on_access(m.token)
+            def replay(n: int = min(max(hits - m.hits, 1), MAX_REPLAYED_HITS), token: int = m.token) -> None:
+                for _ in range(n):
+                    self.policy.on_access(token)
+            self._replay_at(t, replay)
             m.hits, m.t_access = hits, t
             self._sync(node, m)
-        return self.policy.priority(self.policy.nodes[m.token])
+        if self._ranked:
+            if self._now_s is not None:
+                self._at(float(self._now_s()))
+            self._requests_seen(node)
+            return self.policy.priority_of(self.policy.nodes[m.token], self._clock.now_s())  # type: ignore[union-attr]
+        return self.policy.priority(self.policy.nodes[m.token])  # type: ignore[union-attr]
+
+    def _requests_seen(self, node: Any) -> None:
+        """SGLang stamps its radix root at every prefix match, one per request: a newer stamp than the last seen is
+        one more request for the policy (``request_began``; several between two looks count once — under memory
+        pressure SGLang evicts, and asks, at nearly every request)."""
+        root = None if self._radix_root is None else self._radix_root()
+        if root is None:
+            while getattr(node, "parent", None) is not None:
+                node = node.parent
+            root = node
+            self._radix_root = weakref.ref(root)
+        t = float(getattr(root, "last_access_time", 0.0))
+        if t > self._root_t:
+            self._root_t = t
+            self.policy.request_began()  # type: ignore[union-attr]
 
     def _sync(self, node: Any, m: _Mirror) -> None:
         """SGLang's own record wins: the first sight may come late (at eviction time), so the
@@ -150,10 +234,12 @@ class PriorityStrategy:
         n.t_access = m.t_access
         n.t_insert = float(getattr(node, "creation_time", n.t_insert if n.t_insert <= m.t_access else m.t_access))
         n.hits = m.hits
+        if self._ranked:
+            n.data[0] = m.t_access  # hit density's last use: SGLang's
 
-
-def make_sglang_strategy(policy: PriorityPolicy) -> Any:
-    """A real ``sglang...EvictionStrategy`` subclass instance (needs SGLang installed)."""
+def make_sglang_strategy(policy: PriorityPolicy | HitDensityPolicy, now_s: Callable[[], float] | None = None) -> Any:
+    """A real ``sglang...EvictionStrategy`` subclass instance (needs SGLang installed). Hit density and adaptive rank
+    at ``now_s()``, by default ``time.monotonic`` — the clock SGLang stamps its nodes with."""
     try:
         from sglang.srt.mem_cache.evict_policy import EvictionStrategy  # type: ignore[import-not-found]
     except ImportError:
@@ -162,28 +248,51 @@ def make_sglang_strategy(policy: PriorityPolicy) -> Any:
     class KVPolicyStrategy(PriorityStrategy, EvictionStrategy):  # type: ignore[misc, valid-type]
         pass
 
-    return KVPolicyStrategy(policy)
+    if now_s is None and isinstance(policy, HitDensityPolicy):
+        now_s = time.monotonic
+    return KVPolicyStrategy(policy, now_s)
 
 
-def register(policies: dict[str, Callable[[], PriorityPolicy]] | None = None) -> list[str]:
+def ranked_factory(cls: type) -> Callable[..., HitDensityPolicy]:
+    """A factory for SGLang's ``--radix-eviction-policy-config``: ``capacity_tokens`` (the radix cache's size in tokens:
+    hit density keeps its ghosts for that many evicted tokens, adaptive sizes its mini-simulations by it) is required;
+    the policy's other knobs pass through, each checked by name."""
+    from ..eviction.replay import check_options
+
+    def make(**cfg: Any) -> HitDensityPolicy:
+        cap = cfg.pop("capacity_tokens", None)
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
+            raise ConfigError("capacity_tokens", f"{cls.name} needs the radix cache's size in tokens, a positive int: "
+                                                 f"--radix-eviction-policy-config '{{\"capacity_tokens\": N}}' (got {cap!r})")
+        check_options(cls, cls.name, cfg)
+        return cls(cap, **cfg)
+
+    return make
+
+
+def register(policies: dict[str, Callable[..., PriorityPolicy | HitDensityPolicy]] | None = None) -> list[str]:
     """Add ``kvpolicy-<name>`` eviction policies to SGLang's strategy registry and CLI choices
-    (imports SGLang). Default: kvpolicy's reuse-distance, gdsf, lru and lfu priority policies.
+    (imports SGLang). Default: kvpolicy's reuse-distance, gdsf, lru and lfu priority policies, and hit-density and
+    adaptive (these need ``--radix-eviction-policy-config '{"capacity_tokens": N}'``: :func:`ranked_factory`).
+    A factory is called with SGLang's policy config as keyword arguments when one is given.
     Returns the names to pass to ``--radix-eviction-policy``. Calling it again changes nothing more."""
     try:
         from sglang.srt.arg_groups import choices as sg_choices  # type: ignore[import-not-found]
         from sglang.srt.mem_cache import utils as sg_utils  # type: ignore[import-not-found]
     except ImportError:
         raise ConfigError("sglang", "SGLang (0.5.x) is not importable here") from None
+    from ..eviction.hit_density import AdaptivePolicy
     from ..eviction.policies import GDSFPolicy, LFUPolicy, LRUPolicy
     from ..eviction.reuse_distance import ReuseDistancePolicy
 
     big = 1 << 62
     policies = policies or {"reuse-distance": lambda: ReuseDistancePolicy(big), "gdsf": lambda: GDSFPolicy(big),
-                            "lru": lambda: LRUPolicy(big), "lfu": lambda: LFUPolicy(big)}
+                            "lru": lambda: LRUPolicy(big), "lfu": lambda: LFUPolicy(big),
+                            "hit-density": ranked_factory(HitDensityPolicy), "adaptive": ranked_factory(AdaptivePolicy)}
     names = []
     for name, make in policies.items():
         full = f"kvpolicy-{name}"
-        sg_utils._EVICTION_POLICY_FACTORIES[full] = lambda _make=make, **_cfg: make_sglang_strategy(_make())
+        sg_utils._EVICTION_POLICY_FACTORIES[full] = lambda _make=make, **_cfg: make_sglang_strategy(_make(**_cfg) if _cfg else _make())
         names.append(full)
     # again (a second register() call): SGLang's CLI would list each name twice
     listed = set(getattr(sg_choices, "RADIX_EVICTION_POLICY_CHOICES", ()))

@@ -1,0 +1,125 @@
+"""SGLang's radix-cache eviction loop, as a stand-in: replay a trace through any SGLang ``EvictionStrategy``.
+
+SGLang (0.5.x, ``sglang/srt/mem_cache/radix_cache.py``) asks its strategy ``get_priority(node)`` for every evictable
+leaf at each ``evict(num_tokens)`` call, heapifies, pops the lowest until enough is freed and pushes a parent that has
+just become an evictable leaf. This module runs that loop on a request-level trace without SGLang, so a strategy — one
+of SGLang's own priority functions, or kvpolicy's :class:`~kvpolicy.integrations.sglang.PriorityStrategy` — can be
+measured and tested on the same footing. Per request, at its arrival time:
+
+1. **match**: the leading run of resident blocks; every node on it gets ``last_access_time`` = now (SGLang's
+   ``_match_prefix_helper``); those within the matchable range are hits; the run is locked (``lock_ref``);
+2. **evict** what the rest needs beyond the capacity (one ``evict`` call; evictable = a leaf with ``lock_ref`` 0);
+3. **insert** the rest, root first, as far as room allows; a matched node's ``hit_count`` grows by one and a new node
+   starts at one (SGLang's ``_insert_helper``); then the request's nodes are unlocked.
+
+One node per block: SGLang merges a run of pages between branch points into one node, so there a leaf is a whole
+unshared suffix; here it is its last block. Sizes are ``len(node.key)`` = 1 block either way.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..traces.model import check_trace
+
+
+class RadixNode:
+    """The fields of SGLang's ``TreeNode`` a strategy reads."""
+
+    __slots__ = ("parent", "children", "key", "value", "last_access_time", "creation_time", "hit_count", "lock_ref", "__weakref__")
+
+    def __init__(self, parent: RadixNode | None, now_s: float) -> None:
+        self.parent = parent
+        self.children: dict[int, RadixNode] = {}
+        self.key = (0,)  # one block (its id once inserted: a stable identity for the same content)
+        self.value = (0,)
+        self.last_access_time = now_s
+        self.creation_time = now_s
+        self.hit_count = 0
+        self.lock_ref = 0
+
+
+def radix_replay(trace: Any, get_priority: Callable[[RadixNode], Any], capacity_blocks: int,
+                 clock: list[float] | None = None) -> np.ndarray:
+    """Per block reference of ``trace``: whether it was a hit, with ``get_priority`` ranking the evictions (lowest
+    first). ``clock``, a one-item list, is set to each request's arrival time before it runs (what a strategy that
+    reads the time sees; SGLang's timestamps are ``time.monotonic()``)."""
+    check_trace(trace)
+    if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, (int, np.integer)) or capacity_blocks < 1:
+        raise ConfigError("capacity_blocks", f"must be a positive int, got {capacity_blocks!r}")
+    root = RadixNode(None, 0.0)
+    root.lock_ref = 1  # never evicted
+    leaves: dict[RadixNode, None] = {}  # the evictable leaves (SGLang's ``evictable_leaves``), in the order they became so
+    used = 0
+    seq = itertools.count()  # heap ties: the first pushed first (SGLang's tuples would compare nodes by access time)
+    hits = np.zeros(trace.block_ids.size, dtype=bool)
+    offsets, ids = trace.block_offsets.tolist(), trace.block_ids.tolist()
+    matchable, arrival = trace.matchable_blocks.tolist(), trace.arrival_s.tolist()
+    for r in range(len(trace)):
+        now = arrival[r] + r * 1e-9
+        if clock is not None:
+            clock[0] = now
+        s, e = offsets[r], offsets[r + 1]
+        node, path = root, []
+        root.last_access_time = now
+        for k in range(s, e):
+            child = node.children.get(ids[k])
+            if child is None:
+                break
+            child.last_access_time = now
+            node = child
+            path.append(child)
+        m = len(path)
+        hits[s : s + min(m, matchable[r])] = True
+        for n in path:
+            n.lock_ref += 1
+            leaves.pop(n, None)
+        need = used + (e - s - m) - capacity_blocks
+        if need > 0:
+            heap = [(get_priority(x), next(seq), x) for x in leaves]
+            heapq.heapify(heap)
+            while need > 0 and heap:
+                _, _, x = heapq.heappop(heap)
+                del leaves[x]
+                parent = x.parent
+                del parent.children[next(k for k, c in parent.children.items() if c is x)]
+                x.parent = None
+                used -= 1
+                need -= 1
+                if parent is not root and not parent.children and parent.lock_ref == 0:
+                    leaves[parent] = None
+                    heapq.heappush(heap, (get_priority(parent), next(seq), parent))
+                del x
+            del heap
+        room = capacity_blocks - used
+        for n in path:
+            n.hit_count += 1
+        for k in range(s + m, min(e, s + m + room)):
+            leaves.pop(node, None)
+            child = RadixNode(node, now)
+            child.key = child.value = (ids[k],)
+            child.hit_count = 1
+            node.children[ids[k]] = child
+            node = child
+            used += 1
+        for n in path:
+            n.lock_ref -= 1
+        if node is not root and not node.children and node.lock_ref == 0:  # the chain's deepest node: a leaf again
+            leaves[node] = None
+    return hits
+
+
+def sglang_lru(node: RadixNode) -> float:
+    """SGLang's ``LRUStrategy``: the last access time."""
+    return node.last_access_time
+
+
+def sglang_lfu(node: RadixNode) -> tuple[int, float]:
+    """SGLang's ``LFUStrategy``: the hit count, then the last access time."""
+    return (node.hit_count, node.last_access_time)
