@@ -88,8 +88,6 @@ class PriorityStrategy:
             raise ConfigError("policy", "lrb learns from the evictions it picks, and under SGLang the radix cache picks them: its model "
                                         "would never be fit; use hit-density or adaptive")
         self._ranked = isinstance(policy, HitDensityPolicy)
-        if self._ranked:
-            policy.requests_from_engine = True  # type: ignore[union-attr]  # requests are counted from the radix root's stamps
         if not self._ranked and not isinstance(policy, PriorityPolicy):
             raise ConfigError("policy", "must be a kvpolicy PriorityPolicy (LRU, LFU, GDSF, reuse-distance, ...), hit-density or adaptive")
         if now_s is not None and not callable(now_s):
@@ -100,6 +98,8 @@ class PriorityStrategy:
         self._root_t = -math.inf  # its last stamp seen
         if policy.nodes:
             raise ConfigError("policy", "must be empty: the strategy mirrors SGLang's tree into it")
+        if self._ranked:
+            policy.requests_from_engine = True  # type: ignore[union-attr]  # requests are counted from the radix root's stamps
         self.policy = policy
         # the mirror never evicts by itself (SGLang does): its capacity is unbounded
         policy.capacity_bytes = 1 << 62
