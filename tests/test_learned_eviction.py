@@ -158,17 +158,11 @@ def test_the_kernel_agrees_through_hundreds_of_fits_on_a_conversation_preset():
     assert _same_stats(kernel.stats, online.stats)
 
 
-def test_the_kernel_takes_lrb_knobs_and_refuses_others():
-    tr = flat_trace(np.array([0, 1, 2, 0]))
+@pytest.mark.parametrize("kw", [{"bins": 1}, {"alpha": 1}, {"clock": ManualClock()}], ids=["bad knob", "unknown", "clock"])
+def test_the_kernel_takes_lrb_knobs_and_refuses_others(kw):
     with pytest.raises(ConfigError) as e:
-        replay_kernel(tr, "lrb", 2, bins=1)
-    assert e.value.field == "bins"
-    with pytest.raises(ConfigError) as e:
-        replay_kernel(tr, "lrb", 2, alpha=1)
-    assert e.value.field == "alpha"
-    with pytest.raises(ConfigError) as e:
-        replay_kernel(tr, "lrb", 2, clock=ManualClock())
-    assert e.value.field == "clock"
+        replay_kernel(flat_trace(np.array([0, 1, 2, 0])), "lrb", 2, **kw)
+    assert e.value.field == next(iter(kw))
 
 
 class _Checked(LearnedRelaxedBeladyPolicy):

@@ -118,14 +118,21 @@ def lrb_logit(x, w):  # pragma: no cover - compiled
     return z
 
 
+@nb.njit(cache=True, inline="always")
+def _row_dot(X, r, w, nz, nnz):  # pragma: no cover - compiled
+    """w · X[r] over the row's nonzero columns, in column order."""
+    z = 0.0
+    for a in range(nnz[r]):
+        i = nz[r, a]
+        z += X[r, i] * w[i]
+    return z
+
+
 @nb.njit(cache=True)
 def _penalised_loss(X, y, m, w, lam, nz, nnz):  # pragma: no cover - compiled
     out = 0.0
     for r in range(m):
-        z = 0.0
-        for a in range(nnz[r]):
-            i = nz[r, a]
-            z += X[r, i] * w[i]
+        z = _row_dot(X, r, w, nz, nnz)
         out += max(z, 0.0) + math.log1p(math.exp(-abs(z))) - y[r] * z  # log(1 + e^z) - y z, without overflow
     pen = 0.0
     for i in range(w.size):
@@ -161,11 +168,7 @@ def logistic_fit(X, y, m, w, lam, steps):  # pragma: no cover - compiled
                 H[i, j] = 0.0
             H[i, i] = lam[i]
         for r in range(m):
-            z = 0.0
-            for a in range(nnz[r]):
-                i = nz[r, a]
-                z += X[r, i] * w[i]
-            p = sigmoid1(z)
+            p = sigmoid1(_row_dot(X, r, w, nz, nnz))
             d = p * (1.0 - p) + 1e-9
             e = p - y[r]
             for a in range(nnz[r]):
@@ -199,11 +202,7 @@ def logistic_fit(X, y, m, w, lam, steps):  # pragma: no cover - compiled
     sp = 0.0
     sy = 0.0
     for r in range(m):
-        z = 0.0
-        for a in range(nnz[r]):
-            i = nz[r, a]
-            z += X[r, i] * w[i]
-        sp += sigmoid1(z)
+        sp += sigmoid1(_row_dot(X, r, w, nz, nnz))
         sy += y[r]
     return sp / m, sy / m
 
