@@ -491,6 +491,24 @@ def test_sglang_strategy_keeps_state_so_reuse_distance_and_gdsf_learn():
     assert gdsf.policy.L == pytest.approx(before[victim][0]), "GDSF's inflation rises to what was evicted"
 
 
+def test_sglang_strategy_catches_up_on_the_hits_of_a_leafs_prefix():
+    """SGLang asks only about leaves: a request that read a prefix and went on past a leaf used every node on its
+    path. The mirror replays the path's uses, root first, up to the first ancestor with none since the last look —
+    without it an interior node's hits wait until it is a leaf itself (hit density then learns its classes late)."""
+    root = TreeNode(None, 0.0)
+    a = TreeNode(root, 1.0, hits=1)
+    b = TreeNode(a, 1.0, hits=1)
+    strat = PriorityStrategy(LFUPolicy(1 << 20))
+    strat.get_priority(b)
+    for n in (a, b):
+        n.hit_count += 1
+        n.last_access_time = 2.0
+    strat.get_priority(b)
+    tok = {x: strat._mirror[id(x)].token for x in (a, b)}
+    assert strat.policy.nodes[tok[a]].hits == 2 and strat.policy.nodes[tok[b]].hits == 2
+    assert strat.policy.nodes[tok[a]].t_access == 2.0
+
+
 def test_sglang_register_adds_the_policies_to_sglangs_registry_and_cli(monkeypatch):
     import sys
     import types

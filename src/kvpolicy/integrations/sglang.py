@@ -194,23 +194,36 @@ class PriorityStrategy:
         m = self._mirrored(node)
         if m is None:
             return (float("inf"),)  # the root is never evicted
-        hits = int(getattr(node, "hit_count", 0))
-        t = float(getattr(node, "last_access_time", 0.0))
-        if hits > m.hits or t > m.t_access:
-            # one access per hit since the last look, at most MAX_REPLAYED_HITS: a hot node first seen at eviction time may
-            # carry millions, and this runs inside SGLang's eviction loop (the count itself is synced below, whole)
-            def replay(n: int = min(max(hits - m.hits, 1), MAX_REPLAYED_HITS), token: int = m.token) -> None:
-                for _ in range(n):
-                    self.policy.on_access(token)
-            self._replay_at(t, replay)
-            m.hits, m.t_access = hits, t
-            self._sync(node, m)
+        # the node's uses since the last look, and its ancestors' up to the first that has none (a use of a node is a
+        # use of its whole prefix, so above that one nothing changed through this branch): root first, each at its
+        # own time — SGLang only asks about leaves, and an interior node's hits would otherwise wait until it is one
+        chain = []
+        x, mx = node, m
+        while mx is not None and (int(getattr(x, "hit_count", 0)) > mx.hits or float(getattr(x, "last_access_time", 0.0)) > mx.t_access):
+            chain.append((x, mx))
+            x = x.parent
+            mx = self._mirror.get(id(x)) if getattr(x, "parent", None) is not None else None
+        for x, mx in reversed(chain):
+            self._catch_up(x, mx)
         if self._ranked:
             if self._now_s is not None:
                 self._at(float(self._now_s()))
             self._requests_seen(node)
             return self.policy.priority_of(self.policy.nodes[m.token], self._clock.now_s())  # type: ignore[union-attr]
         return self.policy.priority(self.policy.nodes[m.token])  # type: ignore[union-attr]
+
+    def _catch_up(self, node: Any, m: _Mirror) -> None:
+        """Replay one access per hit since the last look, at most MAX_REPLAYED_HITS: a hot node first seen at eviction
+        time may carry millions, and this runs inside SGLang's eviction loop (the count itself is synced whole)."""
+        hits = int(getattr(node, "hit_count", 0))
+        t = float(getattr(node, "last_access_time", 0.0))
+
+        def replay(n: int = min(max(hits - m.hits, 1), MAX_REPLAYED_HITS), token: Any = m.token) -> None:
+            for _ in range(n):
+                self.policy.on_access(token)
+        self._replay_at(t, replay)
+        m.hits, m.t_access = hits, t
+        self._sync(node, m)
 
     def _requests_seen(self, node: Any) -> None:
         """SGLang stamps its radix root at every prefix match, one per request: a newer stamp than the last seen is
