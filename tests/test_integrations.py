@@ -378,7 +378,7 @@ def test_vllm_connector_helper_recomputes_when_nothing_remote_and_keys_follow_sa
 
 
 class TreeNode:  # the fields SGLang's radix TreeNode has
-    def __init__(self, parent, t, hits=0, n=16):
+    def __init__(self, parent, t, hits=1, n=16):  # SGLang counts the insert: a node cached once has hit_count 1
         self.parent = parent
         self.last_access_time = t
         self.hit_count = hits
@@ -388,9 +388,9 @@ class TreeNode:  # the fields SGLang's radix TreeNode has
 
 def test_sglang_strategy_orders_like_the_kvpolicy_policy():
     root = TreeNode(None, 0.0)
-    a = TreeNode(root, 5.0, hits=3)
-    b = TreeNode(a, 5.0, hits=0)      # same time, deeper: vLLM/kvpolicy evict the tail first
-    c = TreeNode(root, 1.0, hits=1)
+    a = TreeNode(root, 5.0, hits=3)   # cached, then read by two later requests: 2 uses for kvpolicy
+    b = TreeNode(a, 5.0, hits=1)      # same time, deeper: vLLM/kvpolicy evict the tail first; never reused
+    c = TreeNode(root, 1.0, hits=2)
     lru = PriorityStrategy(LRUPolicy(1 << 20))
     order = sorted([a, b, c], key=lru.get_priority)
     assert order == [c, b, a]
@@ -460,7 +460,7 @@ def test_sglang_strategy_answers_at_once_for_a_node_with_millions_of_hits():
     t0 = time.perf_counter()
     strat.get_priority(hot)
     assert time.perf_counter() - t0 < 1.0 and MAX_REPLAYED_HITS <= 1024
-    assert strat.policy.nodes[strat._mirror[id(hot)].token].hits == 10**8
+    assert strat.policy.nodes[strat._mirror[id(hot)].token].hits == 10**8 - 1, "SGLang's count less its insert"
 
 
 def test_sglang_strategy_keeps_state_so_reuse_distance_and_gdsf_learn():
@@ -505,7 +505,7 @@ def test_sglang_strategy_catches_up_on_the_hits_of_a_leafs_prefix():
         n.last_access_time = 2.0
     strat.get_priority(b)
     tok = {x: strat._mirror[id(x)].token for x in (a, b)}
-    assert strat.policy.nodes[tok[a]].hits == 2 and strat.policy.nodes[tok[b]].hits == 2
+    assert strat.policy.nodes[tok[a]].hits == 1 and strat.policy.nodes[tok[b]].hits == 1  # SGLang's 2, less the insert
     assert strat.policy.nodes[tok[a]].t_access == 2.0
 
 

@@ -246,7 +246,7 @@ class PriorityStrategy:
         n = self.policy.nodes[m.token]
         n.t_access = m.t_access
         n.t_insert = float(getattr(node, "creation_time", n.t_insert if n.t_insert <= m.t_access else m.t_access))
-        n.hits = m.hits
+        n.hits = max(m.hits - 1, 0)  # SGLang counts the insert (a node cached once has hit_count 1); kvpolicy, the uses after it
         if self._ranked:
             n.data[0] = m.t_access  # hit density's last use: SGLang's
 
