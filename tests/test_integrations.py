@@ -632,6 +632,25 @@ def test_hit_density_through_sglangs_eviction_loop_learns_and_beats_lru():
     assert hd > 1.05 * lru, (hd, lru)
 
 
+def test_adaptive_through_sglang_reproduces_across_processes():
+    """Adaptive samples its mini-simulations' keys by their bits, and the mirror's keys come from the nodes' content:
+    hashed with hash(), they changed from one process to the next (hash(None) and str hashes do), and so did the run."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from kvpolicy.eviction import AdaptivePolicy\n"
+            "from kvpolicy.integrations.sglang import PriorityStrategy\n"
+            "from kvpolicy.testing.radix import radix_replay\n"
+            "from kvpolicy.traces import generate, preset\n"
+            "t = generate(preset('agent', seed=4, n_requests=600)); c = [0.0]\n"
+            "s = PriorityStrategy(AdaptivePolicy(200, sample_rate=0.25), now_s=lambda: c[0])\n"
+            "print(int(radix_replay(t, s.get_priority, 200, clock=c).sum()), s.policy.mini_refs)\n")
+    outs = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True, text=True,
+                           check=True).stdout for seed in ("1", "2")}
+    assert len(outs) == 1, outs
+
+
 @hyp_settings(max_examples=60, deadline=None)
 @given(tr=prefix_traces(max_requests=40), cap=st.integers(1, 14))
 def test_the_radix_stand_in_under_sglangs_lru_is_kvpolicys_lru(tr, cap):

@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from .._mix import key_bits
 from ..clock import ManualClock
 from ..errors import ConfigError
 from ..eviction.base import PriorityPolicy
@@ -143,7 +144,9 @@ class PriorityStrategy:
         t_access = float(getattr(node, "last_access_time", 0.0))
         token: Any = self._tokens
         if self._ranked:  # the same content gets the same key again after SGLang drops it: hit density's ghosts find it
-            token = ("kv", hash((parent.token if parent is not None else None, _content(node))))
+            # BLAKE2b of the repr, not hash(): hash(None) and str hashes change from one process to the next (adaptive
+            # samples its mini-simulations' keys by their bits: a run would not reproduce)
+            token = key_bits(repr((parent.token if parent is not None else None, _content(node))))
             stale = self._by_token.get(token)
             if stale is not None:  # the dropped node that held it: its finalizer has not run yet
                 self._remove(stale, token)
