@@ -4,7 +4,8 @@ Speed: 10M accesses over ~1M distinct ids (each access its own one-block
 request), capacity = 1/10 of the distinct ids; the rate is the median of
 ``--repeats`` timed runs, their min-max printed beside it (a shared machine's
 noise shows there, not in the rate); targets LRU, FIFO, SIEVE ≥ 15M
-accesses/s, ARC and S3-FIFO ≥ 8M, Belady, hit-density and adaptive ≥ 5M; the id remap reported apart.
+accesses/s, ARC and S3-FIFO ≥ 8M, Belady, hit-density, adaptive and the priority kernels ≥ 5M, and lrb
+against the same 5M floor (missed: its refits); the id remap reported apart. ``--policies`` times a subset.
 If ``libcachesim`` is installed (``pip install kvpolicy[bench]``; GPL, benchmark
 only) its LRU, FIFO, SIEVE, S3-FIFO and ARC run on the same accesses: miss
 ratios must be equal for LRU and FIFO; the throughput ratio is printed.
@@ -13,7 +14,7 @@ Quality: the Mooncake conversation trace at 4k, 16k, 32k and 64k 512-token
 blocks, every policy beside Belady and the infinite cache (``kvpolicy
 evict-bench``), and the share of the LRU → Belady gap each closes.
 
-    python benchmarks/bench_eviction.py [--accesses 10000000] [--json OUT]
+    python benchmarks/bench_eviction.py [--accesses 10000000] [--policies lrb,hit-density] [--skip-quality] [--json OUT]
 """
 
 from __future__ import annotations
