@@ -2563,3 +2563,34 @@ class PromisesMachine(_stateful.RuleBasedStateMachine):
 
 PromisesMachine.TestCase.settings = _settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_promises_and_loads_stay_within_the_cap = PromisesMachine.TestCase
+
+
+def test_the_sglang_strategy_driver_runs_over_a_stand_in_of_sglangs_evict_policy(monkeypatch):
+    """tools/check_engine_bases.py drives SGLang's own evict_policy.py (read from its wheel) through the radix stand-in;
+    here the same driver runs over a module shaped like it: an abstract EvictionStrategy and SGLang's LRU/LFU."""
+    import abc
+    import sys
+    import types
+
+    evict = types.ModuleType("sglang.srt.mem_cache.evict_policy")
+
+    class EvictionStrategy(abc.ABC):
+        @abc.abstractmethod
+        def get_priority(self, node): ...
+
+    class LRUStrategy(EvictionStrategy):
+        def get_priority(self, node):
+            return node.last_access_time
+
+    class LFUStrategy(EvictionStrategy):
+        def get_priority(self, node):
+            return (node.hit_count, node.last_access_time)
+
+    evict.EvictionStrategy, evict.LRUStrategy, evict.LFUStrategy = EvictionStrategy, LRUStrategy, LFUStrategy
+    for name in ("sglang", "sglang.srt", "sglang.srt.mem_cache"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, evict.__name__, evict)
+    _engine_base_checks().drive_sglang_strategies(evict)
+    evict.LFUStrategy = LRUStrategy  # a priority that is not the stand-in's copy: the driver says so
+    with pytest.raises(AssertionError, match="LRUStrategy"):
+        _engine_base_checks().drive_sglang_strategies(evict)

@@ -2,7 +2,7 @@
 
 The test suite runs without vLLM or SGLang installed, on stand-ins shaped like their base classes. This script
 checks the adapters against the real ones: it reads ``KVConnectorBase_V1`` and the transfer-metrics code (vLLM),
-``HiCacheStorage`` (SGLang) and the store-policy registry with its ``ObjectKey`` (LMCache) out of the downloaded
+``HiCacheStorage`` and the eviction strategies (SGLang) and the store-policy registry with its ``ObjectKey`` (LMCache) out of the downloaded
 wheels, with the heavy modules they import (torch, the engines' loggers and configs) stubbed, imports kvpolicy's
 adapters on top of them, and drives every hook an engine calls through to a recording inner connector / store::
 
@@ -33,6 +33,7 @@ VLLM_FACTORY = "vllm/distributed/kv_transfer/kv_connector/factory.py"
 VLLM_MULTI = "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py"
 SGLANG_BASE = "sglang/srt/mem_cache/hicache_storage.py"
 SGLANG_FACTORY = "sglang/srt/mem_cache/storage/backend_factory.py"
+SGLANG_EVICT = "sglang/srt/mem_cache/evict_policy.py"
 VLLM_OFFLOAD = "vllm/v1/kv_offload/"
 LMCACHE_API = "lmcache/v1/distributed/api.py"
 LMCACHE_POLICY = "lmcache/v1/distributed/storage_controllers/store_policy.py"
@@ -446,6 +447,31 @@ def check_sglang(wheel: str) -> None:
     _load(wheel, "sglang/srt/mem_cache/storage/file/lru_file_evictor.py", "sglang.srt.mem_cache.storage.file.lru_file_evictor")
     factory = _load(wheel, SGLANG_FACTORY, "sglang.srt.mem_cache.storage.backend_factory")
     drive_hicache_factory(factory.StorageBackendFactory, base, sglang_hicache)
+    drive_sglang_strategies(_load(wheel, SGLANG_EVICT, "sglang.srt.mem_cache.evict_policy"))
+
+
+def drive_sglang_strategies(evict: types.ModuleType) -> None:
+    """SGLang's own ``LRUStrategy`` and ``LFUStrategy`` through kvpolicy's stand-in of its eviction loop
+    (``kvpolicy.testing.radix``) keep exactly what the stand-in's copies of them keep (so what bench_sglang_strategy.py
+    compares kvpolicy with is SGLang's priority, not a paraphrase), and kvpolicy's strategies built by
+    ``make_sglang_strategy`` are SGLang ``EvictionStrategy`` instances that run through the same loop."""
+    from kvpolicy.eviction import AdaptivePolicy, HitDensityPolicy, LRUPolicy
+    from kvpolicy.integrations.sglang import make_sglang_strategy
+    from kvpolicy.testing.radix import radix_replay, sglang_lfu, sglang_lru
+    from kvpolicy.traces import generate, preset
+
+    trace = generate(preset("agent", seed=7, n_requests=800))
+    cap = 250
+    for theirs, ours in ((evict.LRUStrategy(), sglang_lru), (evict.LFUStrategy(), sglang_lfu)):
+        a, b = radix_replay(trace, theirs.get_priority, cap), radix_replay(trace, ours, cap)
+        assert (a == b).all(), f"{type(theirs).__name__}: {int(a.sum())} hits, the stand-in's copy {int(b.sum())}"
+    lru_hits = int(radix_replay(trace, evict.LRUStrategy().get_priority, cap).sum())
+    for policy in (LRUPolicy(cap), HitDensityPolicy(cap), AdaptivePolicy(cap)):
+        clock = [0.0]
+        strategy = make_sglang_strategy(policy, now_s=(lambda c=clock: c[0]) if isinstance(policy, HitDensityPolicy) else None)
+        assert isinstance(strategy, evict.EvictionStrategy), type(strategy).__mro__
+        hits = int(radix_replay(trace, strategy.get_priority, cap, clock=clock).sum())
+        print(f"  SGLang's eviction loop (stand-in), agent seed 7, {cap} blocks: {policy.name} {hits:,} hits, SGLang's LRU {lru_hits:,}")
 
 
 def drive_hicache_factory(Factory: type, base: types.ModuleType, m: types.ModuleType) -> None:
