@@ -162,6 +162,10 @@ class HitDensityPolicy(EvictionPolicy):
             self._since_requests = self._since_events = 0
             self.reconfigure()
 
+    def _begins_request(self, node: Node) -> bool:
+        """Does using or inserting ``node`` begin a request? A root does, unless the engine says when requests begin."""
+        return node.parent is None and not self.requests_from_engine
+
     def request_began(self) -> None:
         """A request began, said by an engine that shows kvpolicy its blocks out of order (SGLang's radix cache seen
         through its eviction strategy, where a root's use is seen late or never; set ``requests_from_engine``):
@@ -192,10 +196,9 @@ class HitDensityPolicy(EvictionPolicy):
 
     def _admit(self, node: Node) -> None:
         now = self.clock.now_s()
-        if node.parent is None:
-            if not self.requests_from_engine:
-                self._tick()
-        else:
+        if self._begins_request(node):
+            self._tick()
+        elif node.parent is not None:
             node.parent.data[2] += 1
         node.data = [now, 0, 0]  # last use, hits, child inserts (this residency, or since a ghost's return)
         g = self._ghosts.pop(node.key, None)
@@ -211,7 +214,7 @@ class HitDensityPolicy(EvictionPolicy):
 
     def _hit(self, node: Node) -> None:
         now = self.clock.now_s()
-        if node.parent is None and not self.requests_from_engine:
+        if self._begins_request(node):
             self._tick()
         t_last, hits, kids = node.data
         self._event(self.hit_hist, block_class(hits, kids), now - t_last)
@@ -426,14 +429,14 @@ class AdaptivePolicy(HitDensityPolicy):
         return True
 
     def _hit(self, node: Node) -> None:
-        if node.parent is None and not self.requests_from_engine:
+        if self._begins_request(node):
             self._begin()
             self._admitted_root = _NONE
         super()._hit(node)
         self._observe(node)
 
     def _admit(self, node: Node) -> None:
-        if node.parent is None and not self.requests_from_engine:
+        if self._begins_request(node):
             if self._admitted_root == node.key:  # begun by admit() just before
                 self._admitted_root = _NONE
             else:

@@ -36,7 +36,7 @@ from numba.extending import intrinsic
 
 from ..errors import ConfigError
 from ..traces.model import check_trace
-from .learned import lrb_features, lrb_logit, logistic_fit, sigmoid1
+from .learned import N_FEATURES, lrb_features, lrb_logit, logistic_fit, sigmoid1
 from .replay import ReplayResult
 
 NIL = -1
@@ -1390,7 +1390,7 @@ BATCH_REFS = 65536
 
 
 # ----------------------------------------------------------------------------- lrb's learning, for _hd_run
-# lrb's state is one tuple LS = (lf, li, rf, ri, fr, dq_t, dq_k, MX, MY, mw, lam, ls, xb), all empty for hit density:
+# lrb's state is one tuple LS = (lf, li, rf, ri, fr, dq_t, dq_k, MX, MY, mw, lam, ls, xb); None for hit density:
 #   lf[2x] last inter-use gap, lf[2x+1] insert time; li[6x] turn, +1 root, +2 request that inserted it, +3 depth,
 #   +4/+5 first/last of its waiting samples (-1: none);
 #   a waiting sample in slot s: rf[s, 0] its deadline (decision time + H), rf[s, 1] the model's P at the decision
@@ -1974,8 +1974,6 @@ KERNEL_POLICIES = ("lru", "fifo", "lfu", "ttl", "sieve", "s3fifo", "arc", "gdsf"
 def _lrb_state(p: Any, n_ids: int) -> tuple:
     """lrb's state for :func:`_hd_run`, from a fresh :class:`~kvpolicy.eviction.learned.LearnedRelaxedBeladyPolicy`
     (its knobs; the layout is the block comment above ``L_HOR``)."""
-    from .learned import N_FEATURES
-
     win = p.model.window
     li = np.zeros(6 * n_ids, np.int64)
     li[4::6] = -1

@@ -88,7 +88,7 @@ def radix_replay(trace: Any, get_priority: Callable[[RadixNode], Any], capacity_
                 _, _, x = heapq.heappop(heap)
                 del leaves[x]
                 parent = x.parent
-                del parent.children[next(k for k, c in parent.children.items() if c is x)]
+                del parent.children[x.key[0]]  # a node's key is its block id
                 x.parent = None
                 used -= 1
                 need -= 1
