@@ -540,3 +540,134 @@ def test_t_recompute_charges_the_profiles_measured_cross_term():
     assert prefill_p50(PREFILL, 2000) == pytest.approx(PREFILL.marginal_s(start, end), rel=1e-3)
     assert prefill_p50(dense, 2000) == pytest.approx(dense.marginal_s(start, end), rel=1e-3)
     assert prefill_p50(PREFILL, 2000) - prefill_p50(dense, 2000) == pytest.approx(PREFILL.c_s_per_token2 * (end - start) * start, rel=1e-3)
+
+
+# --------------------------------------------------------------------------- the step timer
+
+
+def _engine_steps(timer, clock, steps, *, ratio, base_s, model, depth, idle_every, idle_s, silent):
+    """Run ``steps`` (lists of (before, computed) chunks; [] an empty step) through vLLM 0.33's engine loop
+    (``EngineCore.step`` for ``depth`` 1, ``step_with_batch_queue`` for 2: schedule while the queue has room, else
+    block on the oldest step and process its output) on one GPU whose forward pass takes ``base_s + ratio x
+    profile`` over its prefill chunks (an empty step runs nothing: 0.1 ms). Before every ``idle_every``-th step (unless
+    an empty one came just before: requests waiting for their KV are still there) the engine has no requests: it
+    drains its queue, then waits ``idle_s``. An empty step's output is not reported when
+    ``silent(k)``. The timer sees what a connector sees: when steps are scheduled, when outputs come back."""
+    from collections import deque
+
+    queue, t, gpu_free, k, n, idle_done = deque(), 0.0, 0.0, 0, len(steps), set()
+    while k < n or queue:
+        # an empty step is scheduled while requests wait for their KV: the engine does not go idle right after one
+        idle_here = bool(idle_every) and 0 < k < n and k % idle_every == 0 and k not in idle_done and steps[k - 1] != []
+        if k < n and not idle_here:
+            chunks = steps[k]
+            clock.advance(t - clock.now_s())
+            timer.scheduled(chunks)
+            pred = sum(model.prefill_seconds(b, b + c) for b, c in chunks if c >= timer.prefill_min_tokens)
+            start = max(t, gpu_free)
+            gpu_free = start + (base_s + ratio * pred if chunks else 1e-4)
+            queue.append((k, gpu_free, not chunks))
+            k += 1
+            if len(queue) < depth:
+                continue  # room in the queue: schedule the next step without waiting
+        if not queue:
+            t += idle_s  # nothing in flight, no requests: idle until the next one arrives
+            idle_done.add(k)
+            continue
+        kk, end, empty = queue.popleft()
+        t = max(t, end)
+        if not (empty and silent(kk)):
+            clock.advance(t - clock.now_s())
+            timer.finished(carries=empty or kk % 2 == 0)  # a step that ran is reported whatever its output carries
+
+
+@settings(max_examples=60, deadline=None)
+@given(ratio=st.floats(0.2, 5.0), base_ms=st.floats(0.5, 40.0), depth=st.sampled_from([1, 2]), idle_every=st.integers(0, 7),
+       empty_share=st.sampled_from([0.0, 0.1, 0.3]), seed=st.integers(0, 2**31 - 1))
+def test_the_step_timer_learns_the_engines_compute_from_when_steps_are_scheduled_and_come_back(ratio, base_ms, depth, idle_every,
+                                                                                                   empty_share, seed):
+    """Whatever the true compute (ratio x the profile, plus a fixed part per step), whether vLLM schedules one step
+    at a time or one ahead (async scheduling), with the engine idle between bursts and empty steps whose outputs
+    are reported or not: the model's prefill ratio becomes the true one, to the histogram's 1 %."""
+    from kvpolicy.admission.steps import StepTimer
+
+    rng = np.random.default_rng(seed)
+    clock = ManualClock()
+    model = LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), PrefillModel(0.0, 5e-5, 1e-9, 0, 0), window_s=None)
+    timer = StepTimer(model, clock.now_s, prefill_min_tokens=16, steps_in_flight=depth)
+    steps = []
+    for _ in range(150):
+        if rng.random() < empty_share:
+            steps.append([])
+            continue
+        decodes = [(int(rng.integers(100, 9000)), int(rng.integers(1, 5))) for _ in range(int(rng.integers(1, 30)))]
+        prefills = [] if rng.random() < 0.4 else [(int(rng.integers(0, 4)) * 1024, int(rng.integers(256, 4096)))]
+        steps.append(decodes + prefills)
+    silent = set(rng.choice(len(steps), size=len(steps) // 2, replace=False).tolist())
+    _engine_steps(timer, clock, steps, ratio=ratio, base_s=base_ms / 1e3, model=model, depth=depth, idle_every=idle_every, idle_s=5.0,
+                  silent=silent.__contains__)
+    assert timer.steps["prefill_samples"] >= model.min_samples
+    learned = model.prefill_ratio.q(0.5)
+    assert learned == pytest.approx(ratio, rel=0.025), (learned, ratio, timer.steps)
+
+
+def test_the_step_timer_leaves_out_steps_with_a_synchronous_load_and_starts_over_when_outputs_stop():
+    from kvpolicy.admission.steps import StepTimer
+
+    clock = ManualClock()
+    model = LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), PrefillModel(0.0, 1e-4, 0.0, 0, 0), window_s=None)
+    timer = StepTimer(model, clock.now_s, prefill_min_tokens=16)
+    for i in range(30):
+        timer.scheduled([(0, 1000)], left_out=i % 2 == 1)
+        clock.advance(0.1 if i % 2 == 0 else 5.0)  # 1x the profile; the steps with a load inside take 50x
+        timer.finished()
+    assert model.prefill_ratio.q(0.5) == pytest.approx(1.0, rel=0.02) and timer.steps["left_out"] == 15
+    assert timer.finished() is None, "no step waiting: nothing to pair"
+    for _ in range(8):
+        timer.scheduled([(0, 1000)])  # outputs never come (a caller that does not report them): one step at a time
+    assert timer.steps["unpaired"] == 7 and len(timer._in_flight) == 1
+    timer.scheduled([])  # an empty step, and its output carries nothing: not reported
+    timer.scheduled([(0, 1000)])
+    clock.advance(0.1)
+    timer.finished(carries=False)
+    assert timer.steps["unpaired"] == 8 and not timer._in_flight
+    with pytest.raises(ConfigError, match="now_s"):
+        StepTimer(model, 3.0)
+    with pytest.raises(ConfigError, match="prefill_min_tokens"):
+        StepTimer(model, clock.now_s, prefill_min_tokens=0)
+    with pytest.raises(ConfigError, match="steps_in_flight"):
+        StepTimer(model, clock.now_s, steps_in_flight=0)
+
+
+def test_an_empty_steps_output_is_told_from_the_next_steps_by_how_soon_it_comes_back():
+    """vLLM reports an empty step (nothing to run: scheduled to collect finished transfers) only when its output
+    carries something. With a step scheduled behind it, an output that carries something is the empty step's only
+    if it came back sooner than a step that ran could have: otherwise the next step's is taken for the empty one's,
+    that step stays waiting, and the next output is paired with it — a 'step' spanning the engine's idle time."""
+    from kvpolicy.admission.steps import StepTimer
+
+    clock = ManualClock()
+    model = LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), PrefillModel(0.0, 1e-4, 0.0, 0, 0), window_s=None)
+    timer = StepTimer(model, clock.now_s, steps_in_flight=2)
+    decode = [(500, 1)]
+    for _ in range(25):  # the fixed part of a step: 5 ms
+        timer.scheduled(decode)
+        clock.advance(0.005)
+        timer.finished(carries=False)
+    # an empty step reported at once, then the step behind it
+    timer.scheduled([])
+    timer.scheduled(decode)
+    clock.advance(0.0001)
+    assert timer.finished(carries=True) == pytest.approx(0.0001)
+    clock.advance(0.005)
+    assert timer.finished(carries=True) == pytest.approx(0.005)
+    # an empty step not reported; the step behind it reports something 5 ms on, and the engine goes idle
+    timer.scheduled([])
+    timer.scheduled(decode)
+    clock.advance(0.005)
+    assert timer.finished(carries=True) == pytest.approx(0.005)
+    clock.advance(10.0)
+    timer.scheduled(decode)
+    clock.advance(0.005)
+    assert timer.finished(carries=True) == pytest.approx(0.005), "paired with its own step, not one from before the idle time"
+    assert timer.base.max < 0.0051

@@ -312,6 +312,64 @@ def test_the_helper_learns_the_compute_from_the_prefills_its_engine_times():
             helper.prefill_timed(FakeRequest("x", prompt), bad)
 
 
+def _sched_out(new=(), cached=()):
+    """vLLM 0.33's SchedulerOutput, the fields the step timer reads: (req_id, tokens computed before, tokens now)."""
+    from types import SimpleNamespace as NS_
+
+    return NS_(num_scheduled_tokens={r: n for r, _, n in (*new, *cached)},
+               scheduled_new_reqs=[NS_(req_id=r, num_computed_tokens=c) for r, c, _ in new],
+               scheduled_cached_reqs=NS_(req_ids=[r for r, _, _ in cached], num_computed_tokens=[c for _, c, _ in cached]))
+
+
+def test_the_helper_learns_the_compute_from_the_steps_vllm_schedules():
+    """vLLM hands a connector no compute time, but its scheduler side sees every step: scheduled
+    (build_connector_meta) and its output back (update_connector_output). The deployment computes 10x slower than
+    the profile the controller started from: a load the prior declined (recompute looked faster) is taken once the
+    steps have shown the real compute — with decode-only steps in between, whose fixed part is not compute, and
+    a step with a synchronous load inside, whose time is not compute at all."""
+    clock = ManualClock()
+    prefill = PrefillModel(a_s=0.0, b_s_per_token=1e-5, c_s_per_token2=2e-9, rms_rel_error=0.0, max_rel_error=0.0)  # attention: context counts
+    ctl = AdmissionController(LatencyModel(LinkPrior(bandwidth_bytes_per_s=3e7), prefill), clock=clock)
+    d = InMemoryDirectory()
+    prompt = list(range(50, 50 + 64 * B + 5))
+    d.publish("acme", [Entry(k, "pool", 2048 * B) for k in list(HASHER.hash_blocks(prompt))[:40]])
+    helpers = {learn: VllmConnectorPolicy(HASHER, d.index("acme"), ctl if learn else AdmissionController(
+        LatencyModel(LinkPrior(bandwidth_bytes_per_s=3e7), prefill), clock=clock), ThresholdPublish(1), bytes_per_token=2048,
+        learn_prefill_from_steps=learn) for learn in (True, False)}
+    helper = helpers[True]
+    assert helper.get_num_new_matched_tokens(FakeRequest("q0", prompt), 0)[0] == 0, "the prior: recompute is faster"
+    model = ctl.model
+    for i in range(60):
+        for h in helpers.values():
+            if i % 3 == 0:  # decode-only: 5 ms whatever the tokens
+                h.build_connector_meta(_sched_out(cached=[(f"d{j}", 3000 + i, 1) for j in range(8)]))
+            else:  # a 2,048-token chunk after 1,024 cached, beside the decodes
+                h.build_connector_meta(_sched_out(new=[(f"p{i}", 1024, 2048)], cached=[(f"d{j}", 3000 + i, 1) for j in range(8)]))
+        clock.advance(0.005 + (0 if i % 3 == 0 else 10.0 * model.prefill_seconds(1024, 3072)))
+        for h in helpers.values():
+            h.update_connector_output(FakeOutput())
+        clock.advance(0.5)  # idle between steps: never inside one
+    assert model.prefill_ratio.q(0.5) == pytest.approx(10.0, rel=0.03)
+    assert helper.step_timer.steps["decode_samples"] == 20 and helper.step_timer.steps["prefill_samples"] == 40
+    assert helper.get_num_new_matched_tokens(FakeRequest("q1", prompt), 0)[0] > 0, "learned: the load beats recompute"
+    off = helpers[False]
+    assert off.step_timer is None and off.controller.model.prefill_ratio.q(0.5) == 1.0
+    assert off.get_num_new_matched_tokens(FakeRequest("q2", prompt), 0)[0] == 0
+
+    # a step whose forward pass carries a synchronous load: its time is the load's, not the compute's
+    req = FakeRequest("s", prompt)
+    n, is_async = helper.get_num_new_matched_tokens(req, 0)
+    assert n > 0 and is_async is False
+    helper.update_state_after_alloc(req, FakeBlocks(range(100)), n)
+    samples = helper.step_timer.steps["prefill_samples"]
+    helper.build_connector_meta(_sched_out(new=[("s", n, 64 * B + 5 - n)]))
+    clock.advance(30.0)
+    helper.update_connector_output(FakeOutput())
+    assert helper.step_timer.steps["prefill_samples"] == samples and helper.step_timer.steps["left_out"] == 1
+    with pytest.raises(ConfigError, match="learn_prefill_from_steps"):
+        VllmConnectorPolicy(HASHER, d.index("acme"), ctl, ThresholdPublish(1), bytes_per_token=2048, learn_prefill_from_steps=1)
+
+
 def test_the_slot_is_taken_after_allocation_and_released_on_every_path():
     helper, prompt = connector_setup(max_loads_per_replica=2)
     reqs = [FakeRequest(f"r{i}", prompt) for i in range(4)]
@@ -1549,6 +1607,7 @@ def test_the_loadable_connector_reports_its_decisions_and_the_inner_stats_to_vll
     ({"block_size": 0}, "kvpolicy.block_size"),
     ({"publish": 2}, "kvpolicy.publish"),
     ({"publish": "reuse-awre"}, "kvpolicy.publish"),  # a misspelt spec: named as the setting, not as the filter's "policy"
+    ({"learn_prefill_from_steps": "yes"}, "kvpolicy.learn_prefill_from_steps"),
 ])
 def test_connector_settings_are_read_strictly(kvp, field):
     from kvpolicy.integrations.vllm_kv_connector import KVPolicyConnector
@@ -1556,6 +1615,42 @@ def test_connector_settings_are_read_strictly(kvp, field):
     with pytest.raises(ConfigError) as e:
         KVPolicyConnector(vllm_config({"kvpolicy": kvp}), "scheduler", None, inner=InnerConnector(can_load=0))
     assert e.value.field.endswith(field)
+
+
+def test_the_loadable_connector_times_vllms_steps_unless_told_not_to_or_pipelined():
+    """On by default: the wrapper hands vLLM's SchedulerOutput to the helper, whose timer learns the compute. Off
+    when the settings say so, and under pipeline parallelism (one step per stage in flight: the gap between outputs
+    is a stage's time, not a step's)."""
+    from kvpolicy.integrations.vllm_kv_connector import KVPolicyConnector
+
+    def conn(kvp=None, pp=None, in_flight=None):
+        cfg = vllm_config({"kvpolicy": {"bytes_per_token": 2048, **(kvp or {})}})
+        if in_flight is not None:
+            cfg.max_concurrent_batches = in_flight
+        if pp is not None:
+            cfg.parallel_config = type("P", (), {"pipeline_parallel_size": pp})()
+        return KVPolicyConnector(cfg, "scheduler", None, inner=InnerConnector(can_load=0))
+
+    c = conn(in_flight=2)  # async scheduling: vLLM keeps two steps scheduled
+    assert c.policy.step_timer.steps_in_flight == 2
+    clock = ManualClock()
+    c.policy.controller.clock = clock
+    c.inner.build_connector_meta = lambda so: type("Meta", (), {})()
+    for i in range(60):
+        c.build_connector_meta(_sched_out(cached=[("d", 100 + i, 1)]) if i % 2 else _sched_out(new=[(f"p{i}", 0, 4096)]))
+        clock.advance(0.002 if i % 2 else 0.002 + 3.0 * c.policy.controller.model.prefill_seconds(0, 4096))
+        c.update_connector_output(FakeOutput())
+    assert c.policy.controller.model.prefill_ratio.q(0.5) == pytest.approx(3.0, rel=0.03)
+    # an empty step, then a step that ran: an output vLLM calls empty (is_empty()) cannot be the empty step's — vLLM
+    # does not report those — however soon it comes back
+    decodes = c.policy.step_timer.steps["decode_samples"]
+    c.build_connector_meta(_sched_out())
+    c.build_connector_meta(_sched_out(cached=[("d", 500, 1)]))
+    clock.advance(0.0005)
+    c.update_connector_output(type("Out", (FakeOutput,), {"is_empty": lambda self: True})())
+    assert c.policy.step_timer.steps["decode_samples"] == decodes + 1
+    assert conn(pp=1).policy.step_timer is not None
+    assert conn(pp=2).policy.step_timer is None and conn({"learn_prefill_from_steps": False}).policy.step_timer is None
 
 
 def _import_over(monkeypatch, module, fakes):
@@ -1819,6 +1914,68 @@ def test_the_connector_on_vllms_base_class_hands_every_other_call_to_the_inner_o
     # a registered name, misspelt: the registry's close names are offered
     with pytest.raises(ConfigError, match="did you mean 'KVPolicyConnector'"):
         m.KVPolicyConnector.get_required_kvcache_layout(vllm_config({"inner_connector": "KVPolicyConector"}))
+
+
+def test_the_step_timing_driver_runs_over_stand_ins_of_vllms_scheduler_records():
+    """tools/check_engine_bases.py drives the connector's step timer with vLLM 0.33's own SchedulerOutput and
+    KVConnectorOutput (read from its wheel); here with stand-ins of the fields it reads. The driver itself must
+    fail when the timer does not learn — checked on a connector whose timer is switched off."""
+    import dataclasses
+    import types
+
+    from kvpolicy.integrations import vllm_kv_connector
+
+    @dataclasses.dataclass
+    class NewRequestData:
+        req_id: str
+        prompt_token_ids: object
+        mm_features: object
+        sampling_params: object
+        pooling_params: object
+        block_ids: object
+        num_computed_tokens: int
+        lora_request: object
+
+    @dataclasses.dataclass
+    class CachedRequestData:
+        req_ids: list
+        num_computed_tokens: list
+
+        @classmethod
+        def make_empty(cls):
+            return cls([], [])
+
+    @dataclasses.dataclass
+    class SchedulerOutput:
+        scheduled_new_reqs: list
+        scheduled_cached_reqs: CachedRequestData
+        num_scheduled_tokens: dict
+        total_num_scheduled_tokens: int
+
+        @classmethod
+        def make_empty(cls):
+            return cls([], CachedRequestData.make_empty(), {}, 0)
+
+    @dataclasses.dataclass
+    class KVConnectorOutput:
+        finished_recving: object = None
+
+        def is_empty(self):
+            return not self.finished_recving
+
+    sched = types.SimpleNamespace(SchedulerOutput=SchedulerOutput, NewRequestData=NewRequestData, CachedRequestData=CachedRequestData)
+    outputs = types.SimpleNamespace(KVConnectorOutput=KVConnectorOutput)
+    checks = _engine_base_checks()
+    assert checks.drive_vllm_step_timing(sched, outputs, vllm_kv_connector) == pytest.approx(2.5, rel=0.03)
+
+    class Off(vllm_kv_connector.KVPolicyConnector):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.policy.step_timer.model = type(self.policy.controller.model)(self.policy.controller.model.prior,
+                                                                              self.policy.controller.model.prefill)
+
+    with pytest.raises(AssertionError):
+        checks.drive_vllm_step_timing(sched, outputs, types.SimpleNamespace(KVPolicyConnector=Off))
 
 
 # --------------------------------------------------------------------------- SGLang HiCache storage backend

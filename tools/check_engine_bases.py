@@ -31,6 +31,8 @@ VLLM_BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
 VLLM_METRICS = "vllm/distributed/kv_transfer/kv_connector/v1/metrics.py"
 VLLM_FACTORY = "vllm/distributed/kv_transfer/kv_connector/factory.py"
 VLLM_MULTI = "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py"
+VLLM_SCHED_OUTPUT = "vllm/v1/core/sched/output.py"
+VLLM_OUTPUTS = "vllm/v1/outputs.py"
 SGLANG_BASE = "sglang/srt/mem_cache/hicache_storage.py"
 SGLANG_FACTORY = "sglang/srt/mem_cache/storage/backend_factory.py"
 SGLANG_EVICT = "sglang/srt/mem_cache/evict_policy.py"
@@ -84,6 +86,17 @@ def check_vllm(wheel: str) -> None:
 
     drive_vllm_connector(base.KVConnectorBase_V1, vllm_kv_connector)
     drive_vllm_metrics(metrics, factory, vllm_kv_connector, multi.MultiConnector)
+    # vLLM's own SchedulerOutput (and the request records in it) and KVConnectorOutput, for the step timer
+    _module("vllm.config.ec_manager_config", EncoderCacheManagerMetadata=object)
+    _module("vllm.multimodal")
+    _module("vllm.multimodal.utils", strip_covered_mm_data=lambda mm, *a, **k: mm)
+    _module("vllm.compilation")
+    _module("vllm.compilation.cuda_graph", CUDAGraphStat=object)
+    _module("vllm.utils.torch_utils", PIN_MEMORY=False)
+    sched_output = _load(wheel, VLLM_SCHED_OUTPUT, "vllm.v1.core.sched.output")
+    outputs = _load(wheel, VLLM_OUTPUTS, "vllm.v1.outputs")
+    ratio = drive_vllm_step_timing(sched_output, outputs, vllm_kv_connector)
+    print(f"  step timer: learned the compute at {ratio:.3f}x the profile (true 2.5x) from vLLM 0.33's SchedulerOutput and KVConnectorOutput")
     check_vllm_offload(wheel)
 
 
@@ -313,6 +326,79 @@ def drive_vllm_connector(Base: type, m: types.ModuleType) -> None:
                 raise AssertionError("KVPolicyConnectorHMA took an inner connector without HMA")
     finally:
         del sys.modules[module_name]
+
+
+def drive_vllm_step_timing(sched_output: types.ModuleType, outputs: types.ModuleType, m: types.ModuleType) -> float:
+    """The connector's step timer over vLLM's own records: ``SchedulerOutput`` (its ``scheduled_new_reqs`` of
+    ``NewRequestData``, ``scheduled_cached_reqs`` of ``CachedRequestData``, ``num_scheduled_tokens``) when a step is
+    scheduled and ``KVConnectorOutput`` when its output is back — async scheduling (two steps in flight), decode-only
+    steps and empty ones (reported only when their output carries something: ``is_empty()``). The deployment
+    computes 2.5x the profile; returns the ratio the controller learned (AssertionError beyond 3 %)."""
+    from collections import deque
+
+    from kvpolicy.clock import ManualClock
+
+    class Inner:
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return 0, False
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            pass
+
+        def build_connector_meta(self, scheduler_output):
+            return types.SimpleNamespace()
+
+        def update_connector_output(self, connector_output):
+            pass
+
+    extra = {"kvpolicy": {"bytes_per_token": 2048}}
+    cfg = types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(kv_connector="KVPolicyConnector", is_kv_producer=True,
+                                                                         kv_connector_extra_config=extra),
+                                cache_config=types.SimpleNamespace(block_size=16), model_config=types.SimpleNamespace(model="m"),
+                                max_concurrent_batches=2)
+    conn = m.KVPolicyConnector(cfg, "scheduler", None, inner=Inner())
+    assert conn.policy.step_timer is not None and conn.policy.step_timer.steps_in_flight == 2
+    clock = ManualClock()
+    conn.policy.controller.clock = clock
+    model = conn.policy.controller.model
+
+    def step(k: int) -> tuple[object, float]:
+        so = sched_output.SchedulerOutput.make_empty()
+        if k % 7 == 6:
+            return so, 1e-4  # an empty step: nothing to run
+        cached = sched_output.CachedRequestData.make_empty()
+        cached.req_ids = [f"d{j}" for j in range(6)]
+        cached.num_computed_tokens = [2000 + k] * 6
+        so.scheduled_cached_reqs = cached
+        so.num_scheduled_tokens = dict.fromkeys(cached.req_ids, 1)
+        seconds = 0.006
+        if k % 3:
+            new = sched_output.NewRequestData(req_id=f"p{k}", prompt_token_ids=None, mm_features=[], sampling_params=None,
+                                              pooling_params=None, block_ids=([],), num_computed_tokens=512, lora_request=None)
+            so.scheduled_new_reqs = [new]
+            so.num_scheduled_tokens[f"p{k}"] = 1536
+            seconds += 2.5 * model.prefill_seconds(512, 2048)
+        so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
+        return so, seconds
+
+    queue: deque = deque()  # vLLM's batch queue: (step, done at s, output)
+    gpu_free = 0.0
+    for k in range(90):  # step_with_batch_queue: schedule while there is room, else block on the oldest
+        so, seconds = step(k)
+        conn.build_connector_meta(so)
+        gpu_free = max(clock.now_s(), gpu_free) + seconds
+        empty = so.total_num_scheduled_tokens == 0
+        out = outputs.KVConnectorOutput(finished_recving={"x"} if empty and k % 2 else None)
+        queue.append((k, gpu_free, out, empty))
+        if len(queue) < 2:
+            continue
+        _, done, out, empty = queue.popleft()
+        clock.advance(max(done - clock.now_s(), 0.0))
+        if not (empty and out.is_empty()):  # vLLM hands the scheduler an empty step's output only when it carries something
+            conn.update_connector_output(out)
+    ratio = model.prefill_ratio.q(0.5)
+    assert abs(ratio / 2.5 - 1) < 0.03, (ratio, conn.policy.step_timer.steps)
+    return ratio
 
 
 class PromCounter:

@@ -345,6 +345,14 @@ class LatencyModel:
         if dispatch_s is not None:
             self.dispatch.hist.record(dispatch_s)
 
+    def observe_prefill_batch(self, predicted_s: float, seconds: float) -> None:
+        """Feed a forward pass that prefilled several chunks together: ``predicted_s`` is the sum of
+        :meth:`prefill_seconds` over its chunks, ``seconds`` what their prefill took (the step's fixed part
+        left out: :class:`~kvpolicy.admission.steps.StepTimer`)."""
+        self.version += 1
+        if predicted_s > 0 and seconds > 0:
+            self.prefill_ratio.hist.record(seconds / predicted_s)
+
     def observe_interference(self, bytes_moved: float, stall_s: float, active_decodes: int = 0) -> None:
         """Feed an observed stall of active requests attributed to a load of ``bytes_moved``."""
         self.version += 1

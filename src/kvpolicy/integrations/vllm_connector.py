@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..admission import AdmissionContext, AdmissionController, LoadOutcome
+from ..admission.steps import StepTimer
 from ..errors import ConfigError
 from ..keys import BlockHasher
 from ..ledger import Ledger, RequestRecord
@@ -72,6 +73,26 @@ def _extras(request: Any, n_blocks: int) -> list[Any] | None:
     return extra_keys_for(n_blocks, lora_name=name, cache_salt=salt)
 
 
+def _step_chunks(scheduler_output: Any) -> list[tuple[int, int]]:
+    """``(tokens computed before, tokens scheduled)`` per request in a step, from vLLM's ``SchedulerOutput``
+    (``num_scheduled_tokens``, ``scheduled_new_reqs[].num_computed_tokens``, ``scheduled_cached_reqs.req_ids`` /
+    ``.num_computed_tokens``); a field it lacks leaves its requests out."""
+    n = getattr(scheduler_output, "num_scheduled_tokens", None)
+    if not isinstance(n, dict):
+        return []
+    out = []
+    for nr in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+        k = n.get(getattr(nr, "req_id", None))
+        if k:
+            out.append((int(getattr(nr, "num_computed_tokens", 0) or 0), int(k)))
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    for rid, before in zip(getattr(cached, "req_ids", None) or (), getattr(cached, "num_computed_tokens", None) or ()):
+        k = n.get(rid)
+        if k:
+            out.append((int(before), int(k)))
+    return out
+
+
 def _block_ids(blocks: Any) -> list[int]:
     """The physical block ids of a vLLM ``KVCacheBlocks`` (first group), or of a plain list."""
     if blocks is None:
@@ -85,7 +106,7 @@ def _block_ids(blocks: Any) -> list[int]:
 class VllmConnectorPolicy:
     def __init__(self, hasher: BlockHasher, remote: BlockIndex, controller: AdmissionController, publish_filter: Any, *,
                  bytes_per_token: int, replica: str = "replica-0", source: str = "pool", ledger: Ledger | None = None,
-                 tenant: str = "default", load_async: bool = False) -> None:
+                 tenant: str = "default", load_async: bool = False, learn_prefill_from_steps: bool = True, steps_in_flight: int = 1) -> None:
         if not isinstance(hasher, BlockHasher):
             raise ConfigError("hasher", "must be a kvpolicy BlockHasher")
         if not isinstance(controller, AdmissionController):
@@ -94,6 +115,8 @@ class VllmConnectorPolicy:
             raise ConfigError("bytes_per_token", f"must be a positive int, got {bytes_per_token!r}")
         if not isinstance(load_async, bool):
             raise ConfigError("load_async", f"must be true or false, got {load_async!r}")
+        if not isinstance(learn_prefill_from_steps, bool):
+            raise ConfigError("learn_prefill_from_steps", f"must be true or false, got {learn_prefill_from_steps!r}")
         #: whether your worker loads between steps (vLLM's ``load_kv_async``: the request waits for its
         #: ``finished_recving``) or inside the step's forward pass (False, the default)
         self.load_async = load_async
@@ -117,6 +140,10 @@ class VllmConnectorPolicy:
         self._promised: set[str] = set()
         self._admitted: dict[str, int] = {}  # req -> blocks its admitted load brings (what it will not compute)
         self._step = 0  # scheduling steps so far (build_connector_meta calls)
+        #: the deployment's compute, learned from the scheduler's steps (None: off — with pipeline parallelism the gap
+        #: between step outputs is one stage's time, not a step's)
+        self.step_timer = (StepTimer(controller.model, lambda: self.controller.clock.now_s(), prefill_min_tokens=self.B,
+                                     steps_in_flight=steps_in_flight) if learn_prefill_from_steps else None)
 
     def _ctx(self) -> AdmissionContext:
         return AdmissionContext(block_bytes=self.block_bytes, replica=self.replica, source=self.source, active_decodes=self.active_decodes,
@@ -204,10 +231,19 @@ class VllmConnectorPolicy:
         for rid in [r for r, ld in self._loads.items() if ld["sync"] and ld["step"] <= self._step - 2]:
             self.load_finished(rid)
         meta, self._pending_meta = self._pending_meta, {"loads": {}, "stores": {}}
+        if self.step_timer is not None and scheduler_output is not None:
+            # the step is timed from here to its update_connector_output; a synchronous load runs inside its forward
+            # pass, so such a step's time says nothing about the compute alone
+            sync_load = any(self._loads.get(rid, {}).get("sync") for rid in meta["loads"])
+            self.step_timer.scheduled(_step_chunks(scheduler_output), left_out=sync_load)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """The worker's report (vLLM's ``KVConnectorOutput``): finished loads, failed block ids, failed requests."""
+        """The worker's report (vLLM's ``KVConnectorOutput``): finished loads, failed block ids, failed requests.
+        vLLM 0.33 calls it once per executed step, in order: it also ends the step the timer is timing."""
+        if self.step_timer is not None:
+            is_empty = getattr(connector_output, "is_empty", None)  # vLLM's: nothing finished, failed, counted or logged
+            self.step_timer.finished(carries=not is_empty() if callable(is_empty) else True)
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         failed_reqs = {str(r) for r in (getattr(connector_output, "failed_recving", None) or ())}
         done = {str(r) for r in (getattr(connector_output, "finished_recving", None) or ())}

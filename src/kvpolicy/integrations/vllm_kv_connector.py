@@ -57,7 +57,8 @@ try:  # pragma: no cover - depends on the environment
 except ImportError:
     _StatsBase = object  # type: ignore[assignment,misc]
 
-DEFAULTS = {**ADMISSION_DEFAULTS, "bytes_per_token": 131072, "block_size": 16, "kv_dtype": "bf16", "partial_loads": None}
+DEFAULTS = {**ADMISSION_DEFAULTS, "bytes_per_token": 131072, "block_size": 16, "kv_dtype": "bf16", "partial_loads": None,
+            "learn_prefill_from_steps": True}
 
 #: inner connectors that load any leading part of the hit they offered (vLLM 0.33's OffloadingConnector computes
 #: its load range from the count it is given); any other is asked for all it offered or nothing — vLLM's own LMCache
@@ -320,8 +321,17 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
 
         model = getattr(getattr(vllm_config, "model_config", None), "model", None) or "model"
         ns = Namespace(model_id=str(model), model_revision="main", tokenizer_version="vllm", kv_dtype=kv_dtype, block_size_tokens=B)
+        learn = cfg["learn_prefill_from_steps"]
+        if not isinstance(learn, bool):
+            raise ConfigError(f"{where}.learn_prefill_from_steps", f"must be true or false, got {learn!r}")
+        # with pipeline parallelism one step per stage runs at once: the gap between outputs is a stage's time
+        pp = getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1)
+        # how many steps vLLM keeps scheduled at once: 2 with async scheduling (its batch queue), else 1
+        in_flight = getattr(vllm_config, "max_concurrent_batches", 1)
+        in_flight = in_flight if isinstance(in_flight, int) and not isinstance(in_flight, bool) and in_flight >= 1 else 1
         self.policy = _Counted(BlockHasher(ns, "fast"), _NoIndex(), controller, publish_filter,
-                               bytes_per_token=bytes_per_token)
+                               bytes_per_token=bytes_per_token, learn_prefill_from_steps=learn and not (isinstance(pp, int) and pp > 1),
+                               steps_in_flight=in_flight)
         partial = cfg["partial_loads"]
         if partial is not None and not isinstance(partial, bool):
             raise ConfigError(f"{where}.partial_loads", f"must be true, false or null (decided by the inner connector), got {partial!r}")
