@@ -366,6 +366,13 @@ def test_the_helper_learns_the_compute_from_the_steps_vllm_schedules():
     clock.advance(30.0)
     helper.update_connector_output(FakeOutput())
     assert helper.step_timer.steps["prefill_samples"] == samples and helper.step_timer.steps["left_out"] == 1
+    # vLLM 0.33 also marks such a step itself (SchedulerOutput.has_sync_kv_loads): a load another path admitted
+    so = _sched_out(new=[("s2", 0, 64 * B)])
+    so.has_sync_kv_loads = True
+    helper.build_connector_meta(so)
+    clock.advance(30.0)
+    helper.update_connector_output(FakeOutput())
+    assert helper.step_timer.steps["prefill_samples"] == samples and helper.step_timer.steps["left_out"] == 2
     with pytest.raises(ConfigError, match="learn_prefill_from_steps"):
         VllmConnectorPolicy(HASHER, d.index("acme"), ctl, ThresholdPublish(1), bytes_per_token=2048, learn_prefill_from_steps=1)
 

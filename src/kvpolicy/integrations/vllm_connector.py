@@ -234,7 +234,8 @@ class VllmConnectorPolicy:
         if self.step_timer is not None and scheduler_output is not None:
             # the step is timed from here to its update_connector_output; a synchronous load runs inside its forward
             # pass, so such a step's time says nothing about the compute alone
-            sync_load = any(self._loads.get(rid, {}).get("sync") for rid in meta["loads"])
+            sync_load = (getattr(scheduler_output, "has_sync_kv_loads", False) is True  # vLLM 0.33 says so itself
+                         or any(self._loads.get(rid, {}).get("sync") for rid in meta["loads"]))
             self.step_timer.scheduled(_step_chunks(scheduler_output), left_out=sync_load)
         return meta
 
