@@ -582,7 +582,8 @@ def _engine_steps(timer, clock, steps, *, ratio, base_s, model, depth, idle_ever
 
 
 @settings(max_examples=60, deadline=None)
-@given(ratio=st.floats(0.2, 5.0), base_ms=st.floats(0.5, 40.0), depth=st.sampled_from([1, 2]), idle_every=st.integers(0, 7),
+@given(ratio=st.floats(0.2, 5.0), base_ms=st.floats(0.5, 40.0), depth=st.sampled_from([1, 2]),
+       idle_every=st.sampled_from([0, 2, 3, 5, 7]),  # idle only after a request's last step: a prefill and a decode at least
        empty_share=st.sampled_from([0.0, 0.1, 0.3]), seed=st.integers(0, 2**31 - 1))
 def test_the_step_timer_learns_the_engines_compute_from_when_steps_are_scheduled_and_come_back(ratio, base_ms, depth, idle_every,
                                                                                                    empty_share, seed):
@@ -671,3 +672,23 @@ def test_an_empty_steps_output_is_told_from_the_next_steps_by_how_soon_it_comes_
     clock.advance(0.005)
     assert timer.finished(carries=True) == pytest.approx(0.005), "paired with its own step, not one from before the idle time"
     assert timer.base.max < 0.0051
+
+
+def test_the_fixed_part_of_a_step_is_learned_from_prefill_steps_when_no_step_is_decode_only():
+    """An engine under load seldom runs a step without a prefill chunk. The fixed part of a step (10 ms here) is then
+    the intercept of the line of step time on predicted prefill — robust to stalls (one step in 20 takes 50 ms more):
+    taken as 0, the 2x compute would be learned as 2x plus the fixed part over each step's prefill."""
+    from kvpolicy.admission.steps import StepTimer
+
+    rng = np.random.default_rng(5)
+    clock = ManualClock()
+    model = LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), PrefillModel(0.0, 5e-5, 0.0, 0, 0), window_s=None)
+    timer = StepTimer(model, clock.now_s)
+    for k in range(300):
+        tokens = int(rng.integers(64, 2048))
+        timer.scheduled([(1000, 1)] * 8 + [(0, tokens)])
+        clock.advance(0.010 + 2.0 * model.prefill_seconds(0, tokens) + (0.05 if k % 20 == 7 else 0.0))
+        timer.finished()
+    assert timer.steps["decode_samples"] == 0
+    assert timer.fixed_part_s() == pytest.approx(0.010, rel=0.02)
+    assert model.prefill_ratio.q(0.5) == pytest.approx(2.0, rel=0.025)

@@ -20,11 +20,13 @@ weights, the decode tokens' attention — plus the prefill chunks it computes::
 
     step_s ≈ base_s + ratio × Σ_chunks T_prefill(before, before + computed)
 
-``base_s`` is learned from the steps with no prefill chunk (a chunk of fewer than ``prefill_min_tokens`` tokens is a
-decode step's, speculative tokens included): the median, once ``min_samples`` of them are in (the prefill steps
-wait for it; after ``4 × min_samples`` of them without, the fixed part is taken as 0 — counted as compute). Every
-step whose chunks the profile predicts to take at least ``base_s`` gives one sample ``(step_s − base_s) / Σ T_prefill``
-of the ratio. Steps that carry a synchronous load
+``base_s`` is the intercept of a Theil–Sen line of ``step_s`` on ``Σ T_prefill`` through the ``recent_steps`` newest
+steps (a step with no prefill chunk at 0; a chunk of fewer than ``prefill_min_tokens`` tokens is a decode step's,
+speculative tokens included) — the median of the pairwise slopes, robust to stalls, and learned from the prefill steps
+themselves, as an engine under load seldom runs a step without one. While the predictions do not spread enough to
+tell slope from intercept, the median decode-only step stands in; the prefill steps wait for either (after
+``4 × min_samples`` of them without, the fixed part is taken as 0 — counted as compute). Every step whose chunks the
+profile predicts to take at least ``base_s`` gives one sample ``(step_s − base_s) / Σ T_prefill`` of the ratio. Steps that carry a synchronous load
 (its transfer runs inside the forward pass) are left out. With pipeline parallelism several steps run at once, one
 per stage, and the gap between outputs is a stage's time, not a step's: do not use a timer there.
 """
@@ -34,6 +36,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 
+import numpy as np
+
 from ..errors import ConfigError
 from .model import LatencyModel
 
@@ -41,12 +45,13 @@ from .model import LatencyModel
 class StepTimer:
     """Pairs an engine's scheduled steps with their outputs and feeds the model what they show of its compute."""
 
-    def __init__(self, model: LatencyModel, now_s: Callable[[], float], *, prefill_min_tokens: int = 16, steps_in_flight: int = 1) -> None:
+    def __init__(self, model: LatencyModel, now_s: Callable[[], float], *, prefill_min_tokens: int = 16, steps_in_flight: int = 1,
+                 recent_steps: int = 128) -> None:
         if not isinstance(model, LatencyModel):
             raise ConfigError("model", f"must be a kvpolicy LatencyModel, got {type(model).__name__}")
         if not callable(now_s):
             raise ConfigError("now_s", f"must be a callable returning the scheduler's time in seconds, got {now_s!r}")
-        for name, v in (("prefill_min_tokens", prefill_min_tokens), ("steps_in_flight", steps_in_flight)):
+        for name, v in (("prefill_min_tokens", prefill_min_tokens), ("steps_in_flight", steps_in_flight), ("recent_steps", recent_steps)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(name, f"must be a positive int, got {v!r}")
         self.model = model
@@ -62,6 +67,9 @@ class StepTimer:
         self._in_flight: deque[tuple[float, float | None, bool, bool]] = deque()
         self._last_out_s: float | None = None
         self._waiting: list[tuple[float, float]] = []  # prefill steps (predicted s, measured s) until the fixed part is known
+        #: (predicted prefill s, measured s) of the newest timed steps: the line whose intercept is a step's fixed part
+        self._recent: deque[tuple[float, float]] = deque(maxlen=recent_steps)
+        self._fit: tuple[int, float | None] | None = None  # (timed steps when fitted, the fixed part then)
         self.steps = {"timed": 0, "prefill_samples": 0, "decode_samples": 0, "left_out": 0, "unpaired": 0}
 
     def scheduled(self, chunks: Iterable[tuple[int, int]], *, left_out: bool = False) -> None:
@@ -110,21 +118,40 @@ class StepTimer:
         if left_out or step_s <= 0.0:
             self.steps["left_out"] += 1
             return step_s
+        self._recent.append((0.0 if pred is None else pred, step_s))
         if pred is None:
             self.base.record(step_s)
             self.steps["decode_samples"] += 1
-            if self._waiting and self.base.count >= self.model.min_samples:
-                self._flush(self.base.quantile(0.5) or 0.0)
-            return step_s
-        self._waiting.append((pred, step_s))
-        if self.base.count >= self.model.min_samples:
-            self._flush(self.base.quantile(0.5) or 0.0)
-        elif len(self._waiting) >= 4 * self.model.min_samples:
-            self._flush(0.0)  # no decode-only step to learn the fixed part from: counted as compute (recompute looks slower)
+        else:
+            self._waiting.append((pred, step_s))
+        if self._waiting:
+            if self._fit is None or self.steps["timed"] - self._fit[0] >= 16:  # refitted every 16 steps: ~0.3 ms a fit
+                self._fit = (self.steps["timed"], self.fixed_part_s())
+            base_s = self._fit[1]
+            if base_s is not None:
+                self._flush(base_s)
+            elif len(self._waiting) >= 4 * self.model.min_samples:
+                self._flush(0.0)  # nothing to learn the fixed part from yet: counted as compute (recompute looks slower)
         return step_s
 
+    def fixed_part_s(self) -> float | None:
+        """The fixed part of a step: the intercept of a Theil–Sen line of step time on predicted prefill through
+        the recent steps (decode-only ones at 0) — robust to stalls, and learned from the prefill steps themselves
+        where an engine under load seldom runs a decode-only step — when their predictions spread enough to tell
+        slope from intercept; else the median decode-only step once there are ``min_samples``; else None."""
+        if len(self._recent) >= self.model.min_samples:
+            x, y = np.array(self._recent).T
+            dx = x[None, :] - x[:, None]
+            keep = np.triu(np.abs(dx) > 0.25 * (x.max() - x.min()), 1) & (x.max() > 0)
+            if np.count_nonzero(keep) >= self.model.min_samples:
+                slope = float(np.median((y[None, :] - y[:, None])[keep] / dx[keep]))
+                return max(float(np.median(y - slope * x)), 0.0)
+        if self.base.count >= self.model.min_samples:
+            return self.base.quantile(0.5) or 0.0
+        return None
+
     def _flush(self, base_s: float) -> None:
-        """Feed the prefill steps waiting for the fixed part of a step (learned from decode-only steps) to the model."""
+        """Feed the prefill steps waiting for the fixed part of a step to the model."""
         for pred, step_s in self._waiting:
             if pred > 0 and pred >= base_s and step_s > base_s:
                 self.model.observe_prefill_batch(pred, step_s - base_s)
