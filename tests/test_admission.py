@@ -640,7 +640,8 @@ def test_the_step_timer_leaves_out_steps_with_a_synchronous_load_and_starts_over
         StepTimer(model, clock.now_s, steps_in_flight=0)
 
 
-def test_an_empty_steps_output_is_told_from_the_next_steps_by_how_soon_it_comes_back():
+@pytest.mark.parametrize("warm", ["decode-only steps", "prefill steps only"])
+def test_an_empty_steps_output_is_told_from_the_next_steps_by_how_soon_it_comes_back(warm):
     """vLLM reports an empty step (nothing to run: scheduled to collect finished transfers) only when its output
     carries something. With a step scheduled behind it, an output that carries something is the empty step's only
     if it came back sooner than a step that ran could have: otherwise the next step's is taken for the empty one's,
@@ -651,9 +652,10 @@ def test_an_empty_steps_output_is_told_from_the_next_steps_by_how_soon_it_comes_
     model = LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), PrefillModel(0.0, 1e-4, 0.0, 0, 0), window_s=None)
     timer = StepTimer(model, clock.now_s, steps_in_flight=2)
     decode = [(500, 1)]
-    for _ in range(25):  # the fixed part of a step: 5 ms
-        timer.scheduled(decode)
-        clock.advance(0.005)
+    for k in range(25 if warm == "decode-only steps" else 60):  # the fixed part of a step: 5 ms
+        tokens = 0 if warm == "decode-only steps" else 64 * (1 + k % 8)  # an engine under load: a prefill in every step
+        timer.scheduled(decode + ([(0, tokens)] if tokens else []))
+        clock.advance(0.005 + (model.prefill_seconds(0, tokens) if tokens else 0.0))
         timer.finished(carries=False)
     # an empty step reported at once, then the step behind it
     timer.scheduled([])

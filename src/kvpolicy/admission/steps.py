@@ -101,7 +101,9 @@ class StepTimer:
                 # right after the engine is free, sooner than half the fixed part of a step that ran
                 t_sched = self._in_flight[0][0]
                 since = now - (t_sched if self._last_out_s is None else max(t_sched, self._last_out_s))
-                if self.base.count < self.model.min_samples or since < 0.5 * (self.base.quantile(0.5) or 0.0):
+                fixed_s = self._fit[1] if self._fit is not None and self._fit[1] is not None else (
+                    self.base.quantile(0.5) if self.base.count >= self.model.min_samples else None)
+                if fixed_s is None or since < 0.5 * fixed_s:
                     break
             elif carries:
                 break
