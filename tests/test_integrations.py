@@ -2758,3 +2758,23 @@ def test_the_sglang_strategy_driver_runs_over_a_stand_in_of_sglangs_evict_policy
     evict.LFUStrategy = LRUStrategy  # a priority that is not the stand-in's copy: the driver says so
     with pytest.raises(AssertionError, match="LRUStrategy"):
         _engine_base_checks().drive_sglang_strategies(evict)
+
+
+def test_a_malformed_scheduler_output_never_stops_vllms_scheduler():
+    """The step timer reads vLLM's SchedulerOutput inside the scheduler: a field missing, None, of another type or
+    negative leaves that request out of the step's chunks — never an exception out of build_connector_meta."""
+    from types import SimpleNamespace as NS_
+
+    from kvpolicy.integrations.vllm_connector import _step_chunks
+
+    good = _sched_out(new=[("a", 16, 512)], cached=[("b", 100, 1)])
+    assert _step_chunks(good) == [(16, 512), (100, 1)]
+    bad = NS_(num_scheduled_tokens={"a": 512, "b": None, "c": -3, "d": 7, "e": True, "f": 9},
+              scheduled_new_reqs=[NS_(req_id="a", num_computed_tokens=None), NS_(req_id=["x"], num_computed_tokens=0), NS_()],
+              scheduled_cached_reqs=NS_(req_ids=["b", "c", "d", "e", "f", "zz"], num_computed_tokens=[0, 0, "7", 0, np.int64(40), 3]))
+    assert _step_chunks(bad) == [(40, 9)]
+    for so in (NS_(), NS_(num_scheduled_tokens=[1]), NS_(num_scheduled_tokens={}, scheduled_cached_reqs=NS_(req_ids=None)), 7):
+        assert _step_chunks(so) == []
+    helper, _ = connector_setup()
+    helper.build_connector_meta(bad)
+    helper.update_connector_output(FakeOutput())

@@ -41,6 +41,7 @@ calls them (``vllm/v1/core/sched/scheduler.py``):
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,21 +77,28 @@ def _extras(request: Any, n_blocks: int) -> list[Any] | None:
 def _step_chunks(scheduler_output: Any) -> list[tuple[int, int]]:
     """``(tokens computed before, tokens scheduled)`` per request in a step, from vLLM's ``SchedulerOutput``
     (``num_scheduled_tokens``, ``scheduled_new_reqs[].num_computed_tokens``, ``scheduled_cached_reqs.req_ids`` /
-    ``.num_computed_tokens``); a field it lacks leaves its requests out."""
+    ``.num_computed_tokens``). A field it lacks, or a count that is not a non-negative int, leaves its request out:
+    this runs inside vLLM's scheduler, and timing is never worth stopping it for."""
     n = getattr(scheduler_output, "num_scheduled_tokens", None)
     if not isinstance(n, dict):
         return []
-    out = []
-    for nr in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
-        k = n.get(getattr(nr, "req_id", None))
-        if k:
-            out.append((int(getattr(nr, "num_computed_tokens", 0) or 0), int(k)))
+    pairs = [(getattr(nr, "req_id", None), getattr(nr, "num_computed_tokens", None))
+             for nr in getattr(scheduler_output, "scheduled_new_reqs", None) or ()]
     cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-    for rid, before in zip(getattr(cached, "req_ids", None) or (), getattr(cached, "num_computed_tokens", None) or ()):
-        k = n.get(rid)
-        if k:
+    pairs += zip(getattr(cached, "req_ids", None) or (), getattr(cached, "num_computed_tokens", None) or ())
+    out = []
+    for rid, before in pairs:
+        try:
+            k = n.get(rid)
+        except TypeError:  # an unhashable id
+            continue
+        if _count_ok(k) and k > 0 and _count_ok(before):
             out.append((int(before), int(k)))
     return out
+
+
+def _count_ok(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0
 
 
 def _block_ids(blocks: Any) -> list[int]:
