@@ -1587,7 +1587,9 @@ def test_the_loadable_connector_reports_its_decisions_and_the_inner_stats_to_vll
     with pytest.raises(ConfigError, match="kv_connector_stats"):
         KVPolicyConnector.build_kv_connector_stats([1, 2])
     for bad, field in (({"requests": "2"}, "kv_connector_stats.requests"), ({"loaded_tokens": -1}, "kv_connector_stats.loaded_tokens"),
-                       ({"declined": [1]}, "kv_connector_stats.declined"), ({"declined": {"x": 1.5}}, "kv_connector_stats.declined.x")):
+                       ({"declined": [1]}, "kv_connector_stats.declined"), ({"declined": {"x": 1.5}}, "kv_connector_stats.declined.x"),
+                       ({"compute_over_profile": "2"}, "kv_connector_stats.compute_over_profile"),
+                       ({"step_fixed_s": float("nan")}, "kv_connector_stats.step_fixed_s")):
         with pytest.raises(ConfigError) as e:
             KVPolicyConnector.build_kv_connector_stats({**payload, **bad})
         assert e.value.field == field
@@ -1773,7 +1775,7 @@ def _fake_vllm_metrics():
 
     checks = _engine_base_checks()
     prom = types.ModuleType("prometheus_client")
-    prom.Counter, prom.Gauge, prom.Histogram = checks.PromCounter, type("Gauge", (), {}), type("Histogram", (), {})
+    prom.Counter, prom.Gauge, prom.Histogram = checks.PromCounter, type("Gauge", (checks.PromCounter,), {}), type("Histogram", (), {})
     import importlib
 
     factory = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.factory")

@@ -415,6 +415,9 @@ class PromCounter:
             def inc(self, n: float = 1) -> None:
                 metric.values[values] = metric.values.get(values, 0) + n
 
+            def set(self, v: float) -> None:  # a Gauge's
+                metric.values[values] = v
+
         return Child()
 
 
@@ -488,8 +491,20 @@ def drive_vllm_metrics(metrics: types.ModuleType, factory: types.ModuleType, m: 
         req = types.SimpleNamespace(request_id="r1", prompt_token_ids=list(range(8192)))
         assert conn.get_num_new_matched_tokens(req, 0) == (0, False), "a slow link: recompute"
         conn.update_state_after_alloc(req, [], 0)
+        from kvpolicy.clock import ManualClock
+
+        clock = conn.policy.controller.clock = ManualClock()
+        for k in range(60):  # steps through the helper: the compute learned at 2x the profile (the prior: 20,000 tokens/s)
+            tokens = 256 * (1 + k % 8)
+            conn.policy.build_connector_meta(types.SimpleNamespace(num_scheduled_tokens={"p": tokens, "d": 1}, scheduled_new_reqs=[],
+                                                                   scheduled_cached_reqs=types.SimpleNamespace(req_ids=["p", "d"],
+                                                                                                               num_computed_tokens=[0, 900])))
+            clock.advance(0.005 + 2 * tokens / 20000.0)
+            conn.policy.update_connector_output(types.SimpleNamespace())
+            clock.advance(1.0)
         stats = conn.get_kv_connector_stats()
         assert isinstance(stats, metrics.KVConnectorStats)
+        assert abs(stats.learned["compute_over_profile"] - 2.0) < 0.05 and abs(stats.learned["step_fixed_s"] - 0.005) < 1e-3, stats.learned
         payload = stats.to_dict()  # what the scheduler sends to the front end
         log = metrics.KVConnectorLogging(ktc)
         log.observe(payload)
@@ -498,10 +513,12 @@ def drive_vllm_metrics(metrics: types.ModuleType, factory: types.ModuleType, m: 
         log.log(lambda fmt, *a: lines.append(fmt % a))
         assert len(lines) == 1 and "transfer_bytes=200" in lines[0], lines
         assert "kvpolicy_requests=2" in lines[0] and "kvpolicy_declined_slower_than_recompute=2" in lines[0], lines
+        assert "kvpolicy_compute_over_profile=2.0" in lines[0], lines
         prom = metrics.KVConnectorProm(cfg, ["model_name"], {0: ["m"]})
         prom.observe(payload, 0)
-        counters = {c.name: c for c in (*prom.prom_metrics.tokens.values(), prom.prom_metrics.declined)}
+        counters = {c.name: c for c in (*prom.prom_metrics.tokens.values(), prom.prom_metrics.declined, *prom.prom_metrics.learned.values())}
         assert counters["vllm:kvpolicy_offered_tokens"].values == {("m",): 4096}, counters
+        assert abs(counters["vllm:kvpolicy_compute_over_profile"].values[("m",)] - 2.0) < 0.05, "a gauge of what was learned"
         assert counters["vllm:kvpolicy_declined_requests"].values == {("m", "slower_than_recompute"): 1}
         assert observed == [{"transfer_bytes": 100}], "the inner connector's Prometheus metrics get its part"
         # a child of vLLM's MultiConnector: its stats come back keyed by class name, rebuilt by registered name

@@ -134,6 +134,8 @@ class _Counted(VllmConnectorPolicy):
 #: them), the tokens it offered, the tokens kvpolicy let it load (after vLLM's own trims), the tokens kvpolicy
 #: declined, and — by the controller's reason — the requests whose offer kvpolicy cut or declined
 COUNTS = ("requests", "offered_tokens", "loaded_tokens", "declined_tokens")
+#: what the controller learned of the deployment's compute, reported with the counts (values, not counts)
+LEARNED = ("compute_over_profile", "step_fixed_s")
 
 
 def _class_path(cls: type) -> str:
@@ -195,7 +197,9 @@ class KVPolicyStats(_StatsBase):  # type: ignore[misc,valid-type]
     class — the wrapper — with no config to find the inner class by: the dict names it (``inner_class``), as
     vLLM's ``MultiConnector`` names its children. ``reduce`` (vLLM's "KV Transfer metrics" log line) is the inner
     stats' reduction plus ``kvpolicy_requests``, ``kvpolicy_offered_tokens``, ``kvpolicy_loaded_tokens``,
-    ``kvpolicy_declined_tokens`` and ``kvpolicy_declined_<reason>`` (requests)."""
+    ``kvpolicy_declined_tokens`` and ``kvpolicy_declined_<reason>`` (requests), and once learned
+    ``kvpolicy_compute_over_profile`` (the deployment's prefill over the profile's prediction, p50) and
+    ``kvpolicy_step_fixed_s`` (a step's fixed part) — what the step timer has learned."""
 
     def __init__(self, data: dict[str, Any] | None = None, *, inner: Any = None, inner_class: str | None = None) -> None:
         counts = dict.fromkeys(COUNTS, 0)
@@ -209,6 +213,14 @@ class KVPolicyStats(_StatsBase):  # type: ignore[misc,valid-type]
                 raise ConfigError("kv_connector_stats.declined", f"must map reasons to counts, got {type(reasons).__name__}")
             declined.update({str(r): _count(n, f"kv_connector_stats.declined.{r}") for r, n in reasons.items()})
         self.data = {**counts, "declined": declined}
+        #: what the controller has learned of the deployment's compute (the step timer): its prefill over the
+        #: profile's prediction (p50) and a step's fixed part in seconds — None until learned
+        self.learned: dict[str, float | None] = dict.fromkeys(LEARNED)
+        for k in LEARNED:
+            v = (data or {}).get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf")):
+                raise ConfigError(f"kv_connector_stats.{k}", f"must be a finite non-negative number or null, got {v!r}")
+            self.learned[k] = None if v is None else float(v)
         self.inner = inner
         self.inner_class = inner_class
 
@@ -224,7 +236,7 @@ class KVPolicyStats(_StatsBase):  # type: ignore[misc,valid-type]
 
     def to_dict(self) -> dict[str, Any]:
         inner = self.inner.to_dict() if self.inner is not None else None
-        return {**{k: self.data[k] for k in COUNTS}, "declined": dict(self.data["declined"]), "inner": inner,
+        return {**{k: self.data[k] for k in COUNTS}, "declined": dict(self.data["declined"]), **self.learned, "inner": inner,
                 "inner_class": self.inner_class}
 
     def aggregate(self, other: Any) -> KVPolicyStats:
@@ -234,6 +246,9 @@ class KVPolicyStats(_StatsBase):  # type: ignore[misc,valid-type]
             self.data[k] += other.data[k]
         for r, n in other.data["declined"].items():
             self.data["declined"][r] = self.data["declined"].get(r, 0) + n
+        for k, v in other.learned.items():  # a value, not a count: the newer report's
+            if v is not None:
+                self.learned[k] = v
         if other.inner is not None:
             self.inner = other.inner if self.inner is None else self.inner.aggregate(other.inner)
             self.inner_class = self.inner_class or other.inner_class
@@ -244,6 +259,7 @@ class KVPolicyStats(_StatsBase):  # type: ignore[misc,valid-type]
         if self.data["requests"]:
             out.update({f"kvpolicy_{k}": self.data[k] for k in COUNTS})
             out.update({f"kvpolicy_declined_{r}": n for r, n in sorted(self.data["declined"].items())})
+        out.update({f"kvpolicy_{k}": round(v, 4) for k, v in self.learned.items() if v is not None})
         return out
 
     def is_empty(self) -> bool:
@@ -251,6 +267,7 @@ class KVPolicyStats(_StatsBase):  # type: ignore[misc,valid-type]
 
     def reset(self) -> None:
         self.data = {**dict.fromkeys(COUNTS, 0), "declined": {}}
+        self.learned = dict.fromkeys(LEARNED)
         if self.inner is not None:
             self.inner.reset()
 
@@ -279,6 +296,10 @@ class _PromMetrics:
         self.declined = counter(name="vllm:kvpolicy_declined_requests",
                                 documentation="Requests whose offered load kvpolicy cut or declined, by the controller's reason",
                                 labelnames=labels + ["reason"])
+        gauge = next((v for k, v in metric_types.items() if getattr(k, "__name__", "") == "Gauge"), None)
+        self.learned = {} if gauge is None else {k: gauge(name=f"vllm:kvpolicy_{k}", documentation=doc, labelnames=labels) for k, doc in (
+            ("compute_over_profile", "The deployment's prefill compute over the profile's prediction (p50), learned from vLLM's steps"),
+            ("step_fixed_s", "The fixed part of a vLLM step in seconds (weights, decodes), learned from vLLM's steps"))}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         values = list(self.per_engine[engine_idx])
@@ -287,6 +308,9 @@ class _PromMetrics:
                 c.labels(*values).inc(transfer_stats_data[k])
         for r, n in (transfer_stats_data.get("declined") or {}).items():
             self.declined.labels(*values, r).inc(n)
+        for k, g in self.learned.items():
+            if transfer_stats_data.get(k) is not None:
+                g.labels(*values).set(transfer_stats_data[k])
         if self.inner is not None and transfer_stats_data.get("inner") is not None:
             self.inner.observe(transfer_stats_data["inner"], engine_idx)
 
@@ -390,7 +414,14 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
         inner = inner_get() if callable(inner_get) else None
         out, self.stats = self.stats, KVPolicyStats(inner_class=self.stats.inner_class)
         out.inner = inner
-        return None if out.is_empty() else out
+        if out.is_empty():
+            return None
+        model, timer = self.policy.controller.model, self.policy.step_timer
+        if model.prefill_ratio.hist.count >= model.min_samples:
+            out.learned["compute_over_profile"] = model.prefill_ratio.q(0.5)
+        if timer is not None and timer._fit is not None and timer._fit[1] is not None:
+            out.learned["step_fixed_s"] = timer._fit[1]
+        return out
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPolicyStats:
