@@ -101,7 +101,7 @@ class StepTimer:
                 # right after the engine is free, sooner than half the fixed part of a step that ran
                 t_sched = self._in_flight[0][0]
                 since = now - (t_sched if self._last_out_s is None else max(t_sched, self._last_out_s))
-                fixed_s = self._fit[1] if self._fit is not None and self._fit[1] is not None else (
+                fixed_s = self.fixed_s if self.fixed_s is not None else (
                     self.base.quantile(0.5) if self.base.count >= self.model.min_samples else None)
                 if fixed_s is None or since < 0.5 * fixed_s:
                     break
@@ -135,6 +135,11 @@ class StepTimer:
             elif len(self._waiting) >= 4 * self.model.min_samples:
                 self._flush(0.0)  # nothing to learn the fixed part from yet: counted as compute (recompute looks slower)
         return step_s
+
+    @property
+    def fixed_s(self) -> float | None:
+        """The fixed part of a step as last fitted (refitted every 16 steps while prefill steps come); None before."""
+        return self._fit[1] if self._fit is not None else None
 
     def fixed_part_s(self) -> float | None:
         """The fixed part of a step: the intercept of a Theil–Sen line of step time on predicted prefill through

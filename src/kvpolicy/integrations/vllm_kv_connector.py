@@ -419,8 +419,8 @@ class KVPolicyConnector(_Base):  # type: ignore[misc,valid-type]
         model, timer = self.policy.controller.model, self.policy.step_timer
         if model.prefill_ratio.hist.count >= model.min_samples:
             out.learned["compute_over_profile"] = model.prefill_ratio.q(0.5)
-        if timer is not None and timer._fit is not None and timer._fit[1] is not None:
-            out.learned["step_fixed_s"] = timer._fit[1]
+        if timer is not None and timer.fixed_s is not None:
+            out.learned["step_fixed_s"] = timer.fixed_s
         return out
 
     @classmethod
