@@ -3,14 +3,15 @@
 SGLang ranks every evictable leaf itself, through its strategy's ``get_priority(node)``, and sees only leaves at
 eviction time; :class:`kvpolicy.integrations.sglang.PriorityStrategy` mirrors its tree into a kvpolicy policy from
 what those calls show. This replays traces through :func:`kvpolicy.testing.radix.radix_replay` (SGLang 0.5.x's
-``evict`` loop, one node per block) with: SGLang's ``LRUStrategy`` and ``LFUStrategy`` (their priority functions),
+``evict`` loop, one node per block; ``--merge-runs``: SGLang's own tree shape, a node per run of blocks, split where a
+request diverges inside it) with: SGLang's ``LRUStrategy`` and ``LFUStrategy`` (their priority functions),
 and ``PriorityStrategy`` over kvpolicy's hit-density, adaptive and reuse-distance. Beside them, hit density as
 kvpolicy runs it itself (the kernel: every reference seen, in order) and Belady. Per point: block hits, and the share
 of the SGLang-LRU -> Belady gap closed.
 
 The defaults are the reporting seeds 101, 202 and the conversation trace; nothing here has a knob to tune.
 
-    python benchmarks/bench_sglang_strategy.py [--presets chat,agent,mixed,rag] [--seeds 101,202] [--no-trace]
+    python benchmarks/bench_sglang_strategy.py [--presets chat,agent,mixed,rag] [--seeds 101,202] [--no-trace] [--merge-runs]
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="101,202")
     ap.add_argument("--fractions", default="64,16", help="capacities as 1/N of the distinct blocks")
     ap.add_argument("--no-trace", action="store_true", help="skip the conversation trace")
+    ap.add_argument("--merge-runs", action="store_true",
+                    help="SGLang's own tree shape: a node holds a run of blocks and splits where a request diverges inside it")
     ap.add_argument("--json", default=None)
     add_check_flag(ap)
     args = ap.parse_args(argv)
@@ -53,11 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         distinct = int(np.unique(trace.block_ids).size)
         for frac in (int(f) for f in args.fractions.split(",")):
             cap = max(distinct // frac, 1)
-            hits = {"sglang-lru": int(radix_replay(trace, sglang_lru, cap).sum()), "sglang-lfu": int(radix_replay(trace, sglang_lfu, cap).sum())}
+            mr = args.merge_runs
+            hits = {"sglang-lru": int(radix_replay(trace, sglang_lru, cap, merge_runs=mr).sum()),
+                    "sglang-lfu": int(radix_replay(trace, sglang_lfu, cap, merge_runs=mr).sum())}
             for n, cls in MIRRORED.items():
                 clock = [0.0]
                 strategy = PriorityStrategy(cls(cap), now_s=lambda c=clock: c[0])
-                hits[f"kvpolicy {n}"] = int(radix_replay(trace, strategy.get_priority, cap, clock=clock).sum())
+                hits[f"kvpolicy {n}"] = int(radix_replay(trace, strategy.get_priority, cap, clock=clock, merge_runs=mr).sum())
             hits["hit-density kernel"] = replay_kernel(trace, "hit-density", cap).hit_blocks
             hits["belady"] = replay_kernel(trace, "belady", cap).hit_blocks
             lru, bel = hits["sglang-lru"], hits["belady"]
@@ -66,9 +71,10 @@ def main(argv: list[str] | None = None) -> int:
                                                            for n in names])
             out.append({"trace": label, "capacity_blocks": cap, "block_refs": int(trace.block_ids.size), "hits": hits, "gap_closed": gap})
             print("  " + "  ".join(rows[-1]), file=sys.stderr, flush=True)
-    print("block hits under SGLang's eviction loop (share of the SGLang-LRU -> Belady gap closed)\n")
+    shape = "a node per run of blocks, split where a request diverges (SGLang's)" if args.merge_runs else "a node per block"
+    print(f"block hits under SGLang's eviction loop, {shape} (share of the SGLang-LRU -> Belady gap closed)\n")
     print_table(["trace", "capacity", *names], rows)
-    print(f"\nwrote {write_json('bench_sglang_strategy', {'runs': out}, args.json)}")
+    print(f"\nwrote {write_json('bench_sglang_strategy', {'runs': out, 'merge_runs': args.merge_runs}, args.json)}")
     bound = all(max(v for k, v in r["hits"].items() if k != "belady") <= r["hits"]["belady"] for r in out)
     return report_targets({"belady bounds every strategy": bound}, args.check)
 

@@ -727,6 +727,84 @@ def test_the_radix_stand_in_under_sglangs_lru_is_kvpolicys_lru(tr, cap):
     assert np.array_equal(radix_replay(tr, sglang_lru, cap), replay_kernel(tr, "lru", cap).hits)
 
 
+@hyp_settings(max_examples=60, deadline=None)
+@given(tr=prefix_traces(max_requests=40), cap=st.integers(1, 14))
+def test_the_radix_stand_in_with_sglangs_tree_shape_keeps_its_tree_whole(tr, cap):
+    """merge_runs: a node holds a run of blocks and is split where a request diverges or stops inside it, as
+    SGLang's tree is. Whatever the trace and capacity: every node a strategy is asked about is an unlocked leaf its
+    parent holds under its first block, its run is non-empty and every block it holds is one the trace referenced;
+    the resident blocks never exceed the capacity; a hit is a leading run within the matchable blocks; and with room
+    for everything (no eviction) the hits are the one-node-per-block replay's — the tree shape changes nothing but
+    what an eviction frees."""
+    from kvpolicy.testing.radix import radix_replay, sglang_lru
+
+    seen_ids = set(tr.block_ids.tolist())
+    resident: list[int] = []
+
+    def checking(node):
+        assert not node.children and node.lock_ref == 0 and node.key and set(node.key) <= seen_ids
+        assert node.parent.children[node.key[0]] is node
+        root = node
+        while root.parent is not None:
+            root = root.parent
+        stack, blocks = [root], 0
+        while stack:
+            n = stack.pop()
+            blocks += len(n.key)
+            for first, c in n.children.items():
+                assert c.key[0] == first and c.parent is n
+                stack.append(c)
+        resident.append(blocks)
+        return sglang_lru(node)
+
+    hits = radix_replay(tr, checking, cap, merge_runs=True)
+    assert all(b <= cap for b in resident)
+    for r in range(len(tr)):
+        h = hits[tr.block_offsets[r]:tr.block_offsets[r + 1]]
+        n = int(h.sum())
+        assert h[:n].all() and n <= tr.matchable_blocks[r]
+    big = int(tr.block_ids.size) + 1
+    assert np.array_equal(radix_replay(tr, sglang_lru, big, merge_runs=True), radix_replay(tr, sglang_lru, big))
+
+
+def test_the_radix_stand_in_with_sglangs_tree_shape_splits_and_evicts_whole_runs():
+    """A = 1 2 3 4, then B = 1 2 5 diverges inside A's node: it splits into (1 2) -> (3 4), and B's 5 hangs from
+    (1 2). C = 7 8 9 needs two blocks of a cache of 6 holding 5: SGLang evicts whole leaves — (3 4), the older of the
+    two leaves B touched, frees both — and stops. D = 1 2 5 and C again then hit every block, with no eviction:
+    counting an evicted leaf as one block would have evicted 5 too, or left the cache believing it fuller than it
+    is (and C cut short)."""
+    from strategies_prefix import chain_trace
+
+    from kvpolicy.testing.radix import radix_replay, sglang_lru
+
+    asked = []
+
+    def looking(node):
+        asked.append((node.key, node.parent.key, node.hit_count))
+        return sglang_lru(node)
+
+    tr = chain_trace([[1, 2, 3, 4], [1, 2, 5], [7, 8, 9], [1, 2, 5], [7, 8, 9]])
+    hits = radix_replay(tr, looking, 6, merge_runs=True)
+    assert hits.tolist() == [False] * 4 + [True, True, False] + [False] * 3 + [True] * 3 + [True] * 3
+    assert asked == [((3, 4), (1, 2), 1), ((5,), (1, 2), 1)], "one eviction, of whole leaves, after the split"
+
+
+def test_the_radix_stand_in_splits_a_node_where_a_request_diverges_inside_it():
+    """SGLang's _split_node: the node keeps its identity and its tail; a new parent takes the shared head, its hit
+    count and its locks — what a strategy that mirrors the tree sees change under it."""
+    from kvpolicy.testing.radix import RadixNode, _split
+
+    root = RadixNode(None, 0.0)
+    root.key = ()
+    node = RadixNode(root, 1.0)
+    node.key = node.value = (5, 6, 7, 8)
+    node.hit_count = 3
+    root.children[5] = node
+    head = _split(node, 2, 2.0)
+    assert root.children[5] is head and head.key == (5, 6) and head.hit_count == 3 and head.children == {7: node}
+    assert node.parent is head and node.key == node.value == (7, 8) and head.creation_time == 2.0
+
+
 class ObjectKey:  # LMCache 0.5.6's lmcache.v1.distributed.api.ObjectKey fields
     def __init__(self, chunk_hash, model_name="m", kv_rank=0, object_group_id=0, cache_salt=""):
         self.chunk_hash, self.model_name, self.kv_rank, self.object_group_id, self.cache_salt = chunk_hash, model_name, kv_rank, object_group_id, cache_salt

@@ -12,8 +12,9 @@ measured and tested on the same footing. Per request, at its arrival time:
 3. **insert** the rest, root first, as far as room allows; a matched node's ``hit_count`` grows by one and a new node
    starts at one (SGLang's ``_insert_helper``); then the request's nodes are unlocked.
 
-One node per block: SGLang merges a run of pages between branch points into one node, so there a leaf is a whole
-unshared suffix; here it is its last block. Sizes are ``len(node.key)`` = 1 block either way.
+By default one node per block. SGLang merges a run of pages into one node — a leaf is a whole unshared suffix — and
+splits a node where a request diverges or stops inside it: ``merge_runs=True`` replays that shape (a node's key is its
+run of block ids; eviction frees a whole leaf run).
 """
 
 from __future__ import annotations
@@ -46,13 +47,18 @@ class RadixNode:
 
 
 def radix_replay(trace: Any, get_priority: Callable[[RadixNode], Any], capacity_blocks: int,
-                 clock: list[float] | None = None) -> np.ndarray:
+                 clock: list[float] | None = None, *, merge_runs: bool = False) -> np.ndarray:
     """Per block reference of ``trace``: whether it was a hit, with ``get_priority`` ranking the evictions (lowest
     first). ``clock``, a one-item list, is set to each request's arrival time before it runs (what a strategy that
-    reads the time sees; SGLang's timestamps are ``time.monotonic()``)."""
+    reads the time sees; SGLang's timestamps are ``time.monotonic()``). ``merge_runs``: SGLang's own tree shape (below,
+    :func:`_replay_merged`) instead of one node per block."""
     check_trace(trace)
     if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, (int, np.integer)) or capacity_blocks < 1:
         raise ConfigError("capacity_blocks", f"must be a positive int, got {capacity_blocks!r}")
+    if not isinstance(merge_runs, bool):
+        raise ConfigError("merge_runs", f"must be true or false, got {merge_runs!r}")
+    if merge_runs:
+        return _replay_merged(trace, get_priority, int(capacity_blocks), clock)
     root = RadixNode(None, 0.0)
     root.lock_ref = 1  # never evicted
     leaves: dict[RadixNode, None] = {}  # the evictable leaves (SGLang's ``evictable_leaves``), in the order they became so
@@ -111,6 +117,94 @@ def radix_replay(trace: Any, get_priority: Callable[[RadixNode], Any], capacity_
         for n in path:
             n.lock_ref -= 1
         if node is not root and not node.children and node.lock_ref == 0:  # the chain's deepest node: a leaf again
+            leaves[node] = None
+    return hits
+
+
+def _split(child: RadixNode, k: int, now_s: float) -> RadixNode:
+    """SGLang's ``_split_node``: a new node takes the first ``k`` blocks of ``child`` (its hit count and locks too)
+    and becomes ``child``'s parent; ``child`` keeps the rest, and stays the same object."""
+    new = RadixNode(child.parent, now_s)
+    new.hit_count, new.lock_ref = child.hit_count, child.lock_ref
+    new.key = new.value = child.key[:k]
+    child.key = child.value = child.key[k:]
+    new.children = {child.key[0]: child}
+    new.parent.children[new.key[0]] = new  # type: ignore[union-attr]
+    child.parent = new
+    return new
+
+
+def _replay_merged(trace: Any, get_priority: Callable[[RadixNode], Any], capacity_blocks: int, clock: list[float] | None) -> np.ndarray:
+    """SGLang's tree shape: a node holds a run of blocks (``key``: their ids) — a new request's unshared rest is one
+    node — and a request that diverges inside a node, or stops inside it, splits it there (``_split``, as SGLang's
+    ``_match_prefix_helper`` and ``_insert_helper`` do), so a node's key and parent change under a strategy that
+    remembers them. Eviction frees whole nodes: a leaf's run at once (SGLang's ``evict`` counts ``len(x.value)``)."""
+    root = RadixNode(None, 0.0)
+    root.key = root.value = ()
+    root.lock_ref = 1
+    leaves: dict[RadixNode, None] = {}
+    used = 0
+    seq = itertools.count()
+    hits = np.zeros(trace.block_ids.size, dtype=bool)
+    offsets, ids = trace.block_offsets.tolist(), trace.block_ids.tolist()
+    matchable, arrival = trace.matchable_blocks.tolist(), trace.arrival_s.tolist()
+    for r in range(len(trace)):
+        now = arrival[r] + r * 1e-9
+        if clock is not None:
+            clock[0] = now
+        s, e = offsets[r], offsets[r + 1]
+        node, path, i = root, [], s
+        root.last_access_time = now
+        while i < e:
+            child = node.children.get(ids[i])
+            if child is None:
+                break
+            child.last_access_time = now
+            k, key = 0, child.key
+            while k < len(key) and i + k < e and key[k] == ids[i + k]:
+                k += 1
+            if k < len(key):  # stops or diverges inside the node: split it there (the next lookup then finds nothing)
+                child = _split(child, k, now)
+            path.append(child)
+            node = child
+            i += k
+        m = i - s
+        hits[s : s + min(m, matchable[r])] = True
+        for n in path:
+            n.lock_ref += 1
+            leaves.pop(n, None)
+        need = used + (e - i) - capacity_blocks
+        if need > 0:
+            heap = [(get_priority(x), next(seq), x) for x in leaves]
+            heapq.heapify(heap)
+            while need > 0 and heap:
+                _, _, x = heapq.heappop(heap)
+                del leaves[x]
+                parent = x.parent
+                del parent.children[x.key[0]]  # type: ignore[union-attr]
+                x.parent = None
+                used -= len(x.key)
+                need -= len(x.key)
+                if parent is not root and not parent.children and parent.lock_ref == 0:  # type: ignore[union-attr]
+                    leaves[parent] = None  # type: ignore[index]
+                    heapq.heappush(heap, (get_priority(parent), next(seq), parent))
+                del x
+            del heap
+        room = capacity_blocks - used
+        for n in path:
+            n.hit_count += 1
+        rest = tuple(ids[i : min(e, i + max(room, 0))])
+        if rest:
+            leaves.pop(node, None)
+            child = RadixNode(node, now)
+            child.key = child.value = rest
+            child.hit_count = 1
+            node.children[rest[0]] = child
+            node = child
+            used += len(rest)
+        for n in path:
+            n.lock_ref -= 1
+        if node is not root and not node.children and node.lock_ref == 0:
             leaves[node] = None
     return hits
 
