@@ -805,6 +805,20 @@ def test_the_radix_stand_in_splits_a_node_where_a_request_diverges_inside_it():
     assert node.parent is head and node.key == node.value == (7, 8) and head.creation_time == 2.0
 
 
+def test_hit_density_ranks_a_block_by_its_density_not_per_byte():
+    """A hit on a block serves all its tokens: two blocks of the same class and age rank the same whatever their
+    sizes (dividing by size, as LHD does for the share of objects hit, evicted SGLang's long merged leaves first:
+    on its tree shape hit density fell below SGLang's LRU at 1/16 on chat and agent)."""
+    from kvpolicy.eviction import HitDensityPolicy
+
+    pol = HitDensityPolicy(1000, clock=ManualClock())
+    pol.on_insert("small", 1)
+    pol.on_insert("big", 64)
+    pol.learned = True
+    pol.density[:] = 0.5
+    assert pol.rank(pol.nodes["small"], 1.0) == pol.rank(pol.nodes["big"], 1.0) == 0.5
+
+
 class ObjectKey:  # LMCache 0.5.6's lmcache.v1.distributed.api.ObjectKey fields
     def __init__(self, chunk_hash, model_name="m", kv_rank=0, object_group_id=0, cache_salt=""):
         self.chunk_hash, self.model_name, self.kv_rank, self.object_group_id, self.cache_salt = chunk_hash, model_name, kv_rank, object_group_id, cache_salt

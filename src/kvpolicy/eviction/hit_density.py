@@ -32,8 +32,8 @@ hits and expected remaining lifetime of a block at any age.
   class the policy evicts young never shows hits at older ages, and the policy
   keeps evicting it young (the estimate censors itself).
 * **Victim**: ``samples`` candidates drawn uniformly (with replacement, a seeded
-  splitmix64) from the evictable leaves; the lowest ``D / size`` goes (first drawn
-  wins ties). Until the first reconfiguration the rank is ``−age`` (sampled LRU).
+  splitmix64) from the evictable leaves; the lowest ``D`` goes (first drawn
+  wins ties; not divided by size: a hit serves all of a block's tokens, and kvpolicy counts tokens). Until the first reconfiguration the rank is ``−age`` (sampled LRU).
 
 Knobs and defaults: ``samples`` 16, ``bins`` 256, ``span`` 8, ``interval`` 50
 requests (and at least 8 × ``bins`` uses and inserts), ``decay`` 0.9 (LHD's), ``seed`` 0. None was fitted to a trace; they were
@@ -186,11 +186,13 @@ class HitDensityPolicy(EvictionPolicy):
         self.learned = True
 
     def rank(self, node: Node, now_s: float) -> float:
-        """Lower is evicted first: the learned hit density per byte (``−age`` until the first reconfiguration)."""
+        """Lower is evicted first: the learned hit density (``−age`` until the first reconfiguration). Not divided by
+        the block's size: a hit serves all of its tokens, so per byte of space the density is hits × size / (size ×
+        lifetime) — kvpolicy counts tokens served (LHD divides by size for the share of objects hit)."""
         t_last, hits, kids = node.data
         if not self.learned:
             return -(now_s - t_last)
-        return float(self.density[block_class(hits, kids), self._bin(now_s - t_last)]) / node.size
+        return float(self.density[block_class(hits, kids), self._bin(now_s - t_last)])
 
     # ------------------------------------------------------------------ hooks
 
@@ -256,7 +258,7 @@ class HitDensityPolicy(EvictionPolicy):
 
     def priority_of(self, node: Node, now_s: float, expert: int | None = None) -> tuple:
         """What a decision compares (lower is evicted first) — of any resident block, not only a sample: the learned
-        hit density per byte (``−age`` until the first reconfiguration); for adaptive's LRU expert the last use, for
+        hit density, not per byte (``−age`` until the first reconfiguration); for adaptive's LRU expert the last use, for
         its LFU expert (hits 0, 1, 2, 3+, last use). ``expert`` None: the one executing now. An engine that ranks
         every leaf itself (SGLang's radix cache) asks this (:class:`kvpolicy.integrations.sglang.PriorityStrategy`)."""
         expert = self._executing if expert is None else expert
