@@ -15,8 +15,10 @@ at most ``steps_in_flight`` steps (vLLM's ``max_concurrent_batches``), so when o
 done; and an empty step (nothing to run, scheduled to collect finished transfers) is reported only when its output
 carries something, so an output that carries nothing belongs to the first step that ran — and one that carries
 something is the empty step's only if it came back sooner than half the fixed part of a step that ran (an empty
-step runs nothing). Until that fixed part is learned such an output is taken for the empty step's. A step's time is a fixed part — reading the
-weights, the decode tokens' attention — plus the prefill chunks it computes::
+step runs nothing). Until that fixed part is learned such an output is taken for the empty step's.
+
+A step's time is a fixed part — reading the weights, the decode tokens' attention — plus the prefill chunks it
+computes::
 
     step_s ≈ base_s + ratio × Σ_chunks T_prefill(before, before + computed)
 
@@ -26,9 +28,10 @@ speculative tokens included) — the median of the pairwise slopes, robust to st
 themselves, as an engine under load seldom runs a step without one. While the predictions do not spread enough to
 tell slope from intercept, the median decode-only step stands in; the prefill steps wait for either (after
 ``4 × min_samples`` of them without, the fixed part is taken as 0 — counted as compute). Every step whose chunks the
-profile predicts to take at least ``base_s`` gives one sample ``(step_s − base_s) / Σ T_prefill`` of the ratio. Steps that carry a synchronous load
-(its transfer runs inside the forward pass) are left out. With pipeline parallelism several steps run at once, one
-per stage, and the gap between outputs is a stage's time, not a step's: do not use a timer there.
+profile predicts to take at least ``base_s`` gives one sample ``(step_s − base_s) / Σ T_prefill`` of the ratio.
+Steps that carry a synchronous load (its transfer runs inside the forward pass) are left out. With pipeline
+parallelism several steps run at once, one per stage, and the gap between outputs is a stage's time, not a step's:
+do not use a timer there.
 """
 
 from __future__ import annotations

@@ -33,7 +33,9 @@ hits and expected remaining lifetime of a block at any age.
   keeps evicting it young (the estimate censors itself).
 * **Victim**: ``samples`` candidates drawn uniformly (with replacement, a seeded
   splitmix64) from the evictable leaves; the lowest ``D`` goes (first drawn
-  wins ties; not divided by size: a hit serves all of a block's tokens, and kvpolicy counts tokens). Until the first reconfiguration the rank is ``−age`` (sampled LRU).
+  wins ties; not divided by size: a hit serves all of a block's tokens, and
+  kvpolicy counts tokens). Until the first reconfiguration the rank is ``−age``
+  (sampled LRU).
 
 Knobs and defaults: ``samples`` 16, ``bins`` 256, ``span`` 8, ``interval`` 50
 requests (and at least 8 × ``bins`` uses and inserts), ``decay`` 0.9 (LHD's), ``seed`` 0. None was fitted to a trace; they were

@@ -114,7 +114,8 @@ def _block_ids(blocks: Any) -> list[int]:
 class VllmConnectorPolicy:
     def __init__(self, hasher: BlockHasher, remote: BlockIndex, controller: AdmissionController, publish_filter: Any, *,
                  bytes_per_token: int, replica: str = "replica-0", source: str = "pool", ledger: Ledger | None = None,
-                 tenant: str = "default", load_async: bool = False, learn_prefill_from_steps: bool = True, steps_in_flight: int = 1) -> None:
+                 tenant: str = "default", load_async: bool = False, learn_prefill_from_steps: bool = True,
+                 steps_in_flight: int = 1) -> None:
         if not isinstance(hasher, BlockHasher):
             raise ConfigError("hasher", "must be a kvpolicy BlockHasher")
         if not isinstance(controller, AdmissionController):
