@@ -2872,3 +2872,34 @@ def test_a_malformed_scheduler_output_never_stops_vllms_scheduler():
     helper, _ = connector_setup()
     helper.build_connector_meta(bad)
     helper.update_connector_output(FakeOutput())
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-3, 10**6) | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=12), inner, max_size=4), max_leaves=12)
+
+
+@hyp_settings(max_examples=300, deadline=None)
+@given(payload=st.dictionaries(st.sampled_from(["requests", "offered_tokens", "loaded_tokens", "declined_tokens", "declined",
+                                                "compute_over_profile", "step_fixed_s", "inner", "other"]), _json, max_size=6))
+def test_a_stats_payload_from_another_process_is_read_whole_or_refused_by_field(payload):
+    """vLLM's front end rebuilds the connector's stats from a dict another process sent: whatever it holds, the result
+    is stats that survive a round trip, or a ConfigError naming the field — never another exception, never a
+    silently wrong value (a non-finite or negative figure, a count that is not an int)."""
+    from kvpolicy.integrations.vllm_kv_connector import KVPolicyConnector, LEARNED
+
+    payload = {k: v for k, v in payload.items() if k not in ("inner",)}  # the inner part needs an inner class to read it
+    try:
+        stats = KVPolicyConnector.build_kv_connector_stats(payload)
+    except ConfigError as e:
+        assert e.field.startswith("kv_connector_stats"), e.field
+        return
+    again = KVPolicyConnector.build_kv_connector_stats(stats.to_dict())
+    assert again.to_dict() == stats.to_dict()
+    for k in ("requests", "offered_tokens", "loaded_tokens", "declined_tokens"):  # read as sent, never coerced
+        assert k not in payload or (stats.data[k] == payload[k] and type(payload[k]) is int)
+    declined = payload.get("declined")
+    assert not declined or (isinstance(declined, dict) and stats.data["declined"] == {str(r): n for r, n in declined.items()})
+    for k in LEARNED:
+        v = stats.learned[k]
+        assert v is None or (isinstance(v, float) and 0 <= v < float("inf"))
+    assert all(isinstance(stats.data[k], int) and stats.data[k] >= 0 for k in ("requests", "offered_tokens", "loaded_tokens"))
