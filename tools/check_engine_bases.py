@@ -236,13 +236,30 @@ def drive_vllm_offload(mgr: object, ReqContext: type, make_key: object, *, seed:
     return hit / looked
 
 
+class SchedulerSideInner:
+    """An inner connector's scheduler-side hooks that offer nothing to load and keep no state: what a driver needs
+    of one when it checks kvpolicy's side."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        pass
+
+    def build_connector_meta(self, scheduler_output):
+        return types.SimpleNamespace()
+
+    def update_connector_output(self, connector_output):
+        pass
+
+
 def drive_vllm_connector(Base: type, m: types.ModuleType) -> None:
     """Build ``m.KVPolicyConnector`` (its module imported over ``Base``) as vLLM's factory does, around a recording
     inner connector, and drive every hook vLLM calls; raises AssertionError on the first that does not arrive."""
     assert m._Base is Base, "the connector subclasses vLLM's base"
     calls: list[tuple] = []
 
-    class Inner(Base):  # type: ignore[misc,valid-type]  # every abstract hook, recorded
+    class Inner(SchedulerSideInner, Base):  # type: ignore[misc,valid-type]  # every abstract hook, recorded
         def start_load_kv(self, forward_context, **kw):
             calls.append(("start_load_kv", self._get_connector_metadata()))
 
@@ -254,15 +271,6 @@ def drive_vllm_connector(Base: type, m: types.ModuleType) -> None:
 
         def wait_for_save(self):
             calls.append(("wait_for_save",))
-
-        def get_num_new_matched_tokens(self, request, num_computed_tokens):
-            return 0, False
-
-        def update_state_after_alloc(self, request, blocks, num_external_tokens):
-            pass
-
-        def build_connector_meta(self, scheduler_output):
-            return types.SimpleNamespace()
 
         def get_finished(self, finished_req_ids):
             return {"saved"}, {"loaded"}
@@ -338,25 +346,12 @@ def drive_vllm_step_timing(sched_output: types.ModuleType, outputs: types.Module
 
     from kvpolicy.clock import ManualClock
 
-    class Inner:
-        def get_num_new_matched_tokens(self, request, num_computed_tokens):
-            return 0, False
-
-        def update_state_after_alloc(self, request, blocks, num_external_tokens):
-            pass
-
-        def build_connector_meta(self, scheduler_output):
-            return types.SimpleNamespace()
-
-        def update_connector_output(self, connector_output):
-            pass
-
     extra = {"kvpolicy": {"bytes_per_token": 2048}}
     cfg = types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(kv_connector="KVPolicyConnector", is_kv_producer=True,
                                                                          kv_connector_extra_config=extra),
                                 cache_config=types.SimpleNamespace(block_size=16), model_config=types.SimpleNamespace(model="m"),
                                 max_concurrent_batches=2)
-    conn = m.KVPolicyConnector(cfg, "scheduler", None, inner=Inner())
+    conn = m.KVPolicyConnector(cfg, "scheduler", None, inner=SchedulerSideInner())
     assert conn.policy.step_timer is not None and conn.policy.step_timer.steps_in_flight == 2
     clock = ManualClock()
     conn.policy.controller.clock = clock

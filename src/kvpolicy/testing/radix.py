@@ -50,101 +50,22 @@ def radix_replay(trace: Any, get_priority: Callable[[RadixNode], Any], capacity_
                  clock: list[float] | None = None, *, merge_runs: bool = False) -> np.ndarray:
     """Per block reference of ``trace``: whether it was a hit, with ``get_priority`` ranking the evictions (lowest
     first). ``clock``, a one-item list, is set to each request's arrival time before it runs (what a strategy that
-    reads the time sees; SGLang's timestamps are ``time.monotonic()``). ``merge_runs``: SGLang's own tree shape (below,
-    :func:`_replay_merged`) instead of one node per block."""
+    reads the time sees; SGLang's timestamps are ``time.monotonic()``). ``merge_runs``: SGLang's own tree shape instead
+    of one node per block — a node holds a run of blocks (``key``: their ids; a new request's unshared rest is one
+    node), a request that diverges or stops inside a node splits it there (:func:`_split`, as SGLang's
+    ``_match_prefix_helper`` and ``_insert_helper`` do: a node's key and parent change under a strategy that remembers
+    them), and an eviction frees a whole leaf run. One node per block is the same loop with every run one block long."""
     check_trace(trace)
     if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, (int, np.integer)) or capacity_blocks < 1:
         raise ConfigError("capacity_blocks", f"must be a positive int, got {capacity_blocks!r}")
     if not isinstance(merge_runs, bool):
         raise ConfigError("merge_runs", f"must be true or false, got {merge_runs!r}")
-    if merge_runs:
-        return _replay_merged(trace, get_priority, int(capacity_blocks), clock)
     root = RadixNode(None, 0.0)
+    root.key = root.value = ()
     root.lock_ref = 1  # never evicted
     leaves: dict[RadixNode, None] = {}  # the evictable leaves (SGLang's ``evictable_leaves``), in the order they became so
     used = 0
     seq = itertools.count()  # heap ties: the first pushed first (SGLang's tuples would compare nodes by access time)
-    hits = np.zeros(trace.block_ids.size, dtype=bool)
-    offsets, ids = trace.block_offsets.tolist(), trace.block_ids.tolist()
-    matchable, arrival = trace.matchable_blocks.tolist(), trace.arrival_s.tolist()
-    for r in range(len(trace)):
-        now = arrival[r] + r * 1e-9
-        if clock is not None:
-            clock[0] = now
-        s, e = offsets[r], offsets[r + 1]
-        node, path = root, []
-        root.last_access_time = now
-        for k in range(s, e):
-            child = node.children.get(ids[k])
-            if child is None:
-                break
-            child.last_access_time = now
-            node = child
-            path.append(child)
-        m = len(path)
-        hits[s : s + min(m, matchable[r])] = True
-        for n in path:
-            n.lock_ref += 1
-            leaves.pop(n, None)
-        need = used + (e - s - m) - capacity_blocks
-        if need > 0:
-            heap = [(get_priority(x), next(seq), x) for x in leaves]
-            heapq.heapify(heap)
-            while need > 0 and heap:
-                _, _, x = heapq.heappop(heap)
-                del leaves[x]
-                parent = x.parent
-                del parent.children[x.key[0]]  # a node's key is its block id
-                x.parent = None
-                used -= 1
-                need -= 1
-                if parent is not root and not parent.children and parent.lock_ref == 0:
-                    leaves[parent] = None
-                    heapq.heappush(heap, (get_priority(parent), next(seq), parent))
-                del x
-            del heap
-        room = capacity_blocks - used
-        for n in path:
-            n.hit_count += 1
-        for k in range(s + m, min(e, s + m + room)):
-            leaves.pop(node, None)
-            child = RadixNode(node, now)
-            child.key = child.value = (ids[k],)
-            child.hit_count = 1
-            node.children[ids[k]] = child
-            node = child
-            used += 1
-        for n in path:
-            n.lock_ref -= 1
-        if node is not root and not node.children and node.lock_ref == 0:  # the chain's deepest node: a leaf again
-            leaves[node] = None
-    return hits
-
-
-def _split(child: RadixNode, k: int, now_s: float) -> RadixNode:
-    """SGLang's ``_split_node``: a new node takes the first ``k`` blocks of ``child`` (its hit count and locks too)
-    and becomes ``child``'s parent; ``child`` keeps the rest, and stays the same object."""
-    new = RadixNode(child.parent, now_s)
-    new.hit_count, new.lock_ref = child.hit_count, child.lock_ref
-    new.key = new.value = child.key[:k]
-    child.key = child.value = child.key[k:]
-    new.children = {child.key[0]: child}
-    new.parent.children[new.key[0]] = new  # type: ignore[union-attr]
-    child.parent = new
-    return new
-
-
-def _replay_merged(trace: Any, get_priority: Callable[[RadixNode], Any], capacity_blocks: int, clock: list[float] | None) -> np.ndarray:
-    """SGLang's tree shape: a node holds a run of blocks (``key``: their ids) — a new request's unshared rest is one
-    node — and a request that diverges inside a node, or stops inside it, splits it there (``_split``, as SGLang's
-    ``_match_prefix_helper`` and ``_insert_helper`` do), so a node's key and parent change under a strategy that
-    remembers them. Eviction frees whole nodes: a leaf's run at once (SGLang's ``evict`` counts ``len(x.value)``)."""
-    root = RadixNode(None, 0.0)
-    root.key = root.value = ()
-    root.lock_ref = 1
-    leaves: dict[RadixNode, None] = {}
-    used = 0
-    seq = itertools.count()
     hits = np.zeros(trace.block_ids.size, dtype=bool)
     offsets, ids = trace.block_offsets.tolist(), trace.block_ids.tolist()
     matchable, arrival = trace.matchable_blocks.tolist(), trace.arrival_s.tolist()
@@ -181,9 +102,9 @@ def _replay_merged(trace: Any, get_priority: Callable[[RadixNode], Any], capacit
                 _, _, x = heapq.heappop(heap)
                 del leaves[x]
                 parent = x.parent
-                del parent.children[x.key[0]]  # type: ignore[union-attr]
+                del parent.children[x.key[0]]  # type: ignore[union-attr]  # a child is held under its first block
                 x.parent = None
-                used -= len(x.key)
+                used -= len(x.key)  # a whole leaf run is freed (SGLang's ``evict`` counts ``len(x.value)``)
                 need -= len(x.key)
                 if parent is not root and not parent.children and parent.lock_ref == 0:  # type: ignore[union-attr]
                     leaves[parent] = None  # type: ignore[index]
@@ -193,20 +114,33 @@ def _replay_merged(trace: Any, get_priority: Callable[[RadixNode], Any], capacit
         room = capacity_blocks - used
         for n in path:
             n.hit_count += 1
-        rest = tuple(ids[i : min(e, i + max(room, 0))])
-        if rest:
+        rest = ids[i : min(e, i + max(room, 0))]
+        for run in ([tuple(rest)] if merge_runs and rest else [(b,) for b in rest]):  # one node for the rest, or one per block
             leaves.pop(node, None)
             child = RadixNode(node, now)
-            child.key = child.value = rest
+            child.key = child.value = run
             child.hit_count = 1
-            node.children[rest[0]] = child
+            node.children[run[0]] = child
             node = child
-            used += len(rest)
+            used += len(run)
         for n in path:
             n.lock_ref -= 1
-        if node is not root and not node.children and node.lock_ref == 0:
+        if node is not root and not node.children and node.lock_ref == 0:  # the chain's deepest node: a leaf again
             leaves[node] = None
     return hits
+
+
+def _split(child: RadixNode, k: int, now_s: float) -> RadixNode:
+    """SGLang's ``_split_node``: a new node takes the first ``k`` blocks of ``child`` (its hit count and locks too)
+    and becomes ``child``'s parent; ``child`` keeps the rest, and stays the same object."""
+    new = RadixNode(child.parent, now_s)
+    new.hit_count, new.lock_ref = child.hit_count, child.lock_ref
+    new.key = new.value = child.key[:k]
+    child.key = child.value = child.key[k:]
+    new.children = {child.key[0]: child}
+    new.parent.children[new.key[0]] = new  # type: ignore[union-attr]
+    child.parent = new
+    return new
 
 
 def sglang_lru(node: RadixNode) -> float:
