@@ -12,6 +12,7 @@ of the SGLang-LRU -> Belady gap closed.
 The defaults are the reporting seeds 101, 202 and the conversation trace; nothing here has a knob to tune.
 
     python benchmarks/bench_sglang_strategy.py [--presets chat,agent,mixed,rag] [--seeds 101,202] [--no-trace] [--merge-runs]
+    python benchmarks/bench_sglang_strategy.py --presets "" --trace my_trace.jsonl --merge-runs   # your own trace only
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvpolicy.errors import KVPolicyError
 from kvpolicy.eviction import AdaptivePolicy, HitDensityPolicy, ReuseDistancePolicy
 from kvpolicy.eviction.kernels import replay_kernel
 from kvpolicy.integrations.sglang import PriorityStrategy
@@ -40,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="101,202")
     ap.add_argument("--fractions", default="64,16", help="capacities as 1/N of the distinct blocks")
     ap.add_argument("--no-trace", action="store_true", help="skip the conversation trace")
+    ap.add_argument("--trace", default=None, help="a trace of your own (any format kvpolicy reads) in place of the conversation trace")
     ap.add_argument("--merge-runs", action="store_true",
                     help="SGLang's own tree shape: a node holds a run of blocks and splits where a request diverges inside it")
     ap.add_argument("--json", default=None)
@@ -47,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     runs = [(f"{p} seed {s}", lambda p=p, s=s: generate(preset(p, seed=s))) for p in args.presets.split(",") if p
             for s in (int(x) for x in args.seeds.split(","))]
-    if not args.no_trace and TRACE.exists():
+    if args.trace:
+        runs.append((Path(args.trace).name, lambda: read_trace(args.trace)))
+    elif not args.no_trace and TRACE.exists():
         runs.append(("conversation (Mooncake)", lambda: read_trace(str(TRACE))))
     names = ["sglang-lru", "sglang-lfu", *(f"kvpolicy {n}" for n in MIRRORED), "hit-density kernel", "belady"]
     rows, out = [], []
@@ -67,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             hits["belady"] = replay_kernel(trace, "belady", cap).hit_blocks
             lru, bel = hits["sglang-lru"], hits["belady"]
             gap = {n: (h - lru) / (bel - lru) if bel > lru else float("nan") for n, h in hits.items()}
-            rows.append([label, f"1/{frac} ({cap:,})"] + [f"{hits[n]:,} ({gap[n]:+.0%})" if n not in ("sglang-lru", "belady") else f"{hits[n]:,}"
+            rows.append([label, f"1/{frac} ({cap:,})"] + [f"{hits[n]:,}" if n in ("sglang-lru", "belady") else
+                                                           f"{hits[n]:,} ({gap[n]:+.0%})" if gap[n] == gap[n] else f"{hits[n]:,} (no gap)"
                                                            for n in names])
             out.append({"trace": label, "capacity_blocks": cap, "block_refs": int(trace.block_ids.size), "hits": hits, "gap_closed": gap})
             print("  " + "  ".join(rows[-1]), file=sys.stderr, flush=True)
@@ -80,4 +86,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KVPolicyError as e:  # a bad --trace, say: one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
