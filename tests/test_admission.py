@@ -694,3 +694,41 @@ def test_the_fixed_part_of_a_step_is_learned_from_prefill_steps_when_no_step_is_
     assert timer.steps["decode_samples"] == 0
     assert timer.fixed_part_s() == pytest.approx(0.010, rel=0.02)
     assert model.prefill_ratio.q(0.5) == pytest.approx(2.0, rel=0.025)
+
+
+_chunks = st.lists(st.tuples(st.integers(0, 10**6), st.one_of(st.integers(0, 8), st.integers(0, 8192), st.integers(0, 10**5))), max_size=6)
+_advance = st.sampled_from([0.0, 1e-9, 1e-4, 0.01, 0.5, 30.0, 1e4])
+
+
+@settings(max_examples=100, deadline=None)
+@given(events=st.lists(st.tuples(_chunks, _advance, st.booleans(), st.sampled_from(["", "", "scheduled", "finished", "advance"]),
+                                 _chunks, _advance), min_size=20, max_size=80),
+       in_flight=st.integers(1, 4))
+def test_the_step_timer_takes_any_sequence_of_engine_calls(events, in_flight):
+    """Whatever order an engine calls it in — steps scheduled, run and reported, with outputs with nothing scheduled,
+    steps never reported, empty steps, time standing still or jumping in between — the timer never raises, holds no
+    more steps than the engine can, and what it teaches the model is finite and positive."""
+    from kvpolicy.admission.steps import StepTimer
+
+    clock = ManualClock()
+    model = LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), PrefillModel(0.0, 5e-5, 1e-9, 0, 0), window_s=None, min_samples=3)
+    timer = StepTimer(model, clock.now_s, prefill_min_tokens=16, steps_in_flight=in_flight, recent_steps=16)
+    for chunks, took, carries, noise, other, wait in events:
+        if noise == "scheduled":
+            timer.scheduled(other, left_out=carries)
+        elif noise == "finished":
+            timer.finished(carries=not carries)
+        elif noise == "advance":
+            clock.advance(wait)
+        timer.scheduled(chunks)
+        assert len(timer._in_flight) <= in_flight, "more steps in flight than the engine keeps"
+        clock.advance(took)
+        out = timer.finished(carries=carries)
+        assert out is None or (out >= 0 and np.isfinite(out))
+        assert len(timer._in_flight) <= in_flight
+    hist = model.prefill_ratio.hist
+    assert hist.count == timer.steps["prefill_samples"]
+    if hist.count:
+        assert hist.min > 0 and np.isfinite(hist.max), "a step that took no time would teach that compute is free"
+    fixed = timer.fixed_part_s()
+    assert fixed is None or (fixed >= 0 and np.isfinite(fixed))
