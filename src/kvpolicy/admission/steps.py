@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from .._validate import check_positive_int
 from ..errors import ConfigError
 from .model import LatencyModel
 
@@ -55,8 +56,7 @@ class StepTimer:
         if not callable(now_s):
             raise ConfigError("now_s", f"must be a callable returning the scheduler's time in seconds, got {now_s!r}")
         for name, v in (("prefill_min_tokens", prefill_min_tokens), ("steps_in_flight", steps_in_flight), ("recent_steps", recent_steps)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(name, f"must be a positive int, got {v!r}")
+            check_positive_int(name, v)
         self.model = model
         self.now_s = now_s
         self.prefill_min_tokens = prefill_min_tokens

@@ -39,6 +39,7 @@ import sys
 import warnings
 from typing import Any
 
+from .._validate import check_non_negative_number
 from ..errors import ConfigError
 from ._forward import forward_to_inner
 from ._settings import ADMISSION_DEFAULTS, controller_from_settings, filter_setting, positive_int_setting, read_settings, string_setting
@@ -218,8 +219,8 @@ class KVPolicyStats(_StatsBase):  # type: ignore[misc,valid-type]
         self.learned: dict[str, float | None] = dict.fromkeys(LEARNED)
         for k in LEARNED:
             v = (data or {}).get(k)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf")):
-                raise ConfigError(f"kv_connector_stats.{k}", f"must be a finite non-negative number or null, got {v!r}")
+            if v is not None:  # null: not learned yet
+                check_non_negative_number(f"kv_connector_stats.{k}", v)
             self.learned[k] = None if v is None else float(v)
         self.inner = inner
         self.inner_class = inner_class
