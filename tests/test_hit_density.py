@@ -349,3 +349,59 @@ def test_an_engine_clock_that_steps_back_counts_in_the_youngest_bin():
     p.on_access("a")
     assert p.hit_hist[0, 0] == 1.0 and p.hit_hist.sum() == 1.0
     assert p.rank(p.nodes["a"], 1.0) == -(1.0 - 5.0)  # before anything is learned the rank is -age, whatever its sign
+
+
+@settings(max_examples=60, deadline=None)
+@given(tr=prefix_traces(max_requests=40), cap=st.integers(1, 14), seed=st.integers(0, 2**64 - 1), expert=st.integers(0, 2))
+def test_a_mini_simulation_serves_a_request_in_order_as_serve_does(tr, cap, seed, expert):
+    """A request replayed in order, each block under the one before it: the mini-simulation's own replay
+    (``replay_observed``, which takes each block's parent from the engine) hits and keeps exactly what the reference
+    ``serve`` does, request by request."""
+    from kvpolicy.eviction.hit_density import _MiniSim
+
+    teacher = AdaptivePolicy(cap, clock=ManualClock(), **FAST)
+    ref = _MiniSim(cap, teacher, expert, seed=seed, clock=ManualClock(), **FAST)
+    got = _MiniSim(cap, teacher, expert, seed=seed, clock=ManualClock(), **FAST)
+    for r in range(len(tr)):
+        t = float(tr.arrival_s[r]) + r * 1e-9
+        keys = tr.blocks(r).tolist()
+        ref.clock._now_s = t
+        want = serve(ref, keys, lenient=True)
+        assert got.replay_observed([(k, 1, keys[i - 1] if i else None, t) for i, k in enumerate(keys)]) == want
+        assert set(got.nodes) == set(ref.nodes)
+
+
+def test_a_mini_simulation_counts_the_bytes_a_hit_serves_and_keeps_the_prefix_rule():
+    from kvpolicy.eviction.hit_density import _MiniSim
+
+    sim = _MiniSim(100, AdaptivePolicy(100, clock=ManualClock()), 1, clock=ManualClock())
+    assert sim.replay_observed([("a", 30, None, 1.0), ("b", 5, "a", 1.0)]) == 0
+    assert sim.replay_observed([("b", 5, "a", 2.0), ("a", 30, None, 2.0), ("c", 7, "x", 2.0)]) == 35, "a hit serves the whole node"
+    assert set(sim.nodes) == {"a", "b"}, "a block whose parent is not resident is left out"
+    # the parent is kept while its child is inserted, though this request did not use it: 30 + 5 + 70 > 100
+    assert sim.replay_observed([("d", 70, "b", 3.0)]) == 0
+    assert "b" in sim.nodes and "a" in sim.nodes and "d" not in sim.nodes
+
+
+def test_the_sample_rate_grows_so_a_mini_simulation_holds_256_nodes_of_the_caches_own_size():
+    """Blocks of 100 bytes in a cache of 100,000 bytes: the default rate (1/16, counted in bytes as if each were a
+    block) would leave a mini-simulation 62 blocks; at the first judging it rises to 256 x 100 / 100,000. Every key
+    sampled before stays sampled. Unit blocks, or a rate that was given, never move."""
+    def run(size, cap, **kw):
+        clock = ManualClock()
+        p = AdaptivePolicy(cap, clock=clock, **dict(FAST, **kw))
+        before = [k for k in range(2000) if p.is_sampled(k)]
+        for r in range(40):
+            clock._now_s = float(r)
+            keys = [r * 50 + i for i in range(10)]
+            for i, k in enumerate(keys):
+                p.victims(size, incoming=k)
+                p.on_insert(k, size, keys[i - 1] if i else None)
+        return p, before
+
+    p, before = run(100, 100_000)
+    assert p.sample_rate == pytest.approx(0.256) and p.mini_capacity_bytes == 25_600
+    assert all(s.capacity_bytes == s.ghost_window_bytes == 25_600 for s in p.mini_sims)
+    assert all(p.is_sampled(k) for k in before) and sum(map(p.is_sampled, range(2000))) > 2 * len(before)
+    assert run(1, 100_000)[0].sample_rate == 1 / 16
+    assert run(100, 100_000, sample_rate=0.1)[0].sample_rate == 0.1

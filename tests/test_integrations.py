@@ -697,6 +697,43 @@ def test_hit_density_through_sglangs_eviction_loop_learns_and_beats_lru():
     assert hd > 1.05 * lru, (hd, lru)
 
 
+@pytest.mark.parametrize("merge_runs", [False, True])
+@pytest.mark.parametrize("rate", [0.5, 1.0])
+def test_adaptive_through_sglang_replays_its_mini_simulations_on_the_trees_own_shape(merge_runs, rate):
+    """SGLang shows a node when it ranks it — late, and branch after branch, not request by request — so the
+    mini-simulations must take a block's parent from the tree, not from the block the mirror saw before it: every
+    mini-simulation node sits under its nearest sampled ancestor in the mirror (red with the request's previous
+    sampled block as parent, as kvpolicy's in-order replay has it), and they hit (bytes: a node holds a run)."""
+    from kvpolicy.eviction import AdaptivePolicy
+    from kvpolicy.testing.radix import radix_replay
+    from kvpolicy.traces import generate, preset
+
+    trace = generate(preset("chat", seed=9, n_requests=800))
+    clock = [0.0]
+    pol = AdaptivePolicy(675, sample_rate=rate)
+    checked = [0]
+
+    def checking(sim):
+        insert = sim.on_insert
+
+        def on_insert(key, size, parent=None):
+            real = pol.nodes.get(key)
+            if real is not None:  # the mirror still holds it (SGLang may have dropped it since)
+                up = real.parent
+                while up is not None and not pol.is_sampled(up.key):
+                    up = up.parent
+                assert parent == (None if up is None else up.key)
+                checked[0] += parent is not None
+            insert(key, size, parent)
+        sim.on_insert = on_insert
+
+    for sim in pol.mini_sims:
+        checking(sim)
+    strat = PriorityStrategy(pol, now_s=lambda: clock[0])
+    radix_replay(trace, strat.get_priority, 675, clock=clock, merge_runs=merge_runs)
+    assert checked[0] > 20 and min(pol.mini_hits) > 0
+
+
 def test_adaptive_through_sglang_reproduces_across_processes():
     """Adaptive samples its mini-simulations' keys by their bits, and the mirror's keys come from the nodes' content:
     hashed with hash(), they changed from one process to the next (hash(None) and str hashes do), and so did the run."""

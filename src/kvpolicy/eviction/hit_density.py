@@ -61,7 +61,7 @@ from .._validate import check_positive_int, check_positive_number, check_probabi
 from ..errors import CapacityError, ConfigError
 from ..protocols import Clock
 from ..clock import ManualClock
-from .base import EvictionPolicy, Node, serve
+from .base import EvictionPolicy, Node
 
 _M64 = (1 << 64) - 1
 N_CLASSES = 8
@@ -296,15 +296,15 @@ class AdaptivePolicy(HitDensityPolicy):
     **miniature simulation** (Waldspurger et al., ATC'17; spatial sampling as in SHARDS, FAST'15) answers it. A
     fixed pseudo-random ``sample_rate`` of the keys (``splitmix64(key xor seed) < rate · 2**64``) is replayed in
     three small caches of ``sample_rate`` × the capacity, each evicting by one expert. A request's sampled blocks
-    form one request of the mini-simulations, each under the sampled block before it (the chain, compressed), so
-    the prefix rule holds there too. They learn nothing themselves: hit density ranks there by the real cache's
+    form one request of the mini-simulations, each under its nearest sampled ancestor (the chain, compressed), so
+    the prefix rule holds there too; a hit scores the block's size. They learn nothing themselves: hit density ranks there by the real cache's
     densities, learned on every reference. Before each request that will recompute the real cache's densities
     (every ``interval`` requests, once 8 × ``bins`` uses and inserts were seen; until they are first computed, every
     ``interval`` requests), the mini-simulations' hits since the last time are scored — the scores decay by ``decay``, as the histograms do — and the expert with the highest
     score evicts from that request on (ties keep the current one); hit density until one leads. The
     mini-simulations never see the real cache, so no expert is judged in a cache another expert shaped. The knobs
     are hit density's plus ``sample_rate`` (default :meth:`default_sample_rate`: 1/16, more for caches under 4,096
-    blocks).
+    blocks; raised at each judging so that a mini-simulation holds 256 nodes of the mean resident size).
 
     ``expert`` pins the executing expert (``"hit-density"``, ``"lru"`` or ``"lfu"``; default ``None``: the
     mini-simulations pick) while the mini-simulations go on. Pinned to hit density it evicts exactly what
@@ -324,8 +324,9 @@ class AdaptivePolicy(HitDensityPolicy):
     @classmethod
     def default_sample_rate(cls, capacity_bytes: int) -> float:
         """1/16, raised for small caches so a mini-simulation holds at least 256 blocks (all keys, at a capacity
-        of 256 or less). Counted in unit-size blocks, as replay sizes them; an engine with byte sizes passes
-        ``sample_rate`` itself. Chosen on the presets at seeds 1–2 (128, 256, 512: 256 scored best)."""
+        of 256 or less). Counted in unit-size blocks, as replay sizes them; at each judging :meth:`_fit_rate` raises
+        it for an engine whose nodes are larger (bytes, runs of pages). Chosen on the presets at seeds 1–2 (128, 256,
+        512: 256 scored best)."""
         if capacity_bytes <= 0:
             return cls.SAMPLE_RATE
         return max(cls.SAMPLE_RATE, min(1.0, cls.MIN_MINI_CAPACITY / capacity_bytes))
@@ -333,6 +334,7 @@ class AdaptivePolicy(HitDensityPolicy):
     def __init__(self, capacity_bytes: int, *, expert: str | None = None, sample_rate: float | None = None, **kw: Any) -> None:
         if expert is not None and expert not in self.EXPERTS:
             raise ConfigError("expert", f"must be one of {', '.join(self.EXPERTS)} (or None: the mini-simulations pick), got {expert!r}")
+        self._auto_rate = sample_rate is None
         if sample_rate is None:
             sample_rate = self.default_sample_rate(capacity_bytes)
         if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
@@ -342,6 +344,7 @@ class AdaptivePolicy(HitDensityPolicy):
         self.sample_rate = float(sample_rate)
         self.seed = self._rng
         self._bound = int(self.sample_rate * 2**64)
+        self._judged_capacity_bytes = capacity_bytes  # kept: an engine's mirror raises capacity_bytes (never evicts itself)
         self.mini_capacity_bytes = round(capacity_bytes * self.sample_rate)
         knobs = {"samples": self.samples, "bins": self.bins, "span": self.span, "interval": self.interval, "decay": self.decay, "seed": self.seed}
         self.mini_sims = [_MiniSim(self.mini_capacity_bytes, self, q, clock=ManualClock(), **knobs) for q in range(3)]
@@ -350,12 +353,12 @@ class AdaptivePolicy(HitDensityPolicy):
         self.scores = [0.0, 0.0, 0.0]  # each mini-simulation's hits, decayed a window
         self.mini_hits = [0, 0, 0]
         self.mini_refs = 0
+        self.mini_ref_bytes = 0
         self._window_hits = [0, 0, 0]
         self._since_judge = 0  # requests since the last judging
-        self._pending: list[Hashable] = []  # this request's sampled blocks and their sizes
-        self._pending_sizes: list[int] = []
+        # this request's sampled blocks, as the mini-simulations replay them: (key, size, its nearest sampled ancestor, time)
+        self._pending: list[tuple[Hashable, int, Hashable | None, float]] = []
         self._pending_set: set[Hashable] = set()
-        self._pending_t = 0.0
         self._admitted_root: Any = _NONE
 
     @property
@@ -368,15 +371,19 @@ class AdaptivePolicy(HitDensityPolicy):
         return self._bound >= 2**64 or splitmix64(key_bits(key) ^ self.seed)[1] < self._bound
 
     @staticmethod
-    def judge_stats(evictions_by_expert: list[int], mini_hits: list[int], mini_refs: int) -> dict:
+    def judge_stats(evictions_by_expert: list[int], mini_hits: list[int], mini_refs: int, mini_ref_bytes: int | None = None) -> dict:
+        """``mini_hits``: bytes hit per mini-simulation; ``mini_ref_bytes``: bytes referenced (default ``mini_refs``:
+        unit-size blocks, as the kernel replays them)."""
         ex = AdaptivePolicy.EXPERTS
+        denom = mini_refs if mini_ref_bytes is None else mini_ref_bytes
         return {"evictions_by_expert": dict(zip(ex, evictions_by_expert)),
-                "mini_sim_hit_ratio": dict(zip(ex, [h / mini_refs if mini_refs else 0.0 for h in mini_hits])), "mini_sim_references": mini_refs}
+                "mini_sim_hit_ratio": dict(zip(ex, [h / denom if denom else 0.0 for h in mini_hits])), "mini_sim_references": mini_refs}
 
     def stats(self) -> dict:
-        """Evictions per expert, each mini-simulation's block hit ratio and how many references it replayed."""
+        """Evictions per expert, each mini-simulation's hit ratio (bytes hit over bytes referenced) and how many
+        references it replayed."""
         self._flush()
-        return self.judge_stats(self.evictions_by_expert, self.mini_hits, self.mini_refs)
+        return self.judge_stats(self.evictions_by_expert, self.mini_hits, self.mini_refs, self.mini_ref_bytes)
 
     # ------------------------------------------------------------------ the mini-simulations
 
@@ -390,6 +397,8 @@ class AdaptivePolicy(HitDensityPolicy):
         if (self._since_requests + 1 >= self.interval and self._since_events >= N_CLASSES * self.bins) or (
                 not self.learned and self._since_judge + 1 >= self.interval):
             self._since_judge = 0
+            if self._auto_rate and self.nodes:
+                self._fit_rate(self.used_bytes / len(self.nodes))
             for q in range(3):
                 self.scores[q] = self.scores[q] * self.decay + self._window_hits[q]
                 self._window_hits[q] = 0
@@ -400,25 +409,45 @@ class AdaptivePolicy(HitDensityPolicy):
                         lead = q
                 self._executing = lead
         self._since_judge += 1
-        self._pending_t = self.clock.now_s()
+
+    def _fit_rate(self, mean_node_bytes: float) -> None:
+        """Raise the sample rate so that a mini-simulation holds at least ``MIN_MINI_CAPACITY`` nodes of the mean
+        resident size — the default's rule, counted in the cache's own nodes: an engine whose blocks are bytes, or whose
+        nodes are runs of blocks (SGLang's radix tree), would otherwise leave a mini-simulation a handful of nodes and
+        a judge of noise. Only raised (the sampled keys grow: every key sampled stays sampled), and only when the rate
+        was not given."""
+        want = min(1.0, self.MIN_MINI_CAPACITY * mean_node_bytes / self._judged_capacity_bytes) if self._judged_capacity_bytes else 1.0
+        if want <= self.sample_rate:
+            return
+        self.sample_rate = want
+        self._bound = int(want * 2**64)
+        self.mini_capacity_bytes = round(self._judged_capacity_bytes * want)
+        for sim in self.mini_sims:
+            sim.capacity_bytes = sim.ghost_window_bytes = self.mini_capacity_bytes
 
     def _flush(self) -> None:
         if not self._pending:
             return
         for q, sim in enumerate(self.mini_sims):
-            sim.clock._now_s = self._pending_t  # type: ignore[attr-defined]
-            h = serve(sim, self._pending, self._pending_sizes, lenient=True)
+            h = sim.replay_observed(self._pending)
             self._window_hits[q] += h
             self.mini_hits[q] += h
         self.mini_refs += len(self._pending)
-        self._pending, self._pending_sizes = [], []
+        self.mini_ref_bytes += sum(item[1] for item in self._pending)
+        self._pending = []
         self._pending_set.clear()
 
     def _observe(self, node: Node) -> None:
-        if node.key not in self._pending_set and self.is_sampled(node.key):  # an engine may use a block twice in a request
-            self._pending_set.add(node.key)
-            self._pending.append(node.key)
-            self._pending_sizes.append(node.size)
+        """A sampled block's use or insertion goes to the mini-simulations, under its nearest sampled ancestor: the
+        sampled block before it when kvpolicy replays a request in order, and still the right parent when an engine
+        shows its blocks out of order (SGLang's radix tree, through the strategy's mirror)."""
+        if node.key in self._pending_set or not self.is_sampled(node.key):  # an engine may use a block twice in a request
+            return
+        p = node.parent
+        while p is not None and not self.is_sampled(p.key):
+            p = p.parent
+        self._pending_set.add(node.key)
+        self._pending.append((node.key, node.size, None if p is None else p.key, self.clock.now_s()))
 
     # ------------------------------------------------------------------ hooks
 
@@ -464,6 +493,36 @@ class _MiniSim(HitDensityPolicy):
 
     def rank(self, node: Node, now_s: float) -> float:
         return self._teacher.rank(node, now_s)
+
+    def replay_observed(self, observed: list[tuple[Hashable, int, Hashable | None, float]]) -> int:
+        """One request of sampled blocks, each ``(key, size, parent, time)`` with ``parent`` its nearest sampled
+        ancestor: a resident block is a hit, a missing one is inserted under its parent when the parent is resident
+        (the prefix rule; otherwise it is left out); the request's blocks stay pinned until its end. Returns the bytes
+        hit: a hit serves the whole block, and a node of an engine's tree may hold many."""
+        nodes, clock = self.nodes, self.clock
+        hit_bytes = 0
+        pinned: list[Hashable] = []
+        for key, size, parent, t in observed:
+            clock._now_s = t  # type: ignore[attr-defined]  # the event's own time (an engine's may run out of order)
+            if key in nodes:
+                self.on_access(key)
+                hit_bytes += size
+            elif (parent is None or parent in nodes) and self.admit(key, size, parent):
+                if parent is not None:  # not evicted to make room for its child (it may not be this request's)
+                    self.pin(parent)
+                    pinned.append(parent)
+                try:
+                    self.victims(size, incoming=key)
+                except CapacityError:  # everything left is pinned by this request
+                    continue
+                self.on_insert(key, size, parent)
+            else:
+                continue
+            self.pin(key)
+            pinned.append(key)
+        for key in pinned:
+            self.unpin(key)
+        return hit_bytes
 
     def _event(self, hist: np.ndarray, cls: int, age_s: float) -> tuple[int, float]:
         return 0, 0.0
