@@ -2273,6 +2273,139 @@ def test_hicache_backend_decides_safely_from_sglangs_three_storage_threads():
     assert s.controller.loads_in_flight() == 0 and s.controller._replica_loads == {"replica-0": 0}
 
 
+class HybridStore(DictStore):  # a store that also holds a hybrid model's sidecar pools
+    def __init__(self):
+        super().__init__()
+        self.sidecar = {}
+
+    def batch_set_v2(self, transfers, extra_info=None):
+        out = {}
+        for t in transfers:
+            per = len(t.host_indices) // len(t.keys)
+            assert len(t.host_indices) == per * len(t.keys), "host indices cut with the keys"
+            for k in t.keys:
+                self.sidecar[(t.name, k)] = True
+            out[t.name] = [True] * len(t.keys)
+        return out
+
+
+def _hybrid_backup(store, prefix, span, kv_writer=True, batch=4):
+    """SGLang 0.5.23's hybrid backup of one span (hybrid_cache_controller.py ``_page_backup_with_stable_layout``, its
+    ``_trailing_chain_groups`` and cache_controller.py ``_page_backup``): the sidecar pools first, one call per
+    trailing length, each under ``prefix_keys`` + the span's head; then, on the KV writer rank, the KV pages in
+    batches. Pools: an indexer holding every page (``all_pages``), a Mamba state of the last page and an SWA window
+    of the last two (``trailing_pages``). Returns what the sidecar calls answered, per pool."""
+    import dataclasses
+    import types
+
+    @dataclasses.dataclass
+    class PoolTransfer:
+        name: str
+        host_indices: list
+        keys: list
+        hit_policy: str
+
+    n = len(span)
+    transfers = [PoolTransfer("indexer", list(range(n * 2)), list(span), "all_pages"),
+                 PoolTransfer("mamba", list(range(3)), span[-1:], "trailing_pages"),
+                 PoolTransfer("swa", list(range(4)), span[-2:], "trailing_pages")]
+    groups = {}
+    for t in transfers:
+        groups.setdefault(n - len(t.keys), []).append(t)
+    answered = {}
+    for covered, group in groups.items():
+        answered.update(store.batch_set_v2(group, types.SimpleNamespace(prefix_keys=prefix + span[:covered])))
+    if kv_writer:
+        keys = prefix
+        for i in range(0, n, batch):
+            b = span[i:i + batch]
+            assert store.batch_set_v1(b, list(range(64 * len(b))), types.SimpleNamespace(prefix_keys=keys)) == [True] * len(b)
+            keys = keys + b
+    return answered
+
+
+def test_hicache_backend_stores_a_hybrid_models_sidecars_only_under_the_kv_it_stores():
+    """SGLang's hybrid controller writes the sidecar pools (batch_set_v2) before the KV pages of the same span. They
+    went to the store unfiltered: every Mamba state and indexer page of every span, while threshold-2 kept the KV of
+    a span seen once out — state no hit could use. Now the filter decides once per page per backup, the sidecar
+    call first: nothing at a span's first backup, KV and sidecars together at its second (red: the sidecars passed
+    through, or the KV write sighting the span a second time and storing it at its first backup)."""
+    s = hicache(400)
+    s.inner = HybridStore()
+    span = [f"p{i}" for i in range(8)]
+    answered = _hybrid_backup(s, ["root"], span)
+    assert answered == {"indexer": [True] * 8, "mamba": [True], "swa": [True] * 2}, "left out: reported handled"
+    assert s.inner.pages == {} and s.inner.sidecar == {}, "seen once: neither KV nor sidecars stored"
+    _hybrid_backup(s, ["root"], [f"q{i}" for i in range(4)])  # another span between (SGLang recomputed the first)
+    _hybrid_backup(s, ["root"], span)
+    assert set(s.inner.pages) == set(span), "seen twice: the KV stored"
+    assert set(s.inner.sidecar) == {("indexer", k) for k in span} | {("mamba", "p7"), ("swa", "p6"), ("swa", "p7")}
+    assert s.counts["sidecar_set_pages"] == 11 + 7 + 11 and s.counts["sidecar_stored_pages"] == 11
+    assert s.counts["set_pages"] == 20 and s.counts["stored_pages"] == 8
+
+    # a span whose head was seen before and whose tail is new: the indexer is cut where the KV is; the trailing
+    # windows (their state sits at the span's end, past the KV) are not written, not even the SWA window's page
+    # that the KV holds (p3 of p3, p4)
+    part = hicache(400)
+    part.inner = HybridStore()
+    _hybrid_backup(part, ["root"], span[:4])
+    _hybrid_backup(part, ["root"], [f"q{i}" for i in range(4)])
+    answered = _hybrid_backup(part, ["root"], span[:5])
+    assert set(part.inner.pages) == set(span[:4]) and set(part.inner.sidecar) == {("indexer", k) for k in span[:4]}
+    assert answered == {"indexer": [True] * 5, "mamba": [True], "swa": [True] * 2}
+
+
+def test_the_sidecar_driver_runs_over_stand_ins_of_sglangs_pool_types():
+    """tools/check_engine_bases.py's sidecar driver, over stand-ins of SGLang 0.5.23's PoolTransfer, PoolName (a
+    str enum: answers are keyed by it), PoolHitPolicy and HiCacheStorageExtraInfo — the same driver runs by hand
+    over SGLang's own (``--sglang WHEEL``)."""
+    import dataclasses
+    import enum
+    import types
+
+    from kvpolicy.integrations import sglang_hicache
+
+    class PoolName(str, enum.Enum):
+        KV = "kv"
+        MAMBA = "mamba"
+        INDEXER = "indexer"
+
+    class PoolHitPolicy(str, enum.Enum):
+        ALL_PAGES = "all_pages"
+        TRAILING_PAGES = "trailing_pages"
+
+    @dataclasses.dataclass
+    class PoolTransfer:
+        name: PoolName
+        host_indices: object = None
+        keys: object = None
+        hit_policy: PoolHitPolicy = PoolHitPolicy.ALL_PAGES
+
+    @dataclasses.dataclass
+    class HiCacheStorageExtraInfo:
+        prefix_keys: object = None
+        extra_info: object = None
+
+    base = types.SimpleNamespace(PoolName=PoolName, PoolHitPolicy=PoolHitPolicy, PoolTransfer=PoolTransfer,
+                                 HiCacheStorageExtraInfo=HiCacheStorageExtraInfo)
+    _engine_base_checks().drive_hicache_sidecars(base, sglang_hicache)
+
+
+def test_hicache_backend_on_a_rank_that_writes_no_kv_sights_a_span_again_at_its_next_backup():
+    """With tensor parallelism SGLang writes the KV from one rank and rank-sharded sidecars from every rank
+    (``backup_skip``): no KV write takes the sidecar call's verdicts there. A backup whose chain is not the last
+    call's drops them, so the span's next backup is a second sighting and its sidecars are stored (red: kept, the
+    first verdict stuck and the state was never stored on that rank)."""
+    s = hicache(400)
+    s.inner = HybridStore()
+    span = [f"p{i}" for i in range(8)]
+    _hybrid_backup(s, ["root"], span, kv_writer=False)
+    _hybrid_backup(s, ["root"], [f"q{i}" for i in range(4)], kv_writer=False)
+    assert s.inner.sidecar == {}
+    _hybrid_backup(s, ["root"], span, kv_writer=False)
+    assert ("mamba", "p7") in s.inner.sidecar and ("indexer", "p0") in s.inner.sidecar and s.inner.pages == {}
+
+
 def test_hicache_backend_stores_only_what_will_be_reread_and_prefetches_only_what_wins():
     fast = hicache(400)
     keys = [f"page-{i}" for i in range(8)]

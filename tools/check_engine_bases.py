@@ -538,6 +538,7 @@ def check_sglang(wheel: str) -> None:
     from kvpolicy.integrations import sglang_hicache
 
     drive_hicache_backend(base.HiCacheStorage, sglang_hicache, base.PoolTransferResult)
+    drive_hicache_sidecars(base, sglang_hicache)
     _module("sglang.srt.mem_cache.storage")
     _module("sglang.srt.mem_cache.storage.file")
     _module("sglang.srt.utils")
@@ -570,6 +571,43 @@ def drive_sglang_strategies(evict: types.ModuleType) -> None:
         assert isinstance(strategy, evict.EvictionStrategy), type(strategy).__mro__
         hits = int(radix_replay(trace, strategy.get_priority, cap, clock=clock).sum())
         print(f"  SGLang's eviction loop (stand-in), agent seed 7, {cap} blocks: {policy.name} {hits:,} hits, SGLang's LRU {lru_hits:,}")
+
+
+def drive_hicache_sidecars(base: types.ModuleType, m: types.ModuleType) -> None:
+    """A hybrid model's sidecar writes with SGLang's own ``PoolTransfer``, ``PoolName``, ``PoolHitPolicy`` and
+    ``HiCacheStorageExtraInfo``, in the order its hybrid controller makes them (sidecars, then the KV): under
+    threshold-2 nothing of a span seen once is stored, sidecar or KV, and its answers are keyed by SGLang's pool
+    names; at the span's second backup the KV and its sidecars are stored together."""
+    written: list[tuple[object, str]] = []
+
+    class Inner:
+        def batch_set_v2(self, transfers, extra_info=None):
+            for t in transfers:
+                written.extend((t.name, k) for k in t.keys)
+            return {t.name: [True] * len(t.keys) for t in transfers}
+
+        def batch_set_v1(self, keys, host_indices, extra_info=None):
+            written.extend(("kv", k) for k in keys)
+            return [True] * len(keys)
+
+    cfg = types.SimpleNamespace(extra_config={"inner": {"backend_name": "file"}, "kvpolicy": {"link_gbps": 100, "publish": "threshold-2"}})
+    s = m.KVPolicyHiCacheStorage(cfg, None, inner=Inner())
+    Name, Hit, Info = base.PoolName, base.PoolHitPolicy, base.HiCacheStorageExtraInfo
+
+    def backup(span: list[str]) -> dict:
+        mamba = base.PoolTransfer(name=Name.MAMBA, host_indices=[0], keys=span[-1:], hit_policy=Hit.TRAILING_PAGES)
+        indexer = base.PoolTransfer(name=Name.INDEXER, host_indices=list(range(len(span))), keys=list(span), hit_policy=Hit.ALL_PAGES)
+        got = dict(s.batch_set_v2([mamba], Info(prefix_keys=["root"] + span[:-1])))
+        got.update(s.batch_set_v2([indexer], Info(prefix_keys=["root"])))
+        assert s.batch_set_v1(span, list(range(len(span))), Info(prefix_keys=["root"])) == [True] * len(span)
+        return got
+
+    span = [f"page-{i}" for i in range(4)]
+    got = backup(span)
+    assert got == {Name.MAMBA: [True], Name.INDEXER: [True] * 4} and written == [], (got, written)
+    backup(["other"])
+    backup(span)
+    assert sorted(map(str, written)) == sorted(map(str, [(Name.MAMBA, "page-3")] + [(Name.INDEXER, k) for k in span] + [("kv", k) for k in span])), written
 
 
 def drive_hicache_factory(Factory: type, base: types.ModuleType, m: types.ModuleType) -> None:

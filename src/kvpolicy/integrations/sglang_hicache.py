@@ -20,12 +20,12 @@ What kvpolicy decides: **loads** — ``batch_exists`` answers how many leading p
 are *worth* prefetching (the inner store's hit run, cut to what the admission
 controller proposes; SGLang recomputes the rest) — and **stores** — ``batch_set``
 writes only the leading pages the publish filter allows (the others are
-reported handled, not stored). Every ``batch_get`` is timed and fed back, so the
+reported handled, not stored); a hybrid model's sidecar pools (``batch_set_v2``,
+written before the span's KV) only where the filter stores the KV, the KV write keeping
+the verdicts the sidecar call got. Every ``batch_get`` is timed and fed back, so the
 controller learns this store's real B_eff. Everything else is the inner store's,
-every method of SGLang's base class included: a hybrid model's sidecar pools
-(``register_mem_host_pool_v2``, ``batch_get_v2``, ``batch_set_v2``) and
-``on_host_pools_registered`` go to the inner store unchanged (the sidecar state is
-small; its pages are only usable where the KV run, which kvpolicy decides, is).
+every method of SGLang's base class included: ``register_mem_host_pool_v2``,
+``batch_get_v2`` and ``on_host_pools_registered`` go to the inner store unchanged.
 
 The base class is SGLang's ``HiCacheStorage`` when SGLang is importable,
 ``object`` otherwise (the module imports, and is tested, without SGLang).
@@ -90,7 +90,11 @@ class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         self.filter = filter_setting(cfg, "publish", "extra_config.kvpolicy", block_bytes=self.bytes_per_page,
                                      block_s=self.page_tokens / cfg["prefill_tokens_per_s"])
         self._ids = itertools.count()
-        self.counts = {"exists_pages": 0, "exposed_pages": 0, "set_pages": 0, "stored_pages": 0, "loads_timed": 0}
+        self.counts = {"exists_pages": 0, "exposed_pages": 0, "set_pages": 0, "stored_pages": 0, "loads_timed": 0,
+                       "sidecar_set_pages": 0, "sidecar_stored_pages": 0}
+        # the verdicts a sidecar write made for the span whose KV write comes next, and that backup's chain
+        self._pending: dict[str, bool] = {}
+        self._op_chain: tuple[int, str] | None = None
         # SGLang calls a backend from three threads at once (cache_controller.py: batch_exists from the prefetch
         # thread, the reads from its IO thread, the writes from the backup thread); kvpolicy's decisions share one
         # controller and one filter, so each decision holds this lock — the inner store's I/O never does
@@ -169,12 +173,24 @@ class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
 
     # ---------------------------------------------------------------- stores: only what will be re-read
 
+    def _decide(self, keys: list[str]) -> list[bool]:
+        """The publish filter's verdict on ``keys``, page by page, one sighting each (call with the lock held)."""
+        req = PublishRequest(request_id=("hicache", next(self._ids)), num_tokens=len(keys) * self.page_tokens,
+                             block_size_tokens=self.page_tokens, time_s=self.controller.clock.now_s())
+        self.filter.observe(req, keys)
+        n = self.filter.publishable(req, keys)
+        return [i < n for i in range(len(keys))]
+
     def _publishable(self, keys: list[str]) -> int:
+        """How many leading pages of a KV write to store. Pages a sidecar write of the same span already decided
+        (SGLang's hybrid controller writes the sidecars first) keep that verdict, and are not sighted twice."""
         with self._lock:
-            req = PublishRequest(request_id=("hicache", next(self._ids)), num_tokens=len(keys) * self.page_tokens,
-                                 block_size_tokens=self.page_tokens, time_s=self.controller.clock.now_s())
-            self.filter.observe(req, keys)
-            n = self.filter.publishable(req, keys)
+            ok = [self._pending.pop(k, None) for k in keys]
+            rest = [k for k, x in zip(keys, ok) if x is None]
+            if rest:
+                fresh = iter(self._decide(rest))
+                ok = [next(fresh) if x is None else x for x in ok]
+            n = next((i for i, x in enumerate(ok) if not x), len(ok))
             self.counts["set_pages"] += len(keys)
             self.counts["stored_pages"] += n
         return n
@@ -193,6 +209,51 @@ class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
             return True
         cut = (lambda x: x[:n] if x is not None else None)
         return bool(self.inner.batch_set(keys[:n], cut(values), cut(target_locations), cut(target_sizes)))
+
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
+        """A hybrid model's sidecar pools (Mamba and SWA states, DSA indexer pages, ...). SGLang's hybrid cache
+        controller writes them before the KV pages of the same span, one call per window length. A sidecar page is
+        only usable under its KV run, so it is stored only where the publish filter stores the KV: the filter decides
+        the transfer's pages here, and the span's KV write that follows keeps those verdicts (one sighting per page
+        per backup). An ``all_pages`` pool is cut page by page at the first page left out; a pool that holds a
+        trailing window (``trailing_pages``) or block groups is written whole or not at all. What kvpolicy leaves
+        out is reported handled (True), as for KV pages. A call whose chain (``extra_info.prefix_keys`` + its keys)
+        is not the last call's begins another backup: verdicts no KV write took (a rank that writes no KV, SGLang's
+        ``backup_skip``) are dropped, so a page backed up again is sighted again."""
+        prefix = list(getattr(extra_info, "prefix_keys", None) or [])
+        send, skipped, cut = [], {}, {}
+        with self._lock:
+            for t in transfers:
+                keys = list(getattr(t, "keys", None) or [])
+                if not keys:  # nothing keyed: not a host -> storage write kvpolicy can judge
+                    send.append(t)
+                    continue
+                chain = (len(prefix) + len(keys), keys[-1])  # every call of one backup ends its chain at the span's end
+                if chain != self._op_chain:
+                    self._pending.clear()
+                    self._op_chain = chain
+                new = [k for k in keys if k not in self._pending]
+                if new:
+                    self._pending.update(zip(new, self._decide(new)))
+                ok = [self._pending[k] for k in keys]
+                n = next((i for i, x in enumerate(ok) if not x), len(ok))
+                if _policy_name(t) != "all_pages" and n < len(keys):
+                    n = 0
+                self.counts["sidecar_set_pages"] += len(keys)
+                self.counts["sidecar_stored_pages"] += n
+                if n == 0:
+                    skipped[t.name] = [True] * len(keys)
+                elif n == len(keys):
+                    send.append(t)
+                else:
+                    send.append(_cut_transfer(t, keys, n))
+                    cut[t.name] = len(keys) - n
+        out = dict(self.inner.batch_set_v2(send, extra_info)) if send or not transfers else {}
+        for name, rest in cut.items():
+            key = name if name in out else getattr(name, "value", name)
+            out[key] = list(out.get(key, [])) + [True] * rest
+        out.update(skipped)
+        return out
 
     # ---------------------------------------------------------------- everything else is the inner store's
 
@@ -225,6 +286,24 @@ class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
 # on_host_pools_registered would never reach the real store, register_mem_host_pool_v2 would keep a hybrid
 # model's sidecar pools on the wrapper, and the sidecar reads and writes (batch_get_v2, batch_set_v2) would raise
 forward_to_inner(KVPolicyHiCacheStorage, _Base)
+
+
+def _policy_name(transfer: Any) -> str:
+    """A transfer's ``hit_policy`` as SGLang spells its value (``"all_pages"``, ``"trailing_pages"``, ...)."""
+    p = getattr(transfer, "hit_policy", None)
+    return str(getattr(p, "value", p)).lower()
+
+
+def _cut_transfer(t: Any, keys: list[str], n: int) -> Any:
+    """``t`` with only its first ``n`` pages: keys and host indices (the same number per page)."""
+    import copy
+
+    per = len(t.host_indices) // len(keys) if getattr(t, "host_indices", None) is not None else 0
+    c = copy.copy(t)
+    c.keys = keys[:n]
+    if per:
+        c.host_indices = t.host_indices[: n * per]
+    return c
 
 
 def _leading_ok(out: Any, n: int) -> int:
