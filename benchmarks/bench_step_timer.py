@@ -8,7 +8,8 @@ host hiccup), 5 % empty steps (half of them not reported), idle gaps between bur
 ratio (its p50, what ``T_recompute`` uses) is read after 100, 300, 1,000 and 3,000 steps. The baseline beside it is
 the prior kept as given (what the connector did before the timer): its error is the profile's.
 
-    python benchmarks/bench_step_timer.py    # 60 % / 98 % of steps with a prefill x true ratios 0.5, 2, 4 x seeds 1..5 x 1, 2 steps in flight (~15 s)
+    python benchmarks/bench_step_timer.py    # 60 % / 98 % of steps with a prefill x true ratios 0.5, 2, 4 x seeds 1..5 x 1, 2 steps in flight;
+                                             # then a token-budgeted engine (2,048 / 8,192 tokens, decode tokens free or priced) (~1 min)
 """
 
 from __future__ import annotations
@@ -73,6 +74,36 @@ def run(ratio: float, depth: int, seed: int, prefill_share: float = 0.6) -> dict
     return out
 
 
+def budget_run(ratio: float, seed: int, budget: int, decode_cost: float, n: int = 3000) -> dict[int, float]:
+    """An engine under load with chunked prefill (vLLM's ``max_num_batched_tokens``): every step carries 1-199
+    decoding requests (one token each, 200-8,000 tokens of context) and a prefill chunk that fills the rest of the
+    token budget — the prefill predicted for a step falls as its decode count rises. A decode token costs
+    ``decode_cost`` × what the profile prices a token with its context at (0: nothing beyond the fixed part; 1: as much
+    as a prefill token — a compute-bound batch), which the timer does not model."""
+    from kvpolicy.admission import LatencyModel, LinkPrior
+    from kvpolicy.admission.steps import StepTimer
+    from kvpolicy.clock import ManualClock
+    from kvpolicy.profile import PrefillModel
+
+    rng = np.random.default_rng(seed)
+    clock = ManualClock()
+    profile = PrefillModel(0.0, 5e-5, 2e-9, 0, 0)
+    model = LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), profile)
+    timer = StepTimer(model, clock.now_s, prefill_min_tokens=16)
+    out: dict[int, float] = {}
+    for k in range(1, n + 1):
+        ctx = rng.integers(200, 8000, size=int(rng.integers(1, 200)))
+        before, q = int(rng.integers(0, 8)) * 512, budget - ctx.size
+        decode = decode_cost * float(np.sum(profile.marginal_s(ctx, ctx + 1)))
+        seconds = (0.006 + ratio * (float(profile.marginal_s(before, before + q)) + decode)) * float(rng.lognormal(0.0, 0.15))
+        timer.scheduled([(int(c), 1) for c in ctx] + [(before, q)])
+        clock.advance(seconds)
+        timer.finished(carries=False)
+        if k in CHECKPOINTS:
+            out[k] = model.prefill_ratio.q(0.5)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", default="1,2,3,4,5")
@@ -95,6 +126,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"error of the learned compute (|learned / true - 1|, median / worst of {len(seeds)} seeds) after N steps; "
           "the prior kept as given is the baseline")
     print_table(["steps with a prefill", "true compute / profile", "steps in flight", "prior kept (baseline)", *(f"after {c:,} steps" for c in CHECKPOINTS)], rows)
+    rows = []
+    for budget in (2048, 8192):
+        for decode_cost in (0.0, 1.0):
+            for ratio in ratios:
+                errs = {c: [] for c in CHECKPOINTS}
+                for seed in seeds:
+                    got = budget_run(ratio, seed, budget, decode_cost)
+                    for c in CHECKPOINTS:
+                        errs[c].append(got[c] / ratio - 1)
+                rows.append([f"{budget:,}", f"{decode_cost:g}", f"{ratio:g}x", f"{abs(1 / ratio - 1):.0%}",
+                             *(f"{np.median(errs[c]):+.1%} / {max(errs[c], key=abs):+.1%}" for c in CHECKPOINTS)])
+    print("\nunder a token budget (chunked prefill under load: the prefill chunk fills what the decodes leave), signed error "
+          "(learned / true - 1), median / largest of the seeds; a decode token costing 0 or 1 x the profile's price of a token")
+    print_table(["token budget", "decode token cost", "true compute / profile", "prior kept (baseline)", *(f"after {c:,} steps" for c in CHECKPOINTS)], rows)
     return 0
 
 
