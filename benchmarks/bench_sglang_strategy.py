@@ -13,21 +13,23 @@ The defaults are the reporting seeds 101, 202 and the conversation trace; nothin
 
     python benchmarks/bench_sglang_strategy.py [--presets chat,agent,mixed,rag] [--seeds 101,202] [--no-trace] [--merge-runs]
     python benchmarks/bench_sglang_strategy.py --presets "" --trace my_trace.jsonl --merge-runs   # your own trace only
+    python benchmarks/bench_sglang_strategy.py --sglang-wheel wheels/sglang-0.5.23-*.whl          # through SGLang's own RadixCache
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
 
-from kvpolicy.errors import KVPolicyError
+from kvpolicy.errors import ConfigError, KVPolicyError
 from kvpolicy.eviction import AdaptivePolicy, HitDensityPolicy, ReuseDistancePolicy
 from kvpolicy.eviction.kernels import replay_kernel
 from kvpolicy.integrations.sglang import PriorityStrategy
-from kvpolicy.testing.radix import radix_replay, sglang_lfu, sglang_lru
+from kvpolicy.testing.radix import radix_replay, sglang_lfu, sglang_lru, sglang_radix_replay
 from kvpolicy.traces import generate, preset, read_trace
 
 from _common import add_check_flag, print_table, report_targets, write_json
@@ -45,9 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", default=None, help="a trace of your own (any format kvpolicy reads) in place of the conversation trace")
     ap.add_argument("--merge-runs", action="store_true",
                     help="SGLang's own tree shape: a node holds a run of blocks and splits where a request diverges inside it")
+    ap.add_argument("--sglang-wheel", default=None,
+                    help="an SGLang 0.5.x wheel: replay through SGLang's own RadixCache, read out of it (SGLang's tree shape)")
     ap.add_argument("--json", default=None)
     add_check_flag(ap)
     args = ap.parse_args(argv)
+    real = _sglang_radix(args.sglang_wheel) if args.sglang_wheel else None
     runs = [(f"{p} seed {s}", lambda p=p, s=s: generate(preset(p, seed=s))) for p in args.presets.split(",") if p
             for s in (int(x) for x in args.seeds.split(","))]
     if args.trace:
@@ -62,12 +67,21 @@ def main(argv: list[str] | None = None) -> int:
         for frac in (int(f) for f in args.fractions.split(",")):
             cap = max(distinct // frac, 1)
             mr = args.merge_runs
-            hits = {"sglang-lru": int(radix_replay(trace, sglang_lru, cap, merge_runs=mr).sum()),
-                    "sglang-lfu": int(radix_replay(trace, sglang_lfu, cap, merge_runs=mr).sum())}
+            if real is not None:  # SGLang's own tree
+                radix, params, evict = real
+                hits = {"sglang-lru": int(sglang_radix_replay(trace, evict.LRUStrategy(), cap, radix=radix, params=params).sum()),
+                        "sglang-lfu": int(sglang_radix_replay(trace, evict.LFUStrategy(), cap, radix=radix, params=params).sum())}
+            else:
+                hits = {"sglang-lru": int(radix_replay(trace, sglang_lru, cap, merge_runs=mr).sum()),
+                        "sglang-lfu": int(radix_replay(trace, sglang_lfu, cap, merge_runs=mr).sum())}
             for n, cls in MIRRORED.items():
                 clock = [0.0]
                 strategy = PriorityStrategy(cls(cap), now_s=lambda c=clock: c[0])
-                hits[f"kvpolicy {n}"] = int(radix_replay(trace, strategy.get_priority, cap, clock=clock, merge_runs=mr).sum())
+                if real is not None:
+                    got = sglang_radix_replay(trace, strategy, cap, clock, radix=real[0], params=real[1])
+                else:
+                    got = radix_replay(trace, strategy.get_priority, cap, clock=clock, merge_runs=mr)
+                hits[f"kvpolicy {n}"] = int(got.sum())
             hits["hit-density kernel"] = replay_kernel(trace, "hit-density", cap).hit_blocks
             hits["belady"] = replay_kernel(trace, "belady", cap).hit_blocks
             lru, bel = hits["sglang-lru"], hits["belady"]
@@ -77,12 +91,27 @@ def main(argv: list[str] | None = None) -> int:
                                                            for n in names])
             out.append({"trace": label, "capacity_blocks": cap, "block_refs": int(trace.block_ids.size), "hits": hits, "gap_closed": gap})
             print("  " + "  ".join(rows[-1]), file=sys.stderr, flush=True)
-    shape = "a node per run of blocks, split where a request diverges (SGLang's)" if args.merge_runs else "a node per block"
+    shape = ("SGLang's own RadixCache, read out of " + Path(args.sglang_wheel).name if real is not None else
+             "a node per run of blocks, split where a request diverges (SGLang's)" if args.merge_runs else "a node per block")
     print(f"block hits under SGLang's eviction loop, {shape} (share of the SGLang-LRU -> Belady gap closed)\n")
     print_table(["trace", "capacity", *names], rows)
-    print(f"\nwrote {write_json('bench_sglang_strategy', {'runs': out, 'merge_runs': args.merge_runs}, args.json)}")
+    print(f"\nwrote {write_json('bench_sglang_strategy', {'runs': out, 'merge_runs': args.merge_runs, 'sglang_wheel': args.sglang_wheel}, args.json)}")
     bound = all(max(v for k, v in r["hits"].items() if k != "belady") <= r["hits"]["belady"] for r in out)
     return report_targets({"belady bounds every strategy": bound}, args.check)
+
+
+def _sglang_radix(wheel: str) -> tuple:
+    """SGLang's ``radix_cache``, ``base_prefix_cache`` and ``evict_policy`` modules read out of ``wheel``
+    (tools/check_engine_bases.py: the tree code is SGLang's; GPU kernels, metrics and pools are stubbed)."""
+    if not Path(wheel).is_file():
+        raise ConfigError("--sglang-wheel", f"{wheel} is not a file (pip download sglang==0.5.23 --no-deps -d wheels/)")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from check_engine_bases import load_sglang_radix
+
+    try:
+        return load_sglang_radix(wheel)
+    except (KeyError, OSError, zipfile.BadZipFile) as e:
+        raise ConfigError("--sglang-wheel", f"{wheel}: not an SGLang 0.5.x wheel with mem_cache/radix_cache.py ({e})") from None
 
 
 if __name__ == "__main__":

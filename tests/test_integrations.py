@@ -826,6 +826,93 @@ def test_the_radix_stand_in_with_sglangs_tree_shape_splits_and_evicts_whole_runs
     assert asked == [((3, 4), (1, 2), 1), ((5,), (1, 2), 1)], "one eviction, of whole leaves, after the split"
 
 
+def test_sglang_radix_replay_drives_sglangs_tree_as_its_scheduler_does():
+    """``sglang_radix_replay`` makes the calls SGLang's scheduler makes of its RadixCache, per request: match_prefix,
+    inc_lock_ref on the matched node, evict only what the rest needs beyond the capacity, insert as much as fits
+    (always, for the matched nodes' hit counts), dec_lock_ref; the tree's clock is the request's arrival and is put
+    back after. Checked here on a recording tree; tools/check_engine_bases.py --sglang runs it on SGLang's own and
+    finds kvpolicy's stand-in hitting what SGLang's tree hits."""
+    import types
+
+    from strategies_prefix import chain_trace
+
+    from kvpolicy.testing.radix import sglang_radix_replay
+
+    calls, used = [], [0]
+
+    class Key:
+        def __init__(self, token_ids):
+            self.token_ids = token_ids
+
+        def __getitem__(self, sl):
+            return Key(self.token_ids[sl])
+
+    class Tree:
+        def __init__(self):
+            self.resident = set()
+
+        @classmethod
+        def create_simulated(cls, mock_allocator):
+            return cls()
+
+        def match_prefix(self, p):
+            ids = list(p.key.token_ids)
+            n = 0
+            while n < len(ids) and ids[n] in self.resident:
+                n += 1
+            calls.append(("match", tuple(ids), radix.time.monotonic()))
+            return types.SimpleNamespace(device_prefix_len=n, last_device_node=("node", n))
+
+        def inc_lock_ref(self, node):
+            calls.append(("lock", node))
+
+        def dec_lock_ref(self, node):
+            calls.append(("unlock", node))
+
+        def evict(self, p):
+            calls.append(("evict", p.num_tokens))
+            for k in sorted(self.resident)[: p.num_tokens]:
+                self.resident.discard(k)
+                used[0] -= 1
+
+        def insert(self, p):
+            ids = list(p.key.token_ids)
+            calls.append(("insert", tuple(ids), tuple(p.value)))
+            for k in ids:
+                if k not in self.resident:
+                    self.resident.add(k)
+                    used[0] += 1
+
+        def evictable_size(self):
+            return used[0]
+
+        def protected_size(self):
+            return 0
+
+    params = types.SimpleNamespace(MatchPrefixParams=lambda key: types.SimpleNamespace(key=key),
+                                   EvictParams=lambda num_tokens: types.SimpleNamespace(num_tokens=num_tokens),
+                                   InsertParams=lambda key, value: types.SimpleNamespace(key=key, value=value))
+    before = types.SimpleNamespace(monotonic=lambda: -1.0)
+    radix = types.SimpleNamespace(RadixCache=Tree, RadixKey=lambda token_ids: Key(token_ids), time=before)
+    trace = chain_trace([[1, 2, 3], [1, 2, 3], [4, 5], [1, 2, 3]])
+    clock = [None]
+    hits = sglang_radix_replay(trace, types.SimpleNamespace(get_priority=lambda n: 0), 4, clock, radix=radix, params=params, value=tuple)
+    # [1 2 3] cached; hit whole; [4 5] evicts one of them (the recording tree drops the lowest id: 1); [1 2 3] then misses
+    assert hits.tolist() == [False] * 3 + [True] * 3 + [False] * 2 + [False] * 3
+    assert radix.time is before and clock[0] == pytest.approx(3.0), "the tree's clock put back; the caller's at the last request"
+    assert calls[:4] == [("match", (1, 2, 3), 0.0), ("lock", ("node", 0)), ("insert", (1, 2, 3), (1, 2, 3)), ("unlock", ("node", 0))]
+    assert calls[4:8] == [("match", (1, 2, 3), pytest.approx(1.0)), ("lock", ("node", 3)), ("insert", (1, 2, 3), (1, 2, 3)),
+                          ("unlock", ("node", 3))], "a full hit still inserts: SGLang counts the matched nodes' hits there"
+    assert calls[8:13] == [("match", (4, 5), pytest.approx(2.0)), ("lock", ("node", 0)), ("evict", 1), ("insert", (4, 5), (4, 5)),
+                           ("unlock", ("node", 0))], "3 cached + 2 new in 4 tokens: one evicted, before the insert"
+    with pytest.raises(ConfigError) as e:
+        sglang_radix_replay(trace, types.SimpleNamespace(get_priority=lambda n: 0), 0, radix=radix, params=params, value=tuple)
+    assert e.value.field == "capacity_tokens"
+    with pytest.raises(ConfigError) as e:
+        sglang_radix_replay(trace, object(), 4, radix=radix, params=params, value=tuple)
+    assert e.value.field == "strategy"
+
+
 def test_the_radix_stand_in_splits_a_node_where_a_request_diverges_inside_it():
     """SGLang's _split_node: the node keeps its identity and its tail; a new parent takes the shared head, its hit
     count and its locks — what a strategy that mirrors the tree sees change under it."""

@@ -13,7 +13,8 @@ adapters on top of them, and drives every hook an engine calls through to a reco
 Exit status 0 when every check holds. Each engine's check runs in its own process (the adapters pick their base
 class once, at import). The drivers (``drive_vllm_connector``, ``drive_vllm_metrics``, ``drive_hicache_backend``,
 ``drive_lmcache_policy``) also run in the test suite, over stand-ins shaped like the engines' code
-(tests/test_integrations.py).
+(tests/test_integrations.py). ``--sglang`` also reads SGLang's own ``RadixCache`` out of the wheel
+(:func:`load_sglang_radix`) and checks kvpolicy's stand-in of its eviction loop against it, reference by reference.
 """
 
 from __future__ import annotations
@@ -546,7 +547,119 @@ def check_sglang(wheel: str) -> None:
     _load(wheel, "sglang/srt/mem_cache/storage/file/lru_file_evictor.py", "sglang.srt.mem_cache.storage.file.lru_file_evictor")
     factory = _load(wheel, SGLANG_FACTORY, "sglang.srt.mem_cache.storage.backend_factory")
     drive_hicache_factory(factory.StorageBackendFactory, base, sglang_hicache)
-    drive_sglang_strategies(_load(wheel, SGLANG_EVICT, "sglang.srt.mem_cache.evict_policy"))
+    evict = _load(wheel, SGLANG_EVICT, "sglang.srt.mem_cache.evict_policy")
+    drive_sglang_strategies(evict)
+    radix, params, _ = load_sglang_radix(wheel)
+    drive_sglang_radix(radix, params, evict)
+
+
+class _Indices:
+    """What SGLang's radix tree does with a torch tensor of token indices — ``torch.tensor``, ``cat``, ``empty``,
+    slicing, ``len``, ``.clone()`` — over numpy (the tree only moves them around)."""
+
+    @staticmethod
+    def module() -> types.ModuleType:
+        import numpy as np
+
+        class Tensor(np.ndarray):
+            def clone(self) -> Tensor:
+                return self.copy()
+
+        def tensor(data: object, dtype: object = None, device: object = None) -> Tensor:
+            return np.asarray(data, dtype=np.int64).view(Tensor)
+
+        def cat(xs: list, dim: int = 0) -> Tensor:
+            return (np.concatenate([np.asarray(x) for x in xs]) if len(xs) else np.empty(0, np.int64)).view(Tensor)
+
+        def empty(shape: object, dtype: object = None, device: object = None) -> Tensor:
+            return np.empty(shape, dtype=np.int64).view(Tensor)
+
+        return _module("torch", Tensor=Tensor, tensor=tensor, cat=cat, empty=empty, int64=np.int64, int32=np.int32,
+                       device=lambda d="cpu": str(d), iinfo=np.iinfo)
+
+
+def load_sglang_radix(wheel: str) -> tuple[types.ModuleType, types.ModuleType, types.ModuleType]:
+    """SGLang's own ``RadixCache`` (``radix_cache.py``) and its parameter classes (``base_prefix_cache.py``) read out of
+    the wheel, with what they import that a replay does not use stubbed: the GPU kernels, KV events' wire types,
+    metrics, the memory pools; torch by :class:`_Indices`. The tree code itself — match, split, insert, lock, evict —
+    is SGLang's, as are ``mem_cache/utils.py`` (its strategy registry), ``evict_policy.py``, ``events.py`` and
+    ``cache_init_params.py``. Returns the radix, parameter and eviction-strategy modules."""
+    _Indices.module()
+    for n in ("sglang", "sglang.srt", "sglang.srt.mem_cache"):
+        if n not in sys.modules:
+            _module(n)
+    if "sglang.srt.environ" not in sys.modules:
+        class _Envs:
+            def __getattr__(self, name: str) -> object:
+                return types.SimpleNamespace(get=lambda: None, value=None)
+
+        _module("sglang.srt.environ", envs=_Envs())
+    evict = sys.modules.get("sglang.srt.mem_cache.evict_policy") or _load(wheel, SGLANG_EVICT, "sglang.srt.mem_cache.evict_policy")
+    for n in ("sglang.kernels", "sglang.kernels.ops", "sglang.kernels.ops.kvcache", "sglang.srt.mem_cache.cpp_utils",
+              "sglang.srt.mem_cache.unified_cache", "sglang.srt.observability", "sglang.srt.disaggregation", "sglang.srt.utils"):
+        if n not in sys.modules:
+            _module(n)
+    _module("sglang.kernels.ops.kvcache.mla_buffer", **dict.fromkeys((
+        "get_mla_kv_buffer_kernel", "get_mla_kv_buffer_triton", "set_mla_kv_buffer_dcp_sharded_triton", "set_mla_kv_buffer_fp8_quant_kernel",
+        "set_mla_kv_buffer_kernel", "set_mla_kv_buffer_triton", "set_mla_kv_buffer_triton_fp8_quant", "set_mla_kv_scale_buffer_kernel",
+        "set_mla_kv_scale_buffer_triton")))
+    _module("sglang.srt.mem_cache.cpp_utils.native_hash", get_native_hash=None)
+    _module("sglang.srt.disaggregation.kv_events", **dict.fromkeys(("AllBlocksCleared", "BlockRemoved", "BlockStored", "StorageMedium"), object),
+            kv_event_namespace_seed=None, namespaced_block_hash=None)
+    _load(wheel, "sglang/srt/mem_cache/utils.py", "sglang.srt.mem_cache.utils")
+    _load(wheel, "sglang/srt/mem_cache/events.py", "sglang.srt.mem_cache.events")
+    _module("sglang.srt.mem_cache.allocator", BaseTokenToKVPoolAllocator=object)
+    _module("sglang.srt.mem_cache.memory_pool", ReqToTokenPool=object)
+    _module("sglang.srt.mem_cache.unified_cache.component_type", ComponentType=object)
+    _module("sglang.srt.observability.metrics_collector", STAT_LOGGER_ROLE_RADIX_CACHE=None, RadixCacheMetricsCollector=object,
+            radix_cache_metric_labels=None, resolve_collector_class=None)
+    _module("sglang.srt.runtime_context", get_observability=None, get_parallel=None)
+    params = _load(wheel, "sglang/srt/mem_cache/base_prefix_cache.py", "sglang.srt.mem_cache.base_prefix_cache")
+    _load(wheel, "sglang/srt/mem_cache/cache_init_params.py", "sglang.srt.mem_cache.cache_init_params")
+    common = sys.modules.get("sglang.srt.utils.common") or _module("sglang.srt.utils.common")
+    common.ceil_align = lambda x, a: -(-x // a) * a
+    radix = _load(wheel, "sglang/srt/mem_cache/radix_cache.py", "sglang.srt.mem_cache.radix_cache")
+    return radix, params, evict
+
+
+def drive_sglang_radix(radix: types.ModuleType, params: types.ModuleType, evict: types.ModuleType) -> None:
+    """kvpolicy's stand-in of SGLang's radix cache (``radix_replay(..., merge_runs=True)``) against SGLang's own
+    ``RadixCache`` (``sglang_radix_replay``): with priorities that never tie — LRU and LFU, then the node's first
+    token — the two hit the same references, one by one. (With SGLang's own LRU and LFU strategies they can part where
+    leaves tie: SGLang heaps a list made from a set of nodes, whose order is the nodes' addresses — two runs of SGLang's
+    own code can differ there.) Then kvpolicy's strategies run inside SGLang's own tree, beside the stand-in."""
+    import numpy as np
+
+    from kvpolicy.eviction import AdaptivePolicy, HitDensityPolicy, ReuseDistancePolicy
+    from kvpolicy.integrations.sglang import make_sglang_strategy
+    from kvpolicy.testing.radix import radix_replay, sglang_radix_replay
+    from kvpolicy.traces import generate, preset
+
+    def first(node: object) -> int:
+        key = node.key  # type: ignore[attr-defined]
+        return int(key.token_ids[0]) if hasattr(key, "token_ids") else int(key[0])
+
+    tie_free = {"lru": lambda n: (n.last_access_time, first(n)), "lfu": lambda n: (n.hit_count, n.last_access_time, first(n))}
+    for name, seed in (("agent", 7), ("chat", 7), ("mixed", 7)):
+        trace = generate(preset(name, seed=seed, n_requests=1200))
+        distinct = int(np.unique(trace.block_ids).size)
+        for cap in (distinct // 64, distinct // 16):
+            for which, rank in tie_free.items():
+                theirs = sglang_radix_replay(trace, types.SimpleNamespace(get_priority=rank), cap, radix=radix, params=params)
+                ours = radix_replay(trace, rank, cap, merge_runs=True)
+                assert (theirs == ours).all(), (f"{name} seed {seed} at {cap} tokens, {which} without ties: SGLang's RadixCache "
+                                                f"{int(theirs.sum())} hits, the stand-in {int(ours.sum())}; first apart at reference "
+                                                f"{int(np.flatnonzero(theirs != ours)[0])}")
+            print(f"  SGLang's own RadixCache, {name} seed {seed}, {cap} tokens: the stand-in hits what it hits (LRU and LFU without ties)")
+    trace = generate(preset("agent", seed=7, n_requests=1200))
+    cap = int(np.unique(trace.block_ids).size) // 16
+    lru = int(sglang_radix_replay(trace, evict.LRUStrategy(), cap, radix=radix, params=params).sum())
+    for policy in (HitDensityPolicy(cap), AdaptivePolicy(cap), ReuseDistancePolicy(1 << 62)):
+        clock = [0.0]
+        strategy = make_sglang_strategy(policy, now_s=lambda c=clock: c[0])
+        assert isinstance(strategy, evict.EvictionStrategy), type(strategy).__mro__
+        hits = int(sglang_radix_replay(trace, strategy, cap, clock, radix=radix, params=params).sum())
+        print(f"  SGLang's own RadixCache, agent seed 7, {cap} tokens: {policy.name} {hits:,} hits, SGLang's LRU {lru:,}")
 
 
 def drive_sglang_strategies(evict: types.ModuleType) -> None:

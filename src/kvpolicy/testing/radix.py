@@ -151,3 +151,80 @@ def sglang_lru(node: RadixNode) -> float:
 def sglang_lfu(node: RadixNode) -> tuple[int, float]:
     """SGLang's ``LFUStrategy``: the hit count, then the last access time."""
     return (node.hit_count, node.last_access_time)
+
+
+def sglang_radix_replay(trace: Any, strategy: Any, capacity_tokens: int, clock: list[float] | None = None, *, radix: Any = None,
+                        params: Any = None, value: Callable[[list[int]], Any] | None = None) -> np.ndarray:
+    """Per block reference of ``trace``: whether it was a hit in **SGLang's own** ``RadixCache`` (page size 1, one
+    token per block), its eviction ranked by ``strategy`` (an ``EvictionStrategy``: SGLang's, or kvpolicy's from
+    :func:`kvpolicy.integrations.sglang.make_sglang_strategy`). The request flow :func:`radix_replay` stands in for:
+    ``match_prefix``, ``inc_lock_ref`` on the matched node, ``evict`` what the rest needs beyond the capacity,
+    ``insert`` as much of the rest as fits, ``dec_lock_ref``. SGLang stamps nodes with ``time.monotonic()``; here the
+    radix module's clock is each request's arrival time for the replay (put back after), and ``clock``, a one-item
+    list, is set to it too (a strategy that reads the time: ``make_sglang_strategy(policy, now_s=lambda: clock[0])``).
+
+    ``radix`` / ``params``: SGLang's ``sglang.srt.mem_cache.radix_cache`` and ``base_prefix_cache`` modules (default:
+    imported from an installed SGLang — ``tools/check_engine_bases.py`` passes ones read out of the wheel).
+    ``value``: a request's token indices as the tree stores them (default ``torch.tensor(ids, dtype=torch.int64)``)."""
+    import time as _time
+    import types
+    from array import array
+
+    check_trace(trace)
+    if isinstance(capacity_tokens, bool) or not isinstance(capacity_tokens, (int, np.integer)) or capacity_tokens < 1:
+        raise ConfigError("capacity_tokens", f"must be a positive int, got {capacity_tokens!r}")
+    if not callable(getattr(strategy, "get_priority", None)):
+        raise ConfigError("strategy", f"must be an SGLang EvictionStrategy (a get_priority(node) method), got {type(strategy).__name__}")
+    try:
+        if radix is None:
+            from sglang.srt.mem_cache import radix_cache as radix  # type: ignore[import-not-found,no-redef]
+        if params is None:
+            from sglang.srt.mem_cache import base_prefix_cache as params  # type: ignore[import-not-found,no-redef]
+    except ImportError:
+        raise ConfigError("sglang", "SGLang is not importable here: pass radix= and params= (tools/check_engine_bases.py reads "
+                                    "them out of the wheel)") from None
+    if value is None:
+        import torch  # type: ignore[import-not-found]
+
+        def value(ids: list[int]) -> Any:
+            return torch.tensor(ids, dtype=torch.int64)
+
+    class _Allocator:  # the KV pool: nothing to free in a replay
+        device = "cpu"
+
+        def free_segment(self, indices: Any, start_pos: int = 0) -> None:
+            pass
+
+        def free(self, indices: Any) -> None:
+            pass
+
+    now = clock if clock is not None else [0.0]
+    saved = radix.time
+    radix.time = types.SimpleNamespace(monotonic=lambda: now[0], perf_counter=_time.perf_counter, time=_time.time)
+    try:
+        tree = radix.RadixCache.create_simulated(mock_allocator=_Allocator())
+        tree.eviction_strategy = strategy
+        hits = np.zeros(trace.block_ids.size, dtype=bool)
+        offsets, ids = trace.block_offsets.tolist(), trace.block_ids.tolist()
+        matchable, arrival = trace.matchable_blocks.tolist(), trace.arrival_s.tolist()
+        for r in range(len(trace)):
+            now[0] = arrival[r] + r * 1e-9  # as radix_replay: distinct, increasing stamps
+            s, e = offsets[r], offsets[r + 1]
+            key = radix.RadixKey(token_ids=array("q", ids[s:e]))
+            m = tree.match_prefix(params.MatchPrefixParams(key=key))
+            got = int(m.device_prefix_len)
+            hits[s : s + min(got, matchable[r])] = True
+            node = m.last_device_node
+            tree.inc_lock_ref(node)
+            need = (e - s) - got
+            used = tree.evictable_size() + tree.protected_size()
+            if used + need > capacity_tokens:
+                tree.evict(params.EvictParams(num_tokens=used + need - capacity_tokens))
+            room = capacity_tokens - (tree.evictable_size() + tree.protected_size())
+            end = got + min(need, max(room, 0))
+            if end > 0:  # the matched nodes' hit counts grow by one here, whether or not anything new fits
+                tree.insert(params.InsertParams(key=key[:end], value=value(ids[s : s + end])))
+            tree.dec_lock_ref(node)
+    finally:
+        radix.time = saved
+    return hits
