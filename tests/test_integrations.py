@@ -2478,6 +2478,57 @@ def test_the_sidecar_driver_runs_over_stand_ins_of_sglangs_pool_types():
     _engine_base_checks().drive_hicache_sidecars(base, sglang_hicache)
 
 
+@hyp_settings(max_examples=80, deadline=None)
+@given(ops=st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=6), st.integers(0, 3),
+                              st.sampled_from(["all_pages", "trailing_pages", "block_groups", None])),
+                    min_size=1, max_size=25),
+       publish=st.sampled_from(["threshold-2", "all", "never", "reuse-aware"]), kv_writer=st.booleans())
+def test_hicache_sidecar_writes_answer_every_page_and_store_only_a_prefix_under_the_kv(ops, publish, kv_writer):
+    """Any sequence of backups of chained spans (a page's key names its prefix, as SGLang's hashes do), on the rank
+    that writes the KV or on one that writes only sidecars: every sidecar page is answered (one bool each), what
+    reaches the store is a leading run of a transfer's pages with their own host indices, a pool that is not
+    all_pages is written whole or not at all, and on the KV writer a stored sidecar page sits on stored KV — every
+    page of its span up to it (1,500 examples once while writing it; a rank switching roles between backups is not
+    SGLang's and breaks the last)."""
+    import dataclasses
+    import types
+
+    @dataclasses.dataclass
+    class PoolTransfer:
+        name: str
+        host_indices: list
+        keys: list
+        hit_policy: object
+
+    sent = []
+
+    class Store(DictStore):
+        def batch_set_v2(self, transfers, extra_info=None):
+            for t in transfers:
+                sent.append((t.name, list(t.keys), list(t.host_indices), t.hit_policy))
+            return {t.name: [True] * len(t.keys) for t in transfers}
+
+    s = hicache(400, publish=publish)
+    s.inner = Store()
+    for ids, tail, policy in ops:
+        span = ["p" + "-".join(map(str, ids[: j + 1])) for j in range(len(ids))]  # chained: a page's key names its prefix
+        keys = span[len(span) - min(tail, len(span) - 1) - 1:] if policy != "all_pages" else span
+        t = PoolTransfer("pool", [k * 3 + j for k in range(len(keys)) for j in range(3)], keys, policy)
+        sent.clear()
+        got = s.batch_set_v2([t], types.SimpleNamespace(prefix_keys=["root"] + span[: len(span) - len(keys)]))
+        assert set(got) == {"pool"} and len(got["pool"]) == len(keys) and all(x is True for x in got["pool"])
+        for name, k, host, pol in sent:
+            assert k == keys[: len(k)] and host == t.host_indices[: 3 * len(k)], "a leading run, with its own host indices"
+            assert pol == "all_pages" or len(k) == len(keys), "a window or block group is written whole"
+        if kv_writer:
+            before = set(s.inner.pages)
+            s.batch_set_v1(span, list(range(64 * len(span))), types.SimpleNamespace(prefix_keys=["root"]))
+            stored_kv = set(s.inner.pages) - before | (before & set(span))
+            for _, k, _, _ in sent:
+                assert set(k) <= stored_kv, "a sidecar page stored where its KV is not"
+                assert set(span[: span.index(k[-1]) + 1]) <= set(s.inner.pages), "a sidecar page above a hole in its KV"
+
+
 def test_hicache_backend_on_a_rank_that_writes_no_kv_sights_a_span_again_at_its_next_backup():
     """With tensor parallelism SGLang writes the KV from one rank and rank-sharded sidecars from every rank
     (``backup_skip``): no KV write takes the sidecar call's verdicts there. A backup whose chain is not the last
