@@ -26,16 +26,14 @@ from pathlib import Path
 import numpy as np
 
 from kvpolicy.errors import ConfigError, KVPolicyError
-from kvpolicy.eviction import AdaptivePolicy, HitDensityPolicy, ReuseDistancePolicy
 from kvpolicy.eviction.kernels import replay_kernel
-from kvpolicy.integrations.sglang import PriorityStrategy
-from kvpolicy.testing.radix import radix_replay, sglang_lfu, sglang_lru, sglang_radix_replay
+from kvpolicy.integrations.sglang_bench import compare_strategies
 from kvpolicy.traces import generate, preset, read_trace
 
 from _common import add_check_flag, print_table, report_targets, write_json
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_trace.jsonl.gz"
-MIRRORED = {"hit-density": HitDensityPolicy, "adaptive": AdaptivePolicy, "reuse-distance": ReuseDistancePolicy}
+MIRRORED = ("hit-density", "adaptive", "reuse-distance")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,30 +58,18 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.no_trace and TRACE.exists():
         runs.append(("conversation (Mooncake)", lambda: read_trace(str(TRACE))))
     names = ["sglang-lru", "sglang-lfu", *(f"kvpolicy {n}" for n in MIRRORED), "hit-density kernel", "belady"]
+    strategies = ["sglang-lru", "sglang-lfu", *(f"kvpolicy-{n}" for n in MIRRORED)]
     rows, out = [], []
     for label, make in runs:
         trace = make()
         distinct = int(np.unique(trace.block_ids).size)
-        for frac in (int(f) for f in args.fractions.split(",")):
-            cap = max(distinct // frac, 1)
-            mr = args.merge_runs
-            if real is not None:  # SGLang's own tree
-                radix, params, evict = real
-                hits = {"sglang-lru": int(sglang_radix_replay(trace, evict.LRUStrategy(), cap, radix=radix, params=params).sum()),
-                        "sglang-lfu": int(sglang_radix_replay(trace, evict.LFUStrategy(), cap, radix=radix, params=params).sum())}
-            else:
-                hits = {"sglang-lru": int(radix_replay(trace, sglang_lru, cap, merge_runs=mr).sum()),
-                        "sglang-lfu": int(radix_replay(trace, sglang_lfu, cap, merge_runs=mr).sum())}
-            for n, cls in MIRRORED.items():
-                clock = [0.0]
-                strategy = PriorityStrategy(cls(cap), now_s=lambda c=clock: c[0])
-                if real is not None:
-                    got = sglang_radix_replay(trace, strategy, cap, clock, radix=real[0], params=real[1])
-                else:
-                    got = radix_replay(trace, strategy.get_priority, cap, clock=clock, merge_runs=mr)
-                hits[f"kvpolicy {n}"] = int(got.sum())
+        fracs = [int(f) for f in args.fractions.split(",")]
+        caps = [max(distinct // f, 1) for f in fracs]
+        res = compare_strategies(trace, caps, strategies, sglang_modules=real, merge_runs=args.merge_runs)["results"]
+        for frac, cap in zip(fracs, caps):
+            hits = {r["strategy"].replace("kvpolicy-", "kvpolicy "): r["hit_blocks"] for r in res if r["capacity_blocks"] == cap}
             hits["hit-density kernel"] = replay_kernel(trace, "hit-density", cap).hit_blocks
-            hits["belady"] = replay_kernel(trace, "belady", cap).hit_blocks
+            hits = {n: hits[n] for n in names}
             lru, bel = hits["sglang-lru"], hits["belady"]
             gap = {n: (h - lru) / (bel - lru) if bel > lru else float("nan") for n, h in hits.items()}
             rows.append([label, f"1/{frac} ({cap:,})"] + [f"{hits[n]:,}" if n in ("sglang-lru", "belady") else

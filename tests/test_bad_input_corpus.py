@@ -39,7 +39,7 @@ KIND = {
     "config": "config", "json": "out", "out": "out", "plot": "out-dir",
     "format": "name", "preset": "name", "routing": "name", "router": "name", "scenario": "name", "scheme": "name", "kv_dtype": "name",
     "dtype": "name", "host": "name", "model": "name", "model_name": "name", "openai_url": "name", "api_key_env": "name", "cache_salt": "name",
-    "lora_name": "name", "lora_path": "name", "secret_hex": "name", "request": "name", "policies": "name", "controller_scope": "name",
+    "lora_name": "name", "lora_path": "name", "secret_hex": "name", "request": "name", "policies": "name", "strategies": "name", "controller_scope": "name",
     "endpoint": "name", "replay_endpoint": "name", "topic": "name", "directory": "name", "tenant": "name", "holder": "name", "verify": "name",
 }
 
@@ -114,6 +114,7 @@ def base(cmd: str, f: dict) -> list[str]:
         "analyze": [t, "--block-size", "16", "-q"],
         "breakeven": ["--bytes-per-token", "512", "--profile", str(f["profile"]), "--bandwidth-gbps", "10"],
         "evict-bench": [t, "--block-size", "16", "--capacities-blocks", "4", "--policies", "lru", "-q"],
+        "sglang-bench": [t, "--block-size", "16", "--capacities-blocks", "4", "--strategies", "sglang-lru", "-q"],
         "publish-bench": [t, "--block-size", "16", "--policies", "all", "--replicas", "2", "-q"],
         "plan-warmup": [t, "--block-size", "16", "--bytes-per-token", "512", "--replicas", "2", "--window-s", "10", "--bandwidth-gbps", "10"],
         "compare": [t, "--block-size", "16", "--bytes-per-token", "512", "--scenario", "steady", "--replicas", "2", "-q"],
@@ -260,6 +261,7 @@ def test_every_subcommand_has_a_base_and_every_option_a_kind(files):
 OUTPUT_RUNS = [
     ["analyze", "{trace}", "--block-size", "16", "-q", "--json", "{out}"],
     ["evict-bench", "{trace}", "--block-size", "16", "--capacities-blocks", "4", "--policies", "lru", "-q", "--json", "{out}"],
+    ["sglang-bench", "{trace}", "--block-size", "16", "--capacities-blocks", "4", "--strategies", "sglang-lru", "-q", "--json", "{out}"],
     ["diagnose", "{trace}", "--block-size", "16", "--json", "{out}"],
 ]
 

@@ -186,6 +186,51 @@ def test_evict_bench_command(capsys, tmp_path):
     assert rc == 2 and "unknown policy" in err
 
 
+def test_sglang_bench_command(capsys, tmp_path, monkeypatch):
+    """``kvpolicy sglang-bench``: SGLang's LRU and LFU beside kvpolicy's strategies and Belady, through SGLang's loop
+    (the stand-in with SGLang's tree shape): the sglang-lru column is radix_replay under SGLang's LRU, every strategy
+    is bounded by Belady, and a misspelt strategy or an SGLang that is not there is a one-line error naming the flag."""
+    import builtins
+
+    from kvpolicy.testing.radix import radix_replay, sglang_lru
+    from kvpolicy.traces import generate, preset
+
+    tr = generate(preset("agent", n_requests=200, block_size_tokens=64))
+    p = tmp_path / "mc.jsonl"
+    tr.to_mooncake_jsonl(p)
+    out_json = tmp_path / "s.json"
+    rc, out, _ = run(capsys, "sglang-bench", str(p), "--block-size", "64", "--capacities-blocks", "40,160",
+                     "--strategies", "sglang-lru,kvpolicy-adaptive,kvpolicy-gdsf", "--json", str(out_json), "--no-progress")
+    assert rc == 0 and "kvpolicy-adaptive" in out and "belady" in out and "--radix-eviction-policy" in out
+    rows = json.loads(out_json.read_text())["results"]
+    assert {r["strategy"] for r in rows} == {"sglang-lru", "kvpolicy-adaptive", "kvpolicy-gdsf", "belady"}
+    from kvpolicy.traces import read_trace
+
+    back = read_trace(str(p), block_size_tokens=64)
+    for cap in (40, 160):
+        got = {r["strategy"]: r["hit_blocks"] for r in rows if r["capacity_blocks"] == cap}
+        assert got["sglang-lru"] == int(radix_replay(back, sglang_lru, cap, merge_runs=True).sum())
+        assert max(got.values()) == got["belady"]
+    from kvpolicy.integrations.sglang import policy_factories
+    from kvpolicy.integrations.sglang_bench import KVPOLICY, _kvpolicy_policy
+
+    assert set(KVPOLICY) == {f"kvpolicy-{n}" for n in policy_factories()}, "every strategy register() adds, and no other"
+    assert _kvpolicy_policy("kvpolicy-reuse-distance", 40).c_eff == 1 << 62, "what register() builds: C_effective unbounded"
+    assert _kvpolicy_policy("kvpolicy-adaptive", 40).ghost_window_bytes == 40, "sized by capacity_tokens, as SGLang's config does"
+    rc, _, err = run(capsys, "sglang-bench", "--strategies", "kvpolicy-lrb", "--no-progress")
+    assert rc == 2 and "--strategies" in err and "unknown strategy" in err
+    real_import = builtins.__import__
+
+    def no_sglang(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0 and name.split(".")[0] == "sglang":  # SGLang itself, not kvpolicy's .sglang
+            raise ImportError(name)
+        return real_import(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", no_sglang)
+    rc, _, err = run(capsys, "sglang-bench", "--preset", "chat", "--capacities-blocks", "50", "--sglang-own", "--no-progress")
+    assert rc == 2 and "--sglang-own" in err and "not importable" in err
+
+
 OWN_POLICIES = """
 from kvpolicy.eviction.base import PriorityPolicy
 

@@ -99,6 +99,16 @@ def _emit(payload: dict[str, Any], as_json: bool, render: Callable[[dict[str, An
         print(render(payload))
 
 
+def _print_report(prog: Any, path: str | None, payload: dict[str, Any], text: str) -> int:
+    """End a bench command: the progress line closed, ``--json OUT`` written, the report printed (exit status 0)."""
+    prog.done()
+    _write_report(path, payload)
+    print(text)
+    if path:
+        print(f"\nwrote {path}")
+    return 0
+
+
 def _write_report(path: str | None, payload: dict[str, Any]) -> None:
     """Write a --json OUT report: strict JSON (null, never NaN), replaced atomically (parents created)."""
     if path:
@@ -567,12 +577,21 @@ def _cmd_evict_bench(args: argparse.Namespace) -> int:
     caps = args.capacities_blocks or default_capacities(trace)
     res = compare(trace, args.policies, caps, bytes_per_token=bpt, progress=prog,
                   judge_from_request=_second_half(args, trace))
-    prog.done()
-    _write_report(args.json, res)
-    print(render(res))
-    if args.json:
-        print(f"\nwrote {args.json}")
-    return 0
+    return _print_report(prog, args.json, res, render(res))
+
+
+def _cmd_sglang_bench(args: argparse.Namespace) -> int:
+    from .eviction.bench import default_capacities
+    from .integrations.sglang_bench import check_strategies, compare_strategies, render
+    from .progress import Progress
+
+    check_strategies(args.strategies)  # a misspelt name fails before the trace is read
+    prog = Progress("sglang-bench", enabled=None if not args.no_progress else False)
+    prog("reading trace")
+    trace = _load_trace(args)
+    caps = args.capacities_blocks or default_capacities(trace)[:2]  # 1/64 and 1/16: where the strategies part
+    res = compare_strategies(trace, caps, args.strategies, own_sglang=args.sglang_own, progress=prog)
+    return _print_report(prog, args.json, res, render(res))
 
 
 # --------------------------------------------------------------------------- publish-bench / plan-warmup
@@ -923,7 +942,8 @@ def _policy_list(text: str) -> list[str]:
     return items
 
 
-def _add_trace_args(p: argparse.ArgumentParser) -> None:
+def _add_trace_args(p: argparse.ArgumentParser, *, model: bool = True) -> None:
+    """A trace (file or synthetic preset); ``model``: also the model whose KV bytes the command reports."""
     from .traces import FORMATS, PRESETS
 
     p.add_argument("trace", nargs="?", default=None, help="trace file (JSONL); default: a built-in synthetic preset")
@@ -933,6 +953,8 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-bad-lines", action="store_true", help="skip malformed lines (counted and reported) instead of failing")
     p.add_argument("--preset", choices=sorted(PRESETS), default="mixed", help="synthetic preset when no TRACE is given (default mixed)")
     p.add_argument("--seed", type=_non_negative_int, default=0)
+    if not model:
+        return
     p.add_argument("--config", default=None, help="model config.json or bundled name (default llama-3-8b)")
     p.add_argument("--kv-dtype", default=None, help="KV element format override (e.g. fp8)")
     p.add_argument("--bytes-per-token", type=_positive_int, default=None, help="KV bytes per token instead of --config")
@@ -1054,6 +1076,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", default=None, metavar="OUT")
     e.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a progress bar on a terminal, one line per finished unit elsewhere)")
     e.set_defaults(func=_cmd_evict_bench)
+
+    from .integrations.sglang_bench import DEFAULT_STRATEGIES as SGLANG_BENCH_STRATEGIES
+
+    sg = sub.add_parser("sglang-bench", help="which eviction strategy to run in SGLang: a trace through SGLang's radix-cache eviction loop, "
+                                             "SGLang's LRU and LFU beside kvpolicy's strategies and Belady")
+    _add_trace_args(sg, model=False)  # block hits: no model's bytes in them
+    sg.add_argument("--capacities-blocks", type=_int_list, default=None,
+                    help="capacities in blocks, one token per block (default: 1/64 and 1/16 of the distinct blocks)")
+    sg.add_argument("--strategies", type=_policy_list, default=list(SGLANG_BENCH_STRATEGIES),
+                    help=f"comma-separated (default: {','.join(SGLANG_BENCH_STRATEGIES)}; also kvpolicy-gdsf, kvpolicy-lru, kvpolicy-lfu)")
+    sg.add_argument("--sglang-own", action="store_true",
+                    help="replay through the installed SGLang's own RadixCache (default: kvpolicy's stand-in of its loop, SGLang's tree shape)")
+    sg.add_argument("--json", default=None, metavar="OUT")
+    sg.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr")
+    sg.set_defaults(func=_cmd_sglang_bench)
 
     pb = sub.add_parser("publish-bench", help="bytes each publish policy writes vs bytes re-read by other replicas, beside the oracle")
     _add_trace_args(pb)

@@ -286,6 +286,23 @@ def ranked_factory(cls: type) -> Callable[..., HitDensityPolicy]:
     return make
 
 
+#: the policies that need the radix cache's size (``capacity_tokens`` in SGLang's policy config)
+RANKED = ("hit-density", "adaptive")
+
+
+def policy_factories() -> dict[str, Callable[..., PriorityPolicy | HitDensityPolicy]]:
+    """What :func:`register` adds by default, name -> factory: kvpolicy's reuse-distance, gdsf, lru and lfu priority
+    policies (their mirror never evicts by itself: built unbounded, so reuse-distance's ``C_effective`` is unbounded
+    too), and hit-density and adaptive, which take ``capacity_tokens`` (:func:`ranked_factory`)."""
+    from ..eviction.hit_density import AdaptivePolicy
+    from ..eviction.policies import GDSFPolicy, LFUPolicy, LRUPolicy
+    from ..eviction.reuse_distance import ReuseDistancePolicy
+
+    big = 1 << 62
+    return {"reuse-distance": lambda: ReuseDistancePolicy(big), "gdsf": lambda: GDSFPolicy(big), "lru": lambda: LRUPolicy(big),
+            "lfu": lambda: LFUPolicy(big), "hit-density": ranked_factory(HitDensityPolicy), "adaptive": ranked_factory(AdaptivePolicy)}
+
+
 def register(policies: dict[str, Callable[..., PriorityPolicy | HitDensityPolicy]] | None = None) -> list[str]:
     """Add ``kvpolicy-<name>`` eviction policies to SGLang's strategy registry and CLI choices
     (imports SGLang). Default: kvpolicy's reuse-distance, gdsf, lru and lfu priority policies, and hit-density and
@@ -297,14 +314,7 @@ def register(policies: dict[str, Callable[..., PriorityPolicy | HitDensityPolicy
         from sglang.srt.mem_cache import utils as sg_utils  # type: ignore[import-not-found]
     except ImportError:
         raise ConfigError("sglang", "SGLang (0.5.x) is not importable here") from None
-    from ..eviction.hit_density import AdaptivePolicy
-    from ..eviction.policies import GDSFPolicy, LFUPolicy, LRUPolicy
-    from ..eviction.reuse_distance import ReuseDistancePolicy
-
-    big = 1 << 62
-    policies = policies or {"reuse-distance": lambda: ReuseDistancePolicy(big), "gdsf": lambda: GDSFPolicy(big),
-                            "lru": lambda: LRUPolicy(big), "lfu": lambda: LFUPolicy(big),
-                            "hit-density": ranked_factory(HitDensityPolicy), "adaptive": ranked_factory(AdaptivePolicy)}
+    policies = policies or policy_factories()
     names = []
     for name, make in policies.items():
         full = f"kvpolicy-{name}"
