@@ -654,6 +654,12 @@ def drive_sglang_radix(radix: types.ModuleType, params: types.ModuleType, evict:
     trace = generate(preset("agent", seed=7, n_requests=1200))
     cap = int(np.unique(trace.block_ids).size) // 16
     lru = int(sglang_radix_replay(trace, evict.LRUStrategy(), cap, radix=radix, params=params).sum())
+    # what `kvpolicy sglang-bench --sglang-own` does with an installed SGLang: its modules imported by name, torch too
+    from kvpolicy.integrations.sglang_bench import compare_strategies
+
+    own = compare_strategies(trace, [cap], ["sglang-lru", "kvpolicy-reuse-distance"], own_sglang=True)
+    got = own["results"][0]["hit_blocks"]  # SGLang's LRU again: equal but for its ties' address order
+    assert own["loop"] == "SGLang's own RadixCache" and abs(got - lru) <= 0.001 * lru, (got, lru)
     for policy in (HitDensityPolicy(cap), AdaptivePolicy(cap), ReuseDistancePolicy(1 << 62)):
         clock = [0.0]
         strategy = make_sglang_strategy(policy, now_s=lambda c=clock: c[0])
