@@ -114,6 +114,7 @@ def render(res: dict[str, Any]) -> str:
         gap = "—" if r["gap_closed"] is None or r["strategy"] in ("sglang-lru", "belady") else f"{r['gap_closed']:+.0%}"
         lines.append(f"{r['capacity_blocks']:>17,}  {r['strategy']:<24} {r['hit_blocks']:>12,} {r['token_hit_ratio']:>16.2%} {gap:>11}")
     lines += ["", "gap closed: the share of the SGLang-LRU -> Belady gap in block hits (negative: below SGLang's default).",
-              "Switch one on: kvpolicy.integrations.sglang.register(), then --radix-eviction-policy kvpolicy-<name> "
+              "Switch one on: kvpolicy.integrations.sglang.register(), then --radix-eviction-policy kvpolicy-<name>; hit-density and "
+              "adaptive also take --radix-eviction-policy-config '{\"capacity_tokens\": N}', the radix cache's size in tokens "
               "(docs/integrations.md)."]
     return "\n".join(lines)
