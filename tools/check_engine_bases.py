@@ -651,6 +651,22 @@ def drive_sglang_radix(radix: types.ModuleType, params: types.ModuleType, evict:
                                                 f"{int(theirs.sum())} hits, the stand-in {int(ours.sum())}; first apart at reference "
                                                 f"{int(np.flatnonzero(theirs != ours)[0])}")
             print(f"  SGLang's own RadixCache, {name} seed {seed}, {cap} tokens: the stand-in hits what it hits (LRU and LFU without ties)")
+    try:
+        from hypothesis import HealthCheck, given, settings, strategies as st
+    except ImportError:
+        print("  (hypothesis not installed: the random prefix traces are skipped)")
+    else:
+        from kvpolicy.testing.strategies import prefix_traces
+
+        @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(trace=prefix_traces(max_requests=40), cap=st.integers(1, 14), which=st.sampled_from(sorted(tie_free)))
+        def random_traces(trace: object, cap: int, which: str) -> None:
+            rank = tie_free[which]
+            theirs = sglang_radix_replay(trace, types.SimpleNamespace(get_priority=rank), cap, radix=radix, params=params)
+            assert (theirs == radix_replay(trace, rank, cap, merge_runs=True)).all()
+
+        random_traces()
+        print("  SGLang's own RadixCache, 300 random prefix traces (Hypothesis), 1-14 tokens: the stand-in hits what it hits")
     trace = generate(preset("agent", seed=7, n_requests=1200))
     cap = int(np.unique(trace.block_ids).size) // 16
     lru = int(sglang_radix_replay(trace, evict.LRUStrategy(), cap, radix=radix, params=params).sum())
