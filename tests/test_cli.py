@@ -217,6 +217,7 @@ def test_sglang_bench_command(capsys, tmp_path, monkeypatch):
     assert set(KVPOLICY) == {f"kvpolicy-{n}" for n in policy_factories()}, "every strategy register() adds, and no other"
     assert _kvpolicy_policy("kvpolicy-reuse-distance", 40).c_eff == 1 << 62, "what register() builds: C_effective unbounded"
     assert _kvpolicy_policy("kvpolicy-adaptive", 40).ghost_window_bytes == 40, "sized by capacity_tokens, as SGLang's config does"
+    assert "on this trace:" in out and json.loads(out_json.read_text())["pick"]["strategy"] in {"sglang-lru", "kvpolicy-adaptive", "kvpolicy-gdsf"}
     rc, _, err = run(capsys, "sglang-bench", "--strategies", "kvpolicy-lrb", "--no-progress")
     assert rc == 2 and "--strategies" in err and "unknown strategy" in err
     real_import = builtins.__import__
@@ -229,6 +230,22 @@ def test_sglang_bench_command(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_sglang)
     rc, _, err = run(capsys, "sglang-bench", "--preset", "chat", "--capacities-blocks", "50", "--sglang-own", "--no-progress")
     assert rc == 2 and "--sglang-own" in err and "not importable" in err
+
+
+def test_sglang_bench_picks_the_best_worst_case():
+    """The pick maximises the worst capacity's share of the gap (ties: the larger mean), so a strategy that wins big at
+    one size and loses at another is not picked over one that never loses; SGLang's LRU (0 everywhere) is a
+    candidate, so the pick is never below it; no gap anywhere: no pick."""
+    from kvpolicy.integrations.sglang_bench import pick
+
+    def rows(table):
+        return [{"strategy": n, "capacity_blocks": c, "gap_closed": g} for n, gs in table.items() for c, g in zip((10, 40), gs)]
+
+    assert pick(rows({"sglang-lru": [0, 0], "a": [0.6, -0.1], "b": [0.05, 0.02]}))["strategy"] == "b"
+    assert pick(rows({"sglang-lru": [0, 0], "a": [0.6, -0.1], "b": [-0.05, 0.3]}))["strategy"] == "sglang-lru"
+    assert pick(rows({"sglang-lru": [0, 0], "a": [0.1, 0.4], "b": [0.1, 0.2]})) == {"strategy": "a", "worst_gap_closed": 0.1,
+                                                                                  "mean_gap_closed": 0.25}
+    assert pick([{"strategy": "sglang-lru", "capacity_blocks": 10, "gap_closed": None}]) is None
 
 
 OWN_POLICIES = """
