@@ -553,38 +553,35 @@ def check_sglang(wheel: str) -> None:
     drive_sglang_radix(radix, params, evict)
 
 
-class _Indices:
-    """What SGLang's radix tree does with a torch tensor of token indices — ``torch.tensor``, ``cat``, ``empty``,
-    slicing, ``len``, ``.clone()`` — over numpy (the tree only moves them around)."""
+def _numpy_torch() -> types.ModuleType:
+    """``torch`` as far as SGLang's radix tree uses it — ``tensor``, ``cat``, ``empty``, slicing, ``len``, ``.clone()`` —
+    over numpy (the tree only moves token indices around)."""
+    import numpy as np
 
-    @staticmethod
-    def module() -> types.ModuleType:
-        import numpy as np
+    class Tensor(np.ndarray):
+        def clone(self) -> Tensor:
+            return self.copy()
 
-        class Tensor(np.ndarray):
-            def clone(self) -> Tensor:
-                return self.copy()
+    def tensor(data: object, dtype: object = None, device: object = None) -> Tensor:
+        return np.asarray(data, dtype=np.int64).view(Tensor)
 
-        def tensor(data: object, dtype: object = None, device: object = None) -> Tensor:
-            return np.asarray(data, dtype=np.int64).view(Tensor)
+    def cat(xs: list, dim: int = 0) -> Tensor:
+        return (np.concatenate([np.asarray(x) for x in xs]) if len(xs) else np.empty(0, np.int64)).view(Tensor)
 
-        def cat(xs: list, dim: int = 0) -> Tensor:
-            return (np.concatenate([np.asarray(x) for x in xs]) if len(xs) else np.empty(0, np.int64)).view(Tensor)
+    def empty(shape: object, dtype: object = None, device: object = None) -> Tensor:
+        return np.empty(shape, dtype=np.int64).view(Tensor)
 
-        def empty(shape: object, dtype: object = None, device: object = None) -> Tensor:
-            return np.empty(shape, dtype=np.int64).view(Tensor)
-
-        return _module("torch", Tensor=Tensor, tensor=tensor, cat=cat, empty=empty, int64=np.int64, int32=np.int32,
-                       device=lambda d="cpu": str(d), iinfo=np.iinfo)
+    return _module("torch", Tensor=Tensor, tensor=tensor, cat=cat, empty=empty, int64=np.int64, int32=np.int32,
+                   device=lambda d="cpu": str(d), iinfo=np.iinfo)
 
 
 def load_sglang_radix(wheel: str) -> tuple[types.ModuleType, types.ModuleType, types.ModuleType]:
     """SGLang's own ``RadixCache`` (``radix_cache.py``) and its parameter classes (``base_prefix_cache.py``) read out of
     the wheel, with what they import that a replay does not use stubbed: the GPU kernels, KV events' wire types,
-    metrics, the memory pools; torch by :class:`_Indices`. The tree code itself — match, split, insert, lock, evict —
+    metrics, the memory pools; torch by :func:`_numpy_torch`. The tree code itself — match, split, insert, lock, evict —
     is SGLang's, as are ``mem_cache/utils.py`` (its strategy registry), ``evict_policy.py``, ``events.py`` and
     ``cache_init_params.py``. Returns the radix, parameter and eviction-strategy modules."""
-    _Indices.module()
+    _numpy_torch()
     for n in ("sglang", "sglang.srt", "sglang.srt.mem_cache"):
         if n not in sys.modules:
             _module(n)
@@ -630,8 +627,8 @@ def drive_sglang_radix(radix: types.ModuleType, params: types.ModuleType, evict:
     own code can differ there.) Then kvpolicy's strategies run inside SGLang's own tree, beside the stand-in."""
     import numpy as np
 
-    from kvpolicy.eviction import AdaptivePolicy, HitDensityPolicy, ReuseDistancePolicy
-    from kvpolicy.integrations.sglang import make_sglang_strategy
+    from kvpolicy.eviction import AdaptivePolicy, HitDensityPolicy
+    from kvpolicy.integrations.sglang import make_sglang_strategy, policy_factories
     from kvpolicy.testing.radix import radix_replay, sglang_radix_replay
     from kvpolicy.traces import generate, preset
 
@@ -676,7 +673,7 @@ def drive_sglang_radix(radix: types.ModuleType, params: types.ModuleType, evict:
     own = compare_strategies(trace, [cap], ["sglang-lru", "kvpolicy-reuse-distance"], own_sglang=True)
     got = own["results"][0]["hit_blocks"]  # SGLang's LRU again: equal but for its ties' address order
     assert own["loop"] == "SGLang's own RadixCache" and abs(got - lru) <= 0.001 * lru, (got, lru)
-    for policy in (HitDensityPolicy(cap), AdaptivePolicy(cap), ReuseDistancePolicy(1 << 62)):
+    for policy in (HitDensityPolicy(cap), AdaptivePolicy(cap), policy_factories()["reuse-distance"]()):  # as register() builds it
         clock = [0.0]
         strategy = make_sglang_strategy(policy, now_s=lambda c=clock: c[0])
         assert isinstance(strategy, evict.EvictionStrategy), type(strategy).__mro__

@@ -28,6 +28,12 @@ def default_capacities(trace: Any) -> list[int]:
     return sorted({max(distinct // d, 1) for d in (64, 16, 4, 2)})
 
 
+def check_capacities(capacities_blocks: Any) -> None:
+    """One or more capacities, ints in [1, 2**40] blocks (``--capacities-blocks``)."""
+    if not capacities_blocks or any(isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 < c <= 1 << 40 for c in capacities_blocks):
+        raise ConfigError("--capacities-blocks", f"give one or more capacities, ints in [1, 2**40], got {capacities_blocks!r:.80}")
+
+
 def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, bytes_per_token: int | None = None,
             progress: Any = None, judge_from_request: int = 0) -> dict[str, Any]:
     """Every policy at every capacity beside LRU, ARC, S3-FIFO, Belady and the infinite cache. A policy of your own
@@ -38,8 +44,7 @@ def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, by
     learning and its cache warm up on requests < k) but only the references of requests >= k are scored."""
     check_trace(trace)
     check_policy_names(policies)
-    if not capacities_blocks or any(isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 < c <= 1 << 40 for c in capacities_blocks):
-        raise ConfigError("--capacities-blocks", f"give one or more capacities, ints in [1, 2**40], got {capacities_blocks!r:.80}")
+    check_capacities(capacities_blocks)
     if bytes_per_token is not None:
         check_positive_int("bytes_per_token", bytes_per_token)
     step = progress or (lambda _m: None)

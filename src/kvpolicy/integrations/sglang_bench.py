@@ -15,8 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from ..errors import ConfigError
 from ..traces.model import check_trace
 
@@ -55,15 +53,14 @@ def compare_strategies(trace: Any, capacities_blocks: list[int], strategies: lis
     ``RadixCache`` — ``sglang_modules`` (its ``radix_cache``, ``base_prefix_cache`` and ``evict_policy`` modules), or
     an installed SGLang; else kvpolicy's stand-in with SGLang's tree shape (``merge_runs=False``: one node per
     block instead)."""
+    from ..eviction.bench import check_capacities
     from ..eviction.kernels import replay_kernel
     from ..testing.radix import radix_replay, sglang_lfu, sglang_lru, sglang_radix_replay
     from .sglang import PriorityStrategy
 
     check_trace(trace)
     check_strategies(list(strategies))
-    if not capacities_blocks or any(isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 < c <= 1 << 40
-                                    for c in capacities_blocks):
-        raise ConfigError("--capacities-blocks", f"give one or more capacities, ints in [1, 2**40], got {capacities_blocks!r:.80}")
+    check_capacities(capacities_blocks)
     if own_sglang and sglang_modules is None:
         try:
             from sglang.srt.mem_cache import base_prefix_cache, evict_policy, radix_cache  # type: ignore[import-not-found]
