@@ -96,6 +96,19 @@ def test_bloom_hashes_the_whole_key():
     assert [log.classify(prefix + bytes([i]) * 8, 0.0)[0] for i in range(100, 110)] == ["never_published"] * 10
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(st.integers(-2**63, 2**64 - 1), st.binary(max_size=24), st.text(max_size=8)), min_size=1, max_size=30, unique=True))
+def test_bloom_takes_any_block_key(keys):
+    """Engines' block keys are ints as often as bytes (64-bit hashes; the simulator's block ids). A key dropped from
+    the exact table goes to the Bloom filter; an int went through ``bytes(n)`` — n zero bytes: a MemoryError for a
+    64-bit hash, a ValueError for a negative one. No false negatives: every key published is still known."""
+    log = PublicationLog(max_exact_keys=1, bloom_bits=1 << 12)
+    for k in keys:
+        log.published(k, size_bytes=1.0)
+    assert log.dropped_keys == len(keys) - 1
+    assert all(log.classify(k, 0.0)[0] in ("evicted", "resident") for k in keys)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["w", "r"]), st.integers(0, 5), st.sampled_from(["a", "b"]), st.integers(1, 9)), max_size=40),
        st.integers(1, 4))

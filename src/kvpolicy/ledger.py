@@ -59,6 +59,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
+from collections.abc import Hashable
 from typing import Any, Literal
 
 import attrs
@@ -128,6 +129,19 @@ def _check_flow(t_s: float, size_bytes: float) -> None:
             raise ConfigError(name, f"must be a finite non-negative number, got {v!r}")
 
 
+def _key_bytes(key: Hashable) -> bytes:
+    """A block key's bytes for the Bloom filter: bytes as they are, an int (a 64-bit block hash, the simulator's
+    block ids) as its signed 16-byte form — ``bytes(n)`` would be n zero bytes, a MemoryError for a 64-bit hash — a
+    str as UTF-8, anything else by its repr."""
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        return bytes(key)
+    if isinstance(key, int):
+        return key.to_bytes(16, "little", signed=True) if -(1 << 127) <= key < 1 << 127 else repr(key).encode()
+    if isinstance(key, str):
+        return key.encode()
+    return repr(key).encode()
+
+
 class PublicationLog:
     """What the shared tier held: exact recent keys + a Bloom filter of older ones."""
 
@@ -135,35 +149,35 @@ class PublicationLog:
         if max_exact_keys <= 0 or bloom_bits < 64:
             raise ConfigError("max_exact_keys", "max_exact_keys must be > 0 and bloom_bits >= 64")
         self.max_exact_keys = max_exact_keys
-        self._exact: dict[bytes, tuple[str, float, float | None]] = {}  # key → (tier, first published_s, evicted_s)
+        self._exact: dict[Hashable, tuple[str, float, float | None]] = {}  # key → (tier, first published_s, evicted_s)
         self.dropped_keys = 0
         self._bits = bytearray((bloom_bits + 7) // 8)
         self._m = bloom_bits
         self.bytes_written_by_class: dict[str, float] = {}
         # the newest max_exact_keys writes (key -> class, bytes), oldest first, and which of them were read; a write
         # that falls out unread is settled as unread bytes of its class (a read after that is not seen)
-        self._written: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
-        self._reads: set[bytes] = set()
+        self._written: OrderedDict[Hashable, tuple[str, float]] = OrderedDict()
+        self._reads: set[Hashable] = set()
         self._unread_settled: dict[str, float] = {}
 
-    def _positions(self, key: bytes) -> tuple[int, int, int, int]:
+    def _positions(self, key: Hashable) -> tuple[int, int, int, int]:
         # BLAKE2b of the whole key: a key's first bytes need not be random (a tenant or model prefix shared by every
         # key would put them all on the same four bits)
-        x = int.from_bytes(hashlib.blake2b(bytes(key), digest_size=16).digest(), "little")
+        x = int.from_bytes(hashlib.blake2b(_key_bytes(key), digest_size=16).digest(), "little")
         m = self._m
         return (x & 0xFFFFFFFF) % m, (x >> 32 & 0xFFFFFFFF) % m, (x >> 64 & 0xFFFFFFFF) % m, (x >> 96) % m
 
-    def _bloom_add(self, key: bytes) -> None:
+    def _bloom_add(self, key: Hashable) -> None:
         bits = self._bits
         for p in self._positions(key):
             bits[p >> 3] |= 1 << (p & 7)
 
-    def _bloom_has(self, key: bytes) -> bool:
+    def _bloom_has(self, key: Hashable) -> bool:
         bits = self._bits
         a, b, c, d = self._positions(key)
         return bool(bits[a >> 3] >> (a & 7) & bits[b >> 3] >> (b & 7) & bits[c >> 3] >> (c & 7) & bits[d >> 3] >> (d & 7) & 1)
 
-    def published(self, key: bytes, tier: str = "pool", t_s: float = 0.0, size_bytes: float = 0.0, request_class: str = "default") -> None:
+    def published(self, key: Hashable, tier: str = "pool", t_s: float = 0.0, size_bytes: float = 0.0, request_class: str = "default") -> None:
         old = self._exact.pop(key, None)
         self._exact[key] = (tier, t_s if old is None else min(old[1], t_s), None)  # a re-publication keeps the first time
         if size_bytes:
@@ -180,21 +194,21 @@ class PublicationLog:
                 else:
                     self._unread_settled[cls] = self._unread_settled.get(cls, 0.0) + size
         while len(self._exact) > self.max_exact_keys:
-            old = next(iter(self._exact))
-            del self._exact[old]
-            self._bloom_add(old)
+            oldest = next(iter(self._exact))
+            del self._exact[oldest]
+            self._bloom_add(oldest)
             self.dropped_keys += 1
 
-    def evicted(self, key: bytes, t_s: float = 0.0) -> None:
+    def evicted(self, key: Hashable, t_s: float = 0.0) -> None:
         e = self._exact.get(key)
         if e is not None:
             self._exact[key] = (e[0], e[1], t_s)
 
-    def read(self, key: bytes) -> None:
+    def read(self, key: Hashable) -> None:
         if key in self._written:  # only the writes still held need their reads: the set stays bounded with them
             self._reads.add(key)
 
-    def classify(self, key: bytes, now_s: float) -> tuple[str, str | None, float | None]:
+    def classify(self, key: Hashable, now_s: float) -> tuple[str, str | None, float | None]:
         """("never_published" | "evicted" | "resident", tier, age_s since eviction), as of ``now_s``: a block
         first published after it had not been published yet."""
         e = self._exact.get(key)
@@ -453,18 +467,18 @@ class Ledger:
             out[k] = {"bytes": f.total, "mean_bytes_per_s": f.total / span if span > 0 else None, "peak_window_bytes_per_s": f.peak_bytes_per_s()}
         return out
 
-    def record_write(self, key: bytes, t_s: float, size_bytes: float, tier: str = "pool", request_class: str = "default") -> None:
+    def record_write(self, key: Hashable, t_s: float, size_bytes: float, tier: str = "pool", request_class: str = "default") -> None:
         """A block was published to a shared tier."""
         _check_flow(t_s, size_bytes)
         self.pub.published(key, tier, t_s, size_bytes, request_class)
         self._flow("write", t_s, size_bytes)
         self._time(t_s)
 
-    def record_eviction(self, key: bytes, t_s: float) -> None:
+    def record_eviction(self, key: Hashable, t_s: float) -> None:
         _check_flow(t_s, 0.0)  # a NaN eviction time made every later miss's age since eviction NaN
         self.pub.evicted(key, t_s)
 
-    def record_read(self, key: bytes) -> None:
+    def record_read(self, key: Hashable) -> None:
         self.pub.read(key)
 
     def record_replication(self, t_s: float, size_bytes: float) -> None:
@@ -529,7 +543,7 @@ class Ledger:
         """Prometheus text exposition (counters, summaries with quantiles, gauges)."""
         lines: list[str] = []
 
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[dict[str, str], float]]) -> None:
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[dict[str, str], float | None]]) -> None:
             lines.append(f"# HELP {prefix}_{name} {help_}")
             lines.append(f"# TYPE {prefix}_{name} {kind}")
             for labels, v in samples:
@@ -568,7 +582,9 @@ class Ledger:
         return "\n".join(lines) + "\n"
 
 
-def _num(v: float) -> str:
+def _num(v: float | None) -> str:
+    if v is None:  # not known (a rate over no time): Prometheus' NaN, never the string None
+        return "NaN"
     if isinstance(v, float) and (math.isinf(v) or math.isnan(v)):
         return "+Inf" if v > 0 else ("-Inf" if v < 0 else "NaN")
     return repr(float(v)) if isinstance(v, float) else str(v)
