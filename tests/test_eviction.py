@@ -2,6 +2,7 @@ import json
 import os
 from pathlib import Path
 
+import cachetools
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -248,6 +249,26 @@ def test_policy_cache_is_a_cachetools_cache_and_works_with_cached():
     assert word(9) == "x" * 9 and len(big) == 0
     with pytest.raises(TypeError, match="cannot be copied"):
         __import__("copy").copy(big)
+
+
+@pytest.mark.parametrize("size", [1.5, float("nan"), "3", True, None])
+def test_policy_cache_refuses_a_size_that_is_no_int(size):
+    """The policies count whole bytes. A float size reached them and failed naming ``need_bytes``, an internal
+    argument; through ``cachetools.cached`` (which swallows ValueError: a value too large is not stored) it would never
+    cache anything, silently. A TypeError naming ``getsizeof`` reaches the caller either way."""
+    c = PolicyCache(10, policy="lru", getsizeof=lambda v: size)
+    with pytest.raises(TypeError, match="getsizeof"):
+        c["a"] = 1
+
+    @cachetools.cached(PolicyCache(10, policy="lru", getsizeof=lambda v: size))
+    def f(n):
+        return n
+
+    with pytest.raises(TypeError, match="getsizeof"):
+        f(1)
+    ok = PolicyCache(10, policy="lru", getsizeof=lambda v: np.int64(2))  # numpy ints are ints
+    ok["a"] = 1
+    assert ok.currsize == 2
 
 
 def test_docs_cachetools_example_runs():

@@ -18,6 +18,7 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import cachetools
+import numpy as np
 
 from .._validate import check_non_negative_int
 from ..errors import CapacityError
@@ -59,6 +60,11 @@ class PolicyCache(cachetools.Cache):
 
     def __setitem__(self, key: Hashable, value: Any) -> None:
         size = self.getsizeof(value)
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)):  # the policies count whole bytes
+            # a TypeError, not a ValueError: cachetools.cached swallows ValueError (a value too large is not stored),
+            # so a getsizeof that returns 1.5 would silently never cache anything
+            raise TypeError(f"getsizeof: must return an int (bytes, or units of maxsize), got {size!r} for key {key!r}")
+        size = int(size)
         if size > self.maxsize:
             raise ValueError("value too large")
         if size < 0:
