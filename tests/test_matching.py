@@ -114,6 +114,12 @@ def test_bad_inputs_are_named():
         match(keys, 20, None, Liar(), tier_names=[])
     with pytest.raises(ConfigError, match="16-byte"):
         InMemoryBlockIndex([b"x"])
+    idx = InMemoryBlockIndex(keys[:2])
+    for bad in (2**62, -1, "k" * 16):  # bytes(2**62) would try to allocate 4 EiB of zeros: checked as add() checks
+        with pytest.raises(ConfigError, match="16-byte"):
+            idx.discard([bad])
+    idx.discard([keys[0], b"\0" * 16])  # a key that is not there is no error
+    assert len(idx) == 1
 
 
 def test_plain_sequence_keys_with_block_size():

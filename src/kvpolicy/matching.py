@@ -21,6 +21,12 @@ from .protocols import BlockIndex
 StopReason = Literal["all_matchable_found", "miss", "no_matchable_block"]
 
 
+def _key(k: object) -> bytes:
+    if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:
+        raise ConfigError("keys", f"block keys are {KEY_BYTES}-byte strings, got {k!r:.40}")
+    return bytes(k)
+
+
 class InMemoryBlockIndex:
     """A set of block keys with prefix semantics (the reference :class:`BlockIndex`)."""
 
@@ -31,13 +37,11 @@ class InMemoryBlockIndex:
 
     def add(self, keys: Iterable[bytes]) -> None:
         for k in keys:
-            if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:
-                raise ConfigError("keys", f"block keys are {KEY_BYTES}-byte strings, got {k!r:.40}")
-            self._keys.add(bytes(k))
+            self._keys.add(_key(k))
 
     def discard(self, keys: Iterable[bytes]) -> None:
-        for k in keys:
-            self._keys.discard(bytes(k))
+        for k in keys:  # checked as add() checks: bytes(n) of an int key would be n zero bytes
+            self._keys.discard(_key(k))
 
     def __contains__(self, key: object) -> bool:
         return key in self._keys
