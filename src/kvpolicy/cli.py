@@ -10,7 +10,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from .errors import ConfigError, KVPolicyError
 from ._io import read_text, strict_json, write_text_atomic
@@ -280,7 +280,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     if args.scheme.startswith("vllm-"):
         if args.namespace or args.secret_hex or args.secret_file:
             raise ConfigError("--scheme", "vLLM schemes take no --namespace or --secret-hex/--secret-file (vLLM keys have no namespace)")
-        algo = "sha256" if args.scheme == "vllm-sha256" else "sha256_cbor"
+        algo: Literal["sha256", "sha256_cbor"] = "sha256" if args.scheme == "vllm-sha256" else "sha256_cbor"
         hashes = [h.hex() for h in vllm_block_hashes(tokens, args.block_size, algo, args.cache_salt, args.lora_name, args.lora_path)]
     else:
         if args.cache_salt or args.lora_name or args.lora_path:

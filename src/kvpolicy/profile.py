@@ -46,6 +46,9 @@ HALF_HIT_COLUMNS = ("half_hit_cached_tokens", "half_hit_ttft_ms")
 #: ``--tail-tokens``); with it each row is fitted as the prefill it really ran
 TAIL_COLUMN = "tail_tokens"
 
+#: a column of numbers: a sequence, or a numpy array
+Floats = Sequence[float] | np.ndarray
+
 
 @attrs.frozen
 class PrefillModel:
@@ -140,7 +143,7 @@ def _column(name: str, values: Any, *, n: int | None = None, allow_nan: bool = F
     return a
 
 
-def fit_prefill(prefix_tokens: Sequence[float], seconds: Sequence[float]) -> PrefillModel:
+def fit_prefill(prefix_tokens: Floats, seconds: Floats) -> PrefillModel:
     """Non-negative least squares on relative error over subsets of {1, T, T²}."""
     t = _column("prefix_tokens", prefix_tokens)
     y = _column("seconds", seconds)
@@ -161,8 +164,8 @@ def fit_prefill(prefix_tokens: Sequence[float], seconds: Sequence[float]) -> Pre
     )
 
 
-def fit_prefill_rows(prefix_tokens: Sequence[float], tail_tokens: Sequence[float], cold_s: Sequence[float], local_s: Sequence[float],
-                     half_cached_tokens: Sequence[float] | None = None, half_s: Sequence[float] | None = None) -> PrefillModel:
+def fit_prefill_rows(prefix_tokens: Floats, tail_tokens: Floats, cold_s: Floats, local_s: Floats,
+                     half_cached_tokens: Floats | None = None, half_s: Floats | None = None) -> PrefillModel:
     """Every term at once, each row as what it ran: the cold row is a prefill of [0, L + tail), the
     local hit [L, L + tail), the half hit [r, L + tail) — a, b, c, d and x by non-negative least
     squares on relative error over all rows (x tied to 2c without half-hit rows, which alone
@@ -215,7 +218,7 @@ def describe_prefill(m: dict[str, Any]) -> list[str]:
     return lines
 
 
-def fit_cross(model: PrefillModel, prefix_tokens: Sequence[float], cached_tokens: Sequence[float], seconds: Sequence[float]) -> PrefillModel:
+def fit_cross(model: PrefillModel, prefix_tokens: Floats, cached_tokens: Floats, seconds: Floats) -> PrefillModel:
     """x, the seconds per (new token × cached token), from half-hit rows: prompts of ``prefix_tokens``
     whose first ``cached_tokens`` were cached. With a, b, c, d fixed (cold and local-hit rows),
     x is the least-squares fit on relative error of what is left, clipped at 0. Rows with nothing
@@ -288,7 +291,7 @@ class MeasuredProfile:
         w = csv.writer(buf, lineterminator="\n")
         w.writerow(cols)
         for i in range(len(self)):
-            row = [int(self.prefix_tokens[i]), int(self.kv_bytes[i])]
+            row: list[int | str] = [int(self.prefix_tokens[i]), int(self.kv_bytes[i])]
             row += [_fmt(self.cold_prefill_ms[i]), _fmt(self.local_hit_ttft_ms[i])]
             row += [_fmt(self.extra[c][i]) for c in sorted(self.extra)]
             w.writerow(row)
@@ -365,7 +368,7 @@ def parse_profile(text: str, source: str = "<string>") -> MeasuredProfile:
     if not data:
         raise ProfileFormatError(source, header_line, "the profile has a header but no rows")
     cols: dict[str, list[float]] = {h: [] for h in header}
-    prev_tokens = -1
+    prev_tokens = -1.0
     for line, r in data:
         if len(r) != len(header):
             raise ProfileFormatError(source, line, f"expected {len(header)} fields, got {len(r)}")

@@ -141,6 +141,13 @@ def _check(request: PublishRequest, keys: Sequence[Hashable], *, timed: str | No
                                     "PublishRequest(time_s=...) in seconds from any clock that only moves forward")
 
 
+def _timed(request: PublishRequest, keys: Sequence[Hashable], name: str) -> float:
+    """:func:`_check` for a filter that keeps time: the request's time, which it must carry."""
+    _check(request, keys, timed=name)
+    assert request.time_s is not None  # _check refused a request without one
+    return request.time_s
+
+
 class _Dedup:
     """Counts each (request, block) pair once: an engine may observe a request
     several times, or block by block as it looks the prefix up. Remembers the
@@ -362,9 +369,8 @@ class ReuseAwarePublish:
         return (self.seen_again[b] + 1) / (self.created[b] + 2)
 
     def observe(self, request: PublishRequest, keys: Sequence[Hashable]) -> None:
-        _check(request, keys, timed="reuse-aware")
+        t = _timed(request, keys, "reuse-aware")
         b = self._bucket(request)
-        t = request.time_s
         origin = self._origin
         for key in self._dedup.new_keys(request.request_id, keys):
             if self.sketch.estimate(key, t) < 0.5:  # first sighting: remember which kind of request made it, and when
@@ -393,12 +399,12 @@ class ReuseAwarePublish:
 
     def values(self, request: PublishRequest, keys: Sequence[Hashable]) -> list[float]:
         """Expected value − cost of publishing each leading block (seconds)."""
-        _check(request, keys, timed="reuse-aware")
+        t = _timed(request, keys, "reuse-aware")
         p_first = self.first_sighting_probability(request)
         cost = self.write_cost_s(request)
         out = []
         for depth, key in enumerate(keys):
-            c = self.sketch.estimate(key, request.time_s)
+            c = self.sketch.estimate(key, t)
             p = 1.0 - math.exp(-max(c - 1.0, 0.0) / self.half_life_s * self.lifetime_s) if c > 1.5 else p_first
             out.append(p * self.cross * self.recompute_s(depth) - cost)
         return out
@@ -503,8 +509,7 @@ class StructureAwarePublish:
         return (self.reused[cls] + 1) / (self.reused[cls] + self.dead[cls] + 2)
 
     def observe(self, request: PublishRequest, keys: Sequence[Hashable]) -> None:
-        _check(request, keys, timed="structure-aware")
-        t = request.time_s
+        t = _timed(request, keys, "structure-aware")
         origin = self._origin
         if request.request_id not in self._dedup._seen:
             # windows close once per request, before its blocks are counted: an engine that observes a request
@@ -549,11 +554,11 @@ class StructureAwarePublish:
 
     def values(self, request: PublishRequest, keys: Sequence[Hashable]) -> list[float]:
         """Per leading block: P(another replica reads it) − write_weight (observe the request first)."""
-        _check(request, keys, timed="structure-aware")
+        t = _timed(request, keys, "structure-aware")
         out = []
         for j, key in enumerate(keys):
             rec = self._seen.get(key)
-            c = rec[0] * math.exp(-self._lam * max(request.time_s - rec[1], 0.0)) if rec is not None else 0.0
+            c = rec[0] * math.exp(-self._lam * max(t - rec[1], 0.0)) if rec is not None else 0.0
             if c > 1.5:
                 p = 1.0 - math.exp(-(c - 1.0) / self.half_life_s * self.lifetime_s)
             else:
@@ -607,7 +612,7 @@ class WriteBudget:
         self.block_bytes = block_bytes
         self.value_floor_s = value_floor_s
         self.tokens = burst_bytes
-        self._t = None
+        self._t: float | None = None
         self.name = f"{getattr(inner, 'name', 'filter')} + budget"
         self.shed_blocks = 0
 
@@ -615,11 +620,11 @@ class WriteBudget:
         self.inner.observe(request, keys)
 
     def publishable(self, request: PublishRequest, keys: Sequence[Hashable]) -> int:
-        _check(request, keys, timed="WriteBudget")  # its bucket refills with time: at one time it never would
+        t = _timed(request, keys, "WriteBudget")  # its bucket refills with time: at one time it never would
         n = self.inner.publishable(request, keys)
         if self._t is not None:
-            self.tokens = min(self.burst, self.tokens + (request.time_s - self._t) * self.rate)
-        self._t = request.time_s
+            self.tokens = min(self.burst, self.tokens + (t - self._t) * self.rate)
+        self._t = t
         values = _find_values(self.inner, request, keys)
         k = 0
         while k < n:

@@ -68,19 +68,19 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
     r_all, in_s, n_seen = _sightings(trace, rep)
     # per reference: 1 where a block first appears and is re-read at its 2nd sighting, 0 where it first appears
     # otherwise, -1 elsewhere — the same for every filter, so computed once
-    first_at = np.full(len(ids), -1, dtype=np.int64)
+    first_at_arr = np.full(len(ids), -1, dtype=np.int64)
     if ids:
         _, first_ref = np.unique(trace.block_ids, return_index=True)
-        first_at[first_ref] = in_s[trace.block_ids[first_ref]]
-    first_at = first_at.tolist()
+        first_at_arr[first_ref] = in_s[trace.block_ids[first_ref]]
+    first_at: list[int] = first_at_arr.tolist()
     runs = []
     for spec in policies:
         step(spec)
         try:
             f = make_filter(spec, **kw)  # each filter takes the keywords it uses (a composition passes them to every part)
-        except ConfigError as e:  # named as the option that gave the spec (a filter of your own that does not build, say)
-            raise ConfigError("--policies", e.problem) from None
-        local = [set() for _ in range(replicas)]
+        except ConfigError as err:  # named as the option that gave the spec (a filter of your own that does not build, say)
+            raise ConfigError("--policies", err.problem) from None
+        local: list[set[int]] = [set() for _ in range(replicas)]
         pool: OrderedDict[int, list[Any]] = OrderedDict()  # block -> [read since written, counted (written at r >= k)]
         written = reread = wasted = 0
         first_pub = first_caught = 0  # blocks published by the request that first saw them; of those, re-read at their 2nd sighting (oracle)

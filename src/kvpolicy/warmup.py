@@ -145,7 +145,7 @@ def plan_warmup(prefixes: Sequence[HotPrefix], config: WarmupConfig) -> WarmupPl
     cold = tuple(p.prefix for p in prefixes if p.access_count < cfg.min_access_count)
     hot.sort(key=lambda p: (-p.value_per_byte, str(p.prefix)))
     # hot bytes of the target profile: the union of blocks (or sizes, without block lists)
-    block_bytes = {}
+    block_bytes: dict[Any, float] = {}
     hot_bytes = 0
     for p in hot:
         if p.blocks:

@@ -25,9 +25,9 @@ class CircuitBreaker:
         for name, v in (("failure_threshold", failure_threshold), ("half_open_probes", half_open_probes)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ConfigError(name, f"must be a positive int, got {v!r}")
-        for name, v in (("window_s", window_s), ("open_s", open_s)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ConfigError(name, f"must be a finite positive number of seconds, got {v!r}")
+        for name, t in (("window_s", window_s), ("open_s", open_s)):
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+                raise ConfigError(name, f"must be a finite positive number of seconds, got {t!r}")
         self.failure_threshold = failure_threshold
         self.window_s = window_s
         self.open_s = open_s

@@ -201,12 +201,16 @@ class Decision:
 
 
 
+#: how a load ended
+LoadStatus = Literal["ok", "failed", "timeout", "incompatible"]
+
+
 @attrs.frozen
 class LoadOutcome:
     """What happened to a load the controller admitted (times in seconds)."""
 
     load_id: int
-    status: Literal["ok", "failed", "timeout", "incompatible"]
+    status: LoadStatus
     #: blocks that arrived intact before the load ended, in transfer order (the range's leading
     #: blocks; its trailing ones when computing while loading, which loads from the back)
     ok_blocks: int

@@ -28,7 +28,7 @@ from ..errors import ConfigError
 from ..traces.model import check_trace
 from .capacity import EffectiveCapacity
 from .mrc import PrefixMRC, default_capacities
-from .replicas import ROUTINGS, replica_view
+from .replicas import ROUTINGS, Routing, replica_view
 from .reuse import prefix_groups, reuse_summary
 from .stack import request_stack_distances
 
@@ -41,7 +41,7 @@ def analyze(
     bytes_per_token: int,
     capacities_blocks: list[int] | None = None,
     replicas: int = 8,
-    routing: str = "round-robin",
+    routing: Routing = "round-robin",
     affinity_blocks: int = 4,
     local_capacity: EffectiveCapacity | None = None,
     min_ceiling: float = 0.10,

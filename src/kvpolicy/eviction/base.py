@@ -42,7 +42,7 @@ class Node:
         self.children = 0
         self.pins = 0
         self.prot = 0  # pinned nodes in this subtree, counted as: own pin (0/1) + children with prot > 0
-        self.depth = 0 if parent is None else parent.depth + 1
+        self.depth: int = 0 if parent is None else parent.depth + 1
         self.seq = seq
         self.version = 0
         self.t_insert = now

@@ -2068,15 +2068,16 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
         from .replay import check_options
         from .reuse_distance import ReuseDistancePolicy
 
+        ttl_s, ewma, aging, boost, c_eff = 0.0, 0.0, 0.0, 0.0, 0.0
         if policy in ("ttl", "reuse-distance"):
-            cls = TTLPolicy if policy == "ttl" else ReuseDistancePolicy
-            check_options(cls, policy, kw)
+            check_options(TTLPolicy if policy == "ttl" else ReuseDistancePolicy, policy, kw)
             if "clock" in kw:
                 raise ConfigError("clock", "the kernel runs on the trace's arrival times; a clock is for the online policy")
-            p = cls(capacity_blocks, **kw)  # validates the knobs as online
-        ttl_s = float(p.ttl_s) if policy == "ttl" else 0.0
-        # the reuse-distance knobs (a policy object is falsy while empty: test for None, not truth)
-        ewma, aging, boost, c_eff = (p.ewma, p.aging, p.boost, p.c_eff) if policy == "reuse-distance" else (0.0, 0.0, 0.0, 0.0)
+            if policy == "ttl":  # built to validate the knobs as online
+                ttl_s = float(TTLPolicy(capacity_blocks, **kw).ttl_s)
+            else:
+                rd = ReuseDistancePolicy(capacity_blocks, **kw)
+                ewma, aging, boost, c_eff = rd.ewma, rd.aging, rd.boost, rd.c_eff
         n = len(trace)
         t_now = np.ascontiguousarray(trace.arrival_s, dtype=np.float64) + np.arange(n, dtype=np.int64) * 1e-9  # as replay's clock reads
         nv = priority_kernel(off, ids, tokens, bsz, shift, capacity_blocks, n_ids, t_now, PRIORITY_KINDS[policy], ttl_s,
@@ -2088,11 +2089,11 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
         from .learned import LearnedRelaxedBeladyPolicy
         from .replay import check_options
 
-        cls = {"hit-density": HitDensityPolicy, "adaptive": AdaptivePolicy, "lrb": LearnedRelaxedBeladyPolicy}[policy]
-        check_options(cls, policy, kw)
+        hd_cls: type[HitDensityPolicy] = {"hit-density": HitDensityPolicy, "adaptive": AdaptivePolicy, "lrb": LearnedRelaxedBeladyPolicy}[policy]
+        check_options(hd_cls, policy, kw)
         if "clock" in kw:
             raise ConfigError("clock", "the kernel runs on the trace's arrival times; a clock is for the online policy")
-        p = cls(capacity_blocks, **kw)  # validates the knobs as online
+        p = hd_cls(capacity_blocks, **kw)  # validates the knobs as online
         n = len(trace)
         rid = np.arange(n, dtype=np.int64)
         t_now = np.ascontiguousarray(trace.arrival_s, dtype=np.float64) + rid * 1e-9  # as replay's clock reads
@@ -2101,7 +2102,7 @@ def replay_kernel(trace: Any, policy: str, capacity_blocks: int, *, small_fracti
         executed = np.zeros(3, np.int64)
         sub_hits = np.zeros(3, np.int64)
         sub_refs = np.zeros(1, np.int64)
-        if policy == "adaptive":
+        if isinstance(p, AdaptivePolicy):
             sampled = sampled_ids(p, n_ids)
             n_sub = int(sampled.sum())
             rec_w[2::16] = np.where(sampled, np.cumsum(sampled) - 1, -1)

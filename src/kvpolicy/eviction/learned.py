@@ -251,7 +251,7 @@ class LogisticWindow:
         self._since = 0
         self.w: np.ndarray | None = None  # None until a window holding both labels was fit
         self._fitted_on = (math.nan, math.nan)  # (mean prediction, positive rate) on the window of the last fit
-        self._oos = [0.0, 0.0, 0]  # out of sample: predictions made at decision time, their labels, how many
+        self._oos: list[float] = [0.0, 0.0, 0.0]  # out of sample: predictions made at decision time, their labels, how many
 
     def add(self, x: np.ndarray, label: float, predicted: float = math.nan) -> None:
         """One labelled vector; ``predicted``: what the model said when the decision was taken (NaN: no model yet)."""
@@ -308,7 +308,7 @@ class LogisticWindow:
         """(mean predicted probability, positive rate, labels) over the labels whose prediction was made before the
         outcome was known (at the decision) — the calibration that matters online; NaN before any."""
         p, y, n = self._oos
-        return (p / n, y / n, n) if n else (math.nan, math.nan, 0)
+        return (p / n, y / n, int(n)) if n else (math.nan, math.nan, 0)
 
 
 class LearnedRelaxedBeladyPolicy(HitDensityPolicy):

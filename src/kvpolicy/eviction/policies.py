@@ -136,7 +136,7 @@ class TraceOracle:
         self.now = -1
 
     def __call__(self, key: Hashable) -> float:
-        uses = self._uses.get(key)  # type: ignore[arg-type]
+        uses = self._uses.get(key)  # type: ignore[call-overload]  # a key that is no int has no future: None
         if uses is None:
             raise OracleRequiredError(f"the oracle has no future for block {key!r}")
         i = bisect.bisect_right(uses, self.now)

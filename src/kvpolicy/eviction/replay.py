@@ -24,6 +24,7 @@ import attrs
 import numpy as np
 
 from ..clock import ManualClock
+from ..protocols import Clock
 from .._own import is_own, load_own
 from ..errors import ConfigError
 from ..traces.model import check_trace
@@ -55,7 +56,7 @@ def check_policy_names(policies: Any) -> None:
                               f"PATH.py:NAME, NAME {_YOURS}")
 
 
-def _own_policy(spec: str, capacity_bytes: int, clock: ManualClock, kw: dict[str, Any]) -> EvictionPolicy:
+def _own_policy(spec: str, capacity_bytes: int, clock: Clock, kw: dict[str, Any]) -> EvictionPolicy:
     factory = load_policy_factory(spec)
     try:
         policy = factory(capacity_bytes, clock=clock, **kw)
@@ -90,7 +91,7 @@ def check_options(cls: type, name: str, kw: dict[str, Any]) -> None:
             raise ConfigError(k, f"the {name} policy takes no such option; its options: {', '.join(sorted(allowed)) or 'none'}")
 
 
-def make_policy(name: str, capacity_bytes: int, *, trace: Any = None, clock: ManualClock | None = None, **kw: Any) -> EvictionPolicy:
+def make_policy(name: str, capacity_bytes: int, *, trace: Any = None, clock: Clock | None = None, **kw: Any) -> EvictionPolicy:
     if not isinstance(name, str):
         raise ConfigError("policy", f"must be a policy name ({', '.join(ALL_POLICIES)}), got {type(name).__name__}")
     clock = clock or ManualClock()

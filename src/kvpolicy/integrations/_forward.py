@@ -35,7 +35,7 @@ def forward_to_inner(cls: type, base: type, attr: str = "inner") -> list[str]:
     if base is object:
         return []
     engine = [c for c in base.__mro__ if c is not object]
-    own = set()
+    own: set[str] = set()
     for c in cls.__mro__:
         if c not in engine and c is not object:
             own.update(vars(c))

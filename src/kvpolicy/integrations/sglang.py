@@ -201,7 +201,8 @@ class PriorityStrategy:
         # use of its whole prefix, so above that one nothing changed through this branch): root first, each at its
         # own time — SGLang only asks about leaves, and an interior node's hits would otherwise wait until it is one
         chain = []
-        x, mx = node, m
+        x: Any = node
+        mx: _Mirror | None = m
         while mx is not None and (int(getattr(x, "hit_count", 0)) > mx.hits or float(getattr(x, "last_access_time", 0.0)) > mx.t_access):
             chain.append((x, mx))
             x = x.parent
@@ -269,7 +270,7 @@ def make_sglang_strategy(policy: PriorityPolicy | HitDensityPolicy, now_s: Calla
     return KVPolicyStrategy(policy, now_s)
 
 
-def ranked_factory(cls: type) -> Callable[..., HitDensityPolicy]:
+def ranked_factory(cls: type[HitDensityPolicy]) -> Callable[..., HitDensityPolicy]:
     """A factory for SGLang's ``--radix-eviction-policy-config``: ``capacity_tokens`` (the radix cache's size in tokens:
     hit density keeps its ghosts for that many evicted tokens, adaptive sizes its mini-simulations by it) is required;
     the policy's other knobs pass through, each checked by name."""

@@ -25,6 +25,11 @@ SGLANG_OWN = ("sglang-lru", "sglang-lfu")
 KVPOLICY = ("kvpolicy-hit-density", "kvpolicy-adaptive", "kvpolicy-reuse-distance", "kvpolicy-gdsf", "kvpolicy-lru", "kvpolicy-lfu")
 
 
+
+def _reader(clock: list[float]) -> Callable[[], float]:
+    """The replay's clock as a strategy reads it: the current request's arrival."""
+    return lambda: clock[0]
+
 def check_strategies(names: list[str]) -> None:
     """Every name one this bench knows: ``sglang-lru``, ``sglang-lfu`` or a ``kvpolicy-<name>`` of ``register()``."""
     known = (*SGLANG_OWN, *KVPOLICY)
@@ -78,7 +83,7 @@ def compare_strategies(trace: Any, capacities_blocks: list[int], strategies: lis
         hits: dict[str, int] = {}
         for name in names:
             step(f"{name} @ {cap:,} blocks")
-            clock = [0.0]
+            clock: list[float] = [0.0]
             if name in SGLANG_OWN:
                 if sglang_modules is not None:
                     evict = sglang_modules[2]
@@ -86,7 +91,7 @@ def compare_strategies(trace: Any, capacities_blocks: list[int], strategies: lis
                 else:
                     strategy = sglang_lru if name == "sglang-lru" else sglang_lfu
             else:
-                strategy = PriorityStrategy(_kvpolicy_policy(name, cap), now_s=lambda c=clock: c[0])
+                strategy = PriorityStrategy(_kvpolicy_policy(name, cap), now_s=_reader(clock))
             if sglang_modules is not None:
                 got = sglang_radix_replay(trace, strategy, cap, clock, radix=sglang_modules[0], params=sglang_modules[1])
             else:

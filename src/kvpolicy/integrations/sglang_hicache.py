@@ -79,9 +79,10 @@ class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         self._inner_spec = extra.get("inner")
         if inner is None and not isinstance(self._inner_spec, dict):
             raise ConfigError("extra_config.inner", "names the real store: {\"backend_name\": \"file\"} or another SGLang backend")
-        if inner is None and not (isinstance(self._inner_spec.get("backend_name"), str) and self._inner_spec["backend_name"]):
+        spec = self._inner_spec if isinstance(self._inner_spec, dict) else {}
+        if inner is None and not (isinstance(spec.get("backend_name"), str) and spec["backend_name"]):
             raise ConfigError("extra_config.inner.backend_name", "names the real store (\"file\", \"mooncake\", \"dynamic\" with its "
-                                                                  f"module_path and class_name, ...), got {self._inner_spec.get('backend_name')!r}")
+                                                                  f"module_path and class_name, ...), got {spec.get('backend_name')!r}")
         self.inner = inner
         cfg = read_settings(extra.get("kvpolicy"), DEFAULTS, "extra_config.kvpolicy")
         self.page_tokens = positive_int_setting(cfg, "page_tokens", "extra_config.kvpolicy")
@@ -159,6 +160,7 @@ class KVPolicyHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
                 if prop.loads:
                     d = self.controller.admit(prop, self._ctx(), load_blocks=min(n_pages, prop.load_blocks))
                     if d.loads:
+                        assert d.load_id is not None  # an admitted load has an id
                         ok = _leading_ok(out, d.load_blocks)
                         self.controller.record(LoadOutcome(d.load_id, "ok" if ok == d.load_blocks else "failed", ok,
                                                            transfer_s=dt * d.load_blocks / n_pages))

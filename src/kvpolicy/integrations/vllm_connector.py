@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..admission import AdmissionContext, AdmissionController, LoadOutcome
 from ..admission.steps import StepTimer
@@ -97,8 +97,9 @@ def _step_chunks(scheduler_output: Any) -> list[tuple[int, int]]:
     return out
 
 
-def _count_ok(v: Any) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0
+def _count_ok(v: Any) -> TypeGuard[int]:
+    """A token count: a non-negative integral (numpy's too), never a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and int(v) >= 0
 
 
 def _block_ids(blocks: Any) -> list[int]:

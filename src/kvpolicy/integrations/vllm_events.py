@@ -46,7 +46,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -492,7 +492,7 @@ class KVEventIngestor:
             self._holders.add(where)
             self.directory.publish(self.tenant, entries)
 
-    def _verify(self, ev: BlockStored, hashes: tuple[Hashable, ...], tokens: list[int], parent_full: bytes | None) -> list[bytes] | bool | None:
+    def _verify(self, ev: BlockStored, hashes: tuple[Hashable, ...], tokens: list[int], parent_full: bytes | None) -> list[bytes] | Literal[False] | None:
         """The projection's full hashes if they agree with the engine's (bytes, or their low 64 bits for
         ints), False if they disagree, None if this event cannot be checked (a LoRA adapter, whose path
         vLLM hashes but does not publish; multimodal extras; an int-hash parent whose full hash we lack)."""
@@ -568,7 +568,7 @@ class ZmqEventSubscriber:
             raise ConfigError("pyzmq", "KV event ingestion needs pyzmq: pip install 'kvpolicy[events]'") from None
         self.ingestor = ingestor
         self._zmq = zmq
-        self.ctx = zmq.Context.instance()
+        self.ctx: Any = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         _bounded(self.sock, zmq, max_message_bytes, "max_message_bytes")
@@ -649,7 +649,7 @@ class ReplayClient:
         if isinstance(max_fetch_s, bool) or not isinstance(max_fetch_s, (int, float)) or not 0 < max_fetch_s < float("inf"):
             raise ConfigError("max_fetch_s", f"must be a finite positive number of seconds, got {max_fetch_s!r}")
         self._zmq = zmq
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock: Any = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         _bounded(self.sock, zmq, max_message_bytes, "max_message_bytes")
         _connect(self.sock, endpoint, "replay_endpoint")

@@ -213,7 +213,7 @@ class KVPolicyStats(_StatsBase):  # type: ignore[misc,valid-type]
             if not isinstance(reasons, dict):
                 raise ConfigError("kv_connector_stats.declined", f"must map reasons to counts, got {type(reasons).__name__}")
             declined.update({str(r): _count(n, f"kv_connector_stats.declined.{r}") for r, n in reasons.items()})
-        self.data = {**counts, "declined": declined}
+        self.data: dict[str, Any] = {**counts, "declined": declined}  # vLLM's KVConnectorStats.data
         #: what the controller has learned of the deployment's compute (the step timer): its prefill over the
         #: profile's prediction (p50) and a step's fixed part in seconds — None until learned
         self.learned: dict[str, float | None] = dict.fromkeys(LEARNED)

@@ -27,18 +27,19 @@ scheme is refused there — anyone who can guess a prompt can compute its keys.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 
 from ..admission import AdmissionContext, AdmissionController, Decision, LoadOutcome
+from ..admission.controller import LoadStatus
 from ..errors import CapacityError, ConfigError
 from ..eviction.base import EvictionPolicy
 from ..eviction.policies import LRUPolicy
 from ..keys import BlockHasher
-from ..ledger import Ledger, RequestRecord
+from ..ledger import Ledger, NotLoaded, RequestRecord
 from ..matching import match
 from ..publish import PublishAll, PublishRequest
 from .model import ModelConfig, Transformer
@@ -106,7 +107,7 @@ class ReferenceEngine:
             raise ConfigError("capacity_blocks", f"{capacity_blocks:,} blocks of {per_block:,} KV bytes cannot be allocated ({exc})") from None
         self.block_bytes = int(self.k_pool[0].nbytes + self.v_pool[0].nbytes)
         self.capacity_blocks = capacity_blocks
-        self.slot_of: dict[bytes, int] = {}
+        self.slot_of: dict[Hashable, int] = {}  # block key (bytes) -> slot; the policy names victims as Hashable
         self.free = list(range(capacity_blocks - 1, -1, -1))
         self.policy = eviction or LRUPolicy(capacity_blocks * self.block_bytes)
         self.peers = list(peers)
@@ -115,7 +116,7 @@ class ReferenceEngine:
         self.ledger = ledger
         self.replica = replica
         self.store = BlockStore(self.namespace.digest, self.block_bytes)
-        self.server = BlockServer(self.store, secret=secret, limits=transport_limits) if serve else None
+        self.server = BlockServer(self.store, secret=secret, limits=transport_limits) if serve and secret is not None else None  # serve needs it: checked above
         for p in [*self.peers, *([publish_to] if publish_to is not None else [])]:
             if p.block_bytes != self.block_bytes:
                 raise ConfigError("peers", f"a peer client expects {p.block_bytes}-byte blocks, this engine's are {self.block_bytes}")
@@ -256,7 +257,7 @@ class ReferenceEngine:
             self.policy.on_access(k)
             self.policy.pin(k)
         decision = None
-        status = None
+        status: LoadStatus | None = None
         loaded = 0
         R = m.remote_total_blocks
         try:
@@ -284,6 +285,7 @@ class ReferenceEngine:
                     finally:  # the controller always hears how the load ended, so its slot is released
                         if status != "ok":  # nothing was installed: recompute
                             timings["lookup_s"] = peer.last_lookup_s
+                        assert decision.load_id is not None and status is not None  # an admitted load has an id and an end
                         self.controller.record(LoadOutcome(decision.load_id, status, loaded, lookup_s=timings.get("lookup_s"),
                                                            transfer_s=timings.get("transfer_s"), stage_s=timings.get("stage_s"),
                                                            install_s=timings.get("install_s")))
@@ -319,7 +321,7 @@ class ReferenceEngine:
         timings["ttft_s"] = time.perf_counter() - t_start  # the first token is ready: write-back comes after it
         if self.ledger is not None:
             not_loaded = R - loaded
-            reason = None if not not_loaded else ("declined" if status in (None, "ok") else ("timeout" if status == "timeout" else "transfer_error"))
+            reason: NotLoaded | None = None if not not_loaded else ("declined" if status in (None, "ok") else ("timeout" if status == "timeout" else "transfer_error"))
             self.ledger.record(RequestRecord(prompt_tokens=T, block_size_tokens=B, local_blocks=L, remote_loaded_blocks=loaded,
                                              remote_not_loaded_blocks=not_loaded, not_loaded_reason=reason,
                                              ttft_s=timings["ttft_s"], prefill_s=timings["prefill_s"],

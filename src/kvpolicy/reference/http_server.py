@@ -180,7 +180,7 @@ class ReferenceHTTPServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     def start_background(self) -> threading.Thread:
         """Serve from a daemon thread (tests, notebooks); ``shutdown()`` stops it."""

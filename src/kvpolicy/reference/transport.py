@@ -416,17 +416,18 @@ class BlockServer:
                     n += 1
                 ch.send({"n": n})
                 return True
-            payloads = [store.blocks.get(k) for k in keys]
-        if any(p is None for p in payloads):
+            found = [store.blocks.get(k) for k in keys]
+        payloads = [p for p in found if p is not None]
+        if len(payloads) < len(found):
             ch.send({"blocks": [], "error": "missing"})
             return True
-        meta_out = [{"key": k.hex(), "nbytes": len(p), "mac": block_mac(self.keys.block, store.namespace_digest, k, p)}  # type: ignore[arg-type]
+        meta_out = [{"key": k.hex(), "nbytes": len(p), "mac": block_mac(self.keys.block, store.namespace_digest, k, p)}
                     for k, p in zip(keys, payloads)]
         if f.corrupt and payloads:
-            bad = bytearray(payloads[0])  # type: ignore[arg-type]
+            bad = bytearray(payloads[0])
             bad[len(bad) // 2] ^= 0xFF
             payloads[0] = bytes(bad)
-        ch.send({"blocks": meta_out}, payloads)  # type: ignore[arg-type]
+        ch.send({"blocks": meta_out}, payloads)
         self._count("served_blocks", len(payloads))
         return True
 
@@ -465,7 +466,7 @@ class PeerClient:
                  limits: TransportLimits | None = None, timeout_s: float = 5.0, name: str = "peer") -> None:
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
             raise ConfigError("block_bytes", f"must be a positive int, got {block_bytes!r}")
-        self.address = tuple(address)
+        self.address: tuple[Any, ...] = tuple(address)  # (host, port), or IPv6's four
         self.namespace_digest = namespace_digest
         self.keys = TransportKeys.from_secret(secret)
         self.block_bytes = block_bytes

@@ -129,7 +129,7 @@ def compare(trace: Any, cluster: ClusterConfig, *, scenarios: list[str] | None =
 
 def _busiest_link(res: SimResult) -> dict[str, Any] | None:
     """The link with the highest mean utilisation over the run (where a queue comes from)."""
-    best = None
+    best: dict[str, Any] | None = None
     for name, (_, util, flows) in res.link_series.items():
         if util.size:
             sat = float((util >= 0.95).mean())
@@ -362,10 +362,10 @@ def figures(report: dict[str, Any], raw: dict[tuple[str, str], SimResult], out_d
                 continue
             busiest = sorted(res.link_series, key=lambda k: -float(res.link_series[k][1].mean()))[:6]
             fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-            for k in busiest:
-                t, util, flows = res.link_series[k]
-                a1.plot((t - t[0]) / 60, util * 100, label=k)
-                a2.plot((t - t[0]) / 60, flows, label=k)
+            for link in busiest:
+                t, util, n_flows = res.link_series[link]
+                a1.plot((t - t[0]) / 60, util * 100, label=link)
+                a2.plot((t - t[0]) / 60, n_flows, label=link)
             a1.set_ylabel("utilisation %")
             a2.set_ylabel("flows on the link")
             a2.set_xlabel("minute")

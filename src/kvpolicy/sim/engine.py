@@ -53,6 +53,7 @@ import numpy as np
 
 from .._validate import check_non_negative_int
 from ..admission import AdmissionConfig, AdmissionContext, AdmissionController, LatencyModel, LinkPrior, LoadOutcome
+from ..admission.controller import LoadStatus
 from ..errors import CapacityError, ConfigError
 from ..eviction.kernels import next_use_per_ref
 from ..eviction.policies import TraceOracle
@@ -257,7 +258,7 @@ class _Load:
         self.left = 0
         self.t0 = t0
         self.reverse = reverse
-        self.status = "ok"
+        self.status: LoadStatus = "ok"
         self.ended = False
         self.end_s = t0
         self.on_end = on_end
@@ -403,8 +404,8 @@ class Simulator:
         if compute_scale is not None:
             try:
                 scale = np.asarray(compute_scale, dtype=float)
-            except (TypeError, ValueError) as e:
-                raise ConfigError("compute_scale", f"needs one number per request: {e}") from None
+            except (TypeError, ValueError) as err:
+                raise ConfigError("compute_scale", f"needs one number per request: {err}") from None
             if scale.ndim != 1 or scale.size != len(self.p.trace):
                 raise ConfigError("compute_scale", f"needs one number per request ({len(self.p.trace)}), got shape {scale.shape}")
             bad = np.flatnonzero(~np.isfinite(scale) | (scale <= 0))
@@ -504,7 +505,7 @@ class Simulator:
         kw: dict[str, Any] = {}
         if name in ("belady", "belady-bypass"):
             kw["oracle"] = self._oracle
-        return make_policy(name, capacity_bytes, clock=self.clock, **kw)  # type: ignore[arg-type]
+        return make_policy(name, capacity_bytes, clock=self.clock, **kw)
 
     def _new_replica(self, idx: int) -> _Replica:
         if self._local_oracles is not None:
@@ -730,7 +731,7 @@ class Simulator:
         if load.left == 0 and not load.hung and not load.ended:
             self._end_load(load, t, "failed" if any(load.fails) else "ok")
 
-    def _end_load(self, load: _Load, t: float, status: str) -> None:
+    def _end_load(self, load: _Load, t: float, status: LoadStatus) -> None:
         """Stop whatever still moves (counting what it delivered) and report the load's end."""
         load.ended = True
         load.end_s = t
@@ -990,7 +991,7 @@ class Simulator:
         req.stall_s += total_stall
         return stall
 
-    def _record_outcome(self, req: _Req, load: _Load, status: str, ok_blocks: int, t: float) -> int:
+    def _record_outcome(self, req: _Req, load: _Load, status: LoadStatus, ok_blocks: int, t: float) -> int:
         """Tell the controller how the load went (once); returns the usable blocks."""
         load.recorded = True
         if status == "ok":
@@ -1134,7 +1135,7 @@ class Simulator:
             self._push(t + self.c.install_s_per_block * load.arrived_blocks(self.block_bytes), READY, req)
 
     def _cake_record(self, req: _Req, load: _Load, t: float) -> int:
-        status = load.status
+        status: LoadStatus = load.status
         if status == "ok" and load.hung:
             status = "timeout"
         m = load.arrived_blocks(self.block_bytes)

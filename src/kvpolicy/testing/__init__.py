@@ -29,7 +29,7 @@ def contract_test(machine: type, *, max_examples: int | None = None, steps: int 
     from .plugin import options
 
     opts = options()
-    test = machine.TestCase
+    test = machine.TestCase  # type: ignore[attr-defined]  # a RuleBasedStateMachine subclass: Hypothesis adds it
     test.settings = settings(max_examples=max_examples or opts["examples"], stateful_step_count=steps or opts["steps"], deadline=None, report_multiple_bugs=False,
                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
     return test

@@ -56,7 +56,9 @@ def tokens_trace(prompts: list[np.ndarray], block_size_tokens: int, arrival_s: A
     B = block_size_tokens
     h = BlockHasher(Namespace(model_id="assembly", model_revision="1", tokenizer_version="1", kv_dtype="bf16", block_size_tokens=B), "fast")
     key_ids: dict[bytes, int] = {}
-    ids, offs, partial = [], [0], []
+    ids: list[int] = []
+    offs = [0]
+    partial: list[int] = []
     for p in prompts:
         for k in h.hash_blocks(p):
             ids.append(key_ids.setdefault(k, len(key_ids)))

@@ -21,7 +21,7 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ..admission.controller import AdmissionContext, LoadOutcome
+from ..admission.controller import AdmissionContext, LoadOutcome, LoadStatus
 from ..clock import ManualClock
 from ..errors import CapacityError
 from ..matching import PrefixMatch
@@ -57,9 +57,9 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         super().__init__()
         self.clock = ManualClock()
         self.policy = self.make_policy(self.capacity_bytes, self.clock)
-        self.size: dict[Hashable, int] = {}
-        self.parent: dict[Hashable, Hashable | None] = {}
-        self.pins: dict[Hashable, int] = {}
+        self.size: dict[int, int] = {}  # the machine's keys are ints (next_key)
+        self.parent: dict[int, int | None] = {}
+        self.pins: dict[int, int] = {}
         self.next_key = 0
 
     # the model -------------------------------------------------------------
@@ -70,7 +70,7 @@ class EvictionPolicyContract(RuleBasedStateMachine):
         prot: set = set()
         for k, n in self.pins.items():
             if n > 0:
-                x: Hashable | None = k
+                x: int | None = k
                 while x is not None and x not in prot:
                     prot.add(x)
                     x = self.parent[x]
@@ -215,7 +215,7 @@ class PublishFilterContract(RuleBasedStateMachine):
         _require(a == b, "distinct-request-counting", f"publishable {b} after repeated / block-by-block observe, {a} after one observe: a request was counted more than once")
         _require(0 <= a <= len(keys), "full-blocks-only", f"publishable {a} for {len(keys)} full blocks")
         if self.enforces_boundary:
-            _require(a <= req.boundary_tokens // B, "tenancy-boundary", f"published {a} blocks past the boundary of {req.boundary_tokens} tokens")
+            _require(req.boundary_tokens is None or a <= req.boundary_tokens // B, "tenancy-boundary", f"published {a} blocks past the boundary of {req.boundary_tokens} tokens")
             _require(cls != "private" or a == 0, "tenancy-boundary", f"published {a} blocks of a private data class")
 
 
@@ -275,7 +275,7 @@ class AdmissionContract(RuleBasedStateMachine):
 
     @precondition(lambda self: self.inflight)
     @rule(data=st.data(), status=st.sampled_from(["ok", "failed", "timeout"]))
-    def finish(self, data: Any, status: str) -> None:
+    def finish(self, data: Any, status: LoadStatus) -> None:
         d = self.inflight.pop(data.draw(st.integers(0, len(self.inflight) - 1)))
         ok = data.draw(st.integers(0, d.load_blocks))
         r = self.c.record(LoadOutcome(d.load_id, status, ok, transfer_s=0.01))

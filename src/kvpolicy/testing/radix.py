@@ -38,8 +38,8 @@ class RadixNode:
     def __init__(self, parent: RadixNode | None, now_s: float) -> None:
         self.parent = parent
         self.children: dict[int, RadixNode] = {}
-        self.key = (0,)  # one block (its id once inserted: a stable identity for the same content)
-        self.value = (0,)
+        self.key: tuple[int, ...] = (0,)  # one block (its id once inserted: a stable identity for the same content)
+        self.value: tuple[int, ...] = (0,)
         self.last_access_time = now_s
         self.creation_time = now_s
         self.hit_count = 0
@@ -102,12 +102,13 @@ def radix_replay(trace: Any, get_priority: Callable[[RadixNode], Any], capacity_
                 _, _, x = heapq.heappop(heap)
                 del leaves[x]
                 parent = x.parent
-                del parent.children[x.key[0]]  # type: ignore[union-attr]  # a child is held under its first block
+                assert parent is not None  # a leaf in the heap is in the tree: the root is never one
+                del parent.children[x.key[0]]  # a child is held under its first block
                 x.parent = None
                 used -= len(x.key)  # a whole leaf run is freed (SGLang's ``evict`` counts ``len(x.value)``)
                 need -= len(x.key)
-                if parent is not root and not parent.children and parent.lock_ref == 0:  # type: ignore[union-attr]
-                    leaves[parent] = None  # type: ignore[index]
+                if parent is not root and not parent.children and parent.lock_ref == 0:
+                    leaves[parent] = None
                     heapq.heappush(heap, (get_priority(parent), next(seq), parent))
                 del x
             del heap
@@ -138,7 +139,8 @@ def _split(child: RadixNode, k: int, now_s: float) -> RadixNode:
     new.key = new.value = child.key[:k]
     child.key = child.value = child.key[k:]
     new.children = {child.key[0]: child}
-    new.parent.children[new.key[0]] = new  # type: ignore[union-attr]
+    assert new.parent is not None  # the root is never split: it holds no block
+    new.parent.children[new.key[0]] = new
     child.parent = new
     return new
 

@@ -17,7 +17,7 @@ two traces with the same structure compare equal whatever ids the source used.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,14 @@ from ..errors import ConfigError
 
 def _arr(dtype: Any) -> Any:
     return attrs.field(converter=lambda a: np.ascontiguousarray(a, dtype=dtype))
+
+
+def _str_tuple(x: Iterable[str]) -> tuple[str, ...]:
+    return tuple(x)
+
+
+def _int_tuple(x: Iterable[int]) -> tuple[int, ...]:
+    return tuple(x)
 
 
 def _opt_labels() -> Any:
@@ -46,19 +54,19 @@ class Trace:
     partial_block_ids: np.ndarray = _arr(np.int64)
     block_size_tokens: int = attrs.field(default=512)
     tenant: np.ndarray | None = _opt_labels()
-    tenant_names: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    tenant_names: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
     request_class: np.ndarray | None = _opt_labels()
-    class_names: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    class_names: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
     session: np.ndarray | None = _opt_labels()
     #: optional raw prompts (CSR, uint32) — generic token traces keep them for diagnosis
     token_offsets: np.ndarray | None = attrs.field(default=None, converter=lambda a: None if a is None else np.ascontiguousarray(a, dtype=np.int64))
     tokens: np.ndarray | None = attrs.field(default=None, converter=lambda a: None if a is None else np.ascontiguousarray(a, dtype=np.uint32))
-    request_ids: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    request_ids: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
     #: optional: per request, how many leading tokens the application allows to be shared
     #: (system prompt, template, documents) — everything after it is private
     publish_boundary_tokens: np.ndarray | None = attrs.field(default=None, converter=lambda a: None if a is None else np.ascontiguousarray(a, dtype=np.int64))
     source: str = "<memory>"
-    skipped_lines: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    skipped_lines: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
 
     def __attrs_post_init__(self) -> None:
         n = self.arrival_s.size
