@@ -98,3 +98,21 @@ def test_a_plan_names_distinct_prefixes_of_the_right_type():
         plan_warmup("ab", cfg)
     cold = HotPrefix(prefix="b", size_bytes=1 << 20, access_count=1, recompute_s=0.1)
     assert plan_warmup(iter([p, cold]), cfg).cold == ("b",) == plan_warmup([p, cold], cfg).cold  # a generator is read once
+
+
+@pytest.mark.parametrize("field, value", [("size_bytes", 1.5), ("size_bytes", 0), ("access_count", float("inf")), ("access_count", 2.0),
+                                          ("access_count", True), ("recompute_s", float("nan")), ("recompute_s", float("inf"))])
+def test_a_hot_prefix_refuses_what_is_no_count_or_time(field, value):
+    """A NaN recompute time made every prefix's value per byte NaN, and the plan's order arbitrary without a word."""
+    kw = {"prefix": "p", "size_bytes": 1 << 20, "access_count": 3, "recompute_s": 0.1, field: value}
+    with pytest.raises(ConfigError, match=field):
+        HotPrefix(**kw)
+
+
+@pytest.mark.parametrize("field, value", [("window_s", float("inf")), ("bandwidth_bytes_per_s", float("inf")),
+                                          ("current_load_bytes_per_s", float("inf")), ("current_load_bytes_per_s", float("nan")),
+                                          ("min_access_count", 1.5)])
+def test_a_warmup_config_refuses_infinite_rates_and_windows(field, value):
+    kw = {"replicas": 2, "window_s": 10.0, "bandwidth_bytes_per_s": 1e9, field: value}
+    with pytest.raises(ConfigError, match=field):
+        WarmupConfig(**kw)

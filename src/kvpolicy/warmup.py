@@ -27,22 +27,35 @@ Plans are deterministic: no randomness; ties break by prefix id and replica.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
 from .errors import ConfigError
 
 
 def _pos(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise ConfigError(a.name, f"must be positive, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v > 0:
+        raise ConfigError(a.name, f"must be a finite positive number, got {v!r}")
 
 
 def _nonneg(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-        raise ConfigError(a.name, f"must be non-negative, got {v!r}")
+    # finite: a NaN recompute time made every value_per_byte NaN, and the plan's order silently arbitrary
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ConfigError(a.name, f"must be a finite non-negative number, got {v!r}")
+
+
+def _pos_int(inst: Any, a: attrs.Attribute, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+        raise ConfigError(a.name, f"must be a positive int, got {v!r}")
+
+
+def _count(inst: Any, a: attrs.Attribute, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise ConfigError(a.name, f"must be a non-negative int, got {v!r}")
 
 
 def _block_tuple(v: Any) -> tuple[Hashable, ...]:
@@ -54,8 +67,8 @@ def _block_tuple(v: Any) -> tuple[Hashable, ...]:
 @attrs.frozen
 class HotPrefix:
     prefix: Hashable
-    size_bytes: int = attrs.field(validator=_pos)
-    access_count: int = attrs.field(validator=_nonneg)
+    size_bytes: int = attrs.field(validator=_pos_int)
+    access_count: int = attrs.field(validator=_count)
     recompute_s: float = attrs.field(validator=_nonneg)
     #: block ids of the chain (optional): overlapping prefixes are not loaded twice
     blocks: tuple[Hashable, ...] = attrs.field(default=(), converter=_block_tuple)
@@ -73,7 +86,7 @@ class WarmupConfig:
     current_load_bytes_per_s: float = attrs.field(default=0.0, validator=_nonneg)
     max_loads_per_replica: int = attrs.field(default=2, validator=_pos)
     max_loads_pool: int = attrs.field(default=8, validator=_pos)
-    min_access_count: int = attrs.field(default=2, validator=_nonneg)
+    min_access_count: int = attrs.field(default=2, validator=_count)
     readiness_share: float = 0.9
 
     def __attrs_post_init__(self) -> None:
