@@ -27,35 +27,16 @@ Plans are deterministic: no randomness; ties break by prefix id and replica.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 import attrs
-import numpy as np
 
+from ._validate import non_negative_int as _count
+from ._validate import non_negative_number as _nonneg
+from ._validate import positive_int as _pos_int
+from ._validate import positive_number as _pos
 from .errors import ConfigError
-
-
-def _pos(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v > 0:
-        raise ConfigError(a.name, f"must be a finite positive number, got {v!r}")
-
-
-def _nonneg(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    # finite: a NaN recompute time made every value_per_byte NaN, and the plan's order silently arbitrary
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ConfigError(a.name, f"must be a finite non-negative number, got {v!r}")
-
-
-def _pos_int(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-        raise ConfigError(a.name, f"must be a positive int, got {v!r}")
-
-
-def _count(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-        raise ConfigError(a.name, f"must be a non-negative int, got {v!r}")
 
 
 def _block_tuple(v: Any) -> tuple[Hashable, ...]:
