@@ -189,6 +189,17 @@ def test_partial_use_keeps_what_arrived_before_a_failure_or_timeout():
     assert c.loads_in_flight() == 0
 
 
+@pytest.mark.parametrize("field, value", [("status", "OK"), ("status", None), ("ok_blocks", -1), ("ok_blocks", 2.0), ("ok_blocks", True),
+                                          ("load_id", None), ("transfer_s", float("nan")), ("lookup_s", float("inf")), ("stage_s", -0.1),
+                                          ("install_s", "0.1"), ("stall_s", float("nan")), ("bytes_delivered", float("inf"))])
+def test_a_load_outcome_that_cannot_be_is_refused_when_built(field, value):
+    """A frozen value class with validators: the outcome an engine reports is checked where the engine builds it, naming
+    the field, not later inside the controller (whose own checks stay, for ``ok_blocks`` against the load)."""
+    kw = {"load_id": 1, "status": "ok", "ok_blocks": 3, field: value}
+    with pytest.raises(ConfigError, match=field):
+        LoadOutcome(**kw)
+
+
 def test_failure_policy_fail_raises():
     c = controller(bw=25e9, failure_policy="fail")
     d = c.decide(pm(0, 100), ctx)

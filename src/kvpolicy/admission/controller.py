@@ -203,25 +203,42 @@ class Decision:
 
 #: how a load ended
 LoadStatus = Literal["ok", "failed", "timeout", "incompatible"]
+LOAD_STATUSES = ("ok", "failed", "timeout", "incompatible")
+
+
+def _status(inst: Any, a: attrs.Attribute, v: Any) -> None:
+    if v not in LOAD_STATUSES:
+        raise ConfigError("status", f"unknown load status {v!r}; one of {', '.join(LOAD_STATUSES)}")
+
+
+def _count(inst: Any, a: attrs.Attribute, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or (a.name == "ok_blocks" and v < 0):
+        raise ConfigError(a.name, f"must be {'a non-negative' if a.name == 'ok_blocks' else 'an'} int, got {v!r}")
+
+
+def _optional_time(inst: Any, a: attrs.Attribute, v: Any) -> None:
+    if v is not None and not _finite_nonneg(v):
+        raise ConfigError(a.name, f"must be finite and >= 0 or None, got {v!r}")
 
 
 @attrs.frozen
 class LoadOutcome:
-    """What happened to a load the controller admitted (times in seconds)."""
+    """What happened to a load the controller admitted (times in seconds). Checked when built: a NaN time would
+    reach the latency model's histograms; :meth:`AdmissionController.record` checks ``ok_blocks`` against the load."""
 
-    load_id: int
-    status: LoadStatus
+    load_id: int = attrs.field(validator=_count)
+    status: LoadStatus = attrs.field(validator=_status)
     #: blocks that arrived intact before the load ended, in transfer order (the range's leading
     #: blocks; its trailing ones when computing while loading, which loads from the back)
-    ok_blocks: int
-    lookup_s: float | None = None
+    ok_blocks: int = attrs.field(validator=_count)
+    lookup_s: float | None = attrs.field(default=None, validator=_optional_time)
     #: for "ok": the transfer's duration; for "timeout": how long it ran before it was given up
-    transfer_s: float | None = None
-    stage_s: float | None = None
-    install_s: float | None = None
-    stall_s: float | None = None  # observed interference, if the engine measures it
+    transfer_s: float | None = attrs.field(default=None, validator=_optional_time)
+    stage_s: float | None = attrs.field(default=None, validator=_optional_time)
+    install_s: float | None = attrs.field(default=None, validator=_optional_time)
+    stall_s: float | None = attrs.field(default=None, validator=_optional_time)  # observed interference, if the engine measures it
     #: bytes actually moved, when the load ended early (a split plan's compute caught up); None: all of it
-    bytes_delivered: float | None = None
+    bytes_delivered: float | None = attrs.field(default=None, validator=_optional_time)
 
 
 @attrs.frozen
@@ -554,7 +571,7 @@ class AdmissionController:
         n = d.load_blocks
         if isinstance(outcome.ok_blocks, bool) or not isinstance(outcome.ok_blocks, int) or not 0 <= outcome.ok_blocks <= n:
             raise ConfigError("ok_blocks", f"{outcome.ok_blocks!r} outside [0, {n}] for load {outcome.load_id}")
-        if outcome.status not in ("ok", "failed", "timeout", "incompatible"):
+        if outcome.status not in LOAD_STATUSES:
             raise ConfigError("status", f"unknown load status {outcome.status!r}")
         for name in ("lookup_s", "transfer_s", "stage_s", "install_s", "stall_s", "bytes_delivered"):
             v = getattr(outcome, name)
