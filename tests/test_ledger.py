@@ -270,3 +270,13 @@ def test_a_miss_is_never_published_exactly_when_the_block_never_was(n, data):
     assert t["miss_never_published"] == B * (n - max(late, reused))
     assert t["miss_evicted"] == B * max(late - reused, 0)
     assert led.stranded_blocks == sum(1 for i in range(reused, late) if i not in evicted or i in republished)
+
+
+@pytest.mark.parametrize("field, value", [("prompt_tokens", float("nan")), ("block_size_tokens", 1.5), ("local_blocks", float("nan")),
+                                          ("remote_loaded_blocks", 2.0), ("split_blocks", float("nan")), ("request_class", 7),
+                                          ("arrival_s", float("nan")), ("load_attempted", "yes"), ("missing_keys", "k")])
+def test_a_request_record_that_cannot_be_is_refused(field, value):
+    """A NaN count passed every comparison of the checks (NaN < 0 is false) and reached the ledger's token sums."""
+    kw = {"prompt_tokens": 64, "block_size_tokens": 16, "local_blocks": 1, "remote_loaded_blocks": 1, field: value}
+    with pytest.raises(ConfigError, match=field):
+        RequestRecord(**kw)

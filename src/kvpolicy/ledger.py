@@ -104,6 +104,20 @@ class RequestRecord:
     split_blocks: int = 0
 
     def __attrs_post_init__(self) -> None:
+        # types first: a NaN count passed every comparison below and reached the ledger's token sums
+        for name in ("prompt_tokens", "block_size_tokens", "local_blocks", "remote_loaded_blocks", "remote_not_loaded_blocks", "split_blocks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ConfigError(name, f"must be an int, got {v!r}")
+        if not isinstance(self.request_class, str):
+            raise ConfigError("request_class", f"must be a string, got {self.request_class!r}")
+        a = self.arrival_s
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a):
+            raise ConfigError("arrival_s", f"must be a finite number of seconds, got {a!r}")
+        if not isinstance(self.load_attempted, (bool, np.bool_)):
+            raise ConfigError("load_attempted", f"must be True or False, got {self.load_attempted!r}")
+        if not isinstance(self.missing_keys, (tuple, list)):
+            raise ConfigError("missing_keys", f"must be a tuple of block keys, got {type(self.missing_keys).__name__}")
         B = self.block_size_tokens
         if B <= 0 or self.prompt_tokens < 0:
             raise ConfigError("prompt_tokens", "prompt_tokens must be >= 0 and block_size_tokens > 0")
