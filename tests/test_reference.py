@@ -159,6 +159,23 @@ def test_bad_model_config_names_the_field():
     with pytest.raises(ConfigError) as err:
         ReferenceEngine(CFG).prefill([10_000])
     assert err.value.field == "tokens"
+    for field in ("model_id", "revision"):  # they go into every block key's namespace
+        with pytest.raises(ConfigError) as err:
+            ModelConfig(**{field: None})
+        assert err.value.field == field
+
+
+def test_injected_faults_are_checked_when_set():
+    """A NaN delay reached time.sleep() inside the server's thread; a truthy non-bool flag read as a fault."""
+    from kvpolicy.reference.transport import Faults
+
+    f = Faults()
+    for field, bad in (("delay_s", float("nan")), ("delay_s", -1.0), ("drop", 1), ("corrupt", "yes")):
+        with pytest.raises(ConfigError) as err:
+            setattr(f, field, bad)
+        assert err.value.field == field
+    f.delay_s, f.drop = 0.25, True
+    assert f == Faults(drop=True, delay_s=0.25)
 
 
 def test_profile_runs_and_its_csv_reads_back():

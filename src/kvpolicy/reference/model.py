@@ -45,6 +45,10 @@ class ModelConfig:
             raise ConfigError("dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         check_positive_number("rope_theta", self.rope_theta)
         check_non_negative_int("seed", self.seed)
+        for name in ("model_id", "revision"):  # they go into every block key's namespace
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v:
+                raise ConfigError(name, f"must be a non-empty string, got {v!r}")
 
     @property
     def d_model(self) -> int:

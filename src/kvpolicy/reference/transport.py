@@ -60,7 +60,7 @@ from typing import Any
 
 import attrs
 
-from .._validate import positive_int, positive_number
+from .._validate import non_negative_number, positive_int, positive_number
 from ..errors import ConfigError
 
 MAGIC = b"KVP2"
@@ -280,13 +280,19 @@ class BlockStore:
             self.blocks[key] = payload
 
 
+def _flag(inst: Any, a: attrs.Attribute, v: Any) -> None:
+    if not isinstance(v, bool):
+        raise ConfigError(a.name, f"must be True or False, got {v!r}")
+
+
 @attrs.define
 class Faults:
-    """Faults a test can inject into a server's transfers: drop the connection, delay the answer, corrupt a byte."""
+    """Faults a test can inject into a server's transfers: drop the connection, delay the answer, corrupt a byte.
+    Checked when built and on every assignment (``attrs.define`` validates on set: a test flips them on a live server)."""
 
-    drop: bool = False
-    delay_s: float = 0.0
-    corrupt: bool = False
+    drop: bool = attrs.field(default=False, validator=_flag)
+    delay_s: float = attrs.field(default=0.0, validator=non_negative_number)
+    corrupt: bool = attrs.field(default=False, validator=_flag)
 
 
 class BlockServer:
