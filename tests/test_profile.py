@@ -164,6 +164,19 @@ def test_a_negative_cross_term_is_refused():
         PrefillModel(a_s=0.0, b_s_per_token=1e-5, c_s_per_token2=0.0, rms_rel_error=0.0, max_rel_error=0.0, cross_s_per_token2=-1e-9)
 
 
+@pytest.mark.parametrize("field", ["a_s", "b_s_per_token", "c_s_per_token2", "d_s_per_cached_token"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1e-9])
+def test_a_prefill_coefficient_that_cannot_be_is_refused(field, bad):
+    """A NaN coefficient made every T_recompute NaN and the controller's decisions arbitrary, silently (offered 100
+    remote blocks that win, it loaded 1). The fit's own errors may be NaN (not measured)."""
+    from kvpolicy.errors import ConfigError
+    from kvpolicy.profile import PrefillModel
+
+    kw = {"a_s": 0.0, "b_s_per_token": 1e-5, "c_s_per_token2": 0.0, "rms_rel_error": float("nan"), "max_rel_error": float("nan"), field: bad}
+    with pytest.raises(ConfigError, match=field):
+        PrefillModel(**kw)
+
+
 @given(
     st.floats(0.0, 0.05),
     st.floats(1e-6, 1e-4),

@@ -65,12 +65,14 @@ class PrefillModel:
     its KV; 0 for engines that attend to cached pages in place), measured from local-hit rows.
     (With the profile's tail known, every term is fitted from every row: :func:`fit_prefill_rows`.)"""
 
-    a_s: float
-    b_s_per_token: float
-    c_s_per_token2: float
+    # the coefficients are finite and >= 0 (a NaN one made every T_recompute NaN and the controller's decisions
+    # arbitrary, without a word); the fit's errors may be NaN: not measured
+    a_s: float = attrs.field(validator=non_negative_number)
+    b_s_per_token: float = attrs.field(validator=non_negative_number)
+    c_s_per_token2: float = attrs.field(validator=non_negative_number)
     rms_rel_error: float
     max_rel_error: float
-    d_s_per_cached_token: float = 0.0
+    d_s_per_cached_token: float = attrs.field(default=0.0, validator=non_negative_number)
     #: seconds per (new token × cached token); None: 2c, causal skipping (not measured)
     cross_s_per_token2: float | None = attrs.field(default=None, validator=attrs.validators.optional(non_negative_number))
     #: rms relative error of the model on the half-hit rows x was fitted from (None: not measured)
