@@ -359,6 +359,17 @@ def test_breakeven_table():
     assert never["break_even_tokens"] is None and never["rows"][0]["decision"] == "recompute"
 
 
+@pytest.mark.parametrize("field, value", [("bytes_per_token", 1.5), ("block_size_tokens", 1.5), ("bandwidth_gbps", float("inf")),
+                                          ("lookup_s", float("inf")), ("dispatch_s", float("nan")), ("margin", "0.8"),
+                                          ("search_max_tokens", -1), ("prefix_tokens", [-16]), ("prefix_tokens", [0]),
+                                          ("prefix_tokens", []), ("prefill", None)])
+def test_breakeven_names_what_cannot_be(field, value):
+    """An infinite time, a negative prefix or a fractional block size made a table of nonsense without a word."""
+    kw = {"bytes_per_token": 131072, "prefill": PREFILL, "bandwidth_gbps": 10.0, field: value}
+    with pytest.raises(ConfigError, match=field):
+        breakeven(**kw)
+
+
 def test_windowed_histogram_forgets_old_windows():
     from kvpolicy.admission.histogram import WindowedHistogram
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from .._validate import check_non_negative_number, check_positive_int, check_positive_number
 from ..errors import ConfigError
 from ..profile import PrefillModel
 
@@ -42,15 +43,27 @@ def breakeven(
     margin: float = 0.8,
     search_max_tokens: int | None = None,
 ) -> dict[str, Any]:
-    if not bandwidth_gbps > 0:
-        raise ConfigError("bandwidth_gbps", f"must be positive, got {bandwidth_gbps}")
-    if not 0 < margin <= 1.5:
-        raise ConfigError("margin", f"must be in (0, 1.5], got {margin}")
+    # every input named when it is wrong; finite, whole where it counts (an infinite time, a negative prefix or a
+    # fractional block size made a table of nonsense without a word)
+    if not isinstance(prefill, PrefillModel):
+        raise ConfigError("prefill", f"must be a PrefillModel, got {type(prefill).__name__}")
+    check_positive_number("bandwidth_gbps", bandwidth_gbps)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 < margin <= 1.5:
+        raise ConfigError("margin", f"must be in (0, 1.5], got {margin!r}")
     for name, v in (("lookup_s", lookup_s), ("queue_s", queue_s), ("stage_s", stage_s), ("install_s", install_s), ("dispatch_s", dispatch_s), ("interference_s_per_gb", interference_s_per_gb)):
-        if not v >= 0:
-            raise ConfigError(name, f"must be non-negative, got {v}")
-    if block_size_tokens <= 0 or bytes_per_token <= 0:
-        raise ConfigError("block_size_tokens", "block size and bytes per token must be positive")
+        check_non_negative_number(name, v)
+    check_positive_int("block_size_tokens", block_size_tokens)
+    check_positive_int("bytes_per_token", bytes_per_token)
+    if isinstance(prefix_tokens, (str, bytes)) or not hasattr(prefix_tokens, "__iter__"):
+        raise ConfigError("prefix_tokens", f"must be a list of prompt lengths in tokens, got {prefix_tokens!r}")
+    prefix_tokens = list(prefix_tokens)
+    if not prefix_tokens:
+        raise ConfigError("prefix_tokens", "must name at least one prompt length")
+    for v in prefix_tokens:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+            raise ConfigError("prefix_tokens", f"each must be a positive int, got {v!r}")
+    if search_max_tokens is not None:
+        check_positive_int("search_max_tokens", search_max_tokens)
     bw_bytes = bandwidth_gbps * 1e9 / 8
     fixed_remote = lookup_s + queue_s + stage_s + install_s
 
