@@ -239,3 +239,12 @@ def test_shards_fixed_rate_is_the_exact_stack_distances_of_its_sample(n_ids, n, 
     ref = stack_distances(first_appearance_ids(sub)) if sub.size else np.zeros(0, dtype=np.int64)
     want = np.where(ref >= 0, np.floor(ref / (thr / SHARDS_MODULUS)).astype(np.int64), -1)
     assert res.sampled_accesses == sub.size and np.array_equal(res.scaled_distances, want)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 1.5, 0, "131072"])
+def test_reuse_summary_refuses_a_bytes_per_token_that_cannot_be(bad):
+    """A NaN bytes_per_token made every byte figure of the summary NaN, without a word."""
+    from kvpolicy.analysis.reuse import reuse_summary
+
+    with pytest.raises(ConfigError, match="bytes_per_token"):
+        reuse_summary(generate(preset("chat", n_requests=50, seed=1)), bad)

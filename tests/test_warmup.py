@@ -116,3 +116,14 @@ def test_a_warmup_config_refuses_infinite_rates_and_windows(field, value):
     kw = {"replicas": 2, "window_s": 10.0, "bandwidth_bytes_per_s": 1e9, field: value}
     with pytest.raises(ConfigError, match=field):
         WarmupConfig(**kw)
+
+
+@pytest.mark.parametrize("field, value", [("bytes_per_token", 1.5), ("bytes_per_token", float("nan")), ("min_access_count", -1), ("max_prefixes", 0)])
+def test_hot_prefixes_from_a_trace_name_their_own_inputs(field, value):
+    """A fractional bytes_per_token failed naming size_bytes, a HotPrefix field the caller never gave."""
+    from kvpolicy.traces import generate, preset
+    from kvpolicy.warmup import hot_prefixes_from_trace
+
+    kw = {"bytes_per_token": 131072, "recompute_s": lambda tokens: 0.01, field: value}
+    with pytest.raises(ConfigError, match=field):
+        hot_prefixes_from_trace(generate(preset("chat", n_requests=50, seed=1)), **kw)

@@ -32,6 +32,7 @@ from typing import Any
 
 import attrs
 
+from ._validate import check_non_negative_int, check_positive_int
 from ._validate import non_negative_int as _count
 from ._validate import non_negative_number as _nonneg
 from ._validate import positive_int as _pos_int
@@ -225,6 +226,9 @@ def hot_prefixes_from_trace(trace: Any, *, bytes_per_token: int, recompute_s: An
     from .traces.model import check_trace
 
     check_trace(trace)  # a bincount by id: sparse ids would ask for an array as long as the largest
+    check_positive_int("bytes_per_token", bytes_per_token)  # named here, not as a HotPrefix's size_bytes
+    check_non_negative_int("min_access_count", min_access_count)
+    check_positive_int("max_prefixes", max_prefixes)
     counts = np.bincount(trace.block_ids, minlength=trace.num_block_ids) if trace.block_ids.size else np.zeros(0, np.int64)
     B = trace.block_size_tokens
     found: dict[int, tuple[int, ...]] = {}

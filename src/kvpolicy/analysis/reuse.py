@@ -17,6 +17,7 @@ from typing import Any
 import numba as nb
 import numpy as np
 
+from .._validate import check_positive_int
 from ..traces.model import check_trace
 from .stack import request_stack_distances
 
@@ -49,6 +50,7 @@ def percentiles(values: np.ndarray, qs: tuple[int, ...] = (50, 90, 99)) -> dict[
 
 def reuse_summary(trace: Any, bytes_per_token: int, distances: np.ndarray | None = None) -> dict[str, Any]:
     """Percentiles of reuse distance (blocks, bytes) and reuse time over all re-references."""
+    check_positive_int("bytes_per_token", bytes_per_token)  # a NaN one made every byte figure NaN
     d = request_stack_distances(trace.block_offsets, trace.block_ids) if distances is None else distances
     rt = reuse_times_s(trace)
     re = d >= 0
