@@ -248,3 +248,11 @@ def test_reuse_summary_refuses_a_bytes_per_token_that_cannot_be(bad):
 
     with pytest.raises(ConfigError, match="bytes_per_token"):
         reuse_summary(generate(preset("chat", n_requests=50, seed=1)), bad)
+
+
+@pytest.mark.parametrize("field, value", [("local_share", float("nan")), ("min_ceiling", 2.0), ("max_imbalance", 0.5),
+                                          ("max_imbalance", float("inf")), ("capacities_blocks", [1.5]), ("capacities_blocks", [True])])
+def test_analyze_refuses_verdict_thresholds_that_cannot_be(field, value):
+    """A NaN threshold failed every comparison and picked a verdict without a word; a capacity of 1.5 blocks was cut to 1."""
+    with pytest.raises(ConfigError, match=field):
+        analyze(generate(preset("chat", n_requests=50, seed=1)), bytes_per_token=1024, **{field: value})

@@ -19,6 +19,7 @@ The verdict, in order (each threshold is a keyword argument of :func:`analyze`):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,16 @@ def analyze(
         raise ConfigError("bytes_per_token", f"must be a positive int, got {bytes_per_token!r}")
     if routing not in ROUTINGS:
         raise ConfigError("routing", f"must be one of {ROUTINGS}, got {routing!r}")
+    # the verdict's thresholds: a NaN one failed every comparison and picked a verdict without a word
+    for name, v in (("min_ceiling", min_ceiling), ("local_share", local_share)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+            raise ConfigError(name, f"must be a share in [0, 1], got {v!r}")
+    if isinstance(max_imbalance, bool) or not isinstance(max_imbalance, (int, float)) or not 1 <= max_imbalance < math.inf:
+        raise ConfigError("max_imbalance", f"must be a finite ratio >= 1 (busiest replica over the mean), got {max_imbalance!r}")
+    if capacities_blocks:
+        for c in capacities_blocks:  # np.asarray(..., int64) below would cut 1.5 to 1
+            if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c <= 0:
+                raise ConfigError("capacities_blocks", f"each must be a positive int (blocks), got {c!r}")
     step = progress or (lambda _msg: None)
     B = trace.block_size_tokens
     block_bytes = bytes_per_token * B
