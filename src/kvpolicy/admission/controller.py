@@ -40,11 +40,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import attrs
 
-from .._validate import check_positive_number
+from .._validate import check_positive_number, non_negative_int, non_negative_number
 from ..clock import MonotonicClock
 from ..errors import ConfigError, RemoteLoadError
 from ..matching import PrefixMatch
@@ -203,7 +203,7 @@ class Decision:
 
 #: how a load ended
 LoadStatus = Literal["ok", "failed", "timeout", "incompatible"]
-LOAD_STATUSES = ("ok", "failed", "timeout", "incompatible")
+LOAD_STATUSES: tuple[str, ...] = get_args(LoadStatus)
 
 
 def _status(inst: Any, a: attrs.Attribute, v: Any) -> None:
@@ -211,14 +211,12 @@ def _status(inst: Any, a: attrs.Attribute, v: Any) -> None:
         raise ConfigError("status", f"unknown load status {v!r}; one of {', '.join(LOAD_STATUSES)}")
 
 
-def _count(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or (a.name == "ok_blocks" and v < 0):
-        raise ConfigError(a.name, f"must be {'a non-negative' if a.name == 'ok_blocks' else 'an'} int, got {v!r}")
+def _int(inst: Any, a: attrs.Attribute, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(a.name, f"must be an int, got {v!r}")
 
 
-def _optional_time(inst: Any, a: attrs.Attribute, v: Any) -> None:
-    if v is not None and not _finite_nonneg(v):
-        raise ConfigError(a.name, f"must be finite and >= 0 or None, got {v!r}")
+_optional_time = attrs.validators.optional(non_negative_number)
 
 
 @attrs.frozen
@@ -226,11 +224,11 @@ class LoadOutcome:
     """What happened to a load the controller admitted (times in seconds). Checked when built: a NaN time would
     reach the latency model's histograms; :meth:`AdmissionController.record` checks ``ok_blocks`` against the load."""
 
-    load_id: int = attrs.field(validator=_count)
+    load_id: int = attrs.field(validator=_int)
     status: LoadStatus = attrs.field(validator=_status)
     #: blocks that arrived intact before the load ended, in transfer order (the range's leading
     #: blocks; its trailing ones when computing while loading, which loads from the back)
-    ok_blocks: int = attrs.field(validator=_count)
+    ok_blocks: int = attrs.field(validator=non_negative_int)
     lookup_s: float | None = attrs.field(default=None, validator=_optional_time)
     #: for "ok": the transfer's duration; for "timeout": how long it ran before it was given up
     transfer_s: float | None = attrs.field(default=None, validator=_optional_time)
@@ -569,14 +567,8 @@ class AdmissionController:
         if d is None:
             raise ConfigError("load_id", f"{outcome.load_id} is not an admitted load in flight (already recorded or cancelled?)")
         n = d.load_blocks
-        if isinstance(outcome.ok_blocks, bool) or not isinstance(outcome.ok_blocks, int) or not 0 <= outcome.ok_blocks <= n:
+        if outcome.ok_blocks > n:  # its status, types and times were checked when it was built (LoadOutcome's validators)
             raise ConfigError("ok_blocks", f"{outcome.ok_blocks!r} outside [0, {n}] for load {outcome.load_id}")
-        if outcome.status not in LOAD_STATUSES:
-            raise ConfigError("status", f"unknown load status {outcome.status!r}")
-        for name in ("lookup_s", "transfer_s", "stage_s", "install_s", "stall_s", "bytes_delivered"):
-            v = getattr(outcome, name)
-            if v is not None and not _finite_nonneg(v):
-                raise ConfigError(name, f"must be finite and >= 0 or None, got {v!r}")
         self._release(outcome.load_id)  # validated first: a bad outcome changes nothing
         breaker = self.breaker(d.source)
         moved = d.load_bytes if outcome.bytes_delivered is None else min(outcome.bytes_delivered, d.load_bytes)

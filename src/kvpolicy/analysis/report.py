@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from .._validate import check_probability
 from ..errors import ConfigError
 from ..traces.model import check_trace
 from .capacity import EffectiveCapacity
@@ -58,9 +59,8 @@ def analyze(
     if routing not in ROUTINGS:
         raise ConfigError("routing", f"must be one of {ROUTINGS}, got {routing!r}")
     # the verdict's thresholds: a NaN one failed every comparison and picked a verdict without a word
-    for name, v in (("min_ceiling", min_ceiling), ("local_share", local_share)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
-            raise ConfigError(name, f"must be a share in [0, 1], got {v!r}")
+    check_probability("min_ceiling", min_ceiling)
+    check_probability("local_share", local_share)
     if isinstance(max_imbalance, bool) or not isinstance(max_imbalance, (int, float)) or not 1 <= max_imbalance < math.inf:
         raise ConfigError("max_imbalance", f"must be a finite ratio >= 1 (busiest replica over the mean), got {max_imbalance!r}")
     if capacities_blocks:

@@ -25,10 +25,10 @@ SGLANG_OWN = ("sglang-lru", "sglang-lfu")
 KVPOLICY = ("kvpolicy-hit-density", "kvpolicy-adaptive", "kvpolicy-reuse-distance", "kvpolicy-gdsf", "kvpolicy-lru", "kvpolicy-lfu")
 
 
-
 def _reader(clock: list[float]) -> Callable[[], float]:
     """The replay's clock as a strategy reads it: the current request's arrival."""
     return lambda: clock[0]
+
 
 def check_strategies(names: list[str]) -> None:
     """Every name one this bench knows: ``sglang-lru``, ``sglang-lfu`` or a ``kvpolicy-<name>`` of ``register()``."""
