@@ -5,7 +5,7 @@ request), capacity = 1/10 of the distinct ids; the rate is the median of
 ``--repeats`` timed runs, their min-max printed beside it (a shared machine's
 noise shows there, not in the rate); targets LRU, FIFO, SIEVE ≥ 15M
 accesses/s, ARC and S3-FIFO ≥ 8M, Belady, hit-density, adaptive and the priority kernels ≥ 5M, and lrb
-against the same 5M floor (missed: its refits); the id remap reported apart. ``--policies`` times a subset.
+against the same 5M floor (missed: its inference alone is ~10x over the budget, bench_lrb_floor.py); the id remap reported apart. ``--policies`` times a subset.
 If ``libcachesim`` is installed (``pip install kvpolicy[bench]``; GPL, benchmark
 only) its LRU, FIFO, SIEVE, S3-FIFO and ARC run on the same accesses: miss
 ratios must be equal for LRU and FIFO; the throughput ratio is printed.
@@ -37,7 +37,7 @@ from kvpolicy.traces import Trace, first_appearance_ids, read_mooncake
 
 TARGETS = {"lru": 15e6, "fifo": 15e6, "sieve": 15e6, "s3fifo": 8e6, "arc": 8e6, "belady": 5e6, "belady-bypass": 5e6, "hit-density": 5e6, "adaptive": 5e6,
            "lfu": 5e6, "ttl": 5e6, "gdsf": 5e6, "reuse-distance": 5e6,  # the heap-based priority kernels: as Belady
-           "lrb": 5e6}  # issue #20's floor for every kernel; lrb's refits (a Newton solve every 2,048 labels) keep it under (docs/benchmarks.md)
+           "lrb": 5e6}  # issue #20's floor for every kernel; lrb's per-eviction features keep it under (bench_lrb_floor.py)
 
 
 def flat(ids: np.ndarray) -> Trace:

@@ -41,7 +41,8 @@ kernel with this policy's learning) makes the same decisions, victim for victim,
 calibration: both call the compiled :func:`lrb_features`, :func:`lrb_logit` and :func:`logistic_fit` below
 (tests/test_learned_eviction.py). Its cost is 16 feature vectors per eviction and a 55 × 55 Newton solve over the
 window per refit: 0.13–0.9 M references/s on the conversation trace (docs/benchmarks.md), under the 5 M floor of the
-kernels whose decisions cost no learning.
+kernels whose decisions cost no learning — and the features alone, with the learning free, cap it at ~0.4 M on the
+floor's stream (``benchmarks/bench_lrb_floor.py``).
 """
 
 from __future__ import annotations
