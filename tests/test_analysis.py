@@ -256,3 +256,17 @@ def test_analyze_refuses_verdict_thresholds_that_cannot_be(field, value):
     """A NaN threshold failed every comparison and picked a verdict without a word; a capacity of 1.5 blocks was cut to 1."""
     with pytest.raises(ConfigError, match=field):
         analyze(generate(preset("chat", n_requests=50, seed=1)), bytes_per_token=1024, **{field: value})
+
+
+def test_the_peak_rate_names_the_window_it_was_measured_over():
+    """A trace shorter than the 15-minute window is its own window: the verdict said "the worst 0-minute window"."""
+    n = 6
+    tr = Trace(arrival_s=np.arange(n) * 1e-3, input_tokens=np.full(n, 64), output_tokens=np.ones(n, np.int64), block_offsets=np.arange(n + 1) * 4,
+               block_ids=np.tile(np.arange(4), n), partial_block_ids=np.full(n, -1), block_size_tokens=16)
+    r = analyze(tr, bytes_per_token=1024, replicas=4, local_capacity=EffectiveCapacity(2**10))
+    pool = [x for x in r["verdict_reasons"] if "a shared pool would read" in x]
+    assert pool and "over the whole trace (5 ms)" in pool[0] and "0-minute" not in pool[0]
+    from kvpolicy.analysis.report import _window
+
+    assert _window(900.0, 3600.0) == "at the worst 15-minute window" and _window(90.0, 3600.0) == "at the worst 90 s window"
+    assert _window(0.0, 0.0) == "over the whole trace (0 ms)"

@@ -149,10 +149,23 @@ def _verdict(r: dict[str, Any], local_blocks: int, min_ceiling: float, local_sha
         return VERDICTS[2], reasons
     flows = given["flows"]
     reasons.append(
-        f"a shared pool would read {_rate(flows['read_peak_bytes_per_s'])} at the worst {flows['window_s'] / 60:.0f}-minute window; "
+        f"a shared pool would read {_rate(flows['read_peak_bytes_per_s'])} {_window(flows['window_s'], flows['duration_s'])}; "
         f"publishing everything writes {_rate(flows['write_all_peak_bytes_per_s'])}, publishing only what is re-read {_rate(flows['write_reread_peak_bytes_per_s'])}"
     )
     return VERDICTS[3], reasons
+
+
+def _window(window_s: float, duration_s: float) -> str:
+    """Where a peak rate was measured, in words: a trace shorter than the window is its own window."""
+    if window_s >= duration_s:
+        return f"over the whole trace ({_seconds(duration_s)})"
+    return f"at the worst {_seconds(window_s)} window"
+
+
+def _seconds(s: float) -> str:
+    if s >= 60 and s % 60 == 0:
+        return f"{s / 60:.0f}-minute"
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
 
 
 def _gib(n: float) -> str:
