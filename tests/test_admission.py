@@ -754,3 +754,44 @@ def test_the_step_timer_takes_any_sequence_of_engine_calls(events, in_flight):
         assert hist.min > 0 and np.isfinite(hist.max), "a step that took no time would teach that compute is free"
     fixed = timer.fixed_part_s()
     assert fixed is None or (fixed >= 0 and np.isfinite(fixed))
+
+
+_OBSERVATIONS = [
+    ("observe_load", dict(bytes_loaded=1e6, n_blocks=2, lookup_s=float("nan")), "lookup_s"),
+    ("observe_load", dict(bytes_loaded=1e6, n_blocks=2, transfer_s=-0.1), "transfer_s"),
+    ("observe_load", dict(bytes_loaded=1e6, n_blocks=2, stage_s=float("inf")), "stage_s"),
+    ("observe_load", dict(bytes_loaded=1e6, n_blocks=2, install_s="0.1"), "install_s"),
+    ("observe_load", dict(bytes_loaded=float("nan"), n_blocks=2, transfer_s=0.1), "bytes_loaded"),
+    ("observe_load", dict(bytes_loaded=1e6, n_blocks=2, transfer_s=0.1, backlog_bytes=float("nan")), "backlog_bytes"),
+    ("observe_load", dict(bytes_loaded=1e6, n_blocks=1.5, install_s=0.1), "n_blocks"),
+    ("observe_timeout", dict(bytes_loaded=float("nan"), elapsed_s=1.0), "bytes_loaded"),
+    ("observe_timeout", dict(bytes_loaded=1e6, elapsed_s=1.0, backlog_bytes=float("inf")), "backlog_bytes"),
+    ("observe_prefill", dict(tokens_before=0, tokens_computed=512, seconds=float("nan")), "seconds"),
+    ("observe_prefill", dict(tokens_before=0, tokens_computed=512, seconds=-0.2), "seconds"),
+    ("observe_prefill", dict(tokens_before=0, tokens_computed=512, seconds=0.2, dispatch_s=float("nan")), "dispatch_s"),
+    ("observe_prefill", dict(tokens_before=-1, tokens_computed=512, seconds=0.2), "tokens_before"),
+    ("observe_prefill_batch", dict(predicted_s=float("nan"), seconds=0.2), "predicted_s"),
+    ("observe_prefill_batch", dict(predicted_s=0.2, seconds=float("nan")), "seconds"),
+    ("observe_interference", dict(bytes_moved=1e6, stall_s=float("nan")), "stall_s"),
+    ("observe_interference", dict(bytes_moved=float("inf"), stall_s=0.01), "bytes_moved"),
+]
+
+
+@pytest.mark.parametrize("method, kw, field", _OBSERVATIONS, ids=[f"{m}-{f}" for m, _, f in _OBSERVATIONS])
+def test_the_latency_model_refuses_a_measurement_that_cannot_be_naming_it_and_learns_nothing(method, kw, field):
+    """An engine feeds the model its timings directly. A NaN prefill time or size was dropped without a word, a NaN
+    lookup or stall failed inside a histogram naming "value" after the model had counted the sample."""
+    m = LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), PREFILL)
+    before = m.version
+    with pytest.raises(ConfigError, match=field):
+        getattr(m, method)(**kw)
+    assert m.version == before
+
+
+def test_the_latency_model_takes_numpy_measurements_and_leaves_out_what_teaches_nothing():
+    m = LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), PREFILL)
+    m.observe_load(bytes_loaded=np.float32(1e6), n_blocks=np.int64(2), transfer_s=np.float64(0.01), backlog_bytes=-5.0)
+    m.observe_prefill(np.int64(0), 512, np.float32(0.05))
+    m.observe_prefill(0, 512, 0.0)  # a prefill of 0 s: left out, as before
+    m.observe_prefill_batch(0.1, -0.01)  # a step faster than its fixed part: left out, as before
+    assert m.prefill_ratio.hist.count == 1

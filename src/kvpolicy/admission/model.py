@@ -47,6 +47,7 @@ comonotone terms they are equal), so ``p95(T_remote)`` here is conservative.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import attrs
@@ -57,6 +58,19 @@ from .._validate import positive_number as _pos
 from ..errors import ConfigError
 from ..profile import PrefillModel
 from .histogram import LogHistogram, WindowedHistogram
+
+
+def _measured(field: str, v: Any, *, negative_ok: bool = False) -> None:
+    """A measurement an engine feeds the model: a finite real number (numpy's too), never negative unless
+    ``negative_ok``. NaN used to be dropped without a word or to fail in a histogram naming "value"."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or (v < 0 and not negative_ok):
+        what = "a finite number" if negative_ok else "a finite non-negative number"
+        raise ConfigError(field, f"must be {what}, got {v!r}")
+
+
+def _count(field: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+        raise ConfigError(field, f"must be a non-negative int, got {v!r}")
 
 
 @attrs.frozen
@@ -298,7 +312,14 @@ class LatencyModel:
                      stage_s: float | None = None, install_s: float | None = None, source: str | None = None,
                      backlog_bytes: float = 0.0) -> None:
         """Feed one completed remote load's measured components (``backlog_bytes``: the
-        bytes ahead of it on its path when it started, see :meth:`path_queue_bytes`)."""
+        bytes ahead of it on its path when it started, see :meth:`path_queue_bytes`; a negative backlog counts as none).
+        Every argument is checked before anything is learned: a bad one raises a ConfigError naming it."""
+        _measured("bytes_loaded", bytes_loaded)
+        _count("n_blocks", n_blocks)
+        for name, v in (("lookup_s", lookup_s), ("transfer_s", transfer_s), ("stage_s", stage_s), ("install_s", install_s)):
+            if v is not None:
+                _measured(name, v)
+        _measured("backlog_bytes", backlog_bytes, negative_ok=True)
         self.version += 1
         if lookup_s is not None:
             self.lookup.hist.record(lookup_s)
@@ -323,8 +344,9 @@ class LatencyModel:
         towards the truth), and, for its source, an immediate p95 floor of
         ``(elapsed − α)/(S + Q)`` seconds per byte — a run of timeouts can never
         leave the model believing "fast"."""
-        if not elapsed_s >= 0 or not math.isfinite(elapsed_s):
-            raise ConfigError("elapsed_s", f"must be finite and >= 0, got {elapsed_s!r}")
+        _measured("elapsed_s", elapsed_s)
+        _measured("bytes_loaded", bytes_loaded)
+        _measured("backlog_bytes", backlog_bytes, negative_ok=True)
         if not bytes_loaded > 0:
             return
         self.version += 1
@@ -337,7 +359,13 @@ class LatencyModel:
                 self.timeout_floors.setdefault(source, []).append((self._now(), beta))
 
     def observe_prefill(self, tokens_before: int, tokens_computed: int, seconds: float, dispatch_s: float | None = None) -> None:
-        """Feed a measured prefill of ``tokens_computed`` tokens after ``tokens_before`` cached ones."""
+        """Feed a measured prefill of ``tokens_computed`` tokens after ``tokens_before`` cached ones (a prefill of
+        0 seconds teaches nothing and is left out)."""
+        _count("tokens_before", tokens_before)
+        _count("tokens_computed", tokens_computed)
+        _measured("seconds", seconds)
+        if dispatch_s is not None:
+            _measured("dispatch_s", dispatch_s)
         self.version += 1
         predicted = self.prefill_seconds(tokens_before, tokens_before + tokens_computed)
         if predicted > 0 and seconds > 0:
@@ -348,13 +376,18 @@ class LatencyModel:
     def observe_prefill_batch(self, predicted_s: float, seconds: float) -> None:
         """Feed a forward pass that prefilled several chunks together: ``predicted_s`` is the sum of
         :meth:`prefill_seconds` over its chunks, ``seconds`` what their prefill took (the step's fixed part
-        left out: :class:`~kvpolicy.admission.steps.StepTimer`)."""
+        left out: :class:`~kvpolicy.admission.steps.StepTimer`; a pass of 0 seconds or less after that is left out)."""
+        _measured("predicted_s", predicted_s)
+        _measured("seconds", seconds, negative_ok=True)
         self.version += 1
         if predicted_s > 0 and seconds > 0:
             self.prefill_ratio.hist.record(seconds / predicted_s)
 
     def observe_interference(self, bytes_moved: float, stall_s: float, active_decodes: int = 0) -> None:
         """Feed an observed stall of active requests attributed to a load of ``bytes_moved``."""
+        _measured("bytes_moved", bytes_moved)
+        _measured("stall_s", stall_s)
+        _count("active_decodes", active_decodes)
         self.version += 1
         if bytes_moved > 0:
             self.interference_per_byte.hist.record(stall_s / bytes_moved / (1 + max(active_decodes, 0)))
