@@ -280,3 +280,27 @@ def test_a_request_record_that_cannot_be_is_refused(field, value):
     kw = {"prompt_tokens": 64, "block_size_tokens": 16, "local_blocks": 1, "remote_loaded_blocks": 1, field: value}
     with pytest.raises(ConfigError, match=field):
         RequestRecord(**kw)
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda: Ledger(1024, write_cost_s_per_byte=float("nan")), "write_cost_s_per_byte"),
+    (lambda: Ledger(1024, eviction_cost_s_per_token=-1e-6), "eviction_cost_s_per_token"),
+    (lambda: Ledger(1024, eviction_cost_s_per_token="1e-6"), "eviction_cost_s_per_token"),
+    (lambda: PublicationLog(max_exact_keys=1.5), "max_exact_keys"),
+    (lambda: PublicationLog(bloom_bits=8), "bloom_bits"),
+    (lambda: PublicationLog().published(b"k", t_s=float("nan")), "t_s"),
+    (lambda: PublicationLog().published(b"k", t_s=1.0, size_bytes=float("nan")), "size_bytes"),
+    (lambda: PublicationLog().published(b"k", t_s=1.0, size_bytes=-4096.0), "size_bytes"),
+    (lambda: PublicationLog().evicted(b"k", t_s=float("inf")), "t_s"),
+    (lambda: PublicationLog().classify(b"k", now_s=None), "now_s"),
+])
+def test_the_publication_log_and_the_ledgers_costs_refuse_numbers_that_cannot_be(call, field):
+    """A NaN write cost made E[benefit] NaN; a NaN write size, the class's written bytes (and its Prometheus line); a
+    NaN publication time, every later miss's class — each without a word. A log of 1.5 exact keys was taken."""
+    with pytest.raises(ConfigError, match=field):
+        call()
+
+
+def test_unknown_costs_stay_unknown():
+    led = Ledger(1024, write_cost_s_per_byte=None, eviction_cost_s_per_token=0.0)
+    assert led.write_cost_s_per_byte is None and led.eviction_cost_s_per_token == 0.0

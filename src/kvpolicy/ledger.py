@@ -66,6 +66,7 @@ import attrs
 import numpy as np
 
 from .admission.histogram import LogHistogram
+from ._validate import check_non_negative_number, check_positive_int
 from .errors import ConfigError
 
 REQUEST_CATEGORIES = ("local_hit", "remote_hit", "partial_hit", "miss")
@@ -160,8 +161,9 @@ class PublicationLog:
     """What the shared tier held: exact recent keys + a Bloom filter of older ones."""
 
     def __init__(self, max_exact_keys: int = 1_000_000, bloom_bits: int = 1 << 24) -> None:
-        if max_exact_keys <= 0 or bloom_bits < 64:
-            raise ConfigError("max_exact_keys", "max_exact_keys must be > 0 and bloom_bits >= 64")
+        check_positive_int("max_exact_keys", max_exact_keys)
+        if isinstance(bloom_bits, bool) or not isinstance(bloom_bits, int) or bloom_bits < 64:
+            raise ConfigError("bloom_bits", f"must be an int >= 64, got {bloom_bits!r}")
         self.max_exact_keys = max_exact_keys
         self._exact: dict[Hashable, tuple[str, float, float | None]] = {}  # key → (tier, first published_s, evicted_s)
         self.dropped_keys = 0
@@ -192,6 +194,7 @@ class PublicationLog:
         return bool(bits[a >> 3] >> (a & 7) & bits[b >> 3] >> (b & 7) & bits[c >> 3] >> (c & 7) & bits[d >> 3] >> (d & 7) & 1)
 
     def published(self, key: Hashable, tier: str = "pool", t_s: float = 0.0, size_bytes: float = 0.0, request_class: str = "default") -> None:
+        _check_flow(t_s, size_bytes)  # a NaN size made the class's written bytes NaN; a NaN time, every later miss's class
         old = self._exact.pop(key, None)
         self._exact[key] = (tier, t_s if old is None else min(old[1], t_s), None)  # a re-publication keeps the first time
         if size_bytes:
@@ -214,6 +217,7 @@ class PublicationLog:
             self.dropped_keys += 1
 
     def evicted(self, key: Hashable, t_s: float = 0.0) -> None:
+        _check_flow(t_s, 0.0)
         e = self._exact.get(key)
         if e is not None:
             self._exact[key] = (e[0], e[1], t_s)
@@ -225,6 +229,7 @@ class PublicationLog:
     def classify(self, key: Hashable, now_s: float) -> tuple[str, str | None, float | None]:
         """("never_published" | "evicted" | "resident", tier, age_s since eviction), as of ``now_s``: a block
         first published after it had not been published yet."""
+        check_non_negative_number("now_s", now_s)
         e = self._exact.get(key)
         if e is not None:
             tier, first_s, ev = e
@@ -345,6 +350,9 @@ class Ledger:
             raise ConfigError("bytes_per_token", f"must be a positive int, got {bytes_per_token!r}")
         if isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not 0 < window_s < math.inf:
             raise ConfigError("window_s", f"must be a positive number of seconds, got {window_s!r}")
+        for name, v in (("write_cost_s_per_byte", write_cost_s_per_byte), ("eviction_cost_s_per_token", eviction_cost_s_per_token)):
+            if v is not None:  # None: unknown, and E[benefit] says so; a NaN made it NaN without a word
+                check_non_negative_number(name, v)
         self.bytes_per_token = bytes_per_token
         self.pub = publication_log or PublicationLog()
         self.write_cost_s_per_byte = write_cost_s_per_byte
