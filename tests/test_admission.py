@@ -795,3 +795,24 @@ def test_the_latency_model_takes_numpy_measurements_and_leaves_out_what_teaches_
     m.observe_prefill(0, 512, 0.0)  # a prefill of 0 s: left out, as before
     m.observe_prefill_batch(0.1, -0.01)  # a step faster than its fixed part: left out, as before
     assert m.prefill_ratio.hist.count == 1
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(baseline_p95_ttft_s=float("inf")), "baseline_p95_ttft_s"), (dict(baseline_throughput="100"), "baseline_throughput"),
+    (dict(initial_share=None), "initial_share"), (dict(step=0.0), "step"), (dict(backoff=1.0), "backoff"),
+    (dict(tolerance=1.0), "tolerance"), (dict(max_share=float("nan")), "max_share"), (dict(initial_share=0.5, max_share=0.25), "initial_share"),
+])
+def test_the_ramp_refuses_settings_that_cannot_be_naming_each(kw, field):
+    """An infinite baseline p95 held every window, so the share only ever rose; a string failed deep in a comparison."""
+    with pytest.raises(ConfigError, match=field):
+        RampController(**{"baseline_p95_ttft_s": 1.0, "baseline_throughput": 100.0, **kw})
+
+
+@pytest.mark.parametrize("p95, tput, field", [(float("nan"), 100.0, "p95_ttft_s"), (1.0, float("nan"), "throughput"), (-1.0, 100.0, "p95_ttft_s"),
+                                              (None, 100.0, "p95_ttft_s")])
+def test_a_ramp_window_that_measured_nothing_is_refused_not_read_as_degraded(p95, tput, field):
+    """A NaN p95 (a window with no requests) backed the share off without a word."""
+    r = RampController(1.0, 100.0, initial_share=0.2)
+    with pytest.raises(ConfigError, match=field):
+        r.observe_window(p95, tput)
+    assert r.share == 0.2 and not r.history

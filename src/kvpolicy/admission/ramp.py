@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from .._validate import check_non_negative_number, check_positive_number, check_probability
 from ..errors import ConfigError
 
 
@@ -29,12 +30,15 @@ class RampController:
     def __init__(self, baseline_p95_ttft_s: float, baseline_throughput: float, *, initial_share: float = 0.05, step: float = 0.05,
                  backoff: float = 0.5, tolerance: float = 0.05, max_share: float = 1.0) -> None:
         for name, v in (("baseline_p95_ttft_s", baseline_p95_ttft_s), ("baseline_throughput", baseline_throughput)):
-            if not v > 0:
-                raise ConfigError(name, f"must be positive, got {v}")
-        if not 0 <= initial_share <= max_share <= 1:
+            check_positive_number(name, v)  # an infinite baseline held every window, so the share only rose
+        for name, v in (("initial_share", initial_share), ("step", step), ("backoff", backoff), ("tolerance", tolerance), ("max_share", max_share)):
+            check_probability(name, v)
+        if not initial_share <= max_share:
             raise ConfigError("initial_share", "need 0 <= initial_share <= max_share <= 1")
-        if not 0 < step <= 1 or not 0 < backoff < 1 or not 0 <= tolerance < 1:
-            raise ConfigError("step", "need 0 < step <= 1, 0 < backoff < 1, 0 <= tolerance < 1")
+        for name, v, ok, need in (("step", step, step > 0, "0 < step <= 1"), ("backoff", backoff, 0 < backoff < 1, "0 < backoff < 1"),
+                                  ("tolerance", tolerance, tolerance < 1, "0 <= tolerance < 1")):
+            if not ok:
+                raise ConfigError(name, f"need {need}, got {v!r}")
         self.baseline_p95_ttft_s = baseline_p95_ttft_s
         self.baseline_throughput = baseline_throughput
         self.share = initial_share
@@ -54,6 +58,10 @@ class RampController:
         return False
 
     def observe_window(self, p95_ttft_s: float, throughput: float) -> RampStep:
+        """One observation window's p95 TTFT and throughput (a window with no requests has neither: skip it). A NaN
+        used to back the share off without a word."""
+        check_non_negative_number("p95_ttft_s", p95_ttft_s)
+        check_non_negative_number("throughput", throughput)
         holds = p95_ttft_s <= self.baseline_p95_ttft_s * (1 + self.tolerance) and throughput >= self.baseline_throughput * (1 - self.tolerance)
         if holds:
             new = min(self.share + self.step, self.max_share)
