@@ -399,3 +399,18 @@ def test_structure_aware_a_key_its_counts_forgot_inside_its_window_is_seen_again
     before = list(f.reused)
     f.observe(req(5, 1, t=1.2), [("a", 0)])
     assert sum(f.reused) == sum(before) + 1 and ("a", 0) not in f._origin
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda c: c.add(b"k", float("nan")), "t_s"), (lambda c: c.add(b"k", "5"), "t_s"), (lambda c: c.add(b"k", 1.0, float("nan")), "amount"),
+    (lambda c: c.add(b"k", 1.0, -1.0), "amount"), (lambda c: c.estimate(b"k", float("inf")), "t_s"),
+])
+def test_the_sketch_refuses_a_time_or_amount_that_would_poison_it(call, field):
+    """One NaN time or amount made its columns NaN for good: every later estimate of every key sharing them was NaN."""
+    from kvpolicy.publish import CountMinSketch
+
+    c = CountMinSketch(width=64, depth=2)
+    c.add(b"k", 1.0)
+    with pytest.raises(ConfigError, match=field):
+        call(c)
+    assert c.estimate(b"k", 1.0) == pytest.approx(1.0)
