@@ -816,3 +816,16 @@ def test_a_ramp_window_that_measured_nothing_is_refused_not_read_as_degraded(p95
     with pytest.raises(ConfigError, match=field):
         r.observe_window(p95, tput)
     assert r.share == 0.2 and not r.history
+
+
+def test_check_timeout_answers_against_the_decisions_soft_timeout_and_refuses_a_nan():
+    """A NaN elapsed time answered "not yet" for good (NaN > x is false), so the load was never abandoned."""
+    c = controller(bw=25e9)
+    d = c.decide(pm(10, 500), ctx)
+    assert d.loads and d.soft_timeout_s is not None
+    assert not c.check_timeout(d.load_id, 0.5 * d.soft_timeout_s) and c.check_timeout(d.load_id, 1.01 * d.soft_timeout_s)
+    for bad in (float("nan"), -1.0, None):
+        with pytest.raises(ConfigError, match="elapsed_s"):
+            c.check_timeout(d.load_id, bad)
+    with pytest.raises(ConfigError, match="load_id"):
+        c.check_timeout(d.load_id + 99, 1.0)

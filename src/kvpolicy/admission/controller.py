@@ -44,7 +44,7 @@ from typing import Any, Literal, get_args
 
 import attrs
 
-from .._validate import check_positive_number, non_negative_int, non_negative_number
+from .._validate import check_non_negative_number, check_positive_number, non_negative_int, non_negative_number
 from ..clock import MonotonicClock
 from ..errors import ConfigError, RemoteLoadError
 from ..matching import PrefixMatch
@@ -591,7 +591,9 @@ class AdmissionController:
         return LoadResult(usable_blocks=usable, recompute_blocks=n - usable, status=outcome.status)
 
     def check_timeout(self, load_id: int, elapsed_s: float) -> bool:
-        """Has this load overrun its soft timeout (abandon it for recompute)?"""
+        """Has this load overrun its soft timeout (abandon it for recompute)? A NaN elapsed time raises, naming
+        ``elapsed_s``: it used to answer "no" for good, so the load was never abandoned."""
+        check_non_negative_number("elapsed_s", elapsed_s)
         d = self._inflight.get(load_id)
         if d is None:
             raise ConfigError("load_id", f"{load_id} is not in flight")
