@@ -299,7 +299,7 @@ def test_shipped_trace_is_the_mooncake_conversation_trace():
     ("mix", "chat"), ("mix", (("chat", float("nan")),)), ("mix", (("chat",),)),  # not pairs: a ValueError from unpacking
     ("seed", "x"), ("seed", -1),  # numpy refused it later, inside generate()
     ("n_requests", 2.5), ("rate_per_s", float("nan")), ("rate_per_s", float("inf")),
-    ("user_tokens", (20.5, 400)), ("turns_mean", {"chat": 0.5}),
+    ("user_tokens", (20.5, 400)), ("turns_mean", {"chat": 0.5}), ("turns_mean", {"chats": 4.0}),  # a misspelt kind was ignored
 ])
 def test_synthetic_spec_refuses_bad_fields_by_name(field, bad):
     from kvpolicy.traces.synthetic import SyntheticSpec
@@ -307,6 +307,23 @@ def test_synthetic_spec_refuses_bad_fields_by_name(field, bad):
     with pytest.raises(ConfigError) as e:
         SyntheticSpec(**{field: bad})
     assert e.value.field == field
+
+
+def test_turns_mean_overrides_only_the_kinds_it_names():
+    """turns_mean={"chat": 6} on the mixed preset made RAG and agent sessions single-turn without a word: a kind it
+    does not name keeps its default (agent 8 turns), so the agent sessions of the two traces are the same."""
+    from kvpolicy.traces.synthetic import TURNS_MEAN
+
+    spec = preset("mixed", n_requests=400, seed=4, turns_mean={"chat": 6.0})
+    assert spec.turns_mean == {**TURNS_MEAN, "chat": 6.0}
+    a, b = generate(preset("mixed", n_requests=400, seed=4)), generate(spec)
+    agent = a.class_names.index("agent")
+    assert b.class_names.index("agent") == agent
+
+    def turns(tr):
+        return np.unique(tr.session[tr.request_class == agent], return_counts=True)[1].max()
+
+    assert turns(a) > 1 and turns(b) > 1
 
 
 

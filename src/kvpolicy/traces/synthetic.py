@@ -36,6 +36,14 @@ from ..keys import BlockHasher, Namespace
 from .model import Trace, canonicalize
 
 KINDS = ("chat", "rag", "agent")
+#: a session's mean number of turns, per kind (geometric)
+TURNS_MEAN = {"chat": 4.0, "rag": 1.5, "agent": 8.0}
+
+
+def _turns(v: Any) -> Any:
+    """``turns_mean`` overrides the kinds it names; the others keep theirs (a dict naming only chat made RAG and agent
+    sessions single-turn without a word)."""
+    return {**TURNS_MEAN, **v} if isinstance(v, dict) else v
 #: seconds a session waits per output token before its user starts thinking: the next turn comes
 #: ``output_tokens × DECODE_S_PER_TOKEN + Exp(think_time_s)`` after the last one
 DECODE_S_PER_TOKEN = 0.02
@@ -63,7 +71,7 @@ class SyntheticSpec:
     doc_zipf: float = attrs.field(default=1.1, validator=_pos)
     doc_tokens: tuple[int, int] = attrs.field(default=(300, 2500), validator=_range)
     docs_per_request: tuple[int, int] = attrs.field(default=(1, 4), validator=_range)
-    turns_mean: dict[str, float] = attrs.field(factory=lambda: {"chat": 4.0, "rag": 1.5, "agent": 8.0})
+    turns_mean: dict[str, float] = attrs.field(factory=lambda: dict(TURNS_MEAN), converter=_turns)
     user_tokens: tuple[int, int] = attrs.field(default=(20, 400), validator=_range)
     output_tokens: tuple[int, int] = attrs.field(default=(50, 600), validator=_range)
     tool_output_tokens: tuple[int, int] = attrs.field(default=(100, 1500), validator=_range)
@@ -77,9 +85,9 @@ class SyntheticSpec:
                 or any(k not in KINDS or isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0 for k, w in pairs)
                 or sum(w for _, w in pairs) <= 0):
             raise ConfigError("mix", f"must be (kind, weight) pairs over {KINDS} with positive total weight, got {self.mix!r}")
-        if not isinstance(self.turns_mean, dict) or any(
+        if not isinstance(self.turns_mean, dict) or any(k not in KINDS for k in self.turns_mean) or any(
                 isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 1 for v in self.turns_mean.values()):
-            raise ConfigError("turns_mean", f"must map kinds to a mean number of turns >= 1, got {self.turns_mean!r}")
+            raise ConfigError("turns_mean", f"must map kinds of {KINDS} to a mean number of turns >= 1, got {self.turns_mean!r}")
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -148,7 +156,7 @@ def generate(spec: SyntheticSpec | str = "mixed", *, keep_tokens: bool = False) 
                 int(rng.integers(spec.tool_tokens[0], spec.tool_tokens[1] + 1)),
             )
     doc_len = rng.integers(spec.doc_tokens[0], spec.doc_tokens[1] + 1, spec.n_docs)
-    mean_turns = float(sum(w * spec.turns_mean.get(k, 1.0) for k, w in zip(kinds, weights)))
+    mean_turns = float(sum(w * spec.turns_mean[k] for k, w in zip(kinds, weights)))
     n_sessions = int(np.ceil(spec.n_requests / max(mean_turns, 1.0) * 1.5)) + 8
     starts = _arrivals(attrs.evolve(spec, rate_per_s=spec.rate_per_s / max(mean_turns, 1.0)), rng, n_sessions)
 
@@ -165,7 +173,7 @@ def generate(spec: SyntheticSpec | str = "mixed", *, keep_tokens: bool = False) 
         shared = [seg.get((1, ki, app), sys_len)]
         if kind == "agent":
             shared.append(seg.get((2, ki, app), tool_len))
-        turns = 1 + int(rng.geometric(1.0 / spec.turns_mean.get(kind, 1.0))) - 1 if spec.turns_mean.get(kind, 1.0) > 1 else 1
+        turns = 1 + int(rng.geometric(1.0 / spec.turns_mean[kind])) - 1 if spec.turns_mean[kind] > 1 else 1
         history: list[np.ndarray] = []
         t = float(t0)
         for turn in range(turns):
