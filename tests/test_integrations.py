@@ -2766,6 +2766,17 @@ def test_the_offloading_specs_publish_setting_defaults_to_threshold_2():
     assert e.value.field == "kv_connector_extra_config"
 
 
+def test_a_misspelt_kvpolicy_key_of_the_offloading_spec_is_an_error_naming_it():
+    """vLLM's own keys share kv_connector_extra_config; a misspelt kvpolicy key (bytes_per_tok) left the default
+    131,072 bytes a token in force without a word, so reuse-aware weighed every write wrong."""
+    from kvpolicy.integrations.vllm_offload import offload_publish_filter
+
+    with pytest.raises(ConfigError, match="the settings: kvpolicy_publish") as e:
+        offload_publish_filter({"cpu_bytes_to_use": 8e9, "kvpolicy_publish": "reuse-aware", "kvpolicy_bytes_per_tok": 4096})
+    assert e.value.field == "kv_connector_extra_config.kvpolicy_bytes_per_tok"
+    assert offload_publish_filter({"cpu_bytes_to_use": 8e9, "kvpolicy_bytes_per_token": 4096, "block_size": 64}) is not None
+
+
 SPECS = ("all", "never", "boundary", "threshold-3", "reuse-aware", "structure-aware", "threshold-2+reuse-aware")
 
 

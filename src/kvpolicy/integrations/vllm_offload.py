@@ -269,6 +269,10 @@ def offload_publish_filter(extra_config: Any, key_tokens: int = 16) -> Any:
     extra = {} if extra_config is None else extra_config
     if not isinstance(extra, Mapping):
         raise ConfigError("kv_connector_extra_config", f"must be an object, got {type(extra).__name__}")
+    known = ("kvpolicy_publish", *OFFLOAD_DEFAULTS)
+    typos = sorted(str(k) for k in extra if str(k).startswith("kvpolicy_") and k not in known)
+    if typos:  # vLLM's own keys share this object; a misspelt kvpolicy one would leave its default in force without a word
+        raise ConfigError(f"kv_connector_extra_config.{typos[0]}", f"is not a kvpolicy setting of the offloading spec; the settings: {', '.join(known)}")
     spec = extra.get("kvpolicy_publish", "threshold-2")
     if not isinstance(spec, str):
         raise ConfigError(where, f"must be a publish filter spec such as 'threshold-2', got {spec!r}")
