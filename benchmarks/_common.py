@@ -43,6 +43,13 @@ def print_table(headers: list[str], rows: list[list[Any]]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
+def add_stream_args(ap: Any) -> None:
+    """The one-block stream's size (``bench_reuse.skewed_stream``): ``--accesses`` over ``--ids`` distinct ids, ``--seed``."""
+    ap.add_argument("--accesses", type=int, default=10_000_000)
+    ap.add_argument("--ids", type=int, default=1_000_000)
+    ap.add_argument("--seed", type=int, default=0)
+
+
 def add_check_flag(ap: Any) -> None:
     """``--check``: exit 1 when a documented target or a correctness check fails (CI runs the quick ones with it)."""
     ap.add_argument("--check", action="store_true", help="exit 1 when a documented target or a correctness check fails")

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import statistics
 
-from _common import add_check_flag, report_targets, print_table, timings, write_json
+from _common import add_check_flag, add_stream_args, report_targets, print_table, timings, write_json
 from bench_reuse import TRACE, skewed_stream
 
 from kvpolicy.eviction.bench import compare, render
@@ -73,9 +73,7 @@ def libcachesim_run(ids: np.ndarray, cap: int) -> dict[str, tuple[float, float]]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_check_flag(ap)
-    ap.add_argument("--accesses", type=int, default=10_000_000)
-    ap.add_argument("--ids", type=int, default=1_000_000)
-    ap.add_argument("--seed", type=int, default=0)
+    add_stream_args(ap)
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per policy (the median is the rate; min-max shows the machine's noise)")
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--policies", default=",".join(KERNEL_POLICIES), help="kernels to time, comma-separated (default: every kernel)")

@@ -25,7 +25,7 @@ import sys
 import numba as nb
 import numpy as np
 
-from _common import add_check_flag, print_table, report_targets, timings, write_json
+from _common import add_check_flag, add_stream_args, print_table, report_targets, timings, write_json
 from bench_eviction import flat
 from bench_reuse import skewed_stream
 
@@ -96,9 +96,7 @@ def inference_ns(cap: int, n_evictions: int, repeats: int, seed: int, score: boo
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_check_flag(ap)
-    ap.add_argument("--accesses", type=int, default=10_000_000)
-    ap.add_argument("--ids", type=int, default=1_000_000)
-    ap.add_argument("--seed", type=int, default=0)
+    add_stream_args(ap)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
-from _common import add_check_flag, report_targets, print_table, write_json
+from _common import add_check_flag, add_stream_args, report_targets, print_table, write_json
 
 from kvpolicy.analysis import default_capacities, hits_at, lru_hit_ratio_curve, mean_absolute_error, shards, stack_distances
 from kvpolicy.traces import first_appearance_ids, generate, preset, read_mooncake
@@ -69,9 +69,7 @@ def timed(fn, repeats=1):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_check_flag(ap)
-    ap.add_argument("--accesses", type=int, default=10_000_000)
-    ap.add_argument("--ids", type=int, default=1_000_000)
-    ap.add_argument("--seed", type=int, default=0)
+    add_stream_args(ap)
     ap.add_argument("--skip-ordered-dict", action="store_true", help="skip the slow OrderedDict baseline")
     ap.add_argument("--skip-reader", action="store_true")
     ap.add_argument("--json", default=None)
