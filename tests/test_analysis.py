@@ -10,6 +10,7 @@ from kvpolicy.analysis import (
     analyze,
     default_capacities,
     lru_hit_ratio_curve,
+    prefix_groups,
     replica_view,
     request_stack_distances,
     request_stack_distances_reference,
@@ -270,3 +271,22 @@ def test_the_peak_rate_names_the_window_it_was_measured_over():
 
     assert _window(900.0, 3600.0) == "at the worst 15-minute window" and _window(90.0, 3600.0) == "at the worst 90 s window"
     assert _window(0.0, 0.0) == "over the whole trace (0 ms)"
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda tr: route(tr, 4, "prefix-affinity", seed=float("nan")), "seed"),
+    (lambda tr: route(tr, 4, "random", seed=1.5), "seed"),
+    (lambda tr: route(tr, 4, affinity_blocks=0), "affinity_blocks"),
+    (lambda tr: shards(np.arange(50) % 7, rate=0.5, seed=float("nan")), "seed"),
+    (lambda tr: worst_window_rate(np.arange(5.0), np.ones(5), float("nan")), "window_s"),
+    (lambda tr: worst_window_rate(np.arange(5.0), np.ones(5), float("inf")), "window_s"),
+    (lambda tr: prefix_groups(tr, float("nan")), "bytes_per_token"),
+    (lambda tr: prefix_groups(tr, 1024, depth_blocks=1.5), "depth_blocks"),
+    (lambda tr: prefix_groups(tr, 1024, top=2.5), "top"),
+])
+def test_the_analysis_functions_refuse_inputs_that_cannot_be_naming_them(call, field):
+    """A NaN seed went into the rendezvous and SHARDS hashes as a float; a NaN window answered NaN bytes/s and an
+    infinite one 0; prefix_groups took a NaN bytes_per_token (every byte figure NaN) and failed deep in numpy on a
+    fractional depth or top."""
+    with pytest.raises(ConfigError, match=field):
+        call(generate(preset("chat", n_requests=40, seed=1)))

@@ -31,6 +31,7 @@ import numba as nb
 import numpy as np
 
 from .._mix import splitmix64
+from .._validate import check_non_negative_int
 from ..errors import ConfigError
 from .stack import _bits_alloc, _bits_clear, _bits_compact, _bits_live_upto, _bits_set, _stack_pass, request_stack_distances
 
@@ -309,6 +310,7 @@ def shards(ids: np.ndarray, *, rate: float | None = None, s_max: int | None = No
     from .stack import _dense
 
     a, n_ids = _dense(ids, "ids")
+    check_non_negative_int("seed", seed)  # a NaN or 1.5 seed reached the kernel's hash as a float
     if (rate is None) == (s_max is None):
         raise ConfigError("rate", "give exactly one of rate= (fixed-rate) or s_max= (fixed-size)")
     if rate is not None:

@@ -27,6 +27,7 @@ import numba as nb
 import numpy as np
 
 from .._mix import splitmix64
+from .._validate import check_non_negative_int, check_non_negative_number, check_positive_int
 from ..errors import ConfigError
 from ..traces.model import check_trace
 
@@ -55,13 +56,13 @@ def route(trace: Any, n_replicas: int, routing: Routing = "round-robin", *, affi
         raise ConfigError("replicas", f"must be a positive int, got {n_replicas!r}")
     if routing not in ROUTINGS:
         raise ConfigError("routing", f"must be one of {ROUTINGS}, got {routing!r}")
+    check_positive_int("affinity_blocks", affinity_blocks)  # checked whatever the routing: a bad one is a caller's bug
+    check_non_negative_int("seed", seed)  # a NaN seed went into the rendezvous hash as a float
     n = len(trace)
     if routing == "round-robin":
         return (np.arange(n) % n_replicas).astype(np.int32)
     if routing == "random":
         return np.random.default_rng(seed).integers(0, n_replicas, n).astype(np.int32)
-    if isinstance(affinity_blocks, bool) or not isinstance(affinity_blocks, int) or affinity_blocks <= 0:
-        raise ConfigError("affinity_blocks", f"must be a positive int, got {affinity_blocks!r}")
     depth = np.minimum(trace.full_blocks, affinity_blocks)
     has = depth > 0
     keys = np.empty(n, dtype=np.int64)
@@ -173,7 +174,8 @@ class ReplicaView:
 
 
 def worst_window_rate(times_s: np.ndarray, values: np.ndarray, window_s: float) -> float:
-    """Max over windows [t_i, t_i + window) of Σ values / window (bytes/s)."""
+    """Max over windows [t_i, t_i + window) of Σ values / window (bytes/s); a window of 0: the total."""
+    check_non_negative_number("window_s", window_s)  # a NaN window answered NaN, an infinite one 0 bytes/s
     if values.size == 0:
         return 0.0
     if window_s <= 0:

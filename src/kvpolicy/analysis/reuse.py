@@ -64,8 +64,12 @@ def reuse_summary(trace: Any, bytes_per_token: int, distances: np.ndarray | None
 
 
 def prefix_groups(trace: Any, bytes_per_token: int, depth_blocks: int = 1, top: int = 10, distances: np.ndarray | None = None) -> list[dict[str, Any]]:
-    """The most-used prefix groups with their reuse-interval and distance distributions."""
+    """The most-used prefix groups with their reuse-interval and distance distributions (``top`` None: all of them)."""
     check_trace(trace)
+    check_positive_int("bytes_per_token", bytes_per_token)  # a NaN one made every byte figure NaN
+    check_positive_int("depth_blocks", depth_blocks)
+    if top is not None:
+        check_positive_int("top", top)
     full = trace.full_blocks
     has = full >= depth_blocks
     if not has.any():
