@@ -154,7 +154,8 @@ def test_fast_scheme_has_no_collisions_on_near_identical_blocks():
 
 @pytest.mark.parametrize(
     "bad, msg",
-    [([1, -1, 2], "position 1 is -1"), ([1, 2**32], "position 1"), ([1.5, 2.0], "integers"), ([[1, 2], [3, 4]], "1-D"), (["a"], "integers"), ([True, False], "integers")],
+    [([1, -1, 2], "position 1 is -1"), ([1, 2**32], "position 1"), ([1.5, 2.0], "integers"), ([[1, 2], [3, 4]], "1-D"), (["a"], "integers"), ([True, False], "integers"),
+     ([1, 2, 4.0], "position 2 is 4.0"), ([7, 8, "9"], "position 2 is '9'")],  # numpy made the whole list floats: "position 0 is 1.0"
 )
 def test_bad_tokens_name_the_position(bad, msg):
     with pytest.raises(ConfigError, match=msg) as exc:

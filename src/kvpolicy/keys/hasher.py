@@ -50,8 +50,11 @@ def as_token_array(tokens: Any, field: str = "tokens") -> np.ndarray:
     if arr.size == 0:
         return np.empty(0, dtype=np.uint32)
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-        bad = next((i for i, t in enumerate(arr.tolist()) if isinstance(t, bool) or not isinstance(t, int)), 0)
-        raise ConfigError(field, f"token ids must be integers; position {bad} is {arr.tolist()[bad]!r}")
+        # the caller's own elements where it gave a sequence: numpy made [1, 2, 4.0] all floats, and the message
+        # named position 0 ("1.0") instead of the 4.0 at position 2
+        given = arr.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
+        bad = next((i for i, t in enumerate(given) if isinstance(t, bool) or not isinstance(t, (int, np.integer))), 0)
+        raise ConfigError(field, f"token ids must be integers; position {bad} is {given[bad]!r}")
     lo, hi = arr.min(), arr.max()
     if lo < 0 or hi > _U32_MAX:
         pos = int(np.argmax((arr < 0) | (arr > _U32_MAX)))
