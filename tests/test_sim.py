@@ -232,6 +232,11 @@ def test_bad_configuration_names_the_field(trace):
     with pytest.raises(ConfigError) as e:  # a ZeroDivisionError sizing the pool per node
         default_cluster(trace, bytes_per_token=BPT, prefill=DEFAULT_PREFILL, storage_nodes=0)
     assert e.value.field == "storage_nodes"
+    for field, bad in (("pool_share", float("inf")), ("pool_share", "0.25"), ("local_kv_gib", None), ("bytes_per_token", None)):
+        # an OverflowError converting an infinite pool to int; TypeErrors from a comparison or a multiplication
+        with pytest.raises(ConfigError) as e:
+            default_cluster(trace, prefill=DEFAULT_PREFILL, **{"bytes_per_token": BPT, field: bad})
+        assert e.value.field == field
     with pytest.raises(ConfigError) as e:  # a TypeError at the first failure draw
         Simulator(trace, cluster(trace), policy_set("kvpolicy"), seed="x")
     assert e.value.field == "seed"

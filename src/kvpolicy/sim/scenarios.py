@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from .._validate import check_positive_int
+from .._validate import check_non_negative_number, check_positive_int, check_positive_number
 from ..errors import ConfigError
 from ..profile import PrefillModel
 from .config import ClusterConfig, Degrade, ScaleOut, Spike
@@ -33,9 +33,10 @@ SCENARIOS = ("steady", "scale-out", "spike", "degraded")
 def default_cluster(trace: Any, *, bytes_per_token: int, prefill: PrefillModel, replicas: int = 8, local_kv_gib: float = 28.0,
                     pool_share: float = 0.25, storage_nodes: int = 4, **overrides: Any) -> ClusterConfig:
     """A cluster sized to ``trace``: local caches from GPU memory, the pool from the trace's distinct bytes."""
-    if not 0 < pool_share:
-        raise ConfigError("pool_share", f"must be positive, got {pool_share}")
-    if not local_kv_gib >= 0 or not math.isfinite(local_kv_gib * 2**30):
+    check_positive_int("bytes_per_token", bytes_per_token)  # None failed in a multiplication below
+    check_positive_number("pool_share", pool_share)  # an infinite share failed converting to int
+    check_non_negative_number("local_kv_gib", local_kv_gib)
+    if not math.isfinite(local_kv_gib * 2**30):
         raise ConfigError("local_kv_gib", f"must be a finite non-negative number of GiB, got {local_kv_gib}")
     check_positive_int("storage_nodes", storage_nodes)  # divided by just below
     block_bytes = bytes_per_token * trace.block_size_tokens
