@@ -106,17 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     cap = (int(ids.max()) + 1) // 10
     small = flat(first_appearance_ids(skewed_stream(2000, 1000, args.seed)))
     rows, res = [], {"accesses": args.accesses, "capacity_blocks": cap}
-    evictions = None
+    evictions = 0
     for p in ("hit-density", "lrb"):
         replay_kernel(small, p, 100)  # compile / load from cache
         r = replay_kernel(tr, p, cap)
-        evictions = np.asarray(r.victims).size if p == "lrb" else evictions
+        if p == "lrb":
+            evictions = np.asarray(r.victims).size
         # lrb's kernel takes about a minute a run, 25x under the floor: one run (its noise cannot matter)
         ts = timings(lambda p=p: replay_kernel(tr, p, cap), repeats=args.repeats if p != "lrb" else 1, warmup=0)
         rate = args.accesses / statistics.median(ts)
         rows.append([f"{p} kernel (as it is)", f"{rate / 1e6:.2f}", f"{rate / FLOOR:.2f}x", f"{min(ts):.2f}-{max(ts):.2f} s"])
         res[p] = {"accesses_per_s": rate, "runs_s": ts}
-    assert evictions is not None
     per_access = evictions / args.accesses
     ns = inference_ns(cap, 1_000_000, args.repeats, args.seed)
     draw_ns = inference_ns(cap, 1_000_000, args.repeats, args.seed, score=False)

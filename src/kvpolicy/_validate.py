@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import attrs
@@ -23,6 +24,20 @@ def check_positive_number(field: str, v: Any) -> None:
 def check_non_negative_number(field: str, v: Any) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
         raise ConfigError(field, f"must be a finite non-negative number, got {v!r}")
+
+
+def check_real(field: str, v: Any, *, negative_ok: bool = False) -> None:
+    """A measurement an engine hands over: a finite real number (numpy's too), never negative unless ``negative_ok``.
+    Plain floats and ints take the fast path: hot paths (a sketch's every sighting) call this."""
+    if (type(v) in (float, int) or (isinstance(v, numbers.Real) and not isinstance(v, bool))) and math.isfinite(v) and (negative_ok or v >= 0):
+        return
+    raise ConfigError(field, f"must be {'a finite number' if negative_ok else 'a finite non-negative number'}, got {v!r}")
+
+
+def check_count(field: str, v: Any) -> None:
+    """A non-negative int, numpy's too (an engine's counts often are)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+        raise ConfigError(field, f"must be a non-negative int, got {v!r}")
 
 
 def check_non_negative_int(field: str, v: Any) -> None:

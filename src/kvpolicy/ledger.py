@@ -490,15 +490,13 @@ class Ledger:
         return out
 
     def record_write(self, key: Hashable, t_s: float, size_bytes: float, tier: str = "pool", request_class: str = "default") -> None:
-        """A block was published to a shared tier."""
-        _check_flow(t_s, size_bytes)
+        """A block was published to a shared tier (the publication log checks ``t_s`` and ``size_bytes`` first)."""
         self.pub.published(key, tier, t_s, size_bytes, request_class)
         self._flow("write", t_s, size_bytes)
         self._time(t_s)
 
     def record_eviction(self, key: Hashable, t_s: float) -> None:
-        _check_flow(t_s, 0.0)  # a NaN eviction time made every later miss's age since eviction NaN
-        self.pub.evicted(key, t_s)
+        self.pub.evicted(key, t_s)  # which checks t_s: a NaN one made every later miss's age since eviction NaN
 
     def record_read(self, key: Hashable) -> None:
         self.pub.read(key)

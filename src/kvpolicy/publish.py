@@ -74,7 +74,7 @@ import attrs
 import numpy as np
 
 from ._mix import _M64, fmix64, key_bits, splitmix64_next
-from ._validate import check_non_negative_int, check_non_negative_number, check_positive_int, check_positive_number, check_probability
+from ._validate import check_non_negative_int, check_non_negative_number, check_positive_int, check_positive_number, check_probability, check_real
 from ._own import call_own, is_own, load_own
 from .errors import ConfigError
 
@@ -250,15 +250,6 @@ class BoundaryPublish:
         return min(len(keys), request.boundary_tokens // request.block_size_tokens)
 
 
-def _finite_s(t_s: Any) -> None:
-    try:
-        if math.isfinite(t_s) and not isinstance(t_s, bool):
-            return
-    except TypeError:
-        pass
-    raise ConfigError("t_s", f"must be a finite number of seconds, got {t_s!r}")
-
-
 class CountMinSketch:
     """Decayed counts in fixed memory; estimates never undercount."""
 
@@ -302,10 +293,8 @@ class CountMinSketch:
         return math.exp(x)
 
     def add(self, key: Hashable, t_s: float, amount: float = 1.0) -> None:
-        _finite_s(t_s)  # one NaN would poison its columns for good
-        if not ((type(amount) is float or (isinstance(amount, numbers.Real) and not isinstance(amount, bool)))
-                and math.isfinite(amount) and amount >= 0):
-            raise ConfigError("amount", f"must be a finite non-negative number, got {amount!r}")
+        check_real("t_s", t_s, negative_ok=True)  # one NaN would poison its columns for good
+        check_real("amount", amount)
         w = amount * self._weight(t_s)
         h, h2 = self._hashes(key)
         width = self.width
@@ -314,7 +303,7 @@ class CountMinSketch:
             h += h2
 
     def estimate(self, key: Hashable, t_s: float) -> float:
-        _finite_s(t_s)
+        check_real("t_s", t_s, negative_ok=True)
         w = self._weight(t_s)
         h, h2 = self._hashes(key)
         width = self.width

@@ -47,30 +47,19 @@ comonotone terms they are equal), so ``p95(T_remote)`` here is conservative.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any
 
 import attrs
 import numpy as np
 
+from .._validate import check_count as _count
+from .._validate import check_real as _measured
 from .._validate import non_negative_number as _nonneg
 from .._validate import positive_number as _pos
 from ..errors import ConfigError
 from ..profile import PrefillModel
 from .histogram import LogHistogram, WindowedHistogram
 
-
-def _measured(field: str, v: Any, *, negative_ok: bool = False) -> None:
-    """A measurement an engine feeds the model: a finite real number (numpy's too), never negative unless
-    ``negative_ok``. NaN used to be dropped without a word or to fail in a histogram naming "value"."""
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or (v < 0 and not negative_ok):
-        what = "a finite number" if negative_ok else "a finite non-negative number"
-        raise ConfigError(field, f"must be {what}, got {v!r}")
-
-
-def _count(field: str, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
-        raise ConfigError(field, f"must be a non-negative int, got {v!r}")
 
 
 @attrs.frozen
