@@ -500,13 +500,17 @@ def test_split_is_the_fallback_when_a_plain_load_cannot_win():
     # a link too slow for a plain load of the range to beat recompute, fast enough to cover its far end
     plain = controller(bw=1.5e9).decide(pm(0, 64), ctx)
     assert not plain.loads
-    c = controller(bw=1.5e9, compute_while_loading=True)
-    d = c.decide(pm(0, 64), ctx)
-    assert d.loads and d.split_blocks > 0 and d.compute_after_s == 0.0
-    assert d.terms["t_plan_s"] < d.terms["t_recompute_only_s"]
-    # where a plain load wins, the GPU is left alone
+    fastest = controller(bw=1.5e9, compute_while_loading=True, gpu_s_price=0.0).decide(pm(0, 64), ctx)
+    assert fastest.loads and fastest.split_blocks > 0 and fastest.compute_after_s == 0.0, "the fastest split starts at once"
+    assert fastest.terms["t_plan_s"] < fastest.terms["t_recompute_only_s"]
+    # the default spends the fewest GPU seconds that still beat recompute: a smaller front, started later
+    d = controller(bw=1.5e9, compute_while_loading=True).decide(pm(0, 64), ctx)
+    assert d.loads and 0 < d.split_blocks < fastest.split_blocks and d.compute_after_s > 0
+    assert d.terms["gpu_saved_s"] > fastest.terms["gpu_saved_s"]
+    # where a plain load wins, the GPU is left alone (at a price of 0 the fastest plan computes a front even then)
     fast = controller(bw=25e9, compute_while_loading=True).decide(pm(0, 64), ctx)
     assert fast.loads and fast.split_blocks == 0 and fast.compute_after_s == pytest.approx(fast.terms["t_plan_s"])
+    assert controller(bw=25e9, compute_while_loading=True, gpu_s_price=0.0).decide(pm(0, 64), ctx).split_blocks > 0
 
 
 def test_a_prefill_queue_makes_loading_free_and_bad_context_is_refused():

@@ -4,11 +4,9 @@ For a request whose leading ``L`` blocks are local and the next ``R`` are found
 remotely, the decision is a **split plan** over the first ``k ≤ R`` of them:
 compute blocks ``[L, L+s)`` on the GPU while blocks ``[L+s, L+k)`` load, the two
 meeting in the middle (compute while loading — Cake, arXiv 2410.03065), then
-prefill the rest. A plain load (``s = 0``) that wins is preferred — it leaves
-the GPU alone; a split is the fallback for ranges a plain load cannot win, and
-a plain load that runs past its p95 prediction turns into one
-(``Decision.compute_after_s``). A load range is taken only if it is ready before recompute
-would have produced it:
+prefill the rest. A plain load that runs past its p95 prediction turns into a
+split (``Decision.compute_after_s``). A plan is taken only if the range is ready
+before recompute would have produced it:
 
     p95(T_remote(k−s)) + T_interference(k−s) < margin × (W + p50(T_recompute(L → L+k)))
 
@@ -17,9 +15,28 @@ would have produced it:
 blocks after the L local ones; with ``s = 0`` this is the brief's rule exactly.
 ``T_remote`` sees the path: the bytes ahead of the load on its source and the
 receiving NIC (``ctx.path_backlog_bytes``, ``ctx.path_flows_bytes``), reads and
-writes from every replica. Among the plans that win, the one with the largest
-margin of victory is taken; ``s`` balances the two sides
-(``W + T_compute(s) ≈ T_remote(k−s)``). Without ``compute_while_loading``
+writes from every replica.
+
+**Which winning plan** (issue #44: GPU time has a price). Every plan that passes
+the inequality is ready before recompute; they differ in the GPU seconds they
+spend — a split computes a front it could have loaded::
+
+    gpu_saved(k, s) = p50(T_recompute(L → L+k)) − p50(T_recompute(L → L+s))
+
+``AdmissionConfig.gpu_s_price`` (seconds of this request's TTFT one GPU second
+is worth) ranks them: ``inf`` (the default) takes the plan that saves the most
+GPU seconds, the fastest among equals — a load exists to save GPU time, and
+beating recompute is the latency it must keep (a split then computes the least
+front that still wins, and starts it late enough to meet the load there);
+``0`` takes the fastest plan whatever it computes (the rule before #44: a split
+at the meeting point ``W + T_compute(s) ≈ T_remote(k−s)`` whenever faster,
+recomputing fronts on an idle link); in between, benefit + price × gpu_saved.
+Declining is weighed on the inequality's own terms: its recompute side charges
+each GPU second of recompute to the requests it delays —
+``AdmissionContext.externality`` = the requests queued now + ρ/(1 − ρ) for
+those that arrive while the replica is busy (ρ its measured prefill
+utilisation; the M/M/1 delay a second of work adds) — so under a queue a load
+wins where, on an idle replica, recompute would. Without ``compute_while_loading``
 (engines that cannot overlap them) ``s = 0``. Candidates are
 ``k ∈ {1, 2, 4, …} ∪ {R}``: the model's benefit is convex in k (prefill is
 convex, every remote term linear), so a faster link or a longer shared prefix
@@ -55,7 +72,7 @@ from .ramp import RampController
 
 Action = Literal["local_only", "load", "recompute"]
 FailurePolicy = Literal["recompute", "fail"]
-REASONS = ("wins", "probe", "no_remote_blocks", "slower_than_recompute", "source_unhealthy", "replica_cap", "source_cap", "queue_full", "ramp_share",
+REASONS = ("wins", "within_slo", "probe", "no_remote_blocks", "slower_than_recompute", "source_unhealthy", "replica_cap", "source_cap", "queue_full", "ramp_share",
            "trimmed_to_zero", "committed")
 
 
@@ -81,6 +98,21 @@ class AdmissionConfig:
     #: plan splits: the engine computes the leading blocks of a load range while the rest
     #: loads (from the back), meeting in the middle; False for engines that cannot overlap them
     compute_while_loading: bool = False
+    #: how the plans that beat recompute (by the margin: each is ready before recompute would be) are ranked — the
+    #: seconds of this request's TTFT one GPU second is worth. ``inf`` (default): the plan that saves the most GPU
+    #: seconds, the fastest among equals — a load exists to save GPU time, and beating recompute is the latency it
+    #: must keep (a split computes the least front that still wins, started late enough to meet the load there).
+    #: ``0``: the fastest plan whatever it computes (splits at the meeting point whenever faster: the rule before
+    #: issue #44). In between: benefit + ``gpu_s_price`` × GPU seconds saved. It never makes a load that loses to
+    #: recompute acceptable: that is the margin's inequality, whose recompute side already charges the requests the
+    #: recompute would delay (:meth:`AdmissionContext.externality`)
+    gpu_s_price: float = math.inf
+    #: a p95 TTFT target (seconds) a load may spend latency up to: a plan that loses to recompute is still taken when
+    #: the request's predicted p95 TTFT under it stays within the target — its delay cannot move the p95, the GPU seconds
+    #: it saves are real. None (default): derived, the p95 of the TTFTs the engine reports (:meth:`observe_ttft`, the
+    #: model's window; until ``min_samples`` are seen, no target). 0: none — only plans that beat recompute (the brief's
+    #: inequality alone)
+    ttft_slo_s: float | None = None
 
     def __attrs_post_init__(self) -> None:
         if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or not 0 < self.margin <= 1:
@@ -91,6 +123,12 @@ class AdmissionConfig:
             check_positive_number("probe_interval_s", self.probe_interval_s)
         if not isinstance(self.compute_while_loading, bool):
             raise ConfigError("compute_while_loading", f"must be True or False, got {self.compute_while_loading!r}")
+        if self.ttft_slo_s is not None:
+            check_non_negative_number("ttft_slo_s", self.ttft_slo_s)
+        p = self.gpu_s_price
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or math.isnan(p) or p < 0:
+            raise ConfigError("gpu_s_price", f"must be a number >= 0 (seconds of TTFT per GPU second; inf, the default: the plan "
+                                             f"that saves the most GPU seconds), got {p!r}")
         if self.failure_policy not in ("recompute", "fail"):
             raise ConfigError("failure_policy", f"must be 'recompute' or 'fail', got {self.failure_policy!r}")
 
@@ -121,6 +159,11 @@ class AdmissionContext:
     #: recompute takes is a second each of the requests queued behind it waits (their expected
     #: number: as many as wait now). The mirror of T_interference, which a load steals
     prefill_queue_requests: int = 0
+    #: the replica's recent prefill utilisation, 0..1 (the share of its prefill slots busy over the last seconds, as
+    #: the engine's scheduler measures it); None: unknown (only the requests queued now are counted). A GPU second of
+    #: recompute adds ρ/(1 − ρ) seconds of waiting, on average, to the requests that arrive while the replica is busy
+    #: (M/M/1), on top of the one second each request already queued waits
+    prefill_utilisation: float | None = None
     #: loads this replica's engine was already told it may start but has not admitted yet (vLLM
     #: answers ``get_num_new_matched_tokens`` for several requests before it admits their loads
     #: when it defers async loads to a later step): the replica and source caps count them as in
@@ -151,6 +194,17 @@ class AdmissionContext:
         n = self.promised_loads
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ConfigError("promised_loads", f"must be a non-negative int, got {n!r}")
+        u = self.prefill_utilisation
+        if u is not None and (not _finite_nonneg(u) or u > 1):
+            raise ConfigError("prefill_utilisation", f"must be in [0, 1] or None, got {u!r}")
+
+    @property
+    def externality(self) -> float:
+        """Seconds of other requests' waiting one GPU second of this request's prefill causes: the requests queued
+        now, plus ρ/(1 − ρ) for those that will queue while the replica is busy (ρ capped at 0.99; 0 when unknown)."""
+        u = self.prefill_utilisation
+        rho = 0.0 if u is None else min(float(u), 0.99)
+        return self.prefill_queue_requests + rho / (1.0 - rho)
 
     @property
     def knows_path(self) -> bool:
@@ -255,12 +309,15 @@ class _Sides:
         plan(k, s)        = max(W + front(s), remote(k − s)) + behind × front(s)
         recompute_only(k) = W + front(k) × (1 + behind)
 
-    ``behind``: requests queued for this replica's prefill — each waits a second per GPU second
-    this request computes."""
+    ``behind``: seconds of other requests' waiting each GPU second this request computes causes
+    (:attr:`AdmissionContext.externality`: the requests queued behind it, and those the busy replica will queue)."""
 
-    def __init__(self, ctl: AdmissionController, start_tokens: int, Bt: int, ctx: AdmissionContext, c95: Any, c50: Any) -> None:
+    def __init__(self, ctl: AdmissionController, start_tokens: int, Bt: int, ctx: AdmissionContext, c95: Any, c50: Any,
+                 prompt_tokens: int | None = None) -> None:
         self.ctl, self.start, self.Bt, self.ctx, self.c95, self.c50 = ctl, start_tokens, Bt, ctx, c95, c50
+        self.prompt_tokens = prompt_tokens
         self.spread = 1 + max(ctx.active_decodes, 0)
+        self.behind = ctx.externality
         # without an engine-reported path, the bytes ahead do not depend on the load's size: look them up once
         self._own_queue = None if ctx.knows_path else ctl.queued_bytes(ctx.source)
         self._remote: dict[int, float] = {}
@@ -282,10 +339,19 @@ class _Sides:
         if s <= 0:
             return self.remote(k)
         f = self.front(s)
-        return max(self.ctx.queue_wait_s + f, self.remote(k - s)) + self.ctx.prefill_queue_requests * f
+        return max(self.ctx.queue_wait_s + f, self.remote(k - s)) + self.behind * f
 
     def recompute_only(self, k: int) -> float:
-        return self.ctx.queue_wait_s + self.front(k) * (1 + self.ctx.prefill_queue_requests)
+        return self.ctx.queue_wait_s + self.front(k) * (1 + self.behind)
+
+    def ttft(self, k: int, s: int) -> float:
+        """This request's predicted TTFT under plan (k, s), at the load's p95: the range ready (the bytes arrive while
+        it waits for its slot), then the rest of the prompt prefilled."""
+        W = self.ctx.queue_wait_s
+        ready = max(W, self.remote(k)) if s <= 0 else max(W + self.front(s), self.remote(k - s))
+        end = self.prompt_tokens if self.prompt_tokens is not None else self.start + k * self.Bt
+        rest = self.c50.recompute(self.start + k * self.Bt, end) if end > self.start + k * self.Bt else 0.0
+        return ready + rest
 
 
 class AdmissionController:
@@ -306,6 +372,7 @@ class AdmissionController:
         self._source_bytes: dict[str, float] = {}
         self._last_load_s: dict[str, float] = {}
         self._busy_until: dict[str, tuple[float, float]] = {}  # source -> (since s, bytes ahead then)
+        self._ttft = model._make()  # observed TTFTs, in the model's window: the derived p95 target
         if getattr(model, "clock", None) is None:
             model.clock = self.clock
 
@@ -351,32 +418,67 @@ class AdmissionController:
             return self.model.path_queue_bytes(load_bytes, ctx.path_backlog_bytes, ctx.path_flows_bytes)
         return self.queued_bytes(ctx.source)
 
-    def _best_plan(self, L: int, R: int, Bt: int, ctx: AdmissionContext, c95: Any, c50: Any, *, split: bool) -> tuple[int, int, float]:
-        """(k, s, benefit) of the best plan over k in {1, 2, 4, ...} and R."""
-        best_k, best_s, best_benefit = 1, 0, -math.inf
-        sides = self._sides(L, Bt, ctx, c95, c50)  # one per decision: its memo of remote(n) serves every k
+    def _best_plan(self, L: int, R: int, Bt: int, ctx: AdmissionContext, c95: Any, c50: Any,
+                   prompt_tokens: int | None = None) -> tuple[int, int, float, _Sides]:
+        """(k, s, benefit, sides) of the plan to take over k in {1, 2, 4, ...} ∪ {R}: plain loads and, with
+        ``compute_while_loading``, splits. Among the plans that win (benefit > 0) the one ranked first by
+        ``gpu_s_price`` (GPU seconds saved, then benefit, at ``inf``; benefit + price × GPU seconds saved otherwise);
+        when none wins, the one that comes closest (for the refusal's terms)."""
+        sides = self._sides(L, Bt, ctx, c95, c50, prompt_tokens)  # one per decision: its memo of remote(n) serves every k
+        price = self.config.gpu_s_price
+        split = self.config.compute_while_loading
+        slo = self.slo_s()
+        best: tuple[tuple[float, float], int, int, float] | None = None
+        closest = (1, 0, -math.inf)
         k = 1
         while True:
             kk = min(k, R)
-            s_, _, _, benefit = self._plan(L, kk, Bt, ctx, c95, c50, split=split, sides=sides)
-            if benefit > best_benefit:
-                best_k, best_s, best_benefit = kk, s_, benefit
+            for s_, benefit in self._plans(kk, sides, split=split):
+                if benefit > closest[2]:
+                    closest = (kk, s_, benefit)
+                if benefit <= 0 and not (slo > 0 and sides.ttft(kk, s_) <= slo):
+                    continue
+                saved = sides.front(kk) - sides.front(s_)  # GPU seconds this plan does not spend, against recomputing the range
+                key = (saved, benefit) if price == math.inf else (benefit + price * saved, saved)
+                if best is None or key > best[0]:
+                    best = (key, kk, s_, benefit)
             if kk == R:
-                return best_k, best_s, best_benefit
+                break
             k *= 2
+        if best is not None:
+            return best[1], best[2], best[3], sides
+        return closest[0], closest[1], closest[2], sides
 
-    def _sides(self, L: int, Bt: int, ctx: AdmissionContext, c95: Any, c50: Any) -> _Sides:
-        return _Sides(self, L * Bt, Bt, ctx, c95, c50)
+    def _sides(self, L: int, Bt: int, ctx: AdmissionContext, c95: Any, c50: Any, prompt_tokens: int | None = None) -> _Sides:
+        return _Sides(self, L * Bt, Bt, ctx, c95, c50, prompt_tokens)
 
-    def _plan(self, L: int, k: int, Bt: int, ctx: AdmissionContext, c95: Any, c50: Any, *, split: bool,
-              sides: _Sides | None = None) -> tuple[int, float, float, float]:
-        """(split s, plan seconds, recompute seconds, benefit) for the load extent k."""
-        sides = sides or self._sides(L, Bt, ctx, c95, c50)
+    def observe_ttft(self, ttft_s: float) -> None:
+        """One request's measured time to first token (any request, loaded or not): the derived p95 target learns from it."""
+        check_non_negative_number("ttft_s", ttft_s)
+        self._ttft.record(max(float(ttft_s), 1e-9))
+
+    def slo_s(self) -> float:
+        """The p95 TTFT target a load may spend latency up to (0: none): ``ttft_slo_s``, or the p95 of the observed TTFTs
+        once ``min_samples`` are in the model's window."""
+        if self.config.ttft_slo_s is not None:
+            return float(self.config.ttft_slo_s)
+        h = self._ttft
+        if h.count < self.model.min_samples:
+            return 0.0
+        q = h.quantile(0.95)
+        return float(q) if q is not None else 0.0
+
+    def _plans(self, k: int, sides: _Sides, *, split: bool) -> list[tuple[int, float]]:
+        """The plans for the load extent k, as (split s, benefit): the plain load and, with ``split``, the fastest
+        split (the front and the load meet: ``W + front(s) ≈ remote(k − s)``) and the one that computes least and
+        still wins (the smallest s below the meeting point whose benefit is > 0: plan(k, s) falls as s grows
+        towards it)."""
+        margin = self.config.margin
         recompute = sides.recompute_only(k)
-        if not split:
-            p = sides.plan(k, 0)
-            return 0, p, recompute, self.config.margin * recompute - p
-        W = ctx.queue_wait_s
+        out = [(0, margin * recompute - sides.plan(k, 0))]
+        if not split or k < 2:
+            return out
+        W = sides.ctx.queue_wait_s
         lo, hi = 0, k  # smallest s with front(s) >= remote(k - s): the two sides meet there
         while lo < hi:
             mid = (lo + hi) // 2
@@ -385,10 +487,22 @@ class AdmissionController:
                 hi = mid
             else:
                 lo = mid + 1
-        best_s, best_p = lo, sides.plan(k, lo) if lo < k else math.inf
-        if lo > 0 and sides.plan(k, lo - 1) < best_p:
-            best_s, best_p = lo - 1, sides.plan(k, lo - 1)
-        return best_s, best_p, recompute, self.config.margin * recompute - best_p
+        meet, meet_p = lo, sides.plan(k, lo) if lo < k else math.inf
+        if lo > 0 and sides.plan(k, lo - 1) < meet_p:
+            meet, meet_p = lo - 1, sides.plan(k, lo - 1)
+        if meet <= 0 or meet >= k:
+            return out
+        out.append((meet, margin * recompute - meet_p))
+        lo, hi = 1, meet
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if margin * recompute - sides.plan(k, mid) > 0:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo < meet:
+            out.append((lo, margin * recompute - sides.plan(k, lo)))
+        return out
 
     def evaluate(self, local_blocks: int, remote_blocks: int, k: int, block_size_tokens: int, ctx: AdmissionContext,
                  split_blocks: int = 0) -> dict[str, float]:
@@ -428,6 +542,8 @@ class AdmissionController:
         out["t_plan_s"] = sides.plan(k, split_blocks)
         out["t_recompute_only_s"] = sides.recompute_only(k)
         out["benefit_s"] = self.config.margin * out["t_recompute_only_s"] - out["t_plan_s"]
+        out["externality"] = sides.behind
+        out["gpu_saved_s"] = sides.front(k) - sides.front(split_blocks)  # GPU seconds not spent, against recomputing the range
         return out
 
     def decide(self, match: PrefixMatch, ctx: AdmissionContext) -> Decision:
@@ -452,13 +568,7 @@ class AdmissionController:
         c95 = self.model.coefficients(0.95, ctx.source)
         c50 = self.model.coefficients(0.5, ctx.source)
         Bt = match.block_size_tokens
-        # plain loads first: among the plans that win, the one that leaves the GPU alone saves the most
-        # GPU seconds; a split (compute while loading) is the fallback for ranges a plain load cannot win
-        best_k, best_s, best_benefit = self._best_plan(L, R, Bt, ctx, c95, c50, split=False)
-        if best_benefit <= 0 and self.config.compute_while_loading:
-            k2, s2, b2 = self._best_plan(L, R, Bt, ctx, c95, c50, split=True)
-            if b2 > best_benefit:
-                best_k, best_s, best_benefit = k2, s2, b2
+        best_k, best_s, _, sides = self._best_plan(L, R, Bt, ctx, c95, c50, match.num_prompt_tokens)
         if best_s >= best_k:  # nothing left to load: the plan is to compute it all
             best_s = 0
         best = self.evaluate(L, R, best_k, Bt, ctx, best_s)
@@ -467,8 +577,13 @@ class AdmissionController:
             return Decision(no_load, reason, L, R, 0, best["t_remote_p50_s"], best["t_remote_p95_s"], best["t_recompute_p50_s"],
                             best["interference_s"], best, source=ctx.source, replica=ctx.replica)
 
+        slo = self.slo_s()
+        best["ttft_p95_s"] = sides.ttft(best_k, best_s)  # this request's predicted TTFT under the plan
+        best["ttft_slo_s"] = slo
         reason = "wins"
-        if best["benefit_s"] <= 0:
+        if best["benefit_s"] <= 0 and slo > 0 and best["ttft_p95_s"] <= slo:
+            reason = "within_slo"
+        elif best["benefit_s"] <= 0:
             last = self._last_load_s.get(ctx.source)
             probe = self.config.probe_interval_s
             if probe is None or last is None or self.clock.now_s() - last < probe:
@@ -483,8 +598,17 @@ class AdmissionController:
             best, soft_timeout_s=cfg.timeout_factor * best["t_recompute_only_s"], load_id=None, source=ctx.source,
             replica=ctx.replica, load_bytes=best_k * ctx.block_bytes,  # requested (a split plan is cut where compute meets it)
             split_blocks=best_s, queue_bytes=best["queue_bytes"],
-            compute_after_s=(0.0 if best_s else best["t_plan_s"]) if cfg.compute_while_loading else None,
+            compute_after_s=self._compute_after_s(sides, best_k, best_s, best["t_plan_s"]) if cfg.compute_while_loading else None,
         )
+
+    @staticmethod
+    def _compute_after_s(sides: _Sides, k: int, s: int, t_plan_s: float) -> float:
+        """When the GPU should start on the front: a plain load at its p95 prediction (late, it turns into a split);
+        a split so that s blocks of front meet the last k − s loaded ones — the front starts no earlier than it
+        must, so it computes no more than the plan's s (0 at the meeting point: at once)."""
+        if s <= 0:
+            return t_plan_s
+        return max(sides.remote(k - s) - sides.ctx.queue_wait_s - sides.front(s), 0.0)
 
     def _guard_rails(self, ctx: AdmissionContext, queued: float) -> str | None:
         """The refusal reason of the first guard rail a load would hit now (pure)."""

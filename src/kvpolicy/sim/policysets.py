@@ -2,7 +2,7 @@
 
 | preset | local eviction | publish | remote load | timeout | on failure |
 |---|---|---|---|---|---|
-| ``kvpolicy`` | reuse-distance | reuse-aware (expected re-reads × recompute saved > write cost) | admission controller (p95 remote < margin × p50 recompute, path-aware, caps, breaker); compute while loading as the fallback | none needed: a late load turns into compute-while-loading at its p95 | recompute (partial use) |
+| ``kvpolicy`` | reuse-distance | dueling (all / threshold-2 / threshold-3 / structure-aware, each in a ghost pool of the pool's size; the one with the best E[benefit] decides) | admission controller (p95 remote < margin × p50 recompute, or within the measured p95 TTFT; the plan that saves the most GPU seconds; path-aware, caps, breaker); compute while loading as the fallback | none needed: a late load turns into compute-while-loading at its p95 | recompute (partial use) |
 | ``vllm-like`` | LRU, tail block first | every finished full block | always when present | none (transport only) | fail: the client retries |
 | ``sglang-like`` | LRU over radix leaves | hit count ≥ 2 (write_through_selective) | prefetch if ≥ 256 tokens | 1 s + 0.25 s per 1024 tokens | recompute |
 | ``lmcache-like`` | LRU | everything | always (``min_retrieve_tokens=0``) | none (transport only) | recompute |
@@ -38,6 +38,7 @@ node whose breaker is open, and computes while it loads.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import attrs
@@ -75,6 +76,12 @@ class PolicySet:
     #: "replica" — each replica its own, as an engine process that embeds one (each learns from its own loads and
     #: prefills only, so it leaves its priors later; its breakers steer only its own writes)
     controller_scope: str = "cluster"
+    #: ``load="admission"``: how the plans that beat recompute are ranked (``AdmissionConfig.gpu_s_price``, seconds of
+    #: TTFT per GPU second): ``inf`` the most GPU seconds saved; 0 the fastest (computing fronts while loading)
+    gpu_s_price: float = math.inf
+    #: the shared pool's write admission: "none" (every published block is written; the pool's eviction makes room) or
+    #: "tinylfu" (a write into a full node must beat the block it would displace: kvpolicy.write_admission)
+    write_admission: str = "none"
 
     def __attrs_post_init__(self) -> None:
         for field in ("local_eviction", "pool_eviction"):
@@ -101,13 +108,18 @@ class PolicySet:
             raise ConfigError("learn_compute", f"must be True or False, got {self.learn_compute!r}")
         if self.controller_scope not in ("cluster", "replica"):
             raise ConfigError("controller_scope", f"must be 'cluster' or 'replica', got {self.controller_scope!r}")
+        p = self.gpu_s_price
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or math.isnan(p) or p < 0:
+            raise ConfigError("gpu_s_price", f"must be a number >= 0 (seconds of TTFT per GPU second), got {p!r}")
+        if self.write_admission not in ("none", "tinylfu"):
+            raise ConfigError("write_admission", f"must be 'none' or 'tinylfu', got {self.write_admission!r}")
         if self.compute_while_loading and self.load != "admission":
             raise ConfigError("compute_while_loading", "needs load='admission' (the split comes from the controller's plan)")
 
 
 PRESETS: dict[str, PolicySet] = {
     # every rule below: see the module docstring for the upstream file or option it follows
-    "kvpolicy": PolicySet("kvpolicy", local_eviction="reuse-distance", pool_eviction="reuse-distance", publish="reuse-aware",
+    "kvpolicy": PolicySet("kvpolicy", local_eviction="reuse-distance", pool_eviction="reuse-distance", publish="dueling",
                           load="admission", timeout="admission", failure="recompute", warmup=True, compute_while_loading=True),
     "vllm-like": PolicySet("vllm-like", publish="all", load="always", timeout="none", failure="fail"),
     "sglang-like": PolicySet("sglang-like", publish="threshold-2", load="min-tokens", min_load_tokens=256, timeout="sglang", failure="recompute"),
