@@ -293,7 +293,7 @@ def test_cli_compare_json(tmp_path, capsys, trace):
                  "--bytes-per-token", str(BPT), "--replicas", "4", "--json", str(own), "--no-progress", "--controller-scope", "replica"]) == 0
     assert "one controller per replica (as an engine embeds it): kvpolicy" in capsys.readouterr().out
     per = json.loads(own.read_text())
-    assert per["policy_sets"]["kvpolicy"]["controller_scope"] == "replica" and per["policy_sets"]["kvpolicy"]["publish"] == "reuse-aware"
+    assert per["policy_sets"]["kvpolicy"]["controller_scope"] == "replica" and per["policy_sets"]["kvpolicy"]["publish"] == "dueling"
     assert {r["policy"] for r in per["runs"]} == {"kvpolicy", "vllm-like", "recompute-only"}
 
 

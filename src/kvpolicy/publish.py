@@ -94,6 +94,9 @@ class PublishRequest:
     boundary_tokens: int | None = None
     replica: str = "replica-0"
     reused_blocks: int = 0  # leading blocks this request itself found (local or remote)
+    #: of those, the leading blocks found in the replica's own cache (no pool read); None: not said (the dueling
+    #: selector's ghost pools then count a local hit as a pool hit)
+    local_blocks: int | None = None
     #: recent utilisation (0..1) of the links a write would cross (the replica's egress, the pool's
     #: ingress), as the engine measures it; None: unknown (a write then costs its full link time)
     write_path_utilisation: float | None = None
@@ -106,6 +109,9 @@ class PublishRequest:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < least:  # numpy ints from an engine are ints
                 raise ConfigError(name, f"must be an int >= {least}, got {v!r}")
+        lb = self.local_blocks
+        if lb is not None and (isinstance(lb, bool) or not isinstance(lb, numbers.Integral) or not 0 <= lb <= self.reused_blocks):
+            raise ConfigError("local_blocks", f"must be an int in [0, reused_blocks={self.reused_blocks}] or None, got {lb!r}")
         t = self.time_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t)):
             raise ConfigError("time_s", f"must be a finite number of seconds or None, got {t!r}")
@@ -584,6 +590,131 @@ def best_prefix(values: Sequence[float]) -> int:
     return best_n
 
 
+class DuelingPublish:
+    """Never worse than the best simple rule: every candidate rule publishes into a ghost pool of its own, and the
+    rule whose ghost has earned the most decides the real writes (set dueling — Qureshi et al., ISCA'07 — with a
+    miniature pool per rule instead of leader sets: in one shared pool a rule that writes more takes space from the
+    others, and would look better than it is).
+
+    Each ghost holds keys only, as many as the real pool holds blocks (``pool_capacity_blocks``; None: unbounded),
+    least recently used first — the same shape as the pool, so a rule that writes too much evicts its own re-reads.
+    Per request, in each ghost::
+
+        served_s  = Σ recompute_s(j) over the leading run of keys[L:] the ghost holds   (L: the replica's own blocks)
+        written   = the blocks the rule publishes that the ghost did not hold
+        score    += served_s − written × block_bytes × write_cost_s_per_byte
+
+    the brief's E[benefit] per rule, with P_write priced as the ledger prices it (a written byte costs its link
+    time, ``1 / write_bytes_per_s``) and P_eviction paid in the ghost's lost re-reads. Scores decay with half-life
+    ``half_life_s`` (what is true now counts). The candidates (default: ``structure-aware`` — kvpolicy's value rule
+    —, ``threshold-3``, ``threshold-2``, ``all``) are any publish specs; ties go to the earlier one. Every candidate
+    observes every request, so the one that takes over has learned all along.
+
+    Costs: one LRU walk per candidate per request over the blocks it reads and writes; memory ≈ candidates ×
+    ``pool_capacity_blocks`` keys.
+    """
+
+    name = "dueling"
+    CANDIDATES = ("structure-aware", "threshold-3", "threshold-2", "all")
+
+    def __init__(self, *, block_bytes: int, recompute_s: Callable[[int], float], write_bytes_per_s: float = 12.5e9,
+                 pool_capacity_blocks: int | None = None, candidates: Sequence[str] = CANDIDATES, half_life_s: float = 600.0,
+                 cross_replica_share: float = 0.875) -> None:
+        check_positive_int("block_bytes", block_bytes)
+        if not callable(recompute_s):
+            raise ConfigError("recompute_s", f"must be a callable depth -> seconds, got {recompute_s!r}")
+        check_positive_number("write_bytes_per_s", write_bytes_per_s)
+        if pool_capacity_blocks is not None:
+            check_positive_int("pool_capacity_blocks", pool_capacity_blocks)
+        check_positive_number("half_life_s", half_life_s)
+        if isinstance(candidates, str) or not candidates:
+            raise ConfigError("candidates", f"must be a non-empty list of publish specs, got {candidates!r}")
+        for spec in candidates:
+            if not isinstance(spec, str) or "dueling" in check_spec(spec):
+                raise ConfigError("candidates", f"{spec!r}: a candidate is a publish spec other than dueling")
+        kw = {"block_bytes": block_bytes, "recompute_s": recompute_s, "write_bytes_per_s": write_bytes_per_s,
+              "cross_replica_share": cross_replica_share}
+        self.candidates = tuple(candidates)
+        self.rules = [make_filter(spec, **kw) for spec in self.candidates]
+        self.recompute_s = recompute_s
+        self.write_cost_s = block_bytes / write_bytes_per_s  # per block written: the ledger's P_write price
+        self.capacity = pool_capacity_blocks
+        self.half_life_s = half_life_s
+        self._lam = math.log(2) / half_life_s
+        self.ghosts: list[OrderedDict[Hashable, None]] = [OrderedDict() for _ in self.candidates]
+        self.scores = [0.0] * len(self.candidates)
+        self.served_s = [0.0] * len(self.candidates)  # undecayed totals, for reports
+        self.written_blocks = [0] * len(self.candidates)
+        self.decided = [0] * len(self.candidates)  # requests each candidate decided for
+        self._t: float | None = None
+        self._read = _Dedup(size=4096)
+        self._wrote = _Dedup(size=4096)
+
+    @property
+    def leader(self) -> int:
+        """The index of the candidate that decides now (the highest score; the earliest on a tie)."""
+        sc = self.scores
+        return max(range(len(sc)), key=lambda i: (sc[i], -i))
+
+    @property
+    def leader_name(self) -> str:
+        return self.candidates[self.leader]
+
+    def _decay_to(self, t: float) -> None:
+        if self._t is not None and t > self._t:
+            f = math.exp(-self._lam * (t - self._t))
+            self.scores = [x * f for x in self.scores]
+        if self._t is None or t > self._t:
+            self._t = t
+
+    def observe(self, request: PublishRequest, keys: Sequence[Hashable]) -> None:
+        t = _timed(request, keys, "dueling")
+        if request.request_id not in self._read._seen:
+            self._read.new_keys(request.request_id, ())
+            self._decay_to(t)
+            L = request.local_blocks or 0
+            rs = self.recompute_s
+            for c, ghost in enumerate(self.ghosts):
+                served = 0.0
+                for j in range(L, len(keys)):
+                    key = keys[j]
+                    if key not in ghost:
+                        break
+                    ghost.move_to_end(key)
+                    served += rs(j)
+                self.scores[c] += served
+                self.served_s[c] += served
+        for rule in self.rules:
+            rule.observe(request, keys)
+
+    def publishable(self, request: PublishRequest, keys: Sequence[Hashable]) -> int:
+        _check(request, keys, timed="dueling")
+        ns = [rule.publishable(request, keys) for rule in self.rules]
+        if request.request_id not in self._wrote._seen:
+            self._wrote.new_keys(request.request_id, ())
+            cap = self.capacity
+            for c, ghost in enumerate(self.ghosts):
+                wrote = 0
+                for key in keys[:ns[c]]:
+                    if key in ghost:
+                        ghost.move_to_end(key)
+                        continue
+                    ghost[key] = None
+                    wrote += 1
+                    if cap is not None and len(ghost) > cap:
+                        ghost.popitem(last=False)
+                self.scores[c] -= wrote * self.write_cost_s
+                self.written_blocks[c] += wrote
+        lead = self.leader
+        self.decided[lead] += 1
+        return ns[lead]
+
+    def report(self) -> dict[str, Any]:
+        """Per candidate: recompute seconds its ghost served, blocks it wrote, its decayed score, requests it decided."""
+        return {spec: {"served_s": self.served_s[c], "written_blocks": self.written_blocks[c], "score": self.scores[c],
+                       "decided_requests": self.decided[c]} for c, spec in enumerate(self.candidates)}
+
+
 class AllOf:
     """Composition: a block is publishable only if every filter allows it."""
 
@@ -650,7 +781,7 @@ def _find_values(f: Any, request: PublishRequest, keys: Sequence[Hashable]) -> l
     return None
 
 
-_NAMES = ("all", "never", "boundary", "reuse-aware", "structure-aware")
+_NAMES = ("all", "never", "boundary", "reuse-aware", "structure-aware", "dueling")
 _OWN_USAGE = "a PublishFilter class (or factory), built with the keywords it takes of block_bytes, recompute_s, ..."
 
 
@@ -698,5 +829,15 @@ def make_filter(spec: str, **kw: Any) -> Any:
     if name.startswith("threshold-"):
         return ThresholdPublish(int(name.split("-", 1)[1]))
     if name == "reuse-aware":
-        return ReuseAwarePublish(**kw)
-    return StructureAwarePublish(**{k: v for k, v in kw.items() if k in ("cross_replica_share",)})
+        return ReuseAwarePublish(**_taken(ReuseAwarePublish, kw))
+    if name == "dueling":
+        return DuelingPublish(**_taken(DuelingPublish, kw))
+    return StructureAwarePublish(**_taken(StructureAwarePublish, kw))
+
+
+def _taken(cls: Any, kw: dict[str, Any]) -> dict[str, Any]:
+    """The keywords ``cls`` takes (callers pass every filter the same set: block_bytes, recompute_s, pool_capacity_blocks, ...)."""
+    import inspect
+
+    params = inspect.signature(cls).parameters
+    return {k: v for k, v in kw.items() if k in params}

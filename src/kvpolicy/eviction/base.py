@@ -178,6 +178,37 @@ class EvictionPolicy:
         """Should this block be cached at all? (Bypass policies say no.)"""
         return True
 
+    def peek_victims(self, need_bytes: int) -> list[Hashable] | None:
+        """The keys :meth:`victims` would evict for ``need_bytes`` now, in order, **without evicting anything** (what a
+        write admission compares a candidate with: :class:`kvpolicy.write_admission.WriteAdmission`). ``[]``: it fits
+        as things are. ``None``: this policy cannot name its victims without choosing them (its choice moves state:
+        SIEVE's hand, S3-FIFO's queues, a sampled choice), or pinned blocks make the need impossible.
+
+        The walk takes the current candidates in eviction order; a parent that would become a candidate once its last
+        child went is not counted (the keys are an estimate of the first victims, exact for leaves)."""
+        if isinstance(need_bytes, bool) or not isinstance(need_bytes, int) or need_bytes < 0:
+            raise ConfigError("need_bytes", f"must be a non-negative int, got {need_bytes!r}")
+        short = self.used_bytes + need_bytes - self.capacity_bytes
+        if short <= 0:
+            return []
+        if short > self.freeable_bytes:
+            return None
+        order = self._peek_order()
+        if order is None:
+            return None
+        out: list[Hashable] = []
+        for node in order:
+            out.append(node.key)
+            short -= node.size
+            if short <= 0:
+                break
+        return out
+
+    def _peek_order(self) -> Iterator[Node] | None:
+        """Current eviction candidates in the order :meth:`_choose` would take them, without side effects; None when the
+        policy cannot tell without choosing (the default)."""
+        return None
+
     # ------------------------------------------------------------------ internals
 
     def _remove(self, node: Node) -> None:
@@ -295,6 +326,18 @@ class PriorityPolicy(EvictionPolicy):
                 return node
             heapq.heappop(heap)
         raise CapacityError("no eviction candidate")  # unreachable: victims() checks freeable bytes first
+
+    def _peek_order(self) -> Iterator[Node]:
+        """The heap's live entries in priority order, lazily (k smallest of a binary heap in O(k log k)), untouched."""
+        heap = self._heap
+        frontier = [(heap[0], 0)] if heap else []
+        while frontier:
+            (_, _, version, node), i = heapq.heappop(frontier)
+            if version == node.version and node.is_candidate and self.nodes.get(node.key) is node:
+                yield node
+            for c in (2 * i + 1, 2 * i + 2):
+                if c < len(heap):
+                    heapq.heappush(frontier, (heap[c], c))
 
 
 def serve(policy: EvictionPolicy, keys: list[Hashable], sizes: list[int] | None = None, victims: list[Hashable] | None = None,

@@ -36,7 +36,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import numpy as np
@@ -214,6 +214,9 @@ class FIFOPolicy(EvictionPolicy):
             if n.is_candidate:
                 return n
             self.q.rotate(n)
+
+    def _peek_order(self) -> Iterator[Node]:
+        return (n for n in self.q.d.values() if n.is_candidate)  # oldest first, as _choose rotates past the rest
 
 
 class SIEVEPolicy(EvictionPolicy):

@@ -67,10 +67,14 @@ from ..warmup import WarmupConfig, hot_prefixes_from_trace, plan_warmup
 from .config import ClusterConfig, Degrade, ScaleOut, Spike
 from .network import Flow, FlowNetwork, Link
 from .policysets import PolicySet
+from ..write_admission import WriteAdmission, gate
 
 ARRIVE, LOAD_DONE, PREFILL_DONE, DECODE_DONE, WRITE_DONE, WARM_DONE, SCALE_OUT, READY, NET, TIMER, MEET, CAPACITY, SAMPLE = range(13)
 STATIC_ROUTERS = ("round-robin", "random", "prefix-affinity")
 MAX_RETRIES = 3
+#: the window of a replica's measured prefill utilisation (what the admission controller prices GPU seconds with): the
+#: last seconds, as an engine's scheduler metrics report them — a measurement window, not a fitted constant
+UTIL_WINDOW_S = 10.0
 _M64 = (1 << 64) - 1
 
 
@@ -283,8 +287,8 @@ class _Load:
 
 
 class _Replica:
-    __slots__ = ("idx", "name", "cache", "index", "free_slots", "queue", "load_tokens", "active", "decode_tokens", "inn", "out", "stage",
-                 "debt_s", "warming_until_s", "bytes_in", "queued_s", "running", "warm_left")
+    __slots__ = ("idx", "name", "cache", "index", "free_slots", "slots", "queue", "load_tokens", "active", "decode_tokens", "inn", "out",
+                 "stage", "debt_s", "warming_until_s", "bytes_in", "queued_s", "running", "warm_left", "util", "util_t")
 
     def __init__(self, idx: int, cache: Any, slots: int, inn: Link, out: Link, stage: Link | None) -> None:
         self.idx = idx
@@ -292,6 +296,9 @@ class _Replica:
         self.cache = cache
         self.index = _DictIndex(cache.nodes, "local")
         self.free_slots = slots
+        self.slots = slots
+        self.util = 0.0  # the busy share of its prefill slots, averaged over the last UTIL_WINDOW_S (exponentially)
+        self.util_t = 0.0
         self.queue: deque[_Req] = deque()
         self.load_tokens = 0
         self.active = 0
@@ -305,6 +312,16 @@ class _Replica:
         self.bytes_in = 0
         self.queued_s = 0.0  # predicted GPU seconds of the requests waiting for a slot
         self.running: set[_Req] = set()
+
+    def utilisation(self, t: float) -> float:
+        """The busy share of the prefill slots over the last ``UTIL_WINDOW_S`` (exponentially weighted), up to ``t``:
+        what an engine's scheduler metrics report. Call before a slot is taken or freed, and to read it."""
+        dt = t - self.util_t
+        if dt > 0:
+            w = math.exp(-dt / UTIL_WINDOW_S)
+            self.util = self.util * w + (1.0 - self.free_slots / self.slots) * (1.0 - w)
+            self.util_t = t
+        return self.util
 
 
 class _Node:
@@ -463,6 +480,10 @@ class Simulator:
                              write_cost_s_per_byte=(1.0 / cluster.node_bandwidth_bytes_per_s) if cluster.node_bandwidth_bytes_per_s > 0 else None,
                              eviction_cost_s_per_token=cluster.compute_factor * cluster.prefill.b_s_per_token)
         self.filter = self._make_filter()
+        self.write_gate: WriteAdmission | None = None
+        if ps.write_admission == "tinylfu" and ps.uses_pool:
+            blocks_per_node = cluster.pool_capacity_bytes_per_node // self.block_bytes
+            self.write_gate = WriteAdmission(capacity_blocks=max(blocks_per_node * cluster.storage_nodes, 1))
         self.controller: AdmissionController | None = None
         if ps.load == "admission":
             # the prior is the deployment's own figures: the path's slowest link (the staging copy is a
@@ -473,7 +494,7 @@ class Simulator:
                               dispatch_s=cluster.dispatch_s, interference_s_per_byte=cluster.interference_s_per_byte)
 
             def make_controller() -> AdmissionController:
-                return AdmissionController(LatencyModel(prior, cluster.prefill), AdmissionConfig(compute_while_loading=ps.compute_while_loading),
+                return AdmissionController(LatencyModel(prior, cluster.prefill), AdmissionConfig(compute_while_loading=ps.compute_while_loading, gpu_s_price=ps.gpu_s_price),
                                            clock=self.clock)
 
             self._make_controller = make_controller
@@ -529,8 +550,10 @@ class Simulator:
             spec = spec[len("boundary+"):]  # the trace marks no boundary: the reuse filter alone
         n = len(self.replicas)
         cross = (n - 1) / n if self.c.router not in ("prefix-affinity", "kv-overlap") else 0.1
+        pool_blocks = self.c.storage_nodes * (self.c.pool_capacity_bytes_per_node // self.block_bytes)
         return make_filter(spec, block_bytes=self.block_bytes, recompute_s=block_recompute_s(self.c.prefill, self.B),
-                           write_bytes_per_s=max(self.c.node_bandwidth_bytes_per_s, 1e-3), cross_replica_share=cross)
+                           write_bytes_per_s=max(self.c.node_bandwidth_bytes_per_s, 1e-3), cross_replica_share=cross,
+                           pool_capacity_blocks=max(pool_blocks, 1))
 
     def seed_pool(self, chains: Any) -> int:
         """Start with the pool already holding these key chains (a shared cache filled earlier,
@@ -872,7 +895,8 @@ class Simulator:
                 src = self.where[keys[L]]
                 ctx = AdmissionContext(block_bytes=self.block_bytes, replica=rep.name, source=src.name, active_decodes=rep.active,
                                        warming=t < rep.warming_until_s, path_flows_bytes=self._path_flows(rep, src, R * self.block_bytes),
-                                       queue_wait_s=self._queue_wait_s(rep, t), prefill_queue_requests=len(rep.queue))
+                                       queue_wait_s=self._queue_wait_s(rep, t), prefill_queue_requests=len(rep.queue),
+                                       prefill_utilisation=rep.utilisation(t))
                 d = ctl.decide(pm, ctx)
                 req.decision = d
                 k = d.load_blocks
@@ -1236,6 +1260,7 @@ class Simulator:
         c = self.c
         while rep.free_slots > 0 and rep.queue:
             req = rep.queue.popleft()
+            rep.utilisation(t)
             rep.free_slots -= 1
             rep.queued_s = max(rep.queued_s - req.queued_pred_s, 0.0)
             rep.running.add(req)
@@ -1269,11 +1294,15 @@ class Simulator:
         p = self.p
         rep: _Replica = req.replica
         i = req.i
+        rep.utilisation(t)
         rep.free_slots += 1
         rep.running.discard(req)
         T = p.input_tokens[i]
         rep.load_tokens -= req.queued_tokens
         self.ttft[i] = t - req.first_arrival_s
+        ctl = self._ctl(rep)
+        if ctl is not None:  # the engine reports every request's TTFT: the controller's derived p95 target
+            ctl.observe_ttft(t - req.first_arrival_s)
         self.queue[i] = req.slot_s - req.queue_enter_s
         self.completed[i] += 1
         self.t_last = max(self.t_last, t)
@@ -1320,10 +1349,12 @@ class Simulator:
             pool_in = sum(util.get(n.inn.name, 0.0) for n in self.nodes) / len(self.nodes)
             preq = PublishRequest(request_id=(i, req.attempt), num_tokens=p.input_tokens[i], block_size_tokens=self.B, time_s=t,
                                   tenant=p.tenant[i] if p.tenant else "default", boundary_tokens=p.boundary[i] if p.boundary else None,
-                                  replica=rep.name, reused_blocks=req.local + req.load,
+                                  replica=rep.name, reused_blocks=req.local + req.load, local_blocks=req.local,
                                   write_path_utilisation=max(util.get(rep.out.name, 0.0), pool_in))
             f.observe(preq, keys)
             n = f.publishable(preq, keys)
+        if self.write_gate is not None:
+            self.write_gate.observe((i, req.attempt), keys)
         if n <= 0:
             return
         where = self.where
@@ -1331,6 +1362,7 @@ class Simulator:
         moving = self.ps.load == "admission"  # kvpolicy re-publishes blocks held by an unhealthy node elsewhere
         chunk = self.c.placement_chunk_blocks
         batches: dict[_Node, list[int]] = {}
+        order: list[tuple[int, _Node]] = []  # (chain position, node) of each block to write, in chain order
         target: _Node | None = None
         for j, key in enumerate(keys[:n]):
             if j % chunk == 0:
@@ -1346,6 +1378,9 @@ class Simulator:
             if target is node:
                 continue
             batches.setdefault(target, []).append(key)
+            order.append((j, target))
+        if self.write_gate is not None and batches:
+            batches = self._gate_writes(batches, order)
         if not batches:
             return
         c = self.c
@@ -1357,6 +1392,27 @@ class Simulator:
                                payload=(node, todo, keys, cls), on_done=self._write_flow_end)
             self._push(t + c.transport_timeout_s, TIMER, (f, "write"))  # a write still moving then never lands
         self._net_changed()
+
+    def _gate_writes(self, batches: dict[_Node, list[int]], order: list[tuple[int, _Node]]) -> dict[_Node, list[int]]:
+        """A write into a full node must beat the block it would displace there (TinyLFU, ``write_admission``): each
+        node admits a leading run of its blocks; the chain is cut at its first refused block (prefix-closed)."""
+        assert self.write_gate is not None
+        ok = {node: gate(node.policy, self.write_gate, todo, self.block_bytes) for node, todo in batches.items()}
+        seen: dict[_Node, int] = {}
+        cut = None
+        for j, node in order:
+            seen[node] = seen.get(node, 0) + 1
+            if seen[node] > ok[node]:
+                cut = j
+                break
+        if cut is None:
+            return batches
+        count: dict[_Node, int] = {}  # the blocks before the cut, per node
+        for j, node in order:
+            if j >= cut:
+                break
+            count[node] = count.get(node, 0) + 1
+        return {node: batches[node][:c] for node, c in count.items()}
 
     def _write_flow_end(self, f: Flow, t: float) -> None:
         node = f.payload[0]

@@ -1,0 +1,392 @@
+"""Tests that pin decisions, not shapes (issues #44 and #49): each names the decision, computes what it must be by hand
+or by an exhaustive reference written here, and fails when the decision changes."""
+
+import math
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvpolicy.admission import AdmissionConfig, AdmissionContext, AdmissionController, LatencyModel, LinkPrior
+from kvpolicy.clock import ManualClock
+from kvpolicy.errors import ConfigError
+from kvpolicy.eviction.replay import make_policy
+from kvpolicy.matching import PrefixMatch
+from kvpolicy.profile import PrefillModel
+from kvpolicy.publish import DuelingPublish, PublishRequest, make_filter
+from kvpolicy.write_admission import FrequencySketch, WriteAdmission, gate
+
+B = 16
+BLOCK_BYTES = 131072 * B
+# a linear prefill (20k tokens/s) and a 2.5 GB/s link: a block (2 MiB) loads in 0.84 ms + overheads, computes in 0.8 ms
+PREFILL = PrefillModel(a_s=0.0, b_s_per_token=5e-5, c_s_per_token2=0.0, rms_rel_error=float("nan"), max_rel_error=float("nan"))
+
+
+def controller(bw=2.5e9, **cfg):
+    return AdmissionController(LatencyModel(LinkPrior(bandwidth_bytes_per_s=bw), PREFILL), AdmissionConfig(**cfg), clock=ManualClock())
+
+
+def pm(local, remote, tokens=None):
+    tokens = tokens or (local + remote + 10) * B + 3
+    return PrefixMatch(tokens, B, (tokens - 1) // B, local, (remote,), ("pool",), "miss")
+
+
+# ------------------------------------------------------------------------------------------- the load rule
+
+
+def _exhaustive(c, L, R, ctx, price):
+    """The reference: every extent k in {1, 2, 4, ..} ∪ {R} and every split s in [0, k), valued by evaluate() alone."""
+    best = None
+    ks = sorted({min(2**i, R) for i in range(R.bit_length() + 1)})
+    for k in ks:
+        for s in range(0, k if c.config.compute_while_loading else 1):
+            t = c.evaluate(L, R, k, B, ctx, s)
+            if t["benefit_s"] <= 0:
+                continue
+            key = (t["gpu_saved_s"], t["benefit_s"]) if price == math.inf else (t["benefit_s"] + price * t["gpu_saved_s"],)
+            if best is None or key > best[0]:
+                best = (key, k, s, t)
+    return best
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.floats(0.3e9, 20e9), st.integers(0, 40), st.integers(1, 48), st.floats(0.0, 0.05), st.integers(0, 3),
+       st.sampled_from([0.0, math.inf]))
+def test_the_chosen_plan_is_the_one_an_exhaustive_search_ranks_first(bw, local, remote, wait_s, queued, price):
+    """At gpu_s_price=inf the plan that saves the most GPU seconds among those that beat recompute; at 0 the fastest.
+    The reference tries every split s, not only the controller's candidates (plain, meeting point, least winning)."""
+    c = controller(bw=bw, compute_while_loading=True, gpu_s_price=price, ttft_slo_s=0.0)
+    ctx = AdmissionContext(block_bytes=BLOCK_BYTES, queue_wait_s=wait_s, prefill_queue_requests=queued)
+    d = c.propose(pm(local, remote), ctx)  # no side effects: the reference sees the same controller state
+    ref = _exhaustive(c, local, remote, ctx, price)
+    if ref is None:
+        assert not d.loads and d.reason == "slower_than_recompute"
+        return
+    assert d.loads
+    t = d.terms
+    if price == math.inf:
+        assert t["gpu_saved_s"] == pytest.approx(ref[3]["gpu_saved_s"], rel=1e-9, abs=1e-12), (d.load_blocks, d.split_blocks, ref[1:3])
+    else:  # the fastest: the controller tries the meeting point, which the linear sides make the best split
+        assert t["benefit_s"] >= ref[3]["benefit_s"] - 1e-9 - 0.02 * abs(ref[3]["benefit_s"])
+
+
+def test_a_split_computes_the_least_front_that_wins_and_starts_it_to_meet_the_load_there():
+    """A link too slow for a plain load: the front computed is the smallest s whose plan still beats recompute by the
+    margin (s − 1 would not), and the GPU starts it late — at remote(k − s) − W − front(s) — so it meets the load at s."""
+    c = controller(bw=2.5e9, compute_while_loading=True)  # a block loads in 1.26 ms at p95, computes in 0.8 ms
+    ctx = AdmissionContext(block_bytes=BLOCK_BYTES)
+    d = c.propose(pm(0, 40), ctx)
+    assert d.loads and 0 < d.split_blocks < d.load_blocks
+    k, s = d.load_blocks, d.split_blocks
+    assert c.evaluate(0, 40, k, B, ctx, s)["benefit_s"] > 0
+    assert c.evaluate(0, 40, k, B, ctx, s - 1)["benefit_s"] <= 0, "one block less of front would not beat recompute"
+    c95 = c.model.coefficients(0.95, "pool")
+    c50 = c.model.coefficients(0.5, "pool")
+    remote = c95.remote((k - s) * BLOCK_BYTES, k - s, 0.0) + c50.interference_s_per_byte * (k - s) * BLOCK_BYTES
+    front = c50.recompute(0, s * B)
+    assert d.compute_after_s == pytest.approx(remote - front)
+
+
+def test_recompute_is_charged_to_the_requests_a_busy_replica_will_queue():
+    """externality = requests queued now + rho / (1 - rho): the recompute side of the inequality grows with it, so a load
+    that loses on an idle replica wins on a busy one."""
+    ctx = AdmissionContext(block_bytes=BLOCK_BYTES, prefill_queue_requests=2, prefill_utilisation=0.75)
+    assert ctx.externality == pytest.approx(2 + 3.0)
+    assert AdmissionContext(block_bytes=BLOCK_BYTES, prefill_utilisation=1.0).externality == pytest.approx(99.0), "rho capped at 0.99"
+    assert AdmissionContext(block_bytes=BLOCK_BYTES).externality == 0.0
+    c = controller(bw=0.6e9, ttft_slo_s=0.0)
+    idle = c.decide(pm(0, 32), AdmissionContext(block_bytes=BLOCK_BYTES))
+    assert not idle.loads
+    busy = c.decide(pm(0, 32), AdmissionContext(block_bytes=BLOCK_BYTES, prefill_utilisation=0.75))
+    assert busy.loads
+    t = busy.terms
+    assert t["t_recompute_only_s"] == pytest.approx(t["t_recompute_p50_s"] * (1 + 3.0))
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match="prefill_utilisation"):
+            AdmissionContext(block_bytes=BLOCK_BYTES, prefill_utilisation=bad)
+
+
+def test_a_load_slower_than_recompute_is_taken_only_within_the_p95_target():
+    """The brief's inequality alone declines it; a p95 TTFT target (configured, or derived from the TTFTs the engine
+    reports) takes it when the request's predicted TTFT stays within the target: its delay cannot move the p95."""
+    m = pm(0, 8, tokens=8 * B + 3)
+    ctx = AdmissionContext(block_bytes=BLOCK_BYTES)
+    strict = controller(bw=0.6e9, ttft_slo_s=0.0)
+    d = strict.decide(m, ctx)
+    assert not d.loads and d.reason == "slower_than_recompute"
+    predicted = d.terms["ttft_p95_s"]
+    assert controller(bw=0.6e9, ttft_slo_s=predicted * 1.01).decide(m, ctx).reason == "within_slo"
+    assert not controller(bw=0.6e9, ttft_slo_s=predicted * 0.99).decide(m, ctx).loads
+    derived = controller(bw=0.6e9)
+    assert derived.slo_s() == 0.0, "no target before min_samples TTFTs"
+    for _ in range(derived.model.min_samples - 1):
+        derived.observe_ttft(2 * predicted)
+    assert not derived.decide(m, ctx).loads
+    derived.observe_ttft(2 * predicted)
+    assert derived.slo_s() == pytest.approx(2 * predicted, rel=0.05)
+    got = derived.decide(m, ctx)
+    assert got.loads and got.reason == "within_slo" and got.terms["ttft_slo_s"] == derived.slo_s()
+    # within the target, the plan that saves the most GPU seconds: the plain load, not the split that beats recompute
+    split_wins = controller(bw=2.5e9, compute_while_loading=True, ttft_slo_s=0.0).propose(pm(0, 40), ctx)
+    assert split_wins.loads and split_wins.split_blocks > 0
+    within = controller(bw=2.5e9, compute_while_loading=True, ttft_slo_s=10.0).propose(pm(0, 40), ctx)
+    assert within.loads and within.split_blocks == 0 and within.load_blocks == 40 and within.reason == "within_slo"
+    with pytest.raises(ConfigError, match="ttft_s"):
+        derived.observe_ttft(float("nan"))
+    with pytest.raises(ConfigError, match="ttft_slo_s"):
+        AdmissionConfig(ttft_slo_s=-1.0)
+    with pytest.raises(ConfigError, match="gpu_s_price"):
+        AdmissionConfig(gpu_s_price=float("nan"))
+
+
+# ------------------------------------------------------------------------------------------- publishing: dueling
+
+
+def _req(i, n_blocks, t, local=0):
+    return PublishRequest(request_id=i, num_tokens=n_blocks * B + 1, block_size_tokens=B, time_s=t, reused_blocks=local, local_blocks=local)
+
+
+def _duel(cands, cap, **kw):
+    return DuelingPublish(block_bytes=BLOCK_BYTES, recompute_s=lambda depth: 0.01, write_bytes_per_s=BLOCK_BYTES / 0.004,
+                          pool_capacity_blocks=cap, candidates=cands, **kw)
+
+
+def test_the_ghost_scores_are_the_served_recompute_seconds_less_the_writes_worked_by_hand():
+    """Each block served from a ghost earns recompute_s (0.01 s here); each block written costs its link time (0.004 s)."""
+    f = _duel(("all", "threshold-2"), cap=10)
+    keys = ["a", "b", "c"]
+    for i, t in ((1, 0.0), (2, 1.0)):
+        r = _req(i, 3, t)
+        f.observe(r, keys)
+        f.publishable(r, keys)
+    decay = math.exp(-math.log(2) / 600.0)  # one second of the 600 s half-life
+    # all: wrote 3 at request 1 (-0.012), decayed, then served 3 at request 2 (+0.03)
+    assert f.scores[0] == pytest.approx(-0.012 * decay + 0.03)
+    # threshold-2: nothing at request 1; request 2 finds nothing, then writes 3 (its count reached 2)
+    assert f.scores[1] == pytest.approx(-0.012)
+    assert f.written_blocks == [3, 3] and f.served_s == pytest.approx([0.03, 0.0])
+    assert f.leader_name == "all"
+
+
+def test_a_ghost_is_an_lru_of_the_pools_size_that_reads_refresh():
+    """Capacity 2: a, then b written; a read; c written evicts b (the least recently used), not a."""
+    f = _duel(("all",), cap=2)
+    for i, keys in enumerate((["a"], ["b"], ["a"], ["c"])):
+        r = _req(i, len(keys), float(i))
+        f.observe(r, keys)
+        if i != 2:  # the read alone refreshes a (request 2 publishes nothing: an engine that observes and stops there)
+            f.publishable(r, keys)
+    assert list(f.ghosts[0]) == ["a", "c"]
+    assert f.written_blocks == [3] and f.served_s == [pytest.approx(0.01)]
+
+
+def test_a_local_run_is_not_a_pool_read_in_the_ghosts():
+    f = _duel(("all",), cap=10)
+    r = _req(1, 3, 0.0)
+    f.observe(r, ["a", "b", "c"])
+    f.publishable(r, ["a", "b", "c"])
+    r2 = _req(2, 3, 0.0, local=2)  # the replica held a, b itself: only c came from the pool
+    f.observe(r2, ["a", "b", "c"])
+    assert f.served_s == [pytest.approx(0.01)]
+
+
+def _continuation_stream(n):
+    """Chains read exactly once more, by the next request (a conversation's next turn): only a rule that publishes at
+    first sighting serves the re-read."""
+    out = []
+    for i in range(n):
+        out.append((2 * i, [f"s{i}-{j}" for j in range(4)]))
+        out.append((2 * i + 1, [f"s{i}-{j}" for j in range(4)] + [f"s{i}-{j}" for j in range(4, 6)]))
+    return out
+
+
+def _scan_stream(n):
+    """A hot document read by every 4th request amid unique one-off prompts: publishing everything writes the one-offs
+    for nothing; a count threshold writes the document once it repeats."""
+    out = []
+    for i in range(n):
+        out.append((i, ["doc-0", "doc-1", "doc-2"] if i % 4 == 0 else [f"u{i}-{j}" for j in range(3)]))
+    return out
+
+
+@pytest.mark.parametrize("stream,winner", [(_continuation_stream(200), "all"), (_scan_stream(400), "threshold-2")])
+def test_the_dueling_selector_converges_to_the_rule_that_wins_each_stream(stream, winner):
+    f = _duel(("all", "threshold-2"), cap=64)
+    decided = []
+    for t, (i, keys) in enumerate(stream):
+        r = _req(i, len(keys), float(t))
+        f.observe(r, keys)
+        f.publishable(r, keys)
+        decided.append(f.leader_name)
+    assert f.leader_name == winner
+    assert decided[-len(decided) // 4:].count(winner) == len(decided) // 4, "it stays with the winner once it has learned"
+
+
+def test_dueling_is_built_by_name_and_refuses_what_cannot_be():
+    f = make_filter("dueling", block_bytes=BLOCK_BYTES, recompute_s=lambda d: 0.01, pool_capacity_blocks=100, write_bytes_per_s=5e9)
+    assert isinstance(f, DuelingPublish) and f.capacity == 100 and f.candidates == DuelingPublish.CANDIDATES
+    for kw, field in ((dict(candidates=()), "candidates"), (dict(candidates=("dueling",)), "candidates"), (dict(candidates="all"), "candidates"),
+                      (dict(pool_capacity_blocks=0), "pool_capacity_blocks"), (dict(half_life_s=float("nan")), "half_life_s")):
+        with pytest.raises(ConfigError, match=field):
+            DuelingPublish(block_bytes=BLOCK_BYTES, recompute_s=lambda d: 0.01, **kw)
+    with pytest.raises(ConfigError, match="local_blocks"):
+        PublishRequest(request_id=1, num_tokens=64, block_size_tokens=B, reused_blocks=1, local_blocks=2)
+
+
+# ------------------------------------------------------------------------------------------- a write must beat its victim
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 30), min_size=1, max_size=6), min_size=1, max_size=60), st.integers(0, 30), st.integers(0, 30))
+def test_a_write_worth_less_than_its_victim_is_refused(requests, candidate, victim):
+    """With a sketch too wide to collide on 31 keys and no reset, the estimate is the exact count of requests containing
+    the key: the candidate is admitted exactly when it was seen in more requests than its victim."""
+    adm = WriteAdmission(capacity_blocks=10_000)  # sample_size 100,000: no reset here
+    exact: dict[int, int] = {}
+    for i, keys in enumerate(requests):
+        adm.observe(i, keys)
+        adm.observe(i, keys)  # the same request again counts nothing
+        for k in set(keys):
+            exact[k] = exact.get(k, 0) + 1
+    assert adm.value(candidate) == exact.get(candidate, 0)
+    assert adm.admit(candidate, victim) == (exact.get(candidate, 0) > exact.get(victim, 0))
+    assert adm.admit(candidate, None), "a write that displaces nothing is admitted"
+
+
+def test_the_sketch_halves_every_count_after_sample_size_additions():
+    sk = FrequencySketch(width=1024, depth=4, sample_size=8)
+    for _ in range(7):
+        sk.add("hot")
+    assert sk.estimate("hot") == 7 and sk.resets == 0
+    sk.add("cold")
+    assert sk.resets == 1 and sk.estimate("hot") == 3 and sk.estimate("cold") == 0
+    for _ in range(40):
+        sk.add("x")
+    assert sk.estimate("x") <= 15, "4-bit counters"
+
+
+def test_the_gate_admits_a_leading_run_against_the_tiers_own_victims():
+    """A full LRU tier of 4 blocks: 'old' (seen once) and 'hot' (seen 3 times) are its first victims. A candidate seen
+    twice beats 'old' and loses to 'hot': the run stops there, prefix-closed; a tier with room takes everything."""
+    tier = make_policy("lru", 4)
+    for k in ("old", "hot", "x", "y"):
+        tier.on_insert(k, 1, None)
+    adm = WriteAdmission(capacity_blocks=4, sample_size=1000)
+    for i in range(3):
+        adm.observe(("hot", i), ["hot"])
+    adm.observe("o", ["old"])
+    for i in range(2):
+        adm.observe(("c", i), ["c1", "c2", "c3"])
+    assert tier.peek_victims(2) == ["old", "hot"]
+    assert gate(tier, adm, ["c1", "c2", "c3"], 1) == 1
+    assert adm.refused == 1
+    roomy = make_policy("lru", 10)
+    roomy.on_insert("z", 1, None)
+    assert gate(roomy, adm, ["c1", "c2", "c3"], 1) == 3
+    with pytest.raises(ConfigError, match="free_blocks"):
+        adm.admit_run(["a"], [], free_blocks=-1)
+
+
+def test_peek_is_none_where_pins_make_the_need_impossible_and_for_a_policy_that_must_choose_to_know():
+    from kvpolicy.errors import CapacityError
+
+    p = make_policy("lru", 12)
+    for k in range(12):
+        p.on_insert(k, 1, None)
+        if k < 10:
+            p.pin(k)
+    assert p.peek_victims(2) == [10, 11] and p.peek_victims(3) is None
+    with pytest.raises(CapacityError):
+        p.victims(3)
+    sieve = make_policy("sieve", 2)
+    sieve.on_insert("a", 1, None)
+    sieve.on_insert("b", 1, None)
+    assert sieve.peek_victims(1) is None and sieve.peek_victims(0) == []
+    with pytest.raises(ConfigError, match="need_bytes"):
+        p.peek_victims(-1)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from(["lru", "lfu", "gdsf", "reuse-distance", "fifo", "ttl"]),
+       st.lists(st.tuples(st.sampled_from(["insert", "access", "pin", "unpin"]), st.integers(0, 25)), max_size=80),
+       st.integers(1, 6))
+def test_peek_names_exactly_the_victims_that_victims_then_evicts(name, ops, need):
+    """peek_victims is pure and agrees with victims(): the same keys, in the same order (roots only, so no parent
+    becomes a candidate midway), or None exactly when victims() would raise."""
+    from kvpolicy.errors import CapacityError
+
+    p = make_policy(name, 12)
+    pinned: dict[int, int] = {}
+    for op, k in ops:
+        if op == "insert" and k not in p.nodes:
+            try:
+                p.victims(1)
+            except CapacityError:
+                continue
+            p.on_insert(k, 1, None)
+        elif op == "access" and k in p.nodes:
+            p.on_access(k)
+        elif op == "pin" and k in p.nodes:
+            p.pin(k)
+            pinned[k] = pinned.get(k, 0) + 1
+        elif op == "unpin" and pinned.get(k):
+            p.unpin(k)
+            pinned[k] -= 1
+    fill = 100
+    while p.used_bytes < p.capacity_bytes:  # a full tier: every need names victims
+        p.on_insert(fill, 1, None)
+        fill += 1
+    before = dict(p.nodes)
+    peek = p.peek_victims(need)
+    assert p.peek_victims(need) == peek and dict(p.nodes) == before, "peeking changes nothing"
+    if peek is None:
+        with pytest.raises(CapacityError):
+            p.victims(need)
+    else:
+        assert p.victims(need) == peek
+
+
+# ------------------------------------------------------------------------------------------- the simulator's new parts
+
+
+def test_a_replicas_utilisation_is_its_busy_share_averaged_over_the_window():
+    """One slot busy from 0 to 10 s, then idle: 1 − e^−1 at 10 s (window 10 s), that times e^−1 at 20 s."""
+    from kvpolicy.sim.engine import UTIL_WINDOW_S, _Replica
+
+    assert UTIL_WINDOW_S == 10.0
+    rep = _Replica(0, make_policy("lru", 10), 1, None, None, None)
+    rep.utilisation(0.0)
+    rep.free_slots = 0
+    assert rep.utilisation(10.0) == pytest.approx(1 - math.exp(-1))
+    rep.free_slots = 1
+    assert rep.utilisation(20.0) == pytest.approx((1 - math.exp(-1)) * math.exp(-1))
+    assert rep.utilisation(20.0) == pytest.approx((1 - math.exp(-1)) * math.exp(-1)), "reading it again changes nothing"
+
+
+def test_the_pool_gate_cuts_a_chain_at_its_first_refused_block_whichever_node_holds_it():
+    """Two nodes, each full; blocks 0-1 go to node 0 and beat its victim, block 2 goes to node 1 and loses: the write
+    keeps blocks 0-1 and drops 2 and everything after it, on both nodes."""
+    import attrs as _attrs
+
+    from kvpolicy.sim import Prepared, Simulator, default_cluster, policy_set
+    from kvpolicy.publish_sim import DEFAULT_PREFILL as P
+    from kvpolicy.traces import generate, preset
+
+    tr = generate(preset("chat", n_requests=20, block_size_tokens=64, seed=1))
+    cl = default_cluster(tr, bytes_per_token=4096, prefill=P, storage_nodes=2)
+    sim = Simulator(Prepared(tr), cl, _attrs.evolve(policy_set("kvpolicy"), write_admission="tinylfu"))
+    n0, n1 = sim.nodes
+    bb = sim.block_bytes
+    for node, prefix in ((n0, "v0"), (n1, "v1")):
+        pol = node.policy
+        j = 0
+        while pol.used_bytes + bb <= pol.capacity_bytes:
+            pol.on_insert(f"{prefix}-{j}", bb, None)
+            j += 1
+    g = sim.write_gate
+    for i in range(3):
+        g.observe(("hot", i), ["v1-0", "v1-1", "v1-2", "v1-3"])  # node 1's first victims are popular
+        g.observe(("new", i), ["c0", "c1"])
+    g.observe("once", ["c2", "c3"])
+    order = [(0, n0), (1, n0), (2, n1), (3, n0)]
+    out = sim._gate_writes({n0: ["c0", "c1", "c3"], n1: ["c2"]}, order)
+    assert out == {n0: ["c0", "c1"]}
