@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def row(label: str, trace, replicas: int) -> tuple[list[str], dict]:
-    res = publish_bench(trace, ["threshold-2", "structure-aware"], replicas=replicas, bytes_per_token=1024)
+    res = publish_bench(trace, ["threshold-2", "structure-aware"], replicas=replicas, bytes_per_token=1024, pool_capacity_blocks=None)
     fs = res["first_sighting"]
     runs = {r["policy"]: r for r in res["runs"]}
     me = runs["structure-aware"]

@@ -60,7 +60,7 @@ def run_one(job: tuple[str, tuple[str, str, int], bool, tuple[str, ...]]) -> dic
     from kvpolicy.publish_sim import publish_bench
 
     bpt = KVGeometry.from_hf_config(resolve_config("llama-3-8b")).bytes_per_token  # publish-bench's default model
-    res = publish_bench(trace, PUBLISH_POLICIES, replicas=8, bytes_per_token=bpt, judge_from_request=k)
+    res = publish_bench(trace, PUBLISH_POLICIES, replicas=8, bytes_per_token=bpt, judge_from_request=k, pool_capacity_blocks=None)  # #20: infinite
     return {"what": what, "trace": _label(spec, split), "goals": res["goals"]}
 
 

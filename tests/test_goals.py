@@ -77,7 +77,7 @@ def test_the_publish_split_counts_only_the_second_half(trace):
     k = len(trace) // 2
     bpt = 512
     B = trace.block_size_tokens
-    res = publish_bench(trace, ["all", "structure-aware"], replicas=4, bytes_per_token=bpt, judge_from_request=k)
+    res = publish_bench(trace, ["all", "structure-aware"], replicas=4, bytes_per_token=bpt, judge_from_request=k, pool_capacity_blocks=None)
     runs = {r["policy"]: r for r in res["runs"]}
     # "all" writes every block once, when it is first computed: an independent count of first appearances at r >= k
     req = trace.request_of_block_ref()
@@ -85,7 +85,7 @@ def test_the_publish_split_counts_only_the_second_half(trace):
     assert runs["all"]["blocks_written"] == int((req[first_ref] >= k).sum())
     # and it re-reads everything the oracle does, which counts only the second half's reads
     assert runs["all"]["reread_bytes"] == runs["oracle"]["reread_bytes"]
-    full = publish_bench(trace, ["all"], replicas=4, bytes_per_token=bpt)
+    full = publish_bench(trace, ["all"], replicas=4, bytes_per_token=bpt, pool_capacity_blocks=None)
     assert runs["oracle"]["reread_bytes"] < {r["policy"]: r for r in full["runs"]}["oracle"]["reread_bytes"]
     assert runs["all"]["bytes_written"] == runs["all"]["blocks_written"] * B * bpt
     assert [g["policy"] for g in res["goals"]] == ["structure-aware"]
@@ -137,7 +137,8 @@ def test_no_filter_beats_the_first_sighting_bound(trace, replicas):
 
     bpt = 4
     block_bytes = bpt * trace.block_size_tokens
-    res = publish_bench(trace, ["all", "threshold-2", "threshold-3", "structure-aware", "reuse-aware"], replicas=replicas, bytes_per_token=bpt)
+    res = publish_bench(trace, ["all", "threshold-2", "threshold-3", "structure-aware", "reuse-aware"], replicas=replicas, bytes_per_token=bpt,
+                        pool_capacity_blocks=None)  # issue #20 judged an infinite pool
     fs = first_sighting_bound(trace, replicas=replicas)
     runs = {r["policy"]: r for r in res["runs"]}
     assert fs["oracle_reread_blocks"] * block_bytes == runs["oracle"]["reread_bytes"]

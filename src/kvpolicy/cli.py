@@ -614,6 +614,17 @@ def _prefill_model(args: argparse.Namespace, bpt: int) -> Any:
     return _read_checked_profile(args, bpt).prefill_model() if args.profile else DEFAULT_PREFILL
 
 
+def _pool_capacity(v: str) -> int | str | None:
+    if v == "infinite":
+        return None
+    if v == "compare":
+        return v
+    try:
+        return _positive_int(v)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a positive int, 'compare' or 'infinite', got {v!r}") from None
+
+
 def _cmd_publish_bench(args: argparse.Namespace) -> int:
     from .progress import Progress
     from .publish_sim import publish_bench, render
@@ -1094,11 +1105,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     pb = sub.add_parser("publish-bench", help="bytes each publish policy writes vs bytes re-read by other replicas, beside the oracle")
     _add_trace_args(pb)
-    pb.add_argument("--policies", type=_policy_list, default=["all", "never", "threshold-2", "threshold-3", "threshold-4", "boundary", "reuse-aware", "structure-aware"],
+    pb.add_argument("--policies", type=_policy_list, default=["all", "never", "threshold-2", "threshold-3", "threshold-4", "boundary", "reuse-aware", "structure-aware",
+                                                             "dueling"],
                     help="comma-separated; compose with + (e.g. boundary+reuse-aware); your own filter: MODULE:CLASS or PATH.py:CLASS")
     pb.add_argument("--replicas", type=_positive_int, default=8)
     pb.add_argument("--routing", choices=["random", "round-robin", "prefix-affinity"], default="round-robin")
-    pb.add_argument("--pool-capacity-blocks", type=_positive_int, default=None, help="LRU pool capacity (default infinite)")
+    pb.add_argument("--pool-capacity-blocks", type=_pool_capacity, default="compare",
+                    help="blocks the LRU pool holds: a positive int, 'compare' (default: the pool kvpolicy compare gives the trace, a "
+                         "quarter of its distinct blocks) or 'infinite' (where issue #20's goals were measured)")
     pb.add_argument("--profile", default=None, help="measured profile CSV for recompute seconds (default: an order-of-magnitude model)")
     pb.add_argument("--allow-mismatch", action="store_true", help="use a --profile whose measured KV bytes/token differs from the model's by more than 10%%")
     pb.add_argument("--write-gbps", type=_positive_float, default=100.0, help="pool write bandwidth for the reuse-aware cost (default 100)")
