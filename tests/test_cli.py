@@ -377,7 +377,7 @@ def test_publish_bench_and_the_adapters_take_a_filter_of_your_own(capsys, tmp_pa
     out = tmp_path / "pub.json"
     rc, text, _ = run(capsys, "publish-bench", str(p), "--block-size", "64", "--replicas", "4", "--policies", f"threshold-2,{twin}",
                       "--bytes-per-token", "1024", "--json", str(out), "--no-progress")
-    assert rc == 0 and f"goal (issue #20): {twin}" in text
+    assert rc == 0 and f"goal: {twin}" in text
     assert len({(r["blocks_written"], r["reread_bytes"]) for r in _json.loads(out.read_text())["runs"] if r["policy"] != "oracle"}) == 1
     for bad, says in ((f"{mine}:Nope", "has no class or factory"), (f"{mine}:Sized+nope", "unknown publish policy 'nope'"),
                       (f"{tmp_path}/absent.py:X", "no file"), (f"{mine}:NoPublishable", "lacks observe/publishable")):
@@ -398,8 +398,19 @@ def test_publish_bench_and_plan_warmup_commands(capsys, tmp_path):
     runs = {r["policy"]: r for r in json.loads(out.read_text())["runs"]}
     for r in runs.values():
         assert set(r) >= {"blocks_written", "bytes_written", "reread_bytes", "wasted_write_bytes"}
-    assert runs["never"]["bytes_written"] == 0 and runs["all"]["reread_bytes"] == runs["oracle"]["reread_bytes"]
+    # the default pool is the one compare gives the trace (a quarter of its distinct blocks): writing everything evicts
+    # what would have been re-read, so publish-all serves less than the Belady oracle in the same pool
+    distinct = int(tr.summary()["distinct_blocks"])
+    assert json.loads(out.read_text())["pool_capacity_blocks"] == 4 * int(distinct * 0.25 / 4)
+    assert runs["never"]["bytes_written"] == 0 and runs["all"]["reread_bytes"] < runs["oracle"]["reread_bytes"]
+    assert runs["all"]["evicted_needed_blocks"] > 0 and runs["oracle"]["evicted_needed_blocks"] == 0
     assert all(r["reread_bytes"] <= runs["oracle"]["reread_bytes"] for r in runs.values())
+    rc, _, _ = run(capsys, "publish-bench", str(p), "--block-size", "64", "--replicas", "4", "--policies", "all,never",
+                   "--bytes-per-token", "1024", "--json", str(out), "--no-progress", "--pool-capacity-blocks", "infinite")
+    inf = {r["policy"]: r for r in json.loads(out.read_text())["runs"]}
+    assert rc == 0 and inf["all"]["reread_bytes"] == inf["oracle"]["reread_bytes"], "an infinite pool: publish-all re-reads all the oracle does"
+    rc, _, err = run(capsys, "publish-bench", str(p), "--pool-capacity-blocks", "lots", "--no-progress")
+    assert rc == 2 and "pool-capacity-blocks" in err and "Traceback" not in err
     for bad in ("threshold-0", "sometimes", "all+nope"):  # refused before the trace is read: a missing file is not what is reported
         rc, _, err = run(capsys, "publish-bench", str(tmp_path / "not-there.jsonl"), "--policies", f"all,{bad}", "--no-progress")
         assert rc == 2 and bad.split("+")[-1] in err and "no such file" not in err and "Traceback" not in err
@@ -591,7 +602,8 @@ def test_goal_check_details_show_the_difference_that_failed():
     from kvpolicy.sim.compare import checks
 
     def run_(p, p95):
-        return {"scenario": "steady", "policy": p, "ttft_p95_ms": p95, "gpu_saved_s": 0.0, "loads": 0, "loads_timeout": 0}
+        return {"scenario": "steady", "policy": p, "ttft_p95_ms": p95, "gpu_saved_s": 0.0, "loads": 0, "loads_timeout": 0, "bytes_written": 0,
+                "e_benefit_s_per_s": 0.0}
 
     rep = {"runs": [run_("kvpolicy", 3202.4), run_("recompute-only", 3202.1), run_("vllm-like", 3500.0)]}
     got = {c["check"]: c for c in checks(rep)}
@@ -604,17 +616,18 @@ def test_goal_check_details_show_the_difference_that_failed():
 
 def test_a_share_of_nothing_is_not_a_pass():
     """The oracle saving 0 s (a trace with no reuse) made "kvpolicy saves >= 60% of the oracle's GPU seconds" print
-    PASS with a share of inf%; it is not applicable, and says so."""
+    PASS with a share of inf%; it is not applicable, and says so (the share is 80 % since issue #44)."""
     from kvpolicy.sim.compare import checks
 
     def run_(p, saved):
-        return {"scenario": "steady", "policy": p, "ttft_p95_ms": 10.0, "gpu_saved_s": saved, "loads": 0, "loads_timeout": 0}
+        return {"scenario": "steady", "policy": p, "ttft_p95_ms": 10.0, "gpu_saved_s": saved, "loads": 0, "loads_timeout": 0, "bytes_written": 0,
+                "e_benefit_s_per_s": 0.0}
 
     got = {c["check"]: c for c in checks({"runs": [run_("kvpolicy", 0.0), run_("oracle", 0.0)]})}
-    share = got["kvpolicy saves >= 60% of the oracle's GPU seconds"]
+    share = got["kvpolicy saves >= 80% of the oracle's GPU seconds"]
     assert share["ok"] is None and share["detail"].startswith("n/a")
-    got = {c["check"]: c for c in checks({"runs": [run_("kvpolicy", 5.0), run_("oracle", 10.0)]})}
-    assert got["kvpolicy saves >= 60% of the oracle's GPU seconds"]["ok"] is False
+    got = {c["check"]: c for c in checks({"runs": [run_("kvpolicy", 7.0), run_("oracle", 10.0)]})}
+    assert got["kvpolicy saves >= 80% of the oracle's GPU seconds"]["ok"] is False
 
 
 def test_publish_bench_says_why_boundary_writes_nothing():

@@ -66,7 +66,7 @@ import attrs
 import numpy as np
 
 from .admission.histogram import LogHistogram
-from ._validate import check_non_negative_number, check_positive_int
+from ._validate import check_non_negative_number, check_positive_int, check_real
 from .errors import ConfigError
 
 REQUEST_CATEGORIES = ("local_hit", "remote_hit", "partial_hit", "miss")
@@ -345,7 +345,10 @@ class _Dist:
 
 class Ledger:
     def __init__(self, bytes_per_token: int, *, window_s: float = 900.0, publication_log: PublicationLog | None = None,
-                 write_cost_s_per_byte: float | None = None, eviction_cost_s_per_token: float | None = None) -> None:
+                 write_cost_s_per_byte: float | None = None, eviction_cost_s_per_token: float | None = None,
+                 judge_from_s: float | None = None) -> None:
+        """``judge_from_s``: a held-out split — requests that arrive before it, and bytes written or replicated before
+        it, are not counted (earlier writes still tell a later miss "evicted" from "never published")."""
         if isinstance(bytes_per_token, bool) or not isinstance(bytes_per_token, int) or bytes_per_token <= 0:
             raise ConfigError("bytes_per_token", f"must be a positive int, got {bytes_per_token!r}")
         if isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not 0 < window_s < math.inf:
@@ -353,6 +356,9 @@ class Ledger:
         for name, v in (("write_cost_s_per_byte", write_cost_s_per_byte), ("eviction_cost_s_per_token", eviction_cost_s_per_token)):
             if v is not None:  # None: unknown, and E[benefit] says so; a NaN made it NaN without a word
                 check_non_negative_number(name, v)
+        if judge_from_s is not None:
+            check_real("judge_from_s", judge_from_s, negative_ok=True)
+        self.judge_from_s = judge_from_s
         self.bytes_per_token = bytes_per_token
         self.pub = publication_log or PublicationLog()
         self.write_cost_s_per_byte = write_cost_s_per_byte
@@ -375,7 +381,12 @@ class Ledger:
 
     # ---------------------------------------------------------------- record
 
+    def _before(self, t_s: float) -> bool:
+        return self.judge_from_s is not None and t_s < self.judge_from_s
+
     def record(self, r: RequestRecord) -> None:
+        if self._before(r.arrival_s):
+            return
         B = r.block_size_tokens
         T = r.prompt_tokens
         matchable = (T - 1) // B if T > 0 else 0
@@ -491,6 +502,9 @@ class Ledger:
 
     def record_write(self, key: Hashable, t_s: float, size_bytes: float, tier: str = "pool", request_class: str = "default") -> None:
         """A block was published to a shared tier (the publication log checks ``t_s`` and ``size_bytes`` first)."""
+        if self._before(t_s):
+            self.pub.published(key, tier, t_s, 0.0, request_class)  # known as published; its bytes are not judged
+            return
         self.pub.published(key, tier, t_s, size_bytes, request_class)
         self._flow("write", t_s, size_bytes)
         self._time(t_s)
@@ -503,6 +517,8 @@ class Ledger:
 
     def record_replication(self, t_s: float, size_bytes: float) -> None:
         _check_flow(t_s, size_bytes)
+        if self._before(t_s):
+            return
         self._flow("replica", t_s, size_bytes)
         self._time(t_s)
 

@@ -51,7 +51,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from .._validate import check_non_negative_int
+from .._validate import check_non_negative_int, check_split
 from ..admission import AdmissionConfig, AdmissionContext, AdmissionController, LatencyModel, LinkPrior, LoadOutcome
 from ..admission.controller import LoadStatus
 from ..errors import CapacityError, ConfigError
@@ -376,20 +376,29 @@ class SimResult:
     link_series: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = attrs.field(factory=dict)
     #: per request: seconds from joining its replica's prefill queue to getting a slot (its last attempt)
     queue_s: np.ndarray = attrs.field(factory=lambda: np.zeros(0))
+    #: a held-out split: the figures count requests from this index on (``ttft_s`` keeps every request)
+    judge_from_request: int = 0
+    #: per request: GPU seconds of prefill it took, every attempt (``gpu_prefill_s`` is the sum over the judged ones)
+    prefill_s: np.ndarray = attrs.field(factory=lambda: np.zeros(0))
+
+    @property
+    def judged_ttft_s(self) -> np.ndarray:
+        return self.ttft_s[self.judge_from_request:]
 
     def quantile_ms(self, q: float) -> float:
-        return float(np.quantile(self.ttft_s, q) * 1e3) if self.ttft_s.size else float("nan")
+        t = self.judged_ttft_s
+        return float(np.quantile(t, q) * 1e3) if t.size else float("nan")
 
     def row(self) -> dict[str, Any]:
         led = self.ledger.to_dict()
         flows = led["flows"]
         return {
             "policy": self.policy,
-            "requests": self.n_requests,
+            "requests": self.n_requests - self.judge_from_request,
             "ttft_p50_ms": self.quantile_ms(0.5),
             "ttft_p95_ms": self.quantile_ms(0.95),
             "ttft_p99_ms": self.quantile_ms(0.99),
-            "ttft_mean_ms": float(self.ttft_s.mean() * 1e3),
+            "ttft_mean_ms": float(self.judged_ttft_s.mean() * 1e3),
             "throughput_rps": self.n_requests / self.makespan_s if self.makespan_s > 0 else None,
             "gpu_prefill_s": self.gpu_prefill_s,
             "bytes_read": self.bytes_read,
@@ -411,11 +420,15 @@ class SimResult:
 
 class Simulator:
     def __init__(self, prepared: Prepared | Any, cluster: ClusterConfig, policy_set: PolicySet, *,
-                 events: tuple[ScaleOut | Degrade, ...] = (), seed: int = 0, compute_scale: Any = None) -> None:
+                 events: tuple[ScaleOut | Degrade, ...] = (), seed: int = 0, compute_scale: Any = None, judge_from_request: int = 0) -> None:
         """``compute_scale``: optional, one positive number per request (trace order) multiplying ``compute_factor``
         for that request's own prefill — the compute a real run measured, replayed (e.g. each request's measured
         forward pass over the profile's). The router's and the oracles' predictions keep the cluster's model: an
-        engine does not know a request's compute before it runs; kvpolicy's controller hears it afterwards."""
+        engine does not know a request's compute before it runs; kvpolicy's controller hears it afterwards.
+
+        ``judge_from_request`` = k > 0 is a held-out split: every policy runs (and learns) over the whole trace, but the
+        result counts only requests k onwards — their TTFTs, prefill seconds, loads and reads — and the bytes written or
+        replicated from request k's arrival on (the ledger likewise). Bytes sent and unused stay whole-run figures."""
         self.p = prepared if isinstance(prepared, Prepared) else Prepared(prepared)
         self._scale: np.ndarray | None = None
         if compute_scale is not None:
@@ -434,6 +447,8 @@ class Simulator:
         if not isinstance(policy_set, PolicySet):
             raise ConfigError("policy_set", "must be a kvpolicy.sim.PolicySet")
         check_non_negative_int("seed", seed)  # mixed into every failure and routing draw
+        self.judge_k = check_split(judge_from_request, len(self.p.trace))
+        self.t_judge = float(self.p.arrival_s[self.judge_k]) if self.judge_k else -math.inf
         self.c = cluster
         self.ps = policy_set
         self.seed = seed
@@ -477,6 +492,7 @@ class Simulator:
         self.writing: set[int] = set()
         trace = self.p.trace
         self.ledger = Ledger(cluster.bytes_per_token, publication_log=PublicationLog(max_exact_keys=max(trace.num_block_ids + 1, 1024)),
+                             judge_from_s=self.t_judge if self.judge_k else None,
                              write_cost_s_per_byte=(1.0 / cluster.node_bandwidth_bytes_per_s) if cluster.node_bandwidth_bytes_per_s > 0 else None,
                              eviction_cost_s_per_token=cluster.compute_factor * cluster.prefill.b_s_per_token)
         self.filter = self._make_filter()
@@ -516,6 +532,7 @@ class Simulator:
         n = len(trace)
         self.ttft = np.full(n, np.nan)
         self.queue = np.full(n, np.nan)  # seconds each request waited for a prefill slot (its last attempt)
+        self.prefill_per = np.zeros(n)  # GPU seconds of prefill each request took (every attempt)
         self.completed = np.zeros(n, dtype=np.int64)
         self.routes = np.full(n, -1, dtype=np.int64)
         self.t_last = 0.0
@@ -608,7 +625,7 @@ class Simulator:
             completed=self.completed.copy(), routes=self.routes.copy(), bytes_unused=self.bytes_unused,
             warm_loads=(self.warm_loads, self.warm_loads_ok, self.warm_loads_failed, self.warm_loads_timeout),
             link_series={k: (np.asarray(a), np.asarray(b), np.asarray(c)) for k, (a, b, c) in self._series.items()},
-            queue_s=self.queue.copy(),
+            queue_s=self.queue.copy(), judge_from_request=self.judge_k, prefill_s=self.prefill_per.copy(),
         )
 
     # ------------------------------------------------------------------ routing
@@ -931,7 +948,7 @@ class Simulator:
                 pol.pin(key)  # a lease: not evicted under the reader
         if req.predicted_s is None:
             req.predicted_s = self.c.dispatch_s + self.c.prefill_s(L * self.B, (L + k) * self.B) - self.c.prefill_a_s
-        self.loads += 1
+        self.loads += i >= self.judge_k
         if ps.compute_while_loading:
             # the load runs from the back; a split plan queues for its prefill slot now (the GPU computes
             # the front meanwhile), a plain load waits for its bytes until its p95 prediction has passed
@@ -1011,19 +1028,21 @@ class Simulator:
         stall = self.c.interference_s_per_byte * nbytes
         rep.debt_s += stall
         total_stall = stall * (1 + rep.active)
-        self.stall_s += total_stall
+        if req.i >= self.judge_k:
+            self.stall_s += total_stall
         req.stall_s += total_stall
         return stall
 
     def _record_outcome(self, req: _Req, load: _Load, status: LoadStatus, ok_blocks: int, t: float) -> int:
         """Tell the controller how the load went (once); returns the usable blocks."""
         load.recorded = True
+        judged = req.i >= self.judge_k
         if status == "ok":
-            self.loads_ok += 1
+            self.loads_ok += judged
         elif status == "timeout":
-            self.loads_timeout += 1
+            self.loads_timeout += judged
         else:
-            self.loads_failed += 1
+            self.loads_failed += judged
         delivered = load.delivered_bytes()
         stall = self._charge_interference(req.replica, req, delivered)
         ctl = self._ctl(req.replica)
@@ -1051,7 +1070,8 @@ class Simulator:
         L = req.local
         if usable:
             req.load_s = t - req.load_start_s
-            self.bytes_read += usable * self.block_bytes
+            if req.i >= self.judge_k:
+                self.bytes_read += usable * self.block_bytes
             for key in keys[L:L + usable]:
                 self.ledger.record_read(key)
             if usable < k:
@@ -1063,7 +1083,7 @@ class Simulator:
             return
         if self.ps.failure == "fail" and req.attempt < MAX_RETRIES:
             # the error surfaces to the client, which resubmits at once
-            self.retries += 1
+            self.retries += req.i >= self.judge_k
             self._unpin(rep, req)
             req.attempt += 1
             self._push(t, ARRIVE, req)
@@ -1198,14 +1218,17 @@ class Simulator:
         L = req.local
         for key in keys[L + j:L + K]:
             self.ledger.record_read(key)
-        self.bytes_read += m * self.block_bytes
+        if req.i >= self.judge_k:
+            self.bytes_read += m * self.block_bytes
         self.bytes_unused += max(load.delivered_bytes() - m * self.block_bytes, 0)
         if m:
             req.load_s = load.end_s - req.load_start_s if load.ended else t_front_done - req.load_start_s
         tail = self._tail_s(req, j, K)
         busy = (t_front_done - req.slot_s) + tail
         req.prefill_s = busy
-        self.gpu_prefill_s += busy
+        self.prefill_per[req.i] += busy
+        if req.i >= self.judge_k:
+            self.gpu_prefill_s += busy
         req.job_end_s = t_front_done + tail
         # the ledger's view: the front [L, L+j) was found remotely and recomputed (the split), m blocks loaded
         req.split = j
@@ -1279,7 +1302,9 @@ class Simulator:
             k = self._k(req)
             dur = c.dispatch_s + k * c.prefill_s(req.reused * self.B, T)
             req.prefill_s = dur
-            self.gpu_prefill_s += dur
+            self.prefill_per[req.i] += dur
+            if req.i >= self.judge_k:
+                self.gpu_prefill_s += dur
             ctl = self._ctl(rep)
             if ctl is not None and self.ps.learn_compute:  # the engine times its prefill: the controller learns the real compute
                 start = req.reused * self.B
@@ -1359,7 +1384,7 @@ class Simulator:
             return
         where = self.where
         writing = self.writing
-        moving = self.ps.load == "admission"  # kvpolicy re-publishes blocks held by an unhealthy node elsewhere
+        moving = self.ps.load == "admission" and self.ps.republish_unhealthy  # blocks held by an unhealthy node, written again elsewhere
         chunk = self.c.placement_chunk_blocks
         batches: dict[_Node, list[int]] = {}
         order: list[tuple[int, _Node]] = []  # (chain position, node) of each block to write, in chain order
@@ -1445,7 +1470,8 @@ class Simulator:
                 parent = None  # the parent lives on another node, or was just evicted: a new root here
             pol.on_insert(key, bb, parent)
             where[key] = node
-            self.bytes_written += bb
+            if t >= self.t_judge:
+                self.bytes_written += bb
             self.ledger.record_write(key, t, bb, tier=node.name, request_class=cls)
 
     # ------------------------------------------------------------------ scale-out and warmup
@@ -1507,8 +1533,9 @@ class Simulator:
         cache = rep.cache
         bb = self.block_bytes
         sent = (len(chain) - item[3]) * bb if len(item) > 3 else 0  # type: ignore[misc]
-        self.bytes_read += sent
-        self.warmup_bytes += sent
+        if t >= self.t_judge:
+            self.bytes_read += sent
+            self.warmup_bytes += sent
         self.ledger.record_replication(t, sent)
         for j, key in enumerate(chain):
             if key in cache.nodes:

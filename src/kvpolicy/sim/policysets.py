@@ -82,6 +82,9 @@ class PolicySet:
     #: the shared pool's write admission: "none" (every published block is written; the pool's eviction makes room) or
     #: "tinylfu" (a write into a full node must beat the block it would displace: kvpolicy.write_admission)
     write_admission: str = "none"
+    #: ``load="admission"``: a published block held by a storage node whose breaker is open is written again elsewhere
+    #: (its traffic shifts to the others); False: it stays where it is
+    republish_unhealthy: bool = True
 
     def __attrs_post_init__(self) -> None:
         for field in ("local_eviction", "pool_eviction"):
@@ -111,6 +114,8 @@ class PolicySet:
         p = self.gpu_s_price
         if isinstance(p, bool) or not isinstance(p, (int, float)) or math.isnan(p) or p < 0:
             raise ConfigError("gpu_s_price", f"must be a number >= 0 (seconds of TTFT per GPU second), got {p!r}")
+        if not isinstance(self.republish_unhealthy, bool):
+            raise ConfigError("republish_unhealthy", f"must be True or False, got {self.republish_unhealthy!r}")
         if self.write_admission not in ("none", "tinylfu"):
             raise ConfigError("write_admission", f"must be 'none' or 'tinylfu', got {self.write_admission!r}")
         if self.compute_while_loading and self.load != "admission":
