@@ -761,3 +761,17 @@ def test_version_is_the_installed_distributions(capsys):
 
     rc, out, _ = run(capsys, "--version")
     assert rc == 0 and out.strip() == f"kvpolicy {version('kvpolicy')}" == f"kvpolicy {kvpolicy.__version__}"
+
+
+def test_compare_judges_the_second_half_when_asked(capsys, tmp_path):
+    from kvpolicy.traces import generate, preset
+
+    tr = generate(preset("chat", n_requests=60, block_size_tokens=64, seed=2))
+    p = tmp_path / "mc.jsonl"
+    tr.to_mooncake_jsonl(p)
+    out = tmp_path / "cmp.json"
+    rc, text, _ = run(capsys, "compare", str(p), "--block-size", "64", "--bytes-per-token", "1024", "--scenario", "steady", "--replicas", "2",
+                      "--judge-second-half", "--json", str(out), "--no-progress", "--allow-overload")
+    rep = json.loads(out.read_text())
+    assert rc == 0 and "judged on requests 30..59" in text and rep["judge_from_request"] == 30
+    assert all(r["requests"] == 30 for r in rep["runs"]) and "frontier" in text

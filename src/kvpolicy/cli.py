@@ -829,7 +829,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     load = offered_load(trace, cluster)
     if not args.allow_overload:
         check_offered_load(load)
-    report, raw = compare(trace, cluster, scenarios=scenarios, policies=policies, seed=args.seed, progress=prog, load=load)
+    report, raw = compare(trace, cluster, scenarios=scenarios, policies=policies, seed=args.seed, progress=prog, load=load,
+                          judge_from_request=_second_half(args, trace))
     report["model"] = model_note
     if args.plot:
         prog("plots")
@@ -1174,6 +1175,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "replica, as an engine process embeds it")
     cp.add_argument("--prefill-slots", type=_positive_int, default=1, help="concurrent prefills per replica (default 1)")
     cp.add_argument("--decode-tokens-per-s", type=_positive_float, default=30.0, help="decode rate per request (default 30)")
+    cp.add_argument("--judge-second-half", action="store_true",
+                    help="a held-out split: every set learns over the whole trace, only the second half's requests (and bytes "
+                         "written from its start) are counted")
     cp.add_argument("--json", default=None, metavar="OUT", help="write every run as JSON")
     cp.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures (needs matplotlib)")
     cp.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a progress bar on a terminal, one line per finished unit elsewhere)")
