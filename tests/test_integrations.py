@@ -2766,6 +2766,19 @@ def test_the_offloading_specs_publish_setting_defaults_to_threshold_2():
     assert e.value.field == "kv_connector_extra_config"
 
 
+def test_the_offloading_specs_dueling_filter_sizes_its_ghost_pools_from_the_tier():
+    from kvpolicy.integrations.vllm_offload import offload_publish_filter
+    from kvpolicy.publish import DuelingPublish
+
+    f = offload_publish_filter({"kvpolicy_publish": "dueling", "kvpolicy_pool_blocks": 4096})
+    assert isinstance(f, DuelingPublish) and f.capacity == 4096
+    assert offload_publish_filter({"kvpolicy_publish": "dueling"}).capacity is None
+    for bad in (0, -3, 2.5, True, "4096"):
+        with pytest.raises(ConfigError) as e:
+            offload_publish_filter({"kvpolicy_publish": "dueling", "kvpolicy_pool_blocks": bad})
+        assert e.value.field == "kv_connector_extra_config.kvpolicy_pool_blocks"
+
+
 def test_a_misspelt_kvpolicy_key_of_the_offloading_spec_is_an_error_naming_it():
     """vLLM's own keys share kv_connector_extra_config; a misspelt kvpolicy key (bytes_per_tok) left the default
     131,072 bytes a token in force without a word, so reuse-aware weighed every write wrong."""

@@ -47,12 +47,13 @@ def filter_setting(cfg: dict[str, Any], key: str, where: str, *, block_bytes: in
     return spec_filter(string_setting(cfg, key, where), f"{where}.{key}", block_bytes=block_bytes, block_s=block_s)
 
 
-def spec_filter(spec: str, field: str, *, block_bytes: int, block_s: float) -> Any:
-    """:func:`~kvpolicy.publish.make_filter` for an engine's setting ``field``: its errors name ``field``."""
+def spec_filter(spec: str, field: str, *, block_bytes: int, block_s: float, pool_capacity_blocks: int | None = None) -> Any:
+    """:func:`~kvpolicy.publish.make_filter` for an engine's setting ``field``: its errors name ``field``.
+    ``pool_capacity_blocks``: what the tier holds, for ``dueling``'s ghost pools (None: unbounded)."""
     from ..publish import make_filter
 
     try:
-        return make_filter(spec, block_bytes=block_bytes, recompute_s=lambda depth: block_s)
+        return make_filter(spec, block_bytes=block_bytes, recompute_s=lambda depth: block_s, pool_capacity_blocks=pool_capacity_blocks)
     except ConfigError as e:
         raise ConfigError(field, e.problem) from None
 

@@ -262,14 +262,15 @@ def offload_publish_filter(extra_config: Any, key_tokens: int = 16) -> Any:
     """The publish filter named by ``kv_connector_extra_config["kvpolicy_publish"]`` (default ``threshold-2``), for
     offload keys of ``key_tokens`` tokens. ``reuse-aware`` weighs a write against a recompute: a chunk's bytes are
     ``kvpolicy_bytes_per_token`` × ``key_tokens``, its recompute ``key_tokens`` / ``kvpolicy_prefill_tokens_per_s``
-    (defaults 131072 and 20000). Anything else than a valid spec string is an error naming that key."""
+    (defaults 131072 and 20000). ``kvpolicy_pool_blocks``: the CPU tier's size in offload keys, the ghost pools of
+    ``dueling`` (unbounded without it). Anything else than a valid spec string is an error naming that key."""
     from ._settings import spec_filter
 
     where = "kv_connector_extra_config.kvpolicy_publish"
     extra = {} if extra_config is None else extra_config
     if not isinstance(extra, Mapping):
         raise ConfigError("kv_connector_extra_config", f"must be an object, got {type(extra).__name__}")
-    known = ("kvpolicy_publish", *OFFLOAD_DEFAULTS)
+    known = ("kvpolicy_publish", "kvpolicy_pool_blocks", *OFFLOAD_DEFAULTS)
     typos = sorted(str(k) for k in extra if str(k).startswith("kvpolicy_") and k not in known)
     if typos:  # vLLM's own keys share this object; a misspelt kvpolicy one would leave its default in force without a word
         raise ConfigError(f"kv_connector_extra_config.{typos[0]}", f"is not a kvpolicy setting of the offloading spec; the settings: {', '.join(known)}")
@@ -282,7 +283,10 @@ def offload_publish_filter(extra_config: Any, key_tokens: int = 16) -> Any:
     tps = extra.get("kvpolicy_prefill_tokens_per_s", OFFLOAD_DEFAULTS["kvpolicy_prefill_tokens_per_s"])
     if isinstance(tps, bool) or not isinstance(tps, (int, float)) or not 0 < tps < float("inf"):
         raise ConfigError("kv_connector_extra_config.kvpolicy_prefill_tokens_per_s", f"must be a finite positive number, got {tps!r}")
-    return spec_filter(spec, where, block_bytes=bpt * key_tokens, block_s=key_tokens / tps)
+    pool = extra.get("kvpolicy_pool_blocks")  # the CPU tier's size in offload keys: dueling's ghost pools (None: unbounded)
+    if pool is not None and (isinstance(pool, bool) or not isinstance(pool, int) or pool <= 0):
+        raise ConfigError("kv_connector_extra_config.kvpolicy_pool_blocks", f"must be a positive int (offload keys the tier holds), got {pool!r}")
+    return spec_filter(spec, where, block_bytes=bpt * key_tokens, block_s=key_tokens / tps, pool_capacity_blocks=pool)
 
 
 def _resident_in(manager: Any) -> Any:
