@@ -199,6 +199,22 @@ def _pool_needs(trace: Any, rep: Any) -> dict[int, list[int]]:
     return needs
 
 
+def _local_runs(trace: Any, rep: Any) -> Any:
+    """Per request, in order: (index, the set of blocks its replica holds, its first and end reference, the end of its
+    matchable blocks, the first reference past the replica's own leading run) — replicas keep every block they saw, so
+    the caller adds the request's blocks to the set once it is done with it."""
+    offsets, ids, matchable = trace.block_offsets.tolist(), trace.block_ids.tolist(), trace.matchable_blocks.tolist()
+    local: dict[int, set[int]] = {}
+    for r in range(len(trace)):
+        mine = local.setdefault(int(rep[r]), set())
+        s, e = offsets[r], offsets[r + 1]
+        m = s + matchable[r]
+        j = s
+        while j < m and ids[j] in mine:
+            j += 1
+        yield r, mine, s, e, m, j
+
+
 def _needed_after(needs: dict[int, list[int]], b: int, r: int) -> bool:
     lst = needs.get(b)
     return lst is not None and bool(lst) and lst[-1] > r
@@ -216,18 +232,11 @@ def _finite_oracle(trace: Any, rep: Any, needs: dict[int, list[int]], cap: int, 
     """(blocks written, re-read blocks served, evictions of blocks needed later) of the hindsight publisher in a pool of
     ``cap`` blocks: it writes the blocks some other replica will need, evicts the one needed farthest ahead (Belady), and
     writes nothing needed later than everything it holds (bypass). Counted for requests >= k."""
-    offsets, ids, matchable = trace.block_offsets.tolist(), trace.block_ids.tolist(), trace.matchable_blocks.tolist()
-    local: dict[int, set[int]] = {}
+    ids = trace.block_ids.tolist()
     pool: dict[int, float] = {}  # block -> its next need
     heap: list[tuple[float, int]] = []  # (-next need, block), stale entries skipped
     written = served = evicted = 0
-    for r in range(len(trace)):
-        mine = local.setdefault(int(rep[r]), set())
-        s, e = offsets[r], offsets[r + 1]
-        m = s + matchable[r]
-        j = s
-        while j < m and ids[j] in mine:
-            j += 1
+    for r, mine, s, e, m, j in _local_runs(trace, rep):
         while j < m and ids[j] in pool:
             b = ids[j]
             served += r >= k
@@ -291,15 +300,8 @@ def _sightings(trace: Any, rep: Any) -> tuple[Any, Any, int]:
     r = np.zeros(n, dtype=np.int64)
     s = np.zeros(n, dtype=np.bool_)
     sightings = np.zeros(n, dtype=np.int64)
-    offsets, ids, matchable = trace.block_offsets.tolist(), trace.block_ids.tolist(), trace.matchable_blocks.tolist()
-    local: dict[int, set[int]] = {}
-    for q in range(len(trace)):
-        mine = local.setdefault(int(rep[q]), set())
-        a, e = offsets[q], offsets[q + 1]
-        m = a + matchable[q]
-        j = a
-        while j < m and ids[j] in mine:
-            j += 1
+    ids = trace.block_ids.tolist()
+    for _, mine, a, e, m, j in _local_runs(trace, rep):
         while j < m and sightings[ids[j]]:
             b = ids[j]
             r[b] += 1
