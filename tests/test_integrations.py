@@ -68,6 +68,7 @@ def test_batch_round_trip_has_the_engines_map_shape():
     (["BlockStored", [b"x"], None, [1, 2, 3], 1], "events[0]"),
     (["BlockStored", [1.5], None, [1, 2], 2], "events[0].block_hashes"),
     ({"type": "BlockStored", "block_hashes": [1 << 64], "token_ids": [1, 2], "block_size": 2}, "events[0].block_hashes"),
+    ({"type": "BlockStored", "block_hashes": [-(1 << 63) - 1], "token_ids": [1, 2], "block_size": 2}, "events[0].block_hashes"),
     ({"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 2], "block_size": 2, "extra_keys": [None, None]}, "events[0].extra_keys"),
     ({"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 2], "block_size": 2, "group_idx": "0"}, "events[0].group_idx"),
     ({"type": "BlockStored", "block_hashes": [1], "block_size": 2}, "events[0].token_ids"),
@@ -86,6 +87,24 @@ def test_malformed_events_name_the_field(raw, field):
 
 
 # --------------------------------------------------------------------------- ingestion
+
+
+def test_signed_64_bit_hashes_as_sglang_sends_them_land_whole():
+    """SGLang's block hashes are signed int64 (hash_str_to_int64): about half are negative. They were refused ("must fit
+    in 64 unsigned bits") and every block after one became an orphan (issue #45). A signed hash is its 64 bits: the
+    parent named as a negative int chains to the block stored with it, and the same value unsigned names the same block."""
+    d = InMemoryDirectory()
+    ing = ingestor(d)
+    signed = [int.from_bytes(h[-8:], "big", signed=True) for h in vllm_block_hashes(PROMPT[: 4 * B], B)]
+    signed = [h if h < 0 else -h - 1 for h in signed]  # every one negative, as a worst case
+    ev1 = BlockStored(tuple(signed[:2]), None, tuple(PROMPT[: 2 * B]), B, None, "GPU")
+    ev2 = BlockStored(tuple(signed[2:]), signed[1], tuple(PROMPT[2 * B: 4 * B]), B, None, "GPU")
+    assert ing.ingest(encode_batch(1.0, [ev1, ev2])) == 2
+    keys = list(HASHER.hash_blocks(PROMPT))
+    assert d.match_prefix("acme", keys) == 4
+    assert decode_event(["BlockRemoved", [signed[3]]]) == decode_event(["BlockRemoved", [signed[3] & ((1 << 64) - 1)]])
+    ing.ingest(encode_batch(2.0, [BlockRemoved((signed[3] & ((1 << 64) - 1),), "GPU")]))
+    assert d.match_prefix("acme", keys) == 3, "removed by its unsigned spelling: the same block"
 
 
 @pytest.mark.parametrize("as_int", [False, True])

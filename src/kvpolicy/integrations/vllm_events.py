@@ -103,10 +103,15 @@ class EventFormatError(ConfigError):
 
 
 def _hash(h: Any, where: str) -> Hashable:
+    """A block hash as the engines send it: bytes, or a 64-bit int — unsigned (vLLM) or signed (SGLang builds its
+    hashes with ``hash_str_to_int64``, so about half are negative). A signed one is taken as its 64 bits (two's
+    complement), so a block and the parent hash naming it agree whichever way either was written."""
     if isinstance(h, bool) or not isinstance(h, (bytes, int)):
         raise EventFormatError(where, f"a block hash must be bytes or int, got {type(h).__name__}")
-    if isinstance(h, int) and not 0 <= h <= _M64:
-        raise EventFormatError(where, f"an int block hash must fit in 64 unsigned bits, got {h}")
+    if isinstance(h, int):
+        if not -(1 << 63) <= h <= _M64:
+            raise EventFormatError(where, f"an int block hash must fit in 64 bits (signed or unsigned), got {h}")
+        return h & _M64
     return h
 
 
