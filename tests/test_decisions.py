@@ -420,3 +420,41 @@ def test_a_held_out_split_changes_no_decision_and_counts_only_the_second_half():
     assert half.loads < whole.loads and half.row()["requests"] == len(tr) - k
     with pytest.raises(ConfigError, match="judge_from_request"):
         Simulator(prep, cl, policy_set("kvpolicy"), judge_from_request=len(tr))
+
+
+def test_a_split_waiting_for_its_slot_starts_its_front_later_by_exactly_that_wait():
+    """compute_after_s = remote(k − s) − W − front(s): W of queue wait already delays the front, so it is asked to
+    start that much sooner after the load began (and never before 0)."""
+    c = controller(bw=2.5e9, compute_while_loading=True)
+    for wait in (0.0, 0.004):
+        ctx = AdmissionContext(block_bytes=BLOCK_BYTES, queue_wait_s=wait)
+        d = c.propose(pm(0, 40), ctx)
+        assert d.loads and 0 < d.split_blocks < d.load_blocks
+        k, s = d.load_blocks, d.split_blocks
+        c95, c50 = c.model.coefficients(0.95, "pool"), c.model.coefficients(0.5, "pool")
+        remote = c95.remote((k - s) * BLOCK_BYTES, k - s, 0.0) + c50.interference_s_per_byte * (k - s) * BLOCK_BYTES
+        assert d.compute_after_s == pytest.approx(max(remote - wait - c50.recompute(0, s * B), 0.0))
+
+
+def test_a_split_plan_charges_its_front_to_the_requests_behind():
+    """plan(k, s) = max(W + front(s), remote(k − s)) + externality × front(s), with the externality from the queue and the
+    replica's utilisation."""
+    c = controller(bw=2.5e9, compute_while_loading=True)
+    ctx = AdmissionContext(block_bytes=BLOCK_BYTES, prefill_queue_requests=1, prefill_utilisation=0.5)
+    t = c.evaluate(0, 40, 40, B, ctx, 10)
+    c95, c50 = c.model.coefficients(0.95, "pool"), c.model.coefficients(0.5, "pool")
+    front = c50.recompute(0, 10 * B)
+    remote = c95.remote(30 * BLOCK_BYTES, 30, 0.0) + c50.interference_s_per_byte * 30 * BLOCK_BYTES
+    assert t["externality"] == pytest.approx(2.0)
+    assert t["t_plan_s"] == pytest.approx(max(front, remote) + 2.0 * front)
+    assert t["gpu_saved_s"] == pytest.approx(c50.recompute(0, 40 * B) - front)
+
+
+def test_two_found_blocks_can_be_split_one_computed_one_loaded():
+    """The smallest range that can be split: a plain load of 2 blocks loses, computing the first while the second loads
+    wins."""
+    c = controller(bw=2.5e9, compute_while_loading=True, ttft_slo_s=0.0)  # a block: 1.26 ms at p95, 0.8 ms of compute + 2 ms dispatch
+    ctx = AdmissionContext(block_bytes=BLOCK_BYTES)
+    assert not controller(bw=2.5e9, ttft_slo_s=0.0).propose(pm(0, 2), ctx).loads
+    d = c.propose(pm(0, 2), ctx)
+    assert d.loads and d.load_blocks == 2 and d.split_blocks == 1

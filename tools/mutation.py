@@ -169,7 +169,12 @@ class _Sites(ast.NodeVisitor):
                 return
             prev, self._stmt = self._stmt, node
             self._statement_sites(node)
-            super().generic_visit(node)
+            if isinstance(node, ast.AnnAssign):  # an annotation is never evaluated here (from __future__ import annotations)
+                for child in (node.target, node.value):
+                    if child is not None:
+                        self.visit(child)
+            else:
+                super().generic_visit(node)
             self._stmt = prev
             return
         if isinstance(node, ast.JoinedStr):
