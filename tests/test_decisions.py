@@ -458,3 +458,86 @@ def test_two_found_blocks_can_be_split_one_computed_one_loaded():
     assert not controller(bw=2.5e9, ttft_slo_s=0.0).propose(pm(0, 2), ctx).loads
     d = c.propose(pm(0, 2), ctx)
     assert d.loads and d.load_blocks == 2 and d.split_blocks == 1
+
+
+def test_the_sketch_caps_its_counters_at_15_and_resets_every_sample_size_additions_exactly():
+    sk = FrequencySketch(width=1024, depth=4, sample_size=1000)
+    for _ in range(40):
+        sk.add("x")
+    assert sk.estimate("x") == 15, "4-bit counters stop at 15"
+    sk = FrequencySketch(width=1024, depth=2, sample_size=5)
+    for _ in range(5):
+        sk.add("a")
+    assert sk.resets == 1 and sk.estimate("a") == 2 and sk.additions == 0
+    for _ in range(4):
+        sk.add("b")
+    assert sk.resets == 1, "the next reset comes after sample_size more additions, not one fewer"
+    sk.add("b")
+    assert sk.resets == 2 and sk.estimate("a") == 1 and sk.estimate("b") == 2
+    other_seed = FrequencySketch(width=1024, depth=2, sample_size=5, seed=7)
+    assert [other_seed._columns(k) for k in range(20)] != [sk._columns(k) for k in range(20)], "the seed moves the columns"
+
+
+def test_a_sketch_spreads_keys_over_its_rows_independently():
+    """Two rows that put most keys in the same column are one row: the overcount of a single row (Kirsch-Mitzenmacher
+    needs an odd, key-dependent stride)."""
+    sk = FrequencySketch(width=1 << 12, depth=4, sample_size=10**6)
+    cols = [sk._columns(k) for k in range(2000)]
+    for a in range(4):
+        for b in range(a + 1, 4):
+            same = sum(c[a] == c[b] for c in cols)
+            assert same < 20, (a, b, same)
+    assert len({c[0] for c in cols}) > 1500, "keys spread over the columns"
+
+
+def test_the_write_admission_sizes_its_sketch_from_the_tier_and_refuses_what_cannot_be():
+    assert WriteAdmission(capacity_blocks=10).sketch.width == 1024, "at least 1024 columns"
+    assert WriteAdmission(capacity_blocks=1000).sketch.width == 4096, "the next power of two >= 4 x the tier's blocks"
+    assert WriteAdmission(capacity_blocks=1024).sketch.width == 4096
+    assert WriteAdmission(capacity_blocks=1025).sketch.width == 8192
+    assert WriteAdmission(capacity_blocks=100).sketch.sample_size == 1000, "TinyLFU's W = 10 x the tier"
+    assert WriteAdmission(capacity_blocks=100, sample_size=7).sketch.sample_size == 7
+    assert WriteAdmission(capacity_blocks=1 << 27).sketch.width == 1 << 28, "capped at 2**28 columns"
+    for kw, field in ((dict(width=0), "width"), (dict(depth=0), "depth"), (dict(depth=17), "depth"), (dict(width=(1 << 28) + 1), "width"),
+                      (dict(sample_size=0), "sample_size"), (dict(seed=-1), "seed")):
+        with pytest.raises(ConfigError, match=field):
+            FrequencySketch(**{"width": 64, "depth": 2, "sample_size": 10, **kw})
+    FrequencySketch(width=64, depth=16, sample_size=1)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="capacity_blocks"):
+            WriteAdmission(capacity_blocks=bad)
+
+
+def test_the_write_admission_counts_what_it_decides_and_forgets_old_request_ids():
+    adm = WriteAdmission(capacity_blocks=100, sample_size=10**6)  # no reset in this test
+    adm.observe("r", ["a"])
+    adm.observe("r", ["a"])
+    assert adm.value("a") == 1
+    for i in range(4096):
+        adm.observe(i, ["z"])
+    adm.observe("r", ["a"])  # 4,096 newer requests later, "r" is forgotten: seen again, it counts again
+    assert adm.value("a") == 2
+    adm2 = WriteAdmission(capacity_blocks=100, sample_size=10**6)
+    for i in range(4096):
+        adm2.observe(i, ["z"])
+    adm2.observe(0, ["y"])  # exactly 4,096 held: the oldest is still remembered
+    assert adm2.value("y") == 0
+    assert adm.admit("a", None) and adm.admit("a", "z") is False
+    assert (adm.admitted, adm.refused) == (1, 1)
+    assert adm.admit_run(["p", "q"], None) == 2 and adm.admitted == 3, "a tier that cannot name its victims takes all"
+    # two fit without a victim, the third meets 'a' (2 requests) and the fourth would need a victim there is not
+    assert adm.admit_run(["a", "a", "z", "a"], ["a"], free_blocks=2) == 3 and adm.refused == 2
+    assert adm.admit_run(["z", "z", "z"], ["a"], free_blocks=1) == 2 and adm.refused == 3, "no victim left for the third"
+
+
+def test_the_gate_counts_the_tiers_free_blocks_in_blocks_not_bytes():
+    tier = make_policy("lru", 40)  # blocks of 10 bytes: room for 4, 3 held
+    for k in ("v1", "v2", "v3"):
+        tier.on_insert(k, 10, None)
+    adm = WriteAdmission(capacity_blocks=4)
+    adm.observe(1, ["v1", "v2", "v3"])
+    adm.observe(2, ["v1", "v2", "v3"])
+    adm.observe(3, ["c1", "c2"])
+    # c1 takes the free block; c2 (1 request) meets v1 (2 requests) and is refused
+    assert tier.peek_victims(20) == ["v1"] and gate(tier, adm, ["c1", "c2"], 10) == 1
+    assert gate(tier, adm, [], 10) == 0
