@@ -175,6 +175,14 @@ class _Dedup:
         done.update(fresh)
         return fresh
 
+    def first(self, request_id: Hashable) -> bool:
+        """True the first time ``request_id`` is seen (among the newest ``size``), and remembers it; False after."""
+        if request_id in self._seen:
+            self._seen.move_to_end(request_id)
+            return False
+        self.new_keys(request_id, ())
+        return True
+
 
 class NeverPublish:
     name = "never"
@@ -669,8 +677,7 @@ class DuelingPublish:
 
     def observe(self, request: PublishRequest, keys: Sequence[Hashable]) -> None:
         t = _timed(request, keys, "dueling")
-        if request.request_id not in self._read._seen:
-            self._read.new_keys(request.request_id, ())
+        if self._read.first(request.request_id):
             self._decay_to(t)
             L = request.local_blocks or 0
             rs = self.recompute_s
@@ -690,8 +697,7 @@ class DuelingPublish:
     def publishable(self, request: PublishRequest, keys: Sequence[Hashable]) -> int:
         _check(request, keys, timed="dueling")
         ns = [rule.publishable(request, keys) for rule in self.rules]
-        if request.request_id not in self._wrote._seen:
-            self._wrote.new_keys(request.request_id, ())
+        if self._wrote.first(request.request_id):
             cap = self.capacity
             for c, ghost in enumerate(self.ghosts):
                 wrote = 0

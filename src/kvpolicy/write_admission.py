@@ -29,7 +29,6 @@ stops at the first refusal — a block is useless remotely without its prefix.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -38,6 +37,7 @@ import numpy as np
 from ._mix import _M64, fmix64, key_bits, splitmix64_next
 from ._validate import check_non_negative_int, check_positive_int
 from .errors import ConfigError
+from .publish import _Dedup
 
 COUNTER_MAX = 15
 
@@ -104,17 +104,14 @@ class WriteAdmission:
         width = max(1024, 1 << (4 * capacity_blocks - 1).bit_length())
         self.capacity_blocks = capacity_blocks
         self.sketch = FrequencySketch(width=min(width, 1 << 28), depth=depth, sample_size=sample_size, seed=seed)
-        self._seen: OrderedDict[Hashable, None] = OrderedDict()  # request ids observed (bounded): counted once each
+        self._seen = _Dedup(size=4096)  # request ids observed (the newest 4,096): each counted once
         self.admitted = 0
         self.refused = 0
 
     def observe(self, request_id: Hashable, keys: Sequence[Hashable]) -> None:
         """Count each distinct key of one request once (a repeated call for the same request counts nothing)."""
-        if request_id in self._seen:
+        if not self._seen.first(request_id):
             return
-        self._seen[request_id] = None
-        if len(self._seen) > 4096:
-            self._seen.popitem(last=False)
         for key in dict.fromkeys(keys):
             self.sketch.add(key)
 
