@@ -65,7 +65,7 @@ def test_batch_round_trip_has_the_engines_map_shape():
     ({"type": "Nope"}, "events[0].type"),
     ([], "events[0]"),
     (["BlockStored", [b"x"], None, [1, 2], 0], "events[0].block_size"),
-    (["BlockStored", [b"x"], None, [1, 2, 3], 1], "events[0]"),
+    (["BlockStored", [b"x"], None, [1, 2, 3], 2], "events[0]"),  # more tokens than the blocks hold, not whole skipped blocks
     (["BlockStored", [1.5], None, [1, 2], 2], "events[0].block_hashes"),
     ({"type": "BlockStored", "block_hashes": [1 << 64], "token_ids": [1, 2], "block_size": 2}, "events[0].block_hashes"),
     ({"type": "BlockStored", "block_hashes": [-(1 << 63) - 1], "token_ids": [1, 2], "block_size": 2}, "events[0].block_hashes"),
@@ -128,8 +128,11 @@ def test_stored_blocks_map_to_the_requests_own_keys(as_int):
     assert d.match_prefix("acme", list(other.hash_blocks(PROMPT))) == 0, "another namespace never matches"
     ing.ingest(encode_batch(2.0, [BlockRemoved((h2_removed,), "CPU")]))
     assert d.match_prefix("acme", keys) == 3
-    ing.ingest(encode_batch(3.0, [AllBlocksCleared()]))
+    ing.ingest(encode_batch(3.0, [AllBlocksCleared()]))  # a GPU reset (no medium: neither engine's class has one)
     assert d.match_prefix("acme", keys) == 0
+    assert [[e.tier for e in es] for es in d.lookup("acme", keys)] == [[], [], ["cpu"], []], "the CPU copy outlives a GPU reset"
+    ing.forget_all()  # an engine restart: nothing of it is left anywhere
+    assert d.lookup("acme", keys[2:3]) == [[]]
     assert ing.counts["stored_blocks"] == 4 and ing.counts["removed_blocks"] == 1 and ing.counts["cleared"] == 1
 
 
@@ -139,9 +142,9 @@ def test_orphans_wrong_block_size_and_hash_mismatch_are_refused():
     ev, h = stored(PROMPT[B: 2 * B], parent=b"\x01" * 32)  # parent never seen
     ing.apply(ev)
     assert ing.counts["orphans"] == 1
-    bad_bs = BlockStored((b"a",), None, tuple(range(8)), 8)
+    bad_bs = BlockStored((b"a",), None, tuple(range(8)), 8, extra_keys=(("img-1", 0),))  # per-page multimodal keys
     ing.apply(bad_bs)
-    assert ing.counts["incompatible"] == 1
+    assert ing.counts["incompatible"] == 1, "multimodal keys of 8-token pages cannot be regrouped into 16-token blocks"
     ev, h = stored(PROMPT[:B])
     tampered = BlockStored((b"\x00" * 32,), None, ev.token_ids, B)
     ing.apply(tampered)
@@ -180,14 +183,15 @@ def test_an_event_the_directory_refuses_is_counted_not_raised():
     assert ing.counts["malformed_events"] == 1 and ing.refused["malformed_event"] == 1 and d.match_prefix("acme", list(HASHER.hash_blocks(PROMPT[:B]))) == 1
 
 
-def test_real_zmq_socket_on_loopback():
+@pytest.mark.parametrize("on_gap", ["keep", "forget"])
+def test_real_zmq_socket_on_loopback(on_gap):
     zmq = pytest.importorskip("zmq")
     ctx = zmq.Context.instance()
     pub = ctx.socket(zmq.PUB)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     d = InMemoryDirectory()
     ing = ingestor(d)
-    sub = ZmqEventSubscriber(ing, f"tcp://127.0.0.1:{port}", topic="kv@pod-1")
+    sub = ZmqEventSubscriber(ing, f"tcp://127.0.0.1:{port}", topic="kv@pod-1", on_gap=on_gap)
     stop = threading.Event()
     th = threading.Thread(target=sub.run, args=(stop,), daemon=True)
     th.start()
@@ -205,7 +209,7 @@ def test_real_zmq_socket_on_loopback():
         pub.send_multipart([b"kv@pod-1", (5).to_bytes(8, "big"), encode_batch(2.0, [BlockRemoved((h[-1],), "GPU")])])  # 3, 4 missed
         pub.send_multipart([b"other-topic", (0).to_bytes(8, "big"), encode_batch(3.0, [AllBlocksCleared()])])  # filtered out
         deadline = time.time() + 10
-        while ing.counts["removed_blocks"] < 1 and time.time() < deadline:
+        while ing.counts["removed_blocks"] + ing.counts["resyncs"] < 1 and time.time() < deadline:
             time.sleep(0.02)
     finally:
         stop.set()
@@ -213,7 +217,10 @@ def test_real_zmq_socket_on_loopback():
         sub.close()
         pub.close(linger=0)
     keys = list(HASHER.hash_blocks(PROMPT))
-    assert d.match_prefix("acme", keys) == 3
+    # batches 3 and 4 are lost and there is no replay socket: they may have removed blocks, so by default what was
+    # known is forgotten (a stale claim sends a fetch that fails); "keep" keeps it and applies seq 5's removal
+    assert d.match_prefix("acme", keys) == (3 if on_gap == "keep" else 0)
+    assert ing.counts["resyncs"] == (0 if on_gap == "keep" else 1)
     assert ing.counts["malformed_frames"] == 2
     assert ing.counts["missed_batches"] == 2
     assert ing.counts["cleared"] == 0
@@ -1171,8 +1178,8 @@ def test_sglang_salt_tiers_and_clear():
     assert d.match_prefix("acme", keys) == 2, "SGLang's cache_salt is folded into the chain's first block; block 3 left the GPU"
     assert holders(d, keys) == [["pod-1/cpu/g0", "pod-1/gpu/g0"], ["pod-1/gpu/g0"], []], "CPU_PINNED is the CPU tier; the copy keeps the salted key"
     assert d.match_prefix("acme", list(HASHER.hash_blocks(toks))) == 0, "an unsalted request finds nothing"
-    ing.apply(events[-1])
-    assert d.match_prefix("acme", keys) == 0
+    ing.apply(events[-1])  # AllBlocksCleared from SGLang's RadixCache.reset: the GPU tree, not the host copy
+    assert holders(d, keys) == [["pod-1/cpu/g0"], [], []]
 
 
 def test_partial_and_tier_only_events():
@@ -1236,8 +1243,9 @@ def test_engine_payloads_over_a_real_pub_socket_with_restart_and_replay():
     rt.start()
     try:
         deadline = time.time() + 10
+        history[0] = encode_batch(0.0, [])  # the engine's replay holds what it published
         while ing.counts["batches"] == 0 and time.time() < deadline:
-            pub.send_multipart([b"kv", (0).to_bytes(8, "big"), encode_batch(0.0, [])])
+            pub.send_multipart([b"kv", (0).to_bytes(8, "big"), history[0]])
             time.sleep(0.05)
         history[2] = base64.b64decode(cases["stored-int-hashes-default"]["payload_b64"])  # published while we were not listening
         send(3, "stored-cpu-tier-and-removed-gpu")
@@ -1352,6 +1360,126 @@ def test_one_subscriber_per_data_parallel_rank():
             s.close()
     with pytest.raises(ConfigError, match="ranks"):
         ZmqEventSubscriber.for_ranks(lambda r: None, "127.0.0.1", 15557, 0)
+
+
+def test_each_rank_gets_its_own_replay_socket_and_the_port_ranges_may_not_overlap():
+    """for_ranks(..., replay_endpoint=X) gave every rank rank 0's replay socket; and vLLM offsets both sockets by the
+    rank, so events on 5557 with replay on 5558 put rank 1's events on rank 0's replay port (ZMQError on the engine)."""
+    pytest.importorskip("zmq")
+    d = InMemoryDirectory()
+    make = lambda r: KVEventIngestor(d, "acme", HASHER, holder=f"pod-1-dp{r}", bytes_per_token=2048)  # noqa: E731
+    with pytest.raises(ConfigError) as e:
+        ZmqEventSubscriber.for_ranks(make, "127.0.0.1", 15557, 2, replay_base_port=15558)
+    assert e.value.field == "replay_base_port"
+    with pytest.raises(ConfigError) as e:
+        ZmqEventSubscriber.for_ranks(make, "127.0.0.1", 15557, 2, replay_endpoint="tcp://127.0.0.1:15558")
+    assert e.value.field == "replay_endpoint"
+    subs = ZmqEventSubscriber.for_ranks(make, "127.0.0.1", 15557, 3, replay_base_port=15560)
+    try:
+        assert [s.replay.sock.getsockopt_string(__import__("zmq").LAST_ENDPOINT) for s in subs] == \
+            ["tcp://127.0.0.1:15560", "tcp://127.0.0.1:15561", "tcp://127.0.0.1:15562"]
+    finally:
+        for s in subs:
+            s.close()
+
+
+class _Replay:
+    def __init__(self, frames):
+        self.frames = dict(frames)
+
+    def fetch(self, start_seq, until=None):
+        return [(s, p) for s, p in sorted(self.frames.items()) if s >= start_seq and (until is None or s <= until)]
+
+
+def _frame(seq, events):
+    return [b"kv", seq.to_bytes(8, "big"), encode_batch(float(seq), events)]
+
+
+def test_a_restart_is_seen_without_the_sequence_going_back():
+    """An engine restart whose first seq equals the last one seen was dropped as a duplicate (its blocks lost, the old
+    ones kept); a restart noticed late (seq 5 after 2) left the old engine's blocks. The payload's digest and the
+    replay socket tell."""
+    pytest.importorskip("zmq")
+    old, _ = stored(PROMPT[: 2 * B])
+    new, _ = stored(list(range(7000, 7000 + 2 * B)))
+    old_keys, new_keys = list(HASHER.hash_blocks(PROMPT[: 2 * B])), list(HASHER.hash_blocks(list(range(7000, 7000 + 2 * B))))
+    # the same first seq, another payload
+    d = InMemoryDirectory()
+    sub = ZmqEventSubscriber(ingestor(d), "inproc://restart-1")
+    try:
+        sub.handle(_frame(0, [old]))
+        sub.handle(_frame(0, [old]))  # the same bytes again: a duplicate
+        assert sub.ingestor.counts["duplicates"] == 1 and d.match_prefix("acme", old_keys) == 2
+        sub.handle(_frame(0, [new]))
+        assert sub.ingestor.counts["restarts"] == 1
+        assert d.match_prefix("acme", old_keys) == 0 and d.match_prefix("acme", new_keys) == 2
+    finally:
+        sub.close()
+    # noticed late: the new engine's 0..4 were missed; its replay socket holds them, and its 0..2 are not ours
+    d = InMemoryDirectory()
+    new_life = {s: encode_batch(float(s), [new] if s == 1 else []) for s in range(6)}
+    sub = ZmqEventSubscriber(ingestor(d), "inproc://restart-2", replay=_Replay(new_life))
+    try:
+        for s in range(3):
+            sub.handle(_frame(s, [old] if s == 0 else [BlockStored((900 + s,), None, tuple(range(s * 50, s * 50 + B)), B)]))
+        sub.handle([b"kv", (5).to_bytes(8, "big"), new_life[5]])
+        assert sub.ingestor.counts["restarts"] == 1
+        assert d.match_prefix("acme", old_keys) == 0, "the old engine's blocks are gone"
+        assert d.match_prefix("acme", new_keys) == 2, "the new engine's batch 1, fetched from its replay socket, landed"
+    finally:
+        sub.close()
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_a_gap_the_replay_fills_keeps_what_was_known(replay):
+    """A gap the replay socket fills (its earlier batches are the ones seen) is the same engine: nothing is forgotten.
+    Without a replay socket the lost batch may have removed blocks, so what was known is forgotten (on_gap='forget')."""
+    pytest.importorskip("zmq")
+    ev, h = stored(PROMPT[: 3 * B])
+    life = {0: encode_batch(0.0, [ev]), 1: encode_batch(1.0, [BlockRemoved((h[-1],), "GPU")]), 2: encode_batch(2.0, [])}
+    d = InMemoryDirectory()
+    sub = ZmqEventSubscriber(ingestor(d), "inproc://gap", replay=_Replay(life) if replay else None)
+    try:
+        sub.handle([b"kv", (0).to_bytes(8, "big"), life[0]])
+        sub.handle([b"kv", (2).to_bytes(8, "big"), life[2]])
+        keys = list(HASHER.hash_blocks(PROMPT[: 3 * B]))
+        assert d.match_prefix("acme", keys) == (2 if replay else 0), "the removal in the lost batch 1 is applied, or all is forgotten"
+        assert sub.ingestor.counts["resyncs"] == (0 if replay else 1) and sub.ingestor.counts["restarts"] == 0
+    finally:
+        sub.close()
+
+
+def test_an_engine_whose_socket_goes_away_is_forgotten_at_once():
+    """The bound on stale entries: when the engine's process exits, its PUB socket closes, the subscriber's socket
+    monitor sees the disconnect and everything the engine was known to hold leaves the directory — without waiting
+    for a batch from a new engine."""
+    zmq = pytest.importorskip("zmq")
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    d = InMemoryDirectory()
+    sub = ZmqEventSubscriber(ingestor(d), f"tcp://127.0.0.1:{port}", topic="kv", heartbeat_s=0.2)
+    stop = threading.Event()
+    th = threading.Thread(target=sub.run, args=(stop,), daemon=True)
+    th.start()
+    ev, _ = stored(PROMPT[: 2 * B])
+    keys = list(HASHER.hash_blocks(PROMPT[: 2 * B]))
+    try:
+        deadline = time.time() + 10
+        while d.match_prefix("acme", keys) < 2 and time.time() < deadline:
+            pub.send_multipart([b"kv", (0).to_bytes(8, "big"), encode_batch(0.0, [ev])])
+            time.sleep(0.05)
+        assert d.match_prefix("acme", keys) == 2
+        pub.close(linger=0)  # the engine exits
+        t0 = time.time()
+        while d.match_prefix("acme", keys) and time.time() < deadline:
+            time.sleep(0.01)
+        assert d.match_prefix("acme", keys) == 0 and sub.ingestor.counts["disconnects"] >= 1
+        assert time.time() - t0 < 2.0, "the disconnect is seen within a heartbeat or two, not at the next batch"
+    finally:
+        stop.set()
+        th.join(timeout=5)
+        sub.close()
 
 
 def test_the_events_example_in_the_docs_runs_as_written():
@@ -2965,7 +3093,10 @@ def test_ingest_events_feeds_a_directory_from_an_engines_socket_and_reports_what
     after = (list(events_log.handlers), events_log.level, events_log.propagate, list(logging.getLogger().handlers))
     assert after == before, "the command leaves the process's logging as it found it"
     for argv, field in ((["--endpoint", "tcp://127.0.0.1:abc"], "--endpoint"), (["--directory", "mysql://x"], "--directory"),
-                        (["--endpoint", "tcp://127.0.0.1:65535", "--ranks", "2"], "--endpoint"), (["--replay-endpoint", "x"], "--replay-endpoint")):
+                        (["--endpoint", "tcp://127.0.0.1:65535", "--ranks", "2"], "--endpoint"), (["--replay-endpoint", "x"], "--replay-endpoint"),
+                        # vLLM offsets events and replay by the rank: replay on port + 1 puts rank 1's events on rank 0's replay
+                        (["--ranks", "2", "--replay-endpoint", f"tcp://127.0.0.1:{port + 1}"], "--replay-endpoint"),
+                        (["--verify-hash-seed", "42"], "--verify-hash-seed")):
         base = {"--endpoint": f"tcp://127.0.0.1:{port}", "--directory": "memory"}
         extra = dict(zip(argv[::2], argv[1::2]))
         args = [*(x for k, v in {**base, **extra}.items() for x in (k, v)), "--tenant", "acme", "--holder", "pod-1", "--block-size", "16",

@@ -437,13 +437,24 @@ def _cmd_ingest_events(args: argparse.Namespace) -> int:
     for flag, ep in (("--endpoint", args.endpoint), ("--replay-endpoint", args.replay_endpoint)):
         if ep:
             _endpoint_for_rank(ep, args.ranks - 1, flag)  # every rank's port exists, before any socket is opened
+    if args.replay_endpoint:  # vLLM offsets both sockets by the rank: 5557 and 5558 put rank 1's events on rank 0's replay
+        events = {_endpoint_for_rank(args.endpoint, r, "--endpoint") for r in range(args.ranks)}
+        clash = sorted(events & {_endpoint_for_rank(args.replay_endpoint, r, "--replay-endpoint") for r in range(args.ranks)})
+        if clash:
+            raise ConfigError("--replay-endpoint", f"with --ranks {args.ranks}, {clash[0]} would be both a rank's event socket and "
+                                                   "another's replay socket (the engine cannot bind both): put the replay ports "
+                                                   "past the event ports' range, e.g. events 5557 and replay 5557 + ranks")
+    if args.verify_hash_seed is not None and args.verify is None:
+        raise ConfigError("--verify-hash-seed", "only means something with --verify")
     subs = []
     for r in range(args.ranks):
         holder = args.holder if args.ranks == 1 else f"{args.holder}-dp{r}"
-        ing = KVEventIngestor(directory, args.tenant, hasher, holder=holder, bytes_per_token=bpt, verify_algo=args.verify)
+        ing = KVEventIngestor(directory, args.tenant, hasher, holder=holder, bytes_per_token=bpt, verify_algo=args.verify,
+                              none_hash_seed=args.verify_hash_seed)
         replay = _endpoint_for_rank(args.replay_endpoint, r, "--replay-endpoint") if args.replay_endpoint else None
         try:
-            subs.append(ZmqEventSubscriber(ing, _endpoint_for_rank(args.endpoint, r, "--endpoint"), topic=args.topic, replay_endpoint=replay))
+            subs.append(ZmqEventSubscriber(ing, _endpoint_for_rank(args.endpoint, r, "--endpoint"), topic=args.topic, replay_endpoint=replay,
+                                           on_gap=args.on_gap))
         except ConfigError as e:
             for sub in subs:
                 sub.close()
@@ -1021,6 +1032,11 @@ def build_parser() -> argparse.ArgumentParser:
     ie.add_argument("--secret-file", default=None, help="file holding the deployment secret as hex (one line)")
     ie.add_argument("--verify", choices=["sha256", "sha256_cbor"], default=None,
                     help="check each stored block's engine hash against vLLM's own hashing of its tokens (the engine's --prefix-caching-hash-algo)")
+    ie.add_argument("--verify-hash-seed", default=None, metavar="SEED",
+                    help="the engine's PYTHONHASHSEED, if it sets one: vLLM roots every hash chain in it, so --verify refuses every block without it")
+    ie.add_argument("--on-gap", choices=["forget", "keep"], default="forget",
+                    help="batches lost and not in the replay socket may have removed blocks: forget what this engine was known to "
+                         "hold (default), or keep it and only count them")
     ie.add_argument("--config", default=None, help="model config.json or bundled name, for the bytes a block holds (default llama-3-8b)")
     ie.add_argument("--kv-dtype", default=None)
     ie.add_argument("--bytes-per-token", type=_positive_int, default=None)

@@ -41,6 +41,7 @@ Malformed frames and events are counted (``counts`` and, per reason,
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -169,8 +170,10 @@ def _stored(f: dict[str, Any], where: str) -> BlockStored:
         raise EventFormatError(f"{where}.block_size", f"must be a non-negative int, got {bs!r}")
     if tokens and bs == 0:
         raise EventFormatError(f"{where}.block_size", "is 0 with token ids present")
-    if tokens and len(tokens) > len(hashes) * bs:
-        raise EventFormatError(where, f"{len(tokens)} token ids for {len(hashes)} blocks of {bs}")
+    if tokens and len(tokens) > len(hashes) * bs and len(tokens) % bs:
+        # more tokens than blocks is vLLM's sliding-window group skipping (null) blocks: whole skipped blocks only
+        raise EventFormatError(where, f"{len(tokens)} token ids for {len(hashes)} blocks of {bs}: more than the blocks hold, "
+                                      "and not whole skipped blocks")
     parent = f.get("parent_block_hash")
     look = f.get("lookahead_token_ids")
     return BlockStored(
@@ -260,15 +263,35 @@ def encode_batch(ts: float, events: list[Any], data_parallel_rank: int | None = 
 
 
 def extra_keys_for(n_blocks: int, *, lora_name: str | None = None, cache_salt: str | None = None,
-                   first_block_index: int = 0) -> list[tuple[Any, ...] | None]:
-    """Per-block extra keys as vLLM publishes them (untagged): the adapter name on every block, the
-    cache salt on absolute block 0 — what a request passes to ``BlockHasher.hash_blocks(extra_keys=...)``
-    so its keys match what :class:`KVEventIngestor` stored."""
+                   first_block_index: int = 0, mm_items: Any = (), block_size_tokens: int | None = None) -> list[tuple[Any, ...] | None]:
+    """Per-block extra keys as vLLM publishes them in its events (untagged, in its order: the adapter name, then each
+    multimodal item the block overlaps as ``(identifier, offset of the item from the block's first token)``, then the
+    cache salt on absolute block 0) — what a request passes to ``BlockHasher.hash_blocks(extra_keys=...)`` so its keys
+    match what :class:`KVEventIngestor` stored.
+
+    ``mm_items``: the request's multimodal items as ``(identifier, offset, length)`` in prompt tokens — vLLM's
+    ``mm_features[i].identifier`` and ``.mm_position`` — with ``block_size_tokens`` to place them."""
+    if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 0:
+        raise ConfigError("n_blocks", f"must be a non-negative int, got {n_blocks!r}")
+    items = []
+    for i, it in enumerate(mm_items):
+        if not isinstance(it, (tuple, list)) or len(it) != 3 or any(isinstance(x, bool) or not isinstance(x, int) for x in it[1:]) \
+                or it[1] < 0 or it[2] <= 0 or not isinstance(it[0], (str, bytes)):
+            raise ConfigError(f"mm_items[{i}]", f"must be (identifier, offset >= 0, length > 0), got {it!r:.80}")
+        items.append((it[0], int(it[1]), int(it[2])))
+    items.sort(key=lambda x: x[1])
+    if items and (isinstance(block_size_tokens, bool) or not isinstance(block_size_tokens, int) or block_size_tokens <= 0):
+        raise ConfigError("block_size_tokens", f"a positive int is needed to place mm_items in blocks, got {block_size_tokens!r}")
     out: list[tuple[Any, ...] | None] = []
     for j in range(n_blocks):
         parts: list[Any] = []
         if lora_name:
             parts.append(lora_name)
+        if items:
+            assert block_size_tokens is not None
+            start = (first_block_index + j) * block_size_tokens
+            end = start + block_size_tokens
+            parts.extend((ident, off - start) for ident, off, length in items if end > off and start < off + length)
         if cache_salt and first_block_index + j == 0:
             parts.append(cache_salt)
         out.append(tuple(parts) if parts else None)
@@ -276,32 +299,50 @@ def extra_keys_for(n_blocks: int, *, lora_name: str | None = None, cache_salt: s
 
 
 class KVEventIngestor:
-    """Apply one engine's (``holder``'s) KV events to a directory, for one tenant."""
+    """Apply one engine's (``holder``'s) KV events to a directory, for one tenant.
+
+    **Pages and blocks.** An engine's page (its ``block_size``) need not be kvpolicy's block: SGLang's default page is
+    one token. The ingestor walks each event's pages along the chain, carrying the tokens since the last kvpolicy block
+    boundary, and a kvpolicy block is stored when the page holding its last token is — its key is the one a request
+    computes with ``BlockHasher.hash_blocks(prompt, extra_keys=...)``. Removing that page removes the block (the engines
+    evict a chain from its tail, so a block's last page goes no later than the pages before it). Per-block extra keys
+    other than an adapter name and a salt (multimodal items) need pages of exactly one kvpolicy block.
+
+    **Tiers.** An entry is held per (key, medium, group): ``"{holder}/{tier}/g{group}"``. ``AllBlocksCleared`` clears
+    the tier it names; without a ``medium`` it clears the GPU tier — both engines emit it from their GPU pool's reset
+    (vLLM's ``BlockPool.reset_prefix_cache``, SGLang's ``RadixCache.reset``) and neither class has a ``medium`` field.
+    :meth:`forget_all` drops every tier: what an engine restart calls for.
+    """
 
     REASONS = ("malformed_frame", "malformed_event", "orphan", "incompatible_block_size", "mismatched_hash", "unverifiable",
                "unknown_removed", "partial_block", "unknown_tier_only")
 
     def __init__(self, directory: Any, tenant: str, hasher: BlockHasher, *, holder: str, bytes_per_token: int,
-                 verify_algo: str | None = None, max_mapped_blocks: int = 4_000_000) -> None:
+                 verify_algo: str | None = None, max_mapped_blocks: int = 4_000_000, none_hash_seed: str | None = None) -> None:
         if not isinstance(hasher, BlockHasher):
             raise ConfigError("hasher", "must be a kvpolicy BlockHasher for this deployment's namespace")
         if isinstance(bytes_per_token, bool) or not isinstance(bytes_per_token, int) or bytes_per_token <= 0:
             raise ConfigError("bytes_per_token", f"must be a positive int, got {bytes_per_token!r}")
         if not isinstance(holder, str) or not holder or "/" in holder:
             raise ConfigError("holder", f"must be a non-empty name without '/', got {holder!r}")
+        if none_hash_seed is not None and (not isinstance(none_hash_seed, str) or verify_algo is None):
+            raise ConfigError("none_hash_seed", "is the engine's PYTHONHASHSEED (a string), and only means something with verify_algo")
         self.directory = directory
         self.tenant = check_tenant(tenant)
         self.hasher = hasher
         self.holder = holder
         self.block_bytes = bytes_per_token * hasher.block_size_tokens
         self.verify_algo = verify_algo
+        #: the engine's ``PYTHONHASHSEED``: vLLM derives the root of every hash chain from it when it is set
+        self.none_hash_seed = none_hash_seed
         self.max_mapped_blocks = max_mapped_blocks
-        # engine hash -> [kvpolicy key, projected full hash (bytes) or None, {(tier, group)}]
+        # engine page hash -> [kvpolicy keys the page completes (tuple), chain state after the page: (key of the last
+        # complete block, tokens since it), projected full hash (bytes) or None, {(tier, group)}]
         self._map: OrderedDict[Hashable, list[Any]] = OrderedDict()
         self._holders: set[str] = set()
         self.counts = {"batches": 0, "events": 0, "stored_blocks": 0, "removed_blocks": 0, "cleared": 0, "malformed_frames": 0,
                        "malformed_events": 0, "orphans": 0, "incompatible": 0, "mismatched": 0, "unknown_removed": 0, "missed_batches": 0,
-                       "restarts": 0, "verified_blocks": 0, "forgotten_blocks": 0}
+                       "restarts": 0, "verified_blocks": 0, "forgotten_blocks": 0, "skipped_blocks": 0, "resyncs": 0}
         #: every block or frame refused, by reason (see REASONS)
         self.refused = {r: 0 for r in self.REASONS}
 
@@ -311,9 +352,9 @@ class KVEventIngestor:
         return f"{self.holder}/{tier}/g{group_idx or 0}"
 
     def key_of(self, engine_hash: Hashable) -> bytes | None:
-        """The kvpolicy key the engine's block hash maps to (None if unknown)."""
+        """The kvpolicy key of the block the engine's page completes (None if unknown, or if it completes none)."""
         rec = self._map.get(engine_hash)
-        return None if rec is None else rec[0]
+        return None if rec is None or not rec[0] else rec[0][-1]
 
     def _refuse(self, reason: str, n: int = 1) -> None:
         self.refused[reason] += n
@@ -358,49 +399,49 @@ class KVEventIngestor:
         else:
             self._cleared(ev)
 
+    def forget_all(self) -> None:
+        """Drop everything this engine was known to hold, on every tier (an engine restart: none of it exists now)."""
+        self._map.clear()
+        for h in sorted(self._holders):
+            self.directory.clear_holder(self.tenant, h)
+
     def _removed(self, ev: BlockRemoved) -> None:
         where = self.holder_for(ev.medium, ev.group_idx)
         tg = where.split("/", 1)[1]
         keys = []
         for h in ev.block_hashes:
             rec = self._map.get(h)
-            if rec is None or tg not in rec[2]:
+            if rec is None or tg not in rec[3]:
                 self.counts["unknown_removed"] += 1
                 self._refuse("unknown_removed")
                 continue
-            rec[2].discard(tg)
-            keys.append(rec[0])
-            if not rec[2]:  # no copy left anywhere: forget the mapping
+            rec[3].discard(tg)
+            keys.extend(rec[0])
+            if not rec[3]:  # no copy left anywhere: forget the mapping
                 del self._map[h]
         if keys:
             self.counts["removed_blocks"] += self.directory.evict(self.tenant, keys, holder=where, force=True)
 
     def _cleared(self, ev: AllBlocksCleared) -> None:
         self.counts["cleared"] += 1
-        if ev.medium is None:
-            targets = set(self._holders)
-            self._map.clear()
-        else:
-            tier = self.holder_for(ev.medium, 0).split("/")[1]
-            targets = {h for h in self._holders if h.split("/")[1] == tier}
-            for eh in list(self._map):
-                rec = self._map[eh]
-                rec[2] = {tg for tg in rec[2] if not tg.startswith(tier + "/")}
-                if not rec[2]:
-                    del self._map[eh]
-        for h in targets:
+        tier = self.holder_for(ev.medium, 0).split("/")[1]
+        targets = {h for h in self._holders if h.split("/")[1] == tier}
+        for eh in list(self._map):
+            rec = self._map[eh]
+            rec[3] = {tg for tg in rec[3] if not tg.startswith(tier + "/")}
+            if not rec[3]:
+                del self._map[eh]
+        for h in sorted(targets):
             self.directory.clear_holder(self.tenant, h)
 
-    def _extras(self, ev: BlockStored, n: int) -> list[Any] | None:
-        """Per-block extra keys: what vLLM folded into each block's hash (SGLang: its salt on a chain's first block)."""
+    def _page_extras(self, ev: BlockStored, skip: int, n_pages: int) -> list[Any] | None:
+        """Per-page extra keys: what vLLM folded into each block's hash (skipped blocks: the adapter name, all the
+        event tells); SGLang: its adapter name on every page. None when no page has any."""
+        base = (ev.lora_name,) if ev.lora_name else None
         if ev.extra_keys is not None:
-            ex: list[Any] = list(ev.extra_keys[:n])
-        elif ev.lora_name:
-            ex = [(ev.lora_name,)] * n
+            ex: list[Any] = [base] * skip + list(ev.extra_keys[: n_pages - skip])
         else:
-            ex = [None] * n
-        if ev.cache_salt and ev.parent_block_hash is None and n:
-            ex[0] = (ex[0] or ()) + (ev.cache_salt,)
+            ex = [base] * n_pages
         return ex if any(e is not None for e in ex) else None
 
     def _stored(self, ev: BlockStored) -> None:
@@ -409,41 +450,46 @@ class KVEventIngestor:
         tg = where.split("/", 1)[1]
         tier = tg.split("/")[0]
         digest = self.hasher.namespace.digest
+        entries: list[Entry] = []
         if not ev.token_ids:  # a tier-only event: blocks already known by hash, now also held on this medium
-            entries = []
             for h in ev.block_hashes:
                 rec = self._map.get(h)
                 if rec is None:
                     self._refuse("unknown_tier_only")
                     self.counts["orphans"] += 1
                     continue
-                rec[2].add(tg)
-                entries.append(Entry(rec[0], where, self.block_bytes, tier, digest))
+                rec[3].add(tg)
+                entries.extend(Entry(k, where, self.block_bytes, tier, digest) for k in rec[0])
             self._publish(where, entries)
             return
-        if ev.block_size != B:
-            self.counts["incompatible"] += len(ev.block_hashes)
-            self._refuse("incompatible_block_size", len(ev.block_hashes))
-            log.warning("kvpolicy events: block_size %d from the engine, %d in the namespace: refused", ev.block_size, B)
+        P, m, T = ev.block_size, len(ev.block_hashes), len(ev.token_ids)
+        if P != B and ev.extra_keys is not None and any(ev.extra_keys):
+            # per-page multimodal keys cannot be regrouped into kvpolicy blocks of another size
+            self.counts["incompatible"] += m
+            self._refuse("incompatible_block_size", m)
+            log.warning("kvpolicy events: pages of %d tokens with per-page extra keys, blocks of %d in the namespace: refused", P, B)
             return
-        n = len(ev.token_ids) // B  # only full blocks count: a trailing partial block has no key
-        if n < len(ev.block_hashes):
-            self._refuse("partial_block", len(ev.block_hashes) - n)
+        skip = T // P - m if T > m * P else 0  # vLLM's sliding window: skipped (null) blocks precede the stored ones
+        n = min(m, T // P - skip)  # pages with all their tokens
+        if n < m:
+            self._refuse("partial_block", m - n)
+        if n <= 0:
+            return
+        self.counts["skipped_blocks"] += skip
         hashes = ev.block_hashes[:n]
-        if not hashes:
-            return
-        parent_key = parent_full = None
         if ev.parent_block_hash is not None:
             prec = self._map.get(ev.parent_block_hash)
             if prec is None:  # we never saw the parent: its chain (and so this key) cannot be known
                 self.counts["orphans"] += n
                 self._refuse("orphan", n)
                 return
-            parent_key, parent_full = prec[0], prec[1]
-        tokens = list(ev.token_ids[: n * B])
-        full: list[bytes] | list[None] = [None] * n
+            state, parent_full = prec[1], prec[2]
+        else:
+            state, parent_full = (None, ()), None
+        tokens = ev.token_ids[: (skip + n) * P]
+        full: list[bytes | None] = [None] * n
         if self.verify_algo is not None:
-            checked = self._verify(ev, hashes, tokens, parent_full)
+            checked = self._verify(ev, hashes, list(tokens), parent_full, skip) if P == B else None
             if checked is False:
                 self.counts["mismatched"] += n
                 self._refuse("mismatched_hash", n)
@@ -452,33 +498,69 @@ class KVEventIngestor:
             if checked is None:
                 self._refuse("unverifiable", n)
             else:
-                full = checked
+                full = list(checked)
                 self.counts["verified_blocks"] += n
-        extras = self._extras(ev, n)
-        if not any(h in self._map for h in hashes):
-            keys = list(self.hasher.hash_blocks(tokens, parent=parent_key, extra_keys=extras))
-        else:  # a block the engine already reported (another tier, another group): its hash is its identity, keep its key
-            keys = []
-            prev = parent_key
-            for j, h in enumerate(hashes):
-                rec = self._map.get(h)
-                if rec is not None:
-                    k = rec[0]
-                else:
-                    k = self.hasher.hash_blocks(tokens[j * B:(j + 1) * B], parent=prev, extra_keys=None if extras is None else [extras[j]])[0]
-                keys.append(k)
-                prev = k
+        page_extras = self._page_extras(ev, skip, skip + n)
         entries = []
-        for h, k, fh in zip(hashes, keys, full):
-            rec = self._map.get(h)
-            if rec is None:
-                rec = self._map[h] = [k, fh, set()]
-            rec[2].add(tg)
-            self._map.move_to_end(h)
-            entries.append(Entry(k, where, self.block_bytes, tier, digest))
+        j = 0
+        while j < skip + n:
+            h = hashes[j - skip] if j >= skip else None
+            rec = self._map.get(h) if h is not None else None
+            if rec is not None:  # a page the engine already reported (another tier, another group): keep its identity
+                rec[3].add(tg)
+                self._map.move_to_end(h)
+                entries.extend(Entry(k, where, self.block_bytes, tier, digest) for k in rec[0])
+                state = rec[1]
+                j += 1
+                continue
+            run_end = j + 1  # a run of pages not seen before: their blocks in one call
+            while run_end < skip + n and (run_end < skip or hashes[run_end - skip] not in self._map):
+                run_end += 1
+            state = self._walk(ev, tokens, j, run_end, state, page_extras, skip, hashes, full, tg, where, tier, digest, entries)
+            j = run_end
         self.counts["stored_blocks"] += len(entries)
         self._publish(where, entries)
         self._forget_oldest()
+
+    def _walk(self, ev: BlockStored, tokens: tuple[int, ...], j0: int, j1: int, state: tuple[bytes | None, tuple[int, ...]],
+              page_extras: list[Any] | None, skip: int, hashes: tuple[Hashable, ...], full: list[bytes | None], tg: str, where: str,
+              tier: str, digest: bytes, entries: list[Entry]) -> tuple[bytes | None, tuple[int, ...]]:
+        """Pages ``j0``..``j1`` (not seen before) along the chain from ``state``: the kvpolicy blocks they complete, one
+        record per page that has an engine hash. Returns the chain state after the last page."""
+        B, P = self.hasher.block_size_tokens, ev.block_size
+        parent_key, tail = state
+        stream = tail + tuple(tokens[j0 * P: j1 * P])
+        nb = len(stream) // B
+        if nb:
+            ex: list[Any] | None = None
+            if page_extras is not None or (ev.cache_salt and parent_key is None):
+                ex = []
+                for b in range(nb):
+                    if P == B and not tail:
+                        e = page_extras[j0 + b] if page_extras is not None else None
+                    else:  # blocks made of other pages: the adapter name, all the pages share
+                        e = (ev.lora_name,) if ev.lora_name else None
+                    if ev.cache_salt and parent_key is None and b == 0:  # SGLang's salt: on a chain's first block
+                        e = (e or ()) + (ev.cache_salt,)
+                    ex.append(e)
+                if not any(e is not None for e in ex):
+                    ex = None
+            keys = list(self.hasher.hash_blocks(stream[: nb * B], parent=parent_key, extra_keys=ex))
+        else:
+            keys = []
+        off = len(tail)
+        for j in range(j0, j1):
+            end = off + (j - j0 + 1) * P  # this page's end in the stream
+            start = end - P
+            done = tuple(keys[b] for b in range(start // B, end // B) if (b + 1) * B > start)
+            last = end // B
+            state = (keys[last - 1] if last else parent_key, stream[last * B: end])
+            if j < skip:
+                continue  # a skipped block: no engine hash, nothing held
+            h = hashes[j - skip]
+            rec = self._map[h] = [done, state, full[j - skip], {tg}]
+            entries.extend(Entry(k, where, self.block_bytes, tier, digest) for k in rec[0])
+        return state
 
     def _forget_oldest(self) -> None:
         """Past ``max_mapped_blocks``, drop the oldest mappings — and their directory entries: a block this ingestor
@@ -486,18 +568,20 @@ class KVEventIngestor:
         by_holder: dict[str, list[Any]] = {}
         while len(self._map) > self.max_mapped_blocks:
             _, rec = self._map.popitem(last=False)
-            for tg in rec[2]:
-                by_holder.setdefault(f"{self.holder}/{tg}", []).append(rec[0])
+            for tg in rec[3]:
+                by_holder.setdefault(f"{self.holder}/{tg}", []).extend(rec[0])
             self.counts["forgotten_blocks"] += 1
         for where, keys in by_holder.items():
-            self.directory.evict(self.tenant, keys, holder=where, force=True)
+            if keys:
+                self.directory.evict(self.tenant, keys, holder=where, force=True)
 
     def _publish(self, where: str, entries: list[Entry]) -> None:
         if entries:
             self._holders.add(where)
             self.directory.publish(self.tenant, entries)
 
-    def _verify(self, ev: BlockStored, hashes: tuple[Hashable, ...], tokens: list[int], parent_full: bytes | None) -> list[bytes] | Literal[False] | None:
+    def _verify(self, ev: BlockStored, hashes: tuple[Hashable, ...], tokens: list[int], parent_full: bytes | None,
+                skip: int = 0) -> list[bytes] | Literal[False] | None:
         """The projection's full hashes if they agree with the engine's (bytes, or their low 64 bits for
         ints), False if they disagree, None if this event cannot be checked (a LoRA adapter, whose path
         vLLM hashes but does not publish; multimodal extras; an int-hash parent whose full hash we lack)."""
@@ -509,7 +593,7 @@ class KVEventIngestor:
         if ev.extra_keys is not None:
             extras = [e for e in ev.extra_keys if e]
             if any(len(e) != 1 or not isinstance(e[0], str) for e in extras) or any(ev.extra_keys[1:]) or \
-                    (ev.extra_keys[0] and ev.parent_block_hash is not None):
+                    (ev.extra_keys[0] and (ev.parent_block_hash is not None or skip)):
                 return None
             salt = ev.extra_keys[0][0] if ev.extra_keys and ev.extra_keys[0] else None
         parent: bytes | None
@@ -522,7 +606,8 @@ class KVEventIngestor:
         else:
             return None
         try:
-            expect = vllm_block_hashes(tokens, self.hasher.block_size_tokens, self.verify_algo, cache_salt=salt, parent=parent)  # type: ignore[arg-type]
+            expect = vllm_block_hashes(tokens, self.hasher.block_size_tokens, self.verify_algo, cache_salt=salt, parent=parent,  # type: ignore[arg-type]
+                                       none_hash_seed=self.none_hash_seed)[skip:]
         except ConfigError:
             return None
         got = [e if isinstance(h, bytes) else int.from_bytes(e, "big") & _M64 for h, e in zip(hashes, expect)]
@@ -556,44 +641,135 @@ def _bounded(sock: Any, zmq: Any, max_message_bytes: int, field: str) -> None:
 class ZmqEventSubscriber:
     """A SUB socket on an engine's event endpoint feeding a :class:`KVEventIngestor`.
 
-    ``run(stop)`` loops until ``stop`` (a ``threading.Event``) is set. Frames that
-    are not ``[topic, 8-byte seq, payload]`` are counted as malformed; a jump in
-    ``seq`` is counted in ``missed_batches`` and, with a ``replay_endpoint``, the
-    gap is fetched from the engine's replay socket; a ``seq`` that goes back means
-    the engine restarted: its entries are cleared (``restarts``) and ingestion
-    starts over. vLLM with data parallelism publishes rank r on ``port + r``:
-    :meth:`for_ranks` makes one subscriber per rank.
+    ``run(stop)`` loops until ``stop`` (a ``threading.Event``) is set. Frames that are not ``[topic, 8-byte seq,
+    payload]`` are counted as malformed. vLLM with data parallelism publishes rank r on ``port + r``: :meth:`for_ranks`
+    makes one subscriber per rank.
+
+    **Restarts and stale entries.** The directory must not claim blocks the engine no longer holds. The subscriber
+    never trusts the sequence number alone:
+
+    - it watches its own connection (a ZMQ socket monitor, with ZMQ heartbeats every ``heartbeat_s``): when the
+      engine's socket goes away — the process exited, or its host stopped answering for ``3 × heartbeat_s`` — everything
+      this engine was known to hold is forgotten at once (``disconnects``). A dead engine holds nothing;
+    - a batch whose seq equals the last one is a duplicate only if its payload is the same; another payload, or a
+      seq that goes back, is a restart (``restarts``): everything is forgotten;
+    - a jump in seq is fetched from the replay socket, and the batches there that were already seen must be the same
+      bytes (a digest of the last ``remember_batches`` is kept), else it is a restart. A gap nothing can fill (no replay
+      socket, or the replay no longer holds what was seen) may have hidden removals: with ``on_gap="forget"`` (the
+      default) everything is forgotten (``resyncs``); ``"keep"`` keeps it and only counts ``missed_batches``.
+
+    After forgetting, the first batch of the (new) engine is preceded by what its replay socket still holds from seq 0.
+    So a restarted or dead engine's entries last no longer than the disconnect's detection (immediate when its process
+    exits; ``3 × heartbeat_s`` for a host that vanished) — or, where the subscriber cannot see the connection drop (a
+    proxy in between), than the new engine's first batch.
     """
 
     def __init__(self, ingestor: KVEventIngestor, endpoint: str, topic: str = "", *, poll_ms: int = 50,
-                 replay_endpoint: str | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 replay_endpoint: str | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES, on_gap: str = "forget",
+                 heartbeat_s: float = 1.0, remember_batches: int = 1024, replay: Any = None) -> None:
         try:
             import zmq
         except ImportError:
             raise ConfigError("pyzmq", "KV event ingestion needs pyzmq: pip install 'kvpolicy[events]'") from None
+        if on_gap not in ("forget", "keep"):
+            raise ConfigError("on_gap", f"must be 'forget' or 'keep', got {on_gap!r}")
+        if isinstance(heartbeat_s, bool) or not isinstance(heartbeat_s, (int, float)) or not 0 < heartbeat_s <= 3600:
+            raise ConfigError("heartbeat_s", f"must be a number of seconds in (0, 3600], got {heartbeat_s!r}")
+        if isinstance(remember_batches, bool) or not isinstance(remember_batches, int) or remember_batches < 1:
+            raise ConfigError("remember_batches", f"must be a positive int, got {remember_batches!r}")
+        if replay is not None and replay_endpoint is not None:
+            raise ConfigError("replay", "give replay_endpoint or a replay client, not both")
         self.ingestor = ingestor
         self._zmq = zmq
+        self.on_gap = on_gap
         self.ctx: Any = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
         _bounded(self.sock, zmq, max_message_bytes, "max_message_bytes")
+        ivl_ms = max(int(heartbeat_s * 1000), 1)
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl_ms)
         self.sock.setsockopt_string(zmq.SUBSCRIBE, topic)
-        _connect(self.sock, endpoint, "endpoint")
+        self.monitor: Any = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            _connect(self.sock, endpoint, "endpoint")
+        except ConfigError:
+            self.monitor.close(linger=0)
+            raise
         self.poll_ms = poll_ms
         self.last_seq: int | None = None
+        self._seen: OrderedDict[int, bytes] = OrderedDict()  # seq -> digest of its payload, the last remember_batches
+        self._remember_n = remember_batches
         try:
-            self.replay = ReplayClient(replay_endpoint, max_message_bytes=max_message_bytes) if replay_endpoint else None
+            self.replay = ReplayClient(replay_endpoint, max_message_bytes=max_message_bytes) if replay_endpoint else replay
         except ConfigError:
+            self.monitor.close(linger=0)
             self.sock.close(linger=0)
             raise
 
     @classmethod
-    def for_ranks(cls, make_ingestor: Any, host: str, base_port: int, ranks: int, **kw: Any) -> list[ZmqEventSubscriber]:
-        """One subscriber per data-parallel rank (rank r publishes on ``base_port + r``); ``make_ingestor(rank)``
-        gives each its own ingestor (its own holder: each rank is its own engine)."""
+    def for_ranks(cls, make_ingestor: Any, host: str, base_port: int, ranks: int, *, replay_base_port: int | None = None,
+                  **kw: Any) -> list[ZmqEventSubscriber]:
+        """One subscriber per data-parallel rank (rank r publishes on ``base_port + r``, its replay socket on
+        ``replay_base_port + r``); ``make_ingestor(rank)`` gives each its own ingestor (its own holder: each rank is its
+        own engine). The two port ranges must not overlap: vLLM offsets both by the rank, so events on 5557 and replay
+        on 5558 put rank 1's events on rank 0's replay port."""
         if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks <= 0:
             raise ConfigError("ranks", f"must be a positive int, got {ranks!r}")
-        return [cls(make_ingestor(r), f"tcp://{host}:{base_port + r}", **kw) for r in range(ranks)]
+        if "replay_endpoint" in kw:
+            raise ConfigError("replay_endpoint", "one endpoint cannot serve every rank: give replay_base_port (rank r: + r)")
+        if replay_base_port is not None and not (replay_base_port + ranks <= base_port or base_port + ranks <= replay_base_port):
+            raise ConfigError("replay_base_port", f"ranks' event ports {base_port}-{base_port + ranks - 1} and replay ports "
+                                                  f"{replay_base_port}-{replay_base_port + ranks - 1} overlap: the engine's "
+                                                  "ranks would bind the same port (e.g. replay on base_port + ranks)")
+        subs: list[ZmqEventSubscriber] = []
+        try:
+            for r in range(ranks):
+                replay = None if replay_base_port is None else f"tcp://{host}:{replay_base_port + r}"
+                subs.append(cls(make_ingestor(r), f"tcp://{host}:{base_port + r}", replay_endpoint=replay, **kw))
+        except BaseException:
+            for sub in subs:
+                sub.close()
+            raise
+        return subs
+
+    # ------------------------------------------------------------------ continuity
+
+    @staticmethod
+    def _digest(payload: bytes) -> bytes:
+        return hashlib.blake2b(payload, digest_size=16).digest()
+
+    def _remember(self, seq: int, payload: bytes) -> None:
+        self._seen[seq] = self._digest(payload)
+        self._seen.move_to_end(seq)
+        while len(self._seen) > self._remember_n:
+            self._seen.popitem(last=False)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        self._remember(seq, payload)
+        self.last_seq = seq
+        self.ingestor.ingest(payload)
+
+    def _forget(self, counter: str, why: str) -> None:
+        c = self.ingestor.counts
+        c[counter] = c.get(counter, 0) + 1
+        log.warning("kvpolicy events: %s: forgetting what %s was known to hold", why, self.ingestor.holder)
+        self.ingestor.forget_all()
+        self._seen.clear()
+        self.last_seq = None
+
+    def _prefill(self, seq: int) -> None:
+        """Starting over at ``seq``: what the replay socket still holds before it (the engine's batches from seq 0)."""
+        got = self.replay.fetch(0, until=seq - 1) if self.replay is not None and seq > 0 else []
+        for s, payload in sorted(got, key=lambda x: x[0]):
+            self._apply(s, payload)
+
+    def on_disconnect(self) -> None:
+        """The engine's socket went away (the monitor saw it): a dead engine holds nothing."""
+        if self.last_seq is not None or self._seen:
+            self._forget("disconnects", "the engine's event socket disconnected")
+        else:
+            self.ingestor.counts["disconnects"] = self.ingestor.counts.get("disconnects", 0) + 1
 
     def handle(self, parts: list[bytes]) -> None:
         """One multipart message from the PUB socket."""
@@ -603,39 +779,73 @@ class ZmqEventSubscriber:
             self.ingestor._refuse("malformed_frame")
             log.warning("kvpolicy events: dropped a frame of %d parts", len(parts))
             return
-        seq = int.from_bytes(parts[1], "big")
-        if self.last_seq is not None and seq == self.last_seq:
+        seq, payload = int.from_bytes(parts[1], "big"), parts[2]
+        last = self.last_seq
+        if last is not None and seq == last and self._seen.get(seq) == self._digest(payload):
             c["duplicates"] = c.get("duplicates", 0) + 1
             return  # the same batch again
-        if self.last_seq is not None and seq < self.last_seq:  # the engine restarted: what we knew of it is void
-            c["restarts"] += 1
-            log.warning("kvpolicy events: sequence went back (%d after %d): the engine restarted; clearing its entries", seq, self.last_seq)
-            self.ingestor.apply(AllBlocksCleared())
-        elif self.last_seq is not None and seq > self.last_seq + 1:
-            missing = seq - self.last_seq - 1
-            if self.replay is not None:
-                got = self.replay.fetch(self.last_seq + 1, until=seq - 1)
-                for s, payload in got:
-                    self.ingestor.ingest(payload)
-                missing -= len(got)
-            c["missed_batches"] += max(missing, 0)
-        self.last_seq = seq
-        self.ingestor.ingest(parts[2])
+        if last is not None and seq <= last:  # the seq went back, or the same seq with other bytes: a new engine
+            self._forget("restarts", f"sequence {seq} after {last} with another payload: the engine restarted")
+        elif last is not None and seq > last + 1:
+            self._gap(last, seq)
+        if self.last_seq is None:
+            self._prefill(seq)
+        self._apply(seq, payload)
+
+    def _gap(self, last: int, seq: int) -> None:
+        c = self.ingestor.counts
+        got = self.replay.fetch(min(self._seen, default=last), until=seq - 1) if self.replay is not None else []
+        seen = [(s, p) for s, p in got if s in self._seen]
+        if any(self._digest(p) != self._seen[s] for s, p in seen):
+            self._forget("restarts", f"the replay socket's batches up to {last} are not the ones seen: the engine restarted")
+            return
+        if self.replay is not None and not seen:
+            self._forget("resyncs", f"a gap after {last} and the replay socket holds nothing seen before it")
+            return
+        fill = sorted((s, p) for s, p in got if last < s < seq)
+        for s, p in fill:
+            self._apply(s, p)
+        missed = seq - last - 1 - len({s for s, _ in fill})
+        if missed > 0:
+            c["missed_batches"] += missed
+            if self.on_gap == "forget":  # a missed batch may have removed blocks we still claim
+                self._forget("resyncs", f"{missed} batch(es) before seq {seq} are lost")
 
     def poll_once(self) -> bool:
-        """Handle at most one message; False if none arrived within ``poll_ms``."""
-        if not self.sock.poll(self.poll_ms):
+        """Handle at most one message (and any connection event); False if none arrived within ``poll_ms``."""
+        zmq = self._zmq
+        ready = dict(self._poller().poll(self.poll_ms))
+        if self.monitor in ready:
+            from zmq.utils.monitor import recv_monitor_message
+
+            while self.monitor.poll(0):
+                if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                    self.on_disconnect()
+        if self.sock not in ready:
             return False
         self.handle(self.sock.recv_multipart())
         return True
+
+    def _poller(self) -> Any:
+        p = getattr(self, "_poll", None)
+        if p is None:
+            p = self._poll = self._zmq.Poller()
+            p.register(self.sock, self._zmq.POLLIN)
+            p.register(self.monitor, self._zmq.POLLIN)
+        return p
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
             self.poll_once()
 
     def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except Exception:  # already closed, or a libzmq without monitors
+            pass
+        self.monitor.close(linger=0)
         self.sock.close(linger=0)
-        if self.replay is not None:
+        if self.replay is not None and hasattr(self.replay, "close"):
             self.replay.close()
 
 
