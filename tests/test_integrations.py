@@ -1430,6 +1430,39 @@ def test_a_restart_is_seen_without_the_sequence_going_back():
         sub.close()
 
 
+def test_a_restart_whose_seq_runs_on_is_caught_by_the_periodic_replay_check():
+    """Old engine 0..2, new engine's 3 next — no gap, the same seq order, its disconnect unseen (a proxy in between):
+    only the replay socket can tell. poll_once() asks it every check_every_s."""
+    pytest.importorskip("zmq")
+    old, _ = stored(PROMPT[: 2 * B])
+    new, _ = stored(list(range(7000, 7000 + 2 * B)))
+    old_life = {s: encode_batch(float(s), [old] if s == 0 else []) for s in range(3)}
+    new_life = {s: encode_batch(10.0 + s, [new] if s == 1 else []) for s in range(4)}
+    replay = _Replay(old_life)
+    d = InMemoryDirectory()
+    sub = ZmqEventSubscriber(ingestor(d), "inproc://periodic", replay=replay, check_every_s=0.05)
+    try:
+        for s in range(3):
+            sub.handle([b"kv", s.to_bytes(8, "big"), old_life[s]])
+        time.sleep(0.06)
+        sub.poll_once()
+        assert sub.ingestor.counts["restarts"] == 0, "the same engine: the check passes"
+        replay.frames = new_life  # the engine restarted and published 0..3
+        sub.handle([b"kv", (3).to_bytes(8, "big"), new_life[3]])
+        assert d.match_prefix("acme", list(HASHER.hash_blocks(PROMPT[: 2 * B]))) == 2, "seq 3 after 2: nothing to see yet"
+        time.sleep(0.06)
+        sub.poll_once()
+        assert sub.ingestor.counts["restarts"] == 1
+        assert d.match_prefix("acme", list(HASHER.hash_blocks(PROMPT[: 2 * B]))) == 0
+        assert d.match_prefix("acme", list(HASHER.hash_blocks(list(range(7000, 7000 + 2 * B))))) == 2, "the new engine's batch 1, from its replay"
+        assert sub.last_seq == 3
+    finally:
+        sub.close()
+    with pytest.raises(ConfigError) as e:
+        ZmqEventSubscriber(ingestor(), "inproc://x", check_every_s=0)
+    assert e.value.field == "check_every_s"
+
+
 @pytest.mark.parametrize("replay", [False, True])
 def test_a_gap_the_replay_fills_keeps_what_was_known(replay):
     """A gap the replay socket fills (its earlier batches are the ones seen) is the same engine: nothing is forgotten.

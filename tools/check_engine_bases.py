@@ -15,6 +15,8 @@ class once, at import). The drivers (``drive_vllm_connector``, ``drive_vllm_metr
 ``drive_lmcache_policy``) also run in the test suite, over stand-ins shaped like the engines' code
 (tests/test_integrations.py). ``--sglang`` also reads SGLang's own ``RadixCache`` out of the wheel
 (:func:`load_sglang_radix`) and checks kvpolicy's stand-in of its eviction loop against it, reference by reference.
+With both ``--vllm`` and ``--sglang``, :func:`check_events` replays KV events made by vLLM's own ``BlockPool`` and
+SGLang's own ``RadixCache`` and recorder (tools/engine_events.py) through ``kvpolicy.integrations.vllm_events``.
 """
 
 from __future__ import annotations
@@ -944,7 +946,38 @@ def main(argv: list[str] | None = None) -> int:
         if r.returncode:
             failed += 1
             print(r.stderr.strip()[-2000:])
+    if args.vllm and args.sglang:
+        failed += check_events(args.vllm, args.sglang)
     return 1 if failed else 0
+
+
+def check_events(vllm: str, sglang: str) -> int:
+    """``vllm_events`` against KV events made by vLLM's own BlockPool and SGLang's own RadixCache and recorder
+    (tools/engine_events.py): every block each engine holds at the end is in the directory, and nothing else. Returns
+    1 on a miss or a stale entry."""
+    import os
+    import tempfile
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import engine_events
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "cases.json")
+        r = subprocess.run([sys.executable, engine_events.__file__, "--vllm", vllm, "--sglang", sglang, "--out", out],
+                           capture_output=True, text=True)
+        if r.returncode:
+            print(f"events: FAILED to make the engines' events\n{r.stderr.strip()[-2000:]}")
+            return 1
+        import json
+
+        with open(out) as f:
+            rows = engine_events.score(json.load(f))
+    bad = [x for x in rows if x["missing"] or x["stale"]]
+    print(f"events: {'OK' if not bad else 'FAILED'} ({len(rows)} cases made by vLLM's BlockPool and SGLang's RadixCache + recorder)")
+    for x in rows:
+        print(f"  {x['case']:40s} engine holds {x['held']:3d}  missing {x['missing']}  stale {x['stale']}  verified {x['verified']:3d}"
+              f"  restarts seen {x['restarts']}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -658,15 +658,22 @@ class ZmqEventSubscriber:
       socket, or the replay no longer holds what was seen) may have hidden removals: with ``on_gap="forget"`` (the
       default) everything is forgotten (``resyncs``); ``"keep"`` keeps it and only counts ``missed_batches``.
 
+    - with a replay socket, every ``check_every_s`` (30 s) the batches seen last are compared with the ones the
+      replay socket holds (:meth:`check_continuity`): a new engine whose seq ran on from the old one's is caught even
+      when its disconnect was not seen.
+
     After forgetting, the first batch of the (new) engine is preceded by what its replay socket still holds from seq 0.
-    So a restarted or dead engine's entries last no longer than the disconnect's detection (immediate when its process
-    exits; ``3 × heartbeat_s`` for a host that vanished) — or, where the subscriber cannot see the connection drop (a
-    proxy in between), than the new engine's first batch.
+
+    **The bound.** A dead or restarted engine's entries leave the directory when its disconnect is seen (at once when
+    its process exits; within ``3 × heartbeat_s`` for a host that stopped answering). Where the connection drop cannot
+    be seen (a proxy in between), a restart is caught at the new engine's first batch whose seq does not follow on, or
+    else within ``check_every_s`` with a replay socket; without a replay socket and with the seq running on, it cannot
+    be told from the same engine.
     """
 
     def __init__(self, ingestor: KVEventIngestor, endpoint: str, topic: str = "", *, poll_ms: int = 50,
                  replay_endpoint: str | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES, on_gap: str = "forget",
-                 heartbeat_s: float = 1.0, remember_batches: int = 1024, replay: Any = None) -> None:
+                 heartbeat_s: float = 1.0, remember_batches: int = 1024, replay: Any = None, check_every_s: float | None = 30.0) -> None:
         try:
             import zmq
         except ImportError:
@@ -700,6 +707,10 @@ class ZmqEventSubscriber:
         self.last_seq: int | None = None
         self._seen: OrderedDict[int, bytes] = OrderedDict()  # seq -> digest of its payload, the last remember_batches
         self._remember_n = remember_batches
+        if check_every_s is not None and (isinstance(check_every_s, bool) or not isinstance(check_every_s, (int, float)) or not 0 < check_every_s < float("inf")):
+            raise ConfigError("check_every_s", f"must be a finite positive number of seconds or None, got {check_every_s!r}")
+        self.check_every_s = check_every_s
+        self._checked_at = time.monotonic()
         try:
             self.replay = ReplayClient(replay_endpoint, max_message_bytes=max_message_bytes) if replay_endpoint else replay
         except ConfigError:
@@ -792,15 +803,38 @@ class ZmqEventSubscriber:
             self._prefill(seq)
         self._apply(seq, payload)
 
-    def _gap(self, last: int, seq: int) -> None:
-        c = self.ingestor.counts
-        got = self.replay.fetch(min(self._seen, default=last), until=seq - 1) if self.replay is not None else []
+    def _same_engine(self, got: list[tuple[int, bytes]], last: int) -> bool:
+        """Whether the replay socket's batches (``got``) are those of the engine this subscriber has been hearing: the
+        ones it has already seen must be the same bytes, and there must be some. Otherwise what it knows is forgotten
+        (a restart, or a replay that no longer holds anything seen: either way it may be stale)."""
         seen = [(s, p) for s, p in got if s in self._seen]
         if any(self._digest(p) != self._seen[s] for s, p in seen):
             self._forget("restarts", f"the replay socket's batches up to {last} are not the ones seen: the engine restarted")
-            return
-        if self.replay is not None and not seen:
-            self._forget("resyncs", f"a gap after {last} and the replay socket holds nothing seen before it")
+            return False
+        if not seen:
+            self._forget("resyncs", f"the replay socket holds nothing seen up to {last}")
+            return False
+        return True
+
+    def check_continuity(self) -> bool:
+        """Ask the replay socket whether the engine is still the one heard (the periodic check, every ``check_every_s``):
+        a restarted engine whose new seq ran on from the old one's — its disconnect unseen — is caught here. After a
+        restart, what the new engine published (its replay buffer) is applied. True if nothing had to be forgotten."""
+        if self.replay is None or self.last_seq is None:
+            return True
+        last = self.last_seq
+        self._checked_at = time.monotonic()
+        if self._same_engine(self.replay.fetch(min(self._seen, default=last), until=last), last):
+            return True
+        got = self.replay.fetch(0)
+        for s, payload in sorted(got, key=lambda x: x[0]):
+            self._apply(s, payload)
+        return False
+
+    def _gap(self, last: int, seq: int) -> None:
+        c = self.ingestor.counts
+        got = self.replay.fetch(min(self._seen, default=last), until=seq - 1) if self.replay is not None else []
+        if self.replay is not None and not self._same_engine(got, last):
             return
         fill = sorted((s, p) for s, p in got if last < s < seq)
         for s, p in fill:
@@ -821,6 +855,8 @@ class ZmqEventSubscriber:
             while self.monitor.poll(0):
                 if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED:
                     self.on_disconnect()
+        if self.check_every_s is not None and self.replay is not None and time.monotonic() - self._checked_at >= self.check_every_s:
+            self.check_continuity()
         if self.sock not in ready:
             return False
         self.handle(self.sock.recv_multipart())
