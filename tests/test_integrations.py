@@ -1555,6 +1555,39 @@ def test_offload_cache_policy_evicts_only_evictable_unprotected_chunks_lru_first
     assert pol.chunks == {} and not pol.policy.nodes
 
 
+class _OffloadCtx:  # vLLM's ReqContext: each offload key's token position in the request
+    def __init__(self, keys):
+        self.pos = {k: (i + 1) * 16 for i, k in enumerate(keys)}
+
+    def get_offload_key_position(self, key):
+        return self.pos.get(key)
+
+
+@pytest.mark.parametrize("cls", [KVPolicyLRU, KVPolicyReuseDistance, KVPolicyGDSF, KVPolicyAdaptive, KVPolicyLRB])
+def test_offload_cache_policy_evicts_a_prefix_tail_first(cls):
+    """vLLM looks a prefix up only to its first miss: a head evicted before its tail leaves the tail in memory, never to
+    be hit. The manager inserts a request's chunks head to tail; kvpolicy's policies evicted the head first. vLLM's
+    own LRU ranks by (request, -position): the tail goes first — and after a reuse, too."""
+    pol = cls(cache_capacity=16)
+    a = [f"a{i}" for i in range(6)]
+    ctx = _OffloadCtx(a)
+    for i, k in enumerate(a):
+        pol.insert(k, Chunk(i), ctx)
+    for k in a:
+        pol.mark_evictable(k)
+    assert [k for k, _ in pol.evict(2, set())] == ["a5", "a4"]
+    b = [f"b{i}" for i in range(4)]
+    for i, k in enumerate(b):
+        pol.insert(k, Chunk(10 + i), _OffloadCtx(b))
+    for k in b:
+        pol.mark_evictable(k)
+    pol.on_request_finished([a[:4]], insertion_only_keys=set(), reused_keys=set(a[:4]), req_context=ctx)  # a's prefix reused
+    assert [k for k, _ in pol.evict(2, set())] == ["b3", "b2"], "the older request's tail first"
+    pol.touch(b[:2], _OffloadCtx(b))
+    got = [k for k, _ in pol.evict(2, set())]
+    assert got in (["a3", "a2"], ["b1", "b0"]), f"a chain's tail goes before its head, whichever chain: {got}"
+
+
 @_settings(max_examples=60, deadline=None)
 @_given(_st.lists(_st.tuples(_st.sampled_from(["insert", "evictable", "busy", "touch", "evict", "remove"]), _st.integers(0, 9),
                              _st.integers(1, 3)), max_size=60),

@@ -154,7 +154,8 @@ def check_vllm_offload(wheel: str) -> None:
             extra["cache_policy_module_path"] = vllm_offload.__name__
         spec = vllm_offload.KVPolicyOffloadingSpec(extra, 48)
         hits = drive_vllm_offload(spec.get_manager(), ob.ReqContext, ob.make_offload_key, seed=7)
-        print(f"  offload {name}, {publish}: chunk hit ratio {hits:.3f} (vLLM 0.33's CPU manager, 48 chunks)")
+        print(f"  offload {name}, {publish}: chunk hit ratio {hits:.3f}, resident chunks behind a missing head "
+              f"{UNREACHABLE[0]:.1%} (vLLM 0.33's CPU manager, 48 chunks)")
 
     class EveryOther:  # a filter that allows all of one offer and none of the next: its cuts fall on resident chunks
         def __init__(self) -> None:
@@ -200,6 +201,7 @@ def drive_vllm_offload(mgr: object, ReqContext: type, make_key: object, *, seed:
         assert mgr._num_evictable_cache_chunks == ready0, (mgr._num_evictable_cache_chunks, ready0)  # type: ignore[attr-defined]
 
     all_keys: set = set()
+    chains: list[list] = []
     families = [rng.randbytes(8) for _ in range(12)]
     inflight: list[tuple] = []
     looked = hit = 0
@@ -236,7 +238,16 @@ def drive_vllm_offload(mgr: object, ReqContext: type, make_key: object, *, seed:
             balanced()
             missing = was_ready - heard.get(c.req_id, set())
             assert not missing, f"{len(missing)} chunks ready when {c.req_id} offered them were not the policy's reuse"
+        chains.append(keys)
+    # chunks in memory that can never be hit: vLLM looks a prefix up only to its first miss
+    resident = {k for k in all_keys if pol.get(k) is not None}
+    unreachable = {k for ks in chains for j, k in enumerate(ks) if k in resident and any(x not in resident for x in ks[:j])}
+    UNREACHABLE[0] = len(unreachable) / max(len(resident), 1)
     return hit / looked
+
+
+#: the share of resident chunks the last drive_vllm_offload left behind a missing head
+UNREACHABLE = [0.0]
 
 
 class SchedulerSideInner:

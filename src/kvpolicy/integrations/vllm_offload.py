@@ -71,24 +71,61 @@ class _KVPolicyCachePolicy(_Base):  # type: ignore[misc,valid-type]
         self.policy.clock = self._clock
         self.chunks: dict[Hashable, Any] = {}
         self._evictable: set[Hashable] = set()
+        # a request's inserts, held until its batch ends so they reach the policy tail first (see insert)
+        self._staged: dict[Hashable, int] = {}
 
     # ---------------------------------------------------------------- lookups and inserts
 
     def get(self, key: Hashable) -> Any:
         return self.chunks.get(key)
 
+    @staticmethod
+    def _position(key: Hashable, req_context: Any) -> int | None:
+        pos = getattr(req_context, "get_offload_key_position", None)
+        p = pos(key) if pos is not None else None
+        return p if isinstance(p, int) and not isinstance(p, bool) else None
+
+    def _tail_first(self, keys: Iterable[Hashable], req_context: Any) -> list[Hashable]:
+        """A request's keys, its prefix's tail first and its head last — the order in which they reach the policy, so
+        that the head is the most recent: vLLM looks a prefix up only to its first miss, so a head evicted before its
+        tail leaves the tail unreachable in memory. vLLM 0.33's own LRU ranks the same way ((request, -position)).
+        Without positions, the order given (head to tail, as vLLM passes them) reversed."""
+        ks = list(keys)
+        pos = [self._position(k, req_context) for k in ks]
+        if all(p is not None for p in pos):
+            return [k for _, k in sorted(zip(pos, ks), key=lambda x: -x[0])]  # type: ignore[operator]
+        return ks[::-1]
+
     def insert(self, key: Hashable, chunk: Any, req_context: Any = None) -> None:
+        """A new chunk, not evictable until its ref count reaches 0 (``mark_evictable``). The manager inserts a
+        request's chunks head to tail, one call each: chunks with a position are held until the batch ends (the next
+        call of another kind) and then reach the policy tail first."""
         if key in self.chunks:
             self.chunks[key] = chunk
             return
         self.chunks[key] = chunk
+        p = self._position(key, req_context)
+        if p is None:
+            self._flush()
+            self._add(key)
+        else:
+            self._staged[key] = p
+
+    def _add(self, key: Hashable) -> None:
         self._clock.advance(1.0)
         self.policy.on_insert(key, _UNIT)
-        self.policy.pin(key)  # not evictable until its ref count reaches 0 (mark_evictable)
+        self.policy.pin(key)
+
+    def _flush(self) -> None:
+        if self._staged:
+            staged, self._staged = self._staged, {}
+            for key in sorted(staged, key=lambda k: -staged[k]):
+                self._add(key)
 
     def remove(self, key: Hashable) -> None:
         if key not in self.chunks:
             return
+        self._flush()
         del self.chunks[key]
         self._evictable.discard(key)
         node = self.policy.nodes.get(key)
@@ -98,13 +135,16 @@ class _KVPolicyCachePolicy(_Base):  # type: ignore[misc,valid-type]
             self.policy.on_remove(key)
 
     def clear(self) -> None:
+        self._flush()
         for key in list(self.chunks):
             self.remove(key)
 
     # ---------------------------------------------------------------- accesses
 
     def touch(self, keys: Iterable[Hashable], req_context: Any = None) -> None:
-        for k in keys:
+        """A use of a request's chunks: each is a hit, the prefix's head the most recent (:meth:`_tail_first`)."""
+        self._flush()
+        for k in self._tail_first(keys, req_context):
             if k in self.policy.nodes:
                 self._clock.advance(1.0)
                 self.policy.on_access(k)
@@ -117,24 +157,27 @@ class _KVPolicyCachePolicy(_Base):  # type: ignore[misc,valid-type]
 
     def on_request_finished(self, key_groups: Sequence[Sequence[Hashable]], insertion_only_keys: set[Hashable], reused_keys: set[Hashable],
                             req_context: Any = None) -> None:
-        """Only real reuse is a hit: chunks the request merely created were counted by ``insert``."""
-        for group in key_groups:
-            self.touch([k for k in group if k in reused_keys], req_context)
+        """Only real reuse is a hit: chunks the request merely created were counted by ``insert``. Across the KV-cache
+        groups, one head-to-tail order by position (as vLLM orders them), then the tail first."""
+        self.touch([k for group in key_groups for k in group if k in reused_keys], req_context)
 
     # ---------------------------------------------------------------- eviction
 
     def mark_evictable(self, key: Hashable) -> None:
+        self._flush()
         if key in self.chunks and key not in self._evictable:
             self._evictable.add(key)
             self.policy.unpin(key)
 
     def mark_non_evictable(self, key: Hashable) -> None:
+        self._flush()
         if key in self._evictable:
             self._evictable.discard(key)
             self.policy.pin(key)
 
     def evict(self, n: int, protected: set[Hashable]) -> list[tuple[Hashable, Any]] | None:
         """The n lowest-priority evictable chunks outside ``protected``; None (and no change) if n cannot be met."""
+        self._flush()
         if n <= 0:
             return []
         # in an order that does not depend on the process's string hashing (``protected`` is a set): a policy that
