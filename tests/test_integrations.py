@@ -643,8 +643,31 @@ def test_sglang_register_adds_the_policies_to_sglangs_registry_and_cli(monkeypat
     assert e.value.field == "sample"
     hd = factories["kvpolicy-hit-density"](capacity_tokens=4096, samples=8)
     assert type(hd.policy) is HitDensityPolicy and hd.policy.ghost_window_bytes == 4096 and hd.policy.samples == 8
-    assert hd._now_s is time.monotonic, "SGLang stamps its nodes with time.monotonic()"
+    assert hd._now_s is None, "ranked at the nodes' own clock: RadixCache stamps seconds, UnifiedRadixCache a step counter"
     assert type(factories["kvpolicy-adaptive"](capacity_tokens=4096).policy) is AdaptivePolicy
+
+
+@pytest.mark.parametrize("clock", ["seconds", "steps"])
+def test_sglang_hit_density_ranks_at_the_trees_own_clock(clock):
+    """SGLang 0.5.23's server builds UnifiedRadixCache, whose nodes carry a step counter, not time.monotonic(): the
+    strategy's default "now" was the wall clock, on which every node is equally old. By default it now ranks at the
+    radix root's stamp (SGLang stamps the root at every prefix match) and decides exactly as when told the tree's time."""
+    import attrs
+    import numpy as np
+
+    from kvpolicy.eviction import HitDensityPolicy
+    from kvpolicy.testing.radix import radix_replay
+    from kvpolicy.traces import generate, preset
+
+    tr = generate(preset("agent", seed=7, n_requests=800))
+    if clock == "steps":
+        tr = attrs.evolve(tr, arrival_s=np.arange(len(tr), dtype=float))
+    got = {}
+    for how in ("default", "told"):
+        c = [0.0]
+        s = PriorityStrategy(HitDensityPolicy(250), now_s=None if how == "default" else (lambda c=c: c[0]))
+        got[how] = int(radix_replay(tr, s.get_priority, 250, clock=c).sum())
+    assert got["default"] == got["told"], got
 
 
 def test_sglang_strategy_refuses_lrb_and_a_clock_that_is_not_one():

@@ -686,12 +686,60 @@ def drive_sglang_radix(radix: types.ModuleType, params: types.ModuleType, evict:
     own = compare_strategies(trace, [cap], ["sglang-lru", "kvpolicy-reuse-distance"], own_sglang=True)
     got = own["results"][0]["hit_blocks"]  # SGLang's LRU again: equal but for its ties' address order
     assert own["loop"] == "SGLang's own RadixCache" and abs(got - lru) <= 0.001 * lru, (got, lru)
+    drive_sglang_step_clock(wheel_of_radix(radix), radix, params, trace, cap)
     for policy in (HitDensityPolicy(cap), AdaptivePolicy(cap), policy_factories()["reuse-distance"]()):  # as register() builds it
         clock = [0.0]
         strategy = make_sglang_strategy(policy, now_s=lambda c=clock: c[0])
         assert isinstance(strategy, evict.EvictionStrategy), type(strategy).__mro__
         hits = int(sglang_radix_replay(trace, strategy, cap, clock, radix=radix, params=params).sum())
         print(f"  SGLang's own RadixCache, agent seed 7, {cap} tokens: {policy.name} {hits:,} hits, SGLang's LRU {lru:,}")
+
+
+def wheel_of_radix(radix: types.ModuleType) -> str:
+    """The wheel a module was read out of (its code's file name is ``WHEEL!path``)."""
+    fn = radix.RadixCache.__init__.__code__.co_filename
+    return fn.split("!", 1)[0]
+
+
+def drive_sglang_step_clock(wheel: str, radix: types.ModuleType, params: types.ModuleType, trace: object, cap: int) -> None:
+    """SGLang 0.5.23's server builds ``UnifiedRadixCache``, whose nodes are stamped by a step counter
+    (``unified_cache/components/base.py``: ``get_and_increase_time_counter``, one more per stamp), not
+    ``time.monotonic()``. With SGLang's own counter as the tree's clock, kvpolicy's hit density and adaptive rank at the
+    tree's own time by default: they decide exactly as when told the counter's value, where a wall clock would not be
+    the nodes' clock at all."""
+    import numpy as np
+
+    from kvpolicy.eviction import AdaptivePolicy, HitDensityPolicy
+    from kvpolicy.integrations.sglang import make_sglang_strategy
+    from kvpolicy.testing.radix import sglang_radix_replay
+
+    counter = types.ModuleType("sglang_step_counter")
+    counter.float64 = np.float64  # type: ignore[attr-defined]
+    counter._LAST_ACCESS_TIME_COUNTER_FLOAT = np.float64(1.0)  # type: ignore[attr-defined]  # SGLang's initial value
+    tree = __import__("ast").parse(_source(wheel, "sglang/srt/mem_cache/unified_cache/components/base.py"))
+    fn = [n for n in tree.body if getattr(n, "name", None) == "get_and_increase_time_counter"]
+    assert fn, "SGLang's UnifiedRadixCache clock (get_and_increase_time_counter) is not where it was"
+    exec(compile(__import__("ast").Module(body=fn, type_ignores=[]), "components/base.py", "exec"), counter.__dict__)
+    step = counter.get_and_increase_time_counter
+    for cls in (HitDensityPolicy, AdaptivePolicy):
+        got = {}
+        for how in ("default", "told", "wall"):
+            counter._LAST_ACCESS_TIME_COUNTER_FLOAT = np.float64(1.0)  # type: ignore[attr-defined]
+            now = {"default": None, "told": lambda: float(counter._LAST_ACCESS_TIME_COUNTER_FLOAT) - 1.0,  # type: ignore[attr-defined]
+                   "wall": __import__("time").monotonic}[how]
+            strategy = make_sglang_strategy(cls(cap), now_s=now)
+            got[how] = int(sglang_radix_replay(trace, strategy, cap, radix=radix, params=params, stamp=step).sum())
+        # hit density decides exactly as told; adaptive's experts also see that the root's stamp (its default "now": the
+        # request's prefix match) precedes the counter's last tick (an insert's), and may part by a little
+        tol = 0 if cls is HitDensityPolicy else 0.01 * got["told"]
+        assert abs(got["default"] - got["told"]) <= tol, (cls.name, got)
+        print(f"  SGLang's own RadixCache stamped by UnifiedRadixCache's step counter, {cap} tokens: {cls.name} "
+              f"{got['default']:,} hits at its default clock, {got['told']:,} told the counter, {got['wall']:,} on a wall clock")
+
+
+def _source(wheel: str, path: str) -> str:
+    with zipfile.ZipFile(wheel) as z:
+        return z.read(path).decode()
 
 
 def drive_sglang_strategies(evict: types.ModuleType) -> None:

@@ -25,7 +25,6 @@ strategy — the default Rust core does not — so the server also needs
 from __future__ import annotations
 
 import math
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -80,8 +79,10 @@ class PriorityStrategy:
     :class:`~kvpolicy.eviction.hit_density.HitDensityPolicy` / ``AdaptivePolicy``, which sample their victims inside
     kvpolicy but rank any block on request (``priority_of``): SGLang ranks every evictable leaf itself. Their learning
     needs the time of each event, so the mirror replays a node's hits at SGLang's ``last_access_time``, takes
-    evictions when SGLang drops the node, and ranks at ``now_s()`` — SGLang's clock (:func:`make_sglang_strategy`
-    passes ``time.monotonic``, what SGLang stamps its nodes with); without it, at the latest timestamp seen.
+    evictions when SGLang drops the node, and ranks at ``now_s()`` if given — it must read the clock SGLang stamps its
+    nodes with — or else (the default) at the latest stamp seen on the nodes. That is the nodes' own clock whatever its
+    units: ``RadixCache`` stamps ``time.monotonic()`` seconds, ``UnifiedRadixCache`` (what SGLang 0.5.23's server
+    builds) a step counter (``get_and_increase_time_counter``) — a wall clock would put every node at the same age.
     ``lrb`` is refused: it learns from the outcomes of the evictions it picks, and here SGLang picks them."""
 
     def __init__(self, policy: PriorityPolicy | HitDensityPolicy, now_s: Callable[[], float] | None = None) -> None:
@@ -210,9 +211,10 @@ class PriorityStrategy:
         for x, mx in reversed(chain):
             self._catch_up(x, mx)
         if self._ranked:
-            if self._now_s is not None:
-                self._at(float(self._now_s()))
             self._requests_seen(node)
+            # now: the clock given, or the radix root's stamp — SGLang stamps the root at every prefix match, so it is
+            # the latest event on the tree's own clock (seconds in RadixCache, steps in UnifiedRadixCache)
+            self._at(float(self._now_s()) if self._now_s is not None else self._root_t)
             return self.policy.priority_of(self.policy.nodes[m.token], self._clock.now_s())  # type: ignore[union-attr]
         return self.policy.priority(self.policy.nodes[m.token])  # type: ignore[union-attr]
 
@@ -256,7 +258,8 @@ class PriorityStrategy:
 
 def make_sglang_strategy(policy: PriorityPolicy | HitDensityPolicy, now_s: Callable[[], float] | None = None) -> Any:
     """A real ``sglang...EvictionStrategy`` subclass instance (needs SGLang installed). Hit density and adaptive rank
-    at ``now_s()``, by default ``time.monotonic`` — the clock SGLang stamps its nodes with."""
+    at ``now_s()`` if given, by default at the latest stamp seen on SGLang's nodes (their own clock: seconds in
+    ``RadixCache``, a step counter in ``UnifiedRadixCache``; see :class:`PriorityStrategy`)."""
     try:
         from sglang.srt.mem_cache.evict_policy import EvictionStrategy  # type: ignore[import-not-found]
     except ImportError:
@@ -265,8 +268,6 @@ def make_sglang_strategy(policy: PriorityPolicy | HitDensityPolicy, now_s: Calla
     class KVPolicyStrategy(PriorityStrategy, EvictionStrategy):  # type: ignore[misc, valid-type]
         pass
 
-    if now_s is None and isinstance(policy, HitDensityPolicy):
-        now_s = time.monotonic
     return KVPolicyStrategy(policy, now_s)
 
 

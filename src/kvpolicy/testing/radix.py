@@ -156,7 +156,8 @@ def sglang_lfu(node: RadixNode) -> tuple[int, float]:
 
 
 def sglang_radix_replay(trace: Any, strategy: Any, capacity_tokens: int, clock: list[float] | None = None, *, radix: Any = None,
-                        params: Any = None, value: Callable[[list[int]], Any] | None = None) -> np.ndarray:
+                        params: Any = None, value: Callable[[list[int]], Any] | None = None,
+                        stamp: Callable[[], float] | None = None) -> np.ndarray:
     """Per block reference of ``trace``: whether it was a hit in **SGLang's own** ``RadixCache`` (page size 1, one
     token per block), its eviction ranked by ``strategy`` (an ``EvictionStrategy``: SGLang's, or kvpolicy's from
     :func:`kvpolicy.integrations.sglang.make_sglang_strategy`). The request flow :func:`radix_replay` stands in for:
@@ -167,7 +168,9 @@ def sglang_radix_replay(trace: Any, strategy: Any, capacity_tokens: int, clock: 
 
     ``radix`` / ``params``: SGLang's ``sglang.srt.mem_cache.radix_cache`` and ``base_prefix_cache`` modules (default:
     imported from an installed SGLang — ``tools/check_engine_bases.py`` passes ones read out of the wheel).
-    ``value``: a request's token indices as the tree stores them (default ``torch.tensor(ids, dtype=torch.int64)``)."""
+    ``value``: a request's token indices as the tree stores them (default ``torch.tensor(ids, dtype=torch.int64)``).
+    ``stamp``: the tree's clock instead of the arrival times — e.g. ``UnifiedRadixCache``'s step counter
+    (``get_and_increase_time_counter``: one more at every stamp)."""
     import time as _time
     import types
     from array import array
@@ -202,7 +205,7 @@ def sglang_radix_replay(trace: Any, strategy: Any, capacity_tokens: int, clock: 
 
     now = clock if clock is not None else [0.0]
     saved = radix.time
-    radix.time = types.SimpleNamespace(monotonic=lambda: now[0], perf_counter=_time.perf_counter, time=_time.time)
+    radix.time = types.SimpleNamespace(monotonic=stamp or (lambda: now[0]), perf_counter=_time.perf_counter, time=_time.time)
     try:
         tree = radix.RadixCache.create_simulated(mock_allocator=_Allocator())
         tree.eviction_strategy = strategy
