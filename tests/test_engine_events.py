@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import base64
 import glob
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,7 +41,7 @@ def _wheel(pattern: str) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def cases(tmp_path_factory):
+def cases():
     made = os.environ.get("KVPOLICY_ENGINE_EVENTS")  # a cases file tools/engine_events.py already wrote
     if made:
         return json.loads(Path(made).read_text())
@@ -48,9 +50,14 @@ def cases(tmp_path_factory):
         if os.environ.get("KVPOLICY_REQUIRE_ENGINE_WHEELS") == "1":
             pytest.fail("KVPOLICY_REQUIRE_ENGINE_WHEELS=1 but KVPOLICY_ENGINE_WHEELS holds no vLLM 0.33.0 and SGLang 0.5.23 wheels")
         pytest.skip("the engines' wheels are not here (KVPOLICY_ENGINE_WHEELS)")
-    out = tmp_path_factory.mktemp("engine-events") / "cases.json"
-    subprocess.run([sys.executable, str(ROOT / "tools" / "engine_events.py"), "--vllm", vllm, "--sglang", sglang, "--out", str(out)],
-                   check=True, timeout=600)
+    # made once per wheels and harness (the mutation tool runs these tests once per mutant): keyed by both
+    tool = ROOT / "tools" / "engine_events.py"
+    stamp = hashlib.sha256(f"{vllm}|{sglang}|{sys.executable}".encode() + tool.read_bytes()).hexdigest()[:16]
+    out = Path(tempfile.gettempdir()) / f"kvpolicy-engine-events-{stamp}.json"
+    if not out.exists():
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        subprocess.run([sys.executable, str(tool), "--vllm", vllm, "--sglang", sglang, "--out", str(tmp)], check=True, timeout=600)
+        tmp.replace(out)
     return json.loads(out.read_text())
 
 

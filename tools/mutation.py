@@ -67,7 +67,7 @@ MODULES: dict[str, dict[str, Any]] = {
                   "tests": ["tests/test_directory.py"]},
     "transport": {"paths": ["kvpolicy/reference/transport.py"], "tests": ["tests/test_transport_security.py", "tests/test_reference.py"]},
     "integrations": {"paths": ["kvpolicy/integrations/vllm_events.py", "kvpolicy/integrations/vllm_kv_connector.py"],
-                     "tests": ["tests/test_integrations.py"]},
+                     "tests": ["tests/test_integrations.py", "tests/test_engine_events.py"]},
     "write-admission": {"paths": ["kvpolicy/write_admission.py"], "tests": ["tests/test_decisions.py"]},
     "learned-eviction": {"paths": ["kvpolicy/eviction/learned.py", "kvpolicy/eviction/hit_density.py"],
                          "tests": ["tests/test_learned_eviction.py", "tests/test_hit_density.py"]},
