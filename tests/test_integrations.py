@@ -3474,3 +3474,176 @@ def test_a_stats_payload_from_another_process_is_read_whole_or_refused_by_field(
         v = stats.learned[k]
         assert v is None or (isinstance(v, float) and 0 <= v < float("inf"))
     assert all(isinstance(stats.data[k], int) and stats.data[k] >= 0 for k in ("requests", "offered_tokens", "loaded_tokens"))
+
+
+# --------------------------------------------------------------------------- the ingestion's rules, one at a time
+# (each test below pins a rule a mutant of tools/mutation.py changed without a test noticing)
+
+
+def test_field_rules_of_an_event_at_their_boundaries():
+    base = {"type": "BlockStored", "block_hashes": [1], "token_ids": list(range(B)), "block_size": B}
+    with pytest.raises(EventFormatError) as e:
+        decode_event({**base, "group_idx": True})  # a bool is not a group index
+    assert e.value.field == "events[0].group_idx"
+    assert decode_event({**base, "medium": "M" * 64}).medium == "M" * 64, "a medium name of 64 characters is one"
+    with pytest.raises(EventFormatError):
+        decode_event({**base, "medium": "M" * 65})
+    assert decode_event({**base, "token_ids": list(range(2 * B)), "block_hashes": [1, 2]}).block_hashes == (1, 2)
+
+
+def test_extra_keys_for_places_items_at_block_boundaries():
+    assert extra_keys_for(0) == []
+    # an item starting on block 1's first token belongs to block 1 alone; one ending on block 0's last token to block 0
+    assert extra_keys_for(2, mm_items=[("img", B, 4)], block_size_tokens=B) == [None, (("img", 0),)]
+    assert extra_keys_for(2, mm_items=[("img", B - 4, 4)], block_size_tokens=B) == [(("img", B - 4),), None]
+    assert extra_keys_for(2, mm_items=[("img", B - 1, 2)], block_size_tokens=B) == [(("img", B - 1),), (("img", -1),)]
+    assert extra_keys_for(1, lora_name="a", cache_salt="s", mm_items=[("img", 0, 1)], block_size_tokens=B) == [("a", ("img", 0), "s")]
+    assert extra_keys_for(1, cache_salt="s", first_block_index=1) == [None], "the salt is on absolute block 0 only"
+    for bad in ([("img", -1, 2)], [("img", 0, 0)], [(3, 0, 1)], [("img", 0)]):
+        with pytest.raises(ConfigError) as e:
+            extra_keys_for(1, mm_items=bad, block_size_tokens=B)
+        assert e.value.field == "mm_items[0]"
+    with pytest.raises(ConfigError) as e:
+        extra_keys_for(1, mm_items=[("img", 0, 1)])
+    assert e.value.field == "block_size_tokens"
+    with pytest.raises(ConfigError) as e:
+        extra_keys_for(-1)
+    assert e.value.field == "n_blocks"
+
+
+def test_a_fresh_ingestor_counts_nothing_and_refuses_zero_bytes_per_token():
+    ing = ingestor()
+    assert set(ing.counts.values()) == {0} and set(ing.refused.values()) == {0}
+    with pytest.raises(ConfigError) as e:
+        KVEventIngestor(InMemoryDirectory(), "acme", HASHER, holder="pod-1", bytes_per_token=0)
+    assert e.value.field == "bytes_per_token"
+    with pytest.raises(ConfigError) as e:
+        KVEventIngestor(InMemoryDirectory(), "acme", HASHER, holder="pod-1", bytes_per_token=8, none_hash_seed="42")
+    assert e.value.field == "none_hash_seed", "a seed without verification means nothing"
+
+
+def test_a_removal_applies_once_per_tier_and_even_to_a_leased_block():
+    d = InMemoryDirectory()
+    ing = ingestor(d)
+    ev, raw = stored(PROMPT[: 2 * B])
+    ing.apply(ev)
+    keys = list(HASHER.hash_blocks(PROMPT[: 2 * B]))
+    d.lease("acme", keys[1:], 60.0)  # a reader holds it for a fetch: the engine's removal still wins (force)
+    ing.apply(BlockRemoved((raw[1],), "GPU"))
+    assert d.match_prefix("acme", keys) == 1 and ing.counts["removed_blocks"] == 1
+    ing.apply(BlockRemoved((raw[1],), "GPU"))  # again: the GPU copy is gone already
+    assert ing.counts["unknown_removed"] == 1 and ing.key_of(raw[1]) is None
+    ing.apply(BlockStored((raw[5] if len(raw) > 5 else b"x" * 32,), None, (), 0, None, "CPU"))  # tier-only, never stored
+    assert ing.counts["orphans"] == 1 and ing.refused["unknown_tier_only"] == 1
+
+
+def test_a_page_reported_again_is_the_most_recent_mapping():
+    """Past max_mapped_blocks the oldest mapping is forgotten; a page the engine reports again (another tier) is
+    the newest, so the one forgotten is the other."""
+    d = InMemoryDirectory()
+    ing = ingestor(d, max_mapped_blocks=2)
+    a, ra = stored(PROMPT[:B])
+    b, rb = stored(list(range(5000, 5000 + B)))
+    ing.apply(a)
+    ing.apply(b)
+    ing.apply(BlockStored(a.block_hashes, None, a.token_ids, B, None, "CPU"))  # a again, on the CPU tier
+    c, _ = stored(list(range(6000, 6000 + B)))
+    ing.apply(c)
+    assert ing.counts["forgotten_blocks"] == 1 and ing.key_of(ra[0]) is not None and ing.key_of(rb[0]) is None
+
+
+def test_a_salt_only_event_is_verified():
+    ing = ingestor(verify_algo="sha256")
+    raw = vllm_block_hashes(PROMPT[: 2 * B], B, cache_salt="s1")
+    ing.apply(BlockStored(tuple(raw), None, tuple(PROMPT[: 2 * B]), B, None, "GPU", extra_keys=(("s1",), None)))
+    assert ing.counts["verified_blocks"] == 2 and ing.refused["unverifiable"] == 0
+    ing2 = ingestor(verify_algo="sha256")
+    ing2.apply(BlockStored(tuple(raw), None, tuple(PROMPT[: 2 * B]), B, None, "GPU", extra_keys=((("img", 0),), None)))
+    assert ing2.refused["unverifiable"] == 2, "a multimodal key is not a salt: it cannot be checked"
+
+
+def test_subscriber_settings_at_their_boundaries():
+    pytest.importorskip("zmq")
+    for kw in ({"max_message_bytes": 1}, {"remember_batches": 1}, {"heartbeat_s": 0.0005}):
+        ZmqEventSubscriber(ingestor(), "inproc://bounds", **kw).close()  # each the smallest allowed
+    with pytest.raises(ConfigError) as e:
+        ZmqEventSubscriber(ingestor(), "inproc://bounds", remember_batches=0)
+    assert e.value.field == "remember_batches"
+    from kvpolicy.integrations.vllm_events import ReplayClient
+
+    with pytest.raises(ConfigError, match="max_fetch_s"):
+        ReplayClient("tcp://127.0.0.1:1", max_fetch_s=float("inf"))
+
+
+def test_a_heartbeat_under_a_millisecond_is_one_millisecond():
+    zmq = pytest.importorskip("zmq")
+    sub = ZmqEventSubscriber(ingestor(), "inproc://hb", heartbeat_s=0.0001)
+    try:
+        assert sub.sock.getsockopt(zmq.HEARTBEAT_IVL) == 1 and sub.sock.getsockopt(zmq.HEARTBEAT_TIMEOUT) == 3
+        assert sub.sock.getsockopt(zmq.LINGER) == 0, "closing never waits on unsent messages"
+    finally:
+        sub.close()
+
+
+def test_replayed_batches_apply_in_seq_order_and_the_current_one_once():
+    """A replay socket may answer in any order: batches apply by seq (a store, then its removal). The batch that
+    revealed the gap is applied once, even when the replay also holds it."""
+    pytest.importorskip("zmq")
+    ev, h = stored(PROMPT[: 2 * B])
+    keys = list(HASHER.hash_blocks(PROMPT[: 2 * B]))
+    # ts falling while seq rises: ordering by payload bytes would put the removal first
+    life = {0: encode_batch(30.0, []), 1: encode_batch(20.0, [ev]), 2: encode_batch(10.0, [BlockRemoved((h[1],), "GPU")])}
+
+    class Backwards(_Replay):
+        def fetch(self, start_seq, until=None):
+            return super().fetch(start_seq, until)[::-1]
+
+    d = InMemoryDirectory()
+    sub = ZmqEventSubscriber(ingestor(d), "inproc://order", replay=Backwards(life))
+    try:
+        sub.handle([b"kv", (0).to_bytes(8, "big"), life[0]])
+        sub.handle([b"kv", (2).to_bytes(8, "big"), life[2]])  # 1 is fetched from the replay, which also holds 2
+        assert d.match_prefix("acme", keys) == 1 and sub.ingestor.counts["unknown_removed"] == 0
+    finally:
+        sub.close()
+    # a restart found by the periodic check: the new engine's buffer is applied in seq order too
+    d = InMemoryDirectory()
+    old = {0: encode_batch(1.0, [stored(list(range(7000, 7000 + B)))[0]])}
+    replay = Backwards(old)
+    sub = ZmqEventSubscriber(ingestor(d), "inproc://order2", replay=replay)
+    try:
+        sub.handle([b"kv", (0).to_bytes(8, "big"), old[0]])
+        replay.frames = life
+        assert sub.check_continuity() is False and sub.ingestor.counts["restarts"] == 1
+        assert d.match_prefix("acme", keys) == 1 and sub.last_seq == 2
+    finally:
+        sub.close()
+
+
+def test_connector_stats_keep_a_learned_value_a_newer_report_lacks():
+    from kvpolicy.integrations.vllm_kv_connector import LEARNED, KVPolicyStats
+
+    k = sorted(LEARNED)[0]
+    a = KVPolicyStats({k: 2.5})
+    a.aggregate(KVPolicyStats({}))  # a worker that has learned nothing yet reports null
+    assert a.learned[k] == 2.5
+    a.aggregate(KVPolicyStats({k: 3.0}))
+    assert a.learned[k] == 3.0, "a value, not a count: the newer report's"
+
+
+def test_connector_class_questions_without_an_inner_connector():
+    from kvpolicy.integrations.vllm_kv_connector import KVPolicyConnector
+
+    assert KVPolicyConnector.get_required_kvcache_layout(vllm_config({"kvpolicy": {}})) is None
+    assert KVPolicyConnector.get_required_kvcache_layout(vllm_config(None)) is None
+
+
+def test_connector_steps_in_flight_is_one_unless_vllm_says_more():
+    from kvpolicy.integrations.vllm_kv_connector import KVPolicyConnector
+
+    for told, want in ((None, 1), (0, 1), (True, 1), (3, 3)):
+        cfg = vllm_config({"kvpolicy": {"bytes_per_token": 2048}})
+        if told is not None:
+            cfg.max_concurrent_batches = told
+        c = KVPolicyConnector(cfg, "scheduler", None, inner=InnerConnector(can_load=0))
+        assert c.policy.step_timer.steps_in_flight == want, (told, want)

@@ -559,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--rotate", action="store_true", help="one module, chosen by the commit (CI's rotation)")
     ap.add_argument("--list", action="store_true", help="list the mutants; run nothing")
-    ap.add_argument("--check", action="store_true", help=f"exit 1 when a module's score is under its goal ({GOAL:.0%})")
+    ap.add_argument("--check", action="store_true", help=f"exit 1 when a module's score is under its goal ({GOAL:.0%}%)")
+    ap.add_argument("--ids", nargs="+", default=None, metavar="ID", help="only these mutants (ids as the survivors list prints them)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
@@ -589,7 +590,9 @@ def main(argv: list[str] | None = None) -> int:
         tests = [t for t in cfg["tests"] if (ROOT / t).exists()]
         muts = [m for p in cfg["paths"] for m in mutants_of(name, p)]
         muts = [m for m in muts if installable(m)]
-        if args.sample is not None and args.sample < len(muts):
+        if args.ids is not None:
+            muts = [m for m in muts if m.id in set(args.ids)]
+        elif args.sample is not None and args.sample < len(muts):
             muts = sorted(random.Random(f"{args.seed}:{name}").sample(muts, args.sample), key=lambda m: (m.path, m.index))
         if args.list:
             for m in muts:

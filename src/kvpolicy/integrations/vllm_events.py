@@ -777,10 +777,7 @@ class ZmqEventSubscriber:
 
     def on_disconnect(self) -> None:
         """The engine's socket went away (the monitor saw it): a dead engine holds nothing."""
-        if self.last_seq is not None or self._seen:
-            self._forget("disconnects", "the engine's event socket disconnected")
-        else:
-            self.ingestor.counts["disconnects"] = self.ingestor.counts.get("disconnects", 0) + 1
+        self._forget("disconnects", "the engine's event socket disconnected")
 
     def handle(self, parts: list[bytes]) -> None:
         """One multipart message from the PUB socket."""
