@@ -432,3 +432,163 @@ def test_the_transport_keys_never_show_the_secret():
     with pytest.raises(CorruptBlockError.__mro__[1]):  # TransportError: a ConnectionError the engine recomputes on
         raise CorruptBlockError("x")
     assert issubclass(TransportError, ConnectionError) and issubclass(AuthError, TransportError)
+
+
+# --------------------------------------------------------------------------- the transport's rules at their edges
+# (each pins what a mutant of tools/mutation.py changed without a test noticing)
+
+KEY = b"\x01" * 16
+
+
+def _client(srv, limits=None, timeout_s=5.0):
+    return PeerClient(srv.address, bytes(16), secret=SECRET, block_bytes=BB, limits=limits, timeout_s=timeout_s)
+
+
+def test_the_secret_is_16_to_64_bytes():
+    for n in (16, 64):
+        BlockServer(BlockStore(bytes(16), BB), secret=b"s" * n).close()
+    for n in (15, 65):
+        with pytest.raises(ConfigError) as e:
+            BlockServer(BlockStore(bytes(16), BB), secret=b"s" * n)
+        assert e.value.field == "secret"
+
+
+def test_a_request_listing_more_keys_than_the_cap_is_a_protocol_error():
+    limits = TransportLimits(max_blocks_per_message=4)
+    store, srv = one_block_server(limits)
+    try:
+        s = raw(srv.address)
+        ch = Channel(s, client_handshake(s, TransportKeys.from_secret(SECRET), 5.0), is_server=False, limits=limits)
+        ch.send({"op": "match", "namespace": bytes(16).hex(), "keys": [KEY.hex()] * 5})
+        assert closed_by_peer(s, 5.0)
+        s.close()
+        wait_until(lambda: srv.stats["protocol_errors"] >= 1)
+        assert srv.stats["protocol_errors"] == 1
+        c = _client(srv, limits)
+        assert len(c.fetch([KEY] * 4, 5.0).payloads) == 4, "exactly the cap is allowed"
+        with pytest.raises(TransportError):
+            c.fetch([KEY] * 5, 5.0)
+        c.close()
+    finally:
+        srv.close()
+
+
+def test_the_server_keeps_accepting_after_idling_with_every_slot_free():
+    """Each accept that times out (every 0.2 s while idle) must give its connection slot back: otherwise the server
+    stops accepting after max_connections × 0.2 s of quiet."""
+    store, srv = one_block_server(TransportLimits(max_connections=2))
+    try:
+        time.sleep(1.0)
+        for _ in range(3):
+            c = _client(srv)
+            assert c.match_prefix([KEY]) == 1
+            c.close()
+        assert srv.stats["connections"] == 3
+    finally:
+        srv.close()
+
+
+def test_a_peer_that_hangs_up_in_the_handshake_is_a_protocol_error():
+    store, srv = one_block_server()
+    try:
+        s = raw(srv.address)
+        assert s.recv(4)[:4] == MAGIC
+        s.close()
+        wait_until(lambda: srv.stats["protocol_errors"] >= 1)
+        assert srv.stats["protocol_errors"] == 1 and srv.stats["auth_failed"] == 0
+    finally:
+        srv.close()
+
+
+def test_the_client_reconnects_before_the_server_drops_an_idle_connection():
+    limits = TransportLimits(idle_timeout_s=0.4)
+    store, srv = one_block_server(limits)
+    c = _client(srv, limits)
+    try:
+        assert c.match_prefix([KEY]) == 1
+        time.sleep(0.6)  # past the server's idle limit: it has closed the connection
+        assert c.match_prefix([KEY]) == 1, "a fresh connection, not a failed lookup on the dead one"
+        assert srv.stats["connections"] == 2 and 0 <= c.last_lookup_s < 5
+        assert c._ch.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        c.close()
+        wait_until(lambda: srv.open_connections == 0)
+        assert srv.open_connections == 0, "close() hangs up"
+        srv.close()
+
+
+def test_the_client_handshake_times_out_at_its_own_deadline():
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        c = PeerClient(listener.getsockname()[:2], bytes(16), secret=SECRET, block_bytes=BB,
+                       limits=TransportLimits(handshake_timeout_s=10.0), timeout_s=0.3)
+        t0 = time.monotonic()
+        assert c.match_prefix([KEY]) == 0  # a listener that never says hello
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        listener.close()
+
+
+class _Lying(BlockServer):
+    """A peer with the secret whose answers are malformed: what a bug or a compromised replica could send."""
+
+    answer: dict = {}
+
+    def _answer(self, ch, req):
+        if req.get("op") == "put":
+            self.store  # noqa: B018
+            from kvpolicy.reference.transport import _block_meta
+
+            meta = _block_meta(req.get("blocks"), self.store.block_bytes, self.limits)
+            ch.recv_payloads(len(meta), self.store.block_bytes)
+        ch.send(self.answer)
+        return True
+
+
+@pytest.mark.parametrize("answer,n", [({}, 0), ({"n": True}, 0), ({"n": "3"}, 0), ({"n": 99}, 2), ({"n": -4}, 0)])
+def test_a_match_answer_that_is_not_a_count_counts_nothing(answer, n):
+    srv = _Lying(BlockStore(bytes(16), BB), secret=SECRET)
+    srv.answer = answer
+    c = _client(srv)
+    try:
+        assert c.match_prefix([KEY, KEY]) == n
+    finally:
+        c.close()
+        srv.close()
+
+
+@pytest.mark.parametrize("answer,n", [({}, 0), ({"stored": True}, 0), ({"stored": 2}, 2)])
+def test_a_put_answer_that_is_not_a_count_counts_nothing(answer, n):
+    srv = _Lying(BlockStore(bytes(16), BB), secret=SECRET)
+    srv.answer = answer
+    c = _client(srv)
+    try:
+        assert c.put([KEY, b"\x02" * 16], [b"\x00" * BB] * 2, 5.0) == n
+    finally:
+        c.close()
+        srv.close()
+
+
+def test_server_faults_reach_the_client_as_what_they_are():
+    store, srv = one_block_server()
+    c = _client(srv)
+    try:
+        with pytest.raises(ConnectionError, match="missing"):
+            c.fetch([b"\x09" * 16], 5.0)
+        srv.faults.corrupt = True
+        with pytest.raises(CorruptBlockError):
+            c.fetch([KEY], 5.0)
+        assert c.stats["mac_refused"] == 1
+        srv.faults.corrupt = False
+        srv.faults.delay_s = 1.0
+        with pytest.raises(TimeoutError):
+            c.fetch([KEY], 0.2)
+        srv.faults.delay_s = 0.0
+        srv.faults.drop = True
+        with pytest.raises(ConnectionError):
+            c.fetch([KEY], 5.0)
+        srv.faults.drop = False
+        assert c.fetch([KEY], 5.0).payloads == (b"\x07" * BB,), "the connection is made afresh after each fault"
+    finally:
+        c.close()
+        srv.close()
