@@ -541,3 +541,134 @@ def test_the_gate_counts_the_tiers_free_blocks_in_blocks_not_bytes():
     # c1 takes the free block; c2 (1 request) meets v1 (2 requests) and is refused
     assert tier.peek_victims(20) == ["v1"] and gate(tier, adm, ["c1", "c2"], 10) == 1
     assert gate(tier, adm, [], 10) == 0
+
+
+# ------------------------------------------------------------------------------------------- admission, number by number
+# (each pins what a mutant of tools/mutation.py changed without a test noticing)
+
+
+def _one_load(c, ctx=None):
+    d = c.decide(pm(0, 32), ctx or AdmissionContext(block_bytes=BLOCK_BYTES))
+    assert d.loads
+    return d
+
+
+def test_the_bytes_ahead_drain_at_the_links_p50_rate():
+    c = controller(bw=1e10)
+    p = c.propose(pm(0, 32), AdmissionContext(block_bytes=BLOCK_BYTES))
+    assert p.load_bytes == p.load_blocks * BLOCK_BYTES, "the proposal's bytes are its blocks' bytes"
+    d = _one_load(c)
+    assert c.queued_bytes("pool") == pytest.approx(d.load_bytes)
+    s_per_byte = c.model.coefficients(0.5, "pool").s_per_byte
+    c.clock.advance(0.5 * d.load_bytes * s_per_byte)
+    assert c.queued_bytes("pool") == pytest.approx(0.5 * d.load_bytes, rel=1e-9)
+    c.clock.advance(d.load_bytes * s_per_byte)
+    assert c.queued_bytes("pool") == 0.0
+    assert c.queued_bytes("another-source") == 0.0
+
+
+@pytest.mark.parametrize("slack,refused", [(0, False), (-1, True)])
+def test_the_queue_cap_refuses_only_what_waits_behind_more_than_it(slack, refused):
+    probe = controller(bw=1e11)
+    x = _one_load(probe).load_bytes
+    c = controller(bw=1e11, max_queue_bytes_per_source=x + slack)
+    _one_load(c)
+    d = c.decide(pm(0, 32), AdmissionContext(block_bytes=BLOCK_BYTES, replica="replica-1"))
+    assert (d.reason == "queue_full") == refused and d.loads != refused
+
+
+def test_a_cancelled_load_gives_back_exactly_one_slot():
+    c = controller(bw=1e11, max_loads_per_replica=2)
+    a = _one_load(c)
+    _one_load(c)
+    assert c.decide(pm(0, 32), AdmissionContext(block_bytes=BLOCK_BYTES)).reason == "replica_cap"
+    c.cancel(a.load_id)
+    _one_load(c)
+    assert c.decide(pm(0, 32), AdmissionContext(block_bytes=BLOCK_BYTES)).reason == "replica_cap"
+    c = controller(bw=1e11, max_loads_per_source=2)  # the source's slots likewise, from two replicas
+    a = _one_load(c, AdmissionContext(block_bytes=BLOCK_BYTES, replica="r0"))
+    _one_load(c, AdmissionContext(block_bytes=BLOCK_BYTES, replica="r1"))
+    c.cancel(a.load_id)
+    _one_load(c, AdmissionContext(block_bytes=BLOCK_BYTES, replica="r2"))
+    assert c.decide(pm(0, 32), AdmissionContext(block_bytes=BLOCK_BYTES, replica="r3")).reason == "source_cap"
+
+
+def test_a_committed_load_passes_the_rails_and_says_so():
+    c = controller(bw=1e11, max_loads_per_replica=1)
+    ctx = AdmissionContext(block_bytes=BLOCK_BYTES)
+    p1, p2 = c.propose(pm(0, 32), ctx), c.propose(pm(0, 32), ctx)  # the engine asked twice before admitting either
+    first = c.admit(p1, ctx, committed=True)
+    assert first.loads and first.reason != "committed", "nothing refused it: its own reason"
+    second = c.admit(p2, ctx, committed=True)
+    assert second.loads and second.reason == "committed", "the cap would have refused it"
+
+
+def test_the_p50_and_p95_terms_read_their_own_quantiles():
+    c = controller(bw=1e10)
+    d = c.propose(pm(0, 32), AdmissionContext(block_bytes=BLOCK_BYTES))
+    assert d.loads and d.split_blocks == 0
+    n_bytes = d.load_blocks * BLOCK_BYTES
+    assert d.terms["transfer_p95_s"] > d.terms["transfer_p50_s"], "the prior's p95 is slower than its p50"
+    for tag, q in (("p50", 0.5), ("p95", 0.95)):
+        co = c.model.coefficients(q, "pool")
+        assert d.terms[f"transfer_{tag}_s"] == pytest.approx(co.transfer_overhead_s + co.s_per_byte * n_bytes)
+
+
+def test_the_latency_model_learns_each_observation_as_its_formula_says():
+    m = LatencyModel(LinkPrior(bandwidth_bytes_per_s=1e9), PREFILL, min_samples=8)
+    staged = LatencyModel(LinkPrior(bandwidth_bytes_per_s=1e9, stage_bytes_per_s=4e9), PREFILL)
+    assert staged.coefficients(0.5).stage_s_per_byte == pytest.approx(1 / 4e9), "a staging leg's prior: one over its rate"
+    for q in (0.5, 0.95):
+        assert m.t_recompute(0, 1000, q)["prefill_s"] == pytest.approx(m.prefill_seconds(0, 1000)), "an unfitted ratio is 1, p95 too"
+    m.observe_interference(bytes_moved=1e3, stall_s=4.0, active_decodes=3)
+    assert m.interference_per_byte.hist.quantile(0.5) == pytest.approx(4.0 / 1e3 / 4, rel=0.02), "per byte, per decode"
+    m.observe_interference(bytes_moved=0, stall_s=0.1)  # nothing moved: nothing to learn, and no division
+    m.observe_prefill(0, 0, 0.5)  # nothing computed: predicted 0
+    n = m.prefill_ratio.hist.count
+    m.observe_prefill_batch(1.0, 0.0)  # a pass of 0 seconds after its fixed part teaches nothing
+    assert m.prefill_ratio.hist.count == n
+    for _ in range(2):
+        m.observe_load(bytes_loaded=2**20, n_blocks=1, transfer_s=1e-3, source="s")
+    assert not m.transfer_for("s").fitted()
+    m.observe_load(bytes_loaded=2**20, n_blocks=1, transfer_s=1e-3, source="s")
+    assert m.transfer_for("s").fitted(), "a source's own fit takes over after max(min_samples // 4, 3) = 3 samples"
+    m.observe_timeout(elapsed_s=1.0, bytes_loaded=1, source="t")
+    assert "t" in m.timeout_floors, "a timed-out load of one byte still sets a floor"
+
+
+def test_a_transfer_model_is_fitted_at_exactly_min_samples():
+    from kvpolicy.admission import TransferModel
+
+    t = TransferModel(LinkPrior(bandwidth_bytes_per_s=1e9), 3)
+    for i in range(3):
+        assert not t.fitted()
+        t.observe(2**20, 1e-3)
+    assert t.fitted()
+
+
+def test_the_histograms_count_zeros_and_single_values():
+    from kvpolicy.admission import LogHistogram
+    from kvpolicy.admission.histogram import WindowedHistogram
+
+    h = LogHistogram()
+    h.record_many([5.0])
+    assert h.count == 1 and h.quantile(0.5) == pytest.approx(5.0, rel=0.02)
+    z = LogHistogram()
+    z.record_many([0.0, 10.0])
+    assert z.quantile(0.0) == 0.0 and z.quantile(1.0) == pytest.approx(10.0, rel=0.02), "rank 1 is past the one zero"
+    a, b = LogHistogram(), LogHistogram()
+    a.record_many([0.0, 0.0, 3.0])
+    b.record_many([0.0, 7.0])
+    a.merge(b)
+    assert a.count == 5 and a.quantile(0.5) == 0.0 and a.quantile(0.75) == pytest.approx(3.0, rel=0.02), "three of five are 0"
+    with pytest.raises(ConfigError, match="window_s"):
+        WindowedHistogram(0.0, lambda: 0.0)
+
+
+def test_breaker_and_ramp_bounds():
+    from kvpolicy.admission import CircuitBreaker, RampController
+
+    with pytest.raises(ConfigError, match="failure_threshold"):
+        CircuitBreaker(failure_threshold=0)
+    r = RampController(1.0, 100.0, initial_share=0.5, max_share=0.5)  # starting at the cap is allowed
+    assert r.share == pytest.approx(0.5)
