@@ -414,3 +414,154 @@ def test_the_sketch_refuses_a_time_or_amount_that_would_poison_it(call, field):
     with pytest.raises(ConfigError, match=field):
         call(c)
     assert c.estimate(b"k", 1.0) == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------------------- the filters, number by number
+# (each pins what a mutant of tools/mutation.py changed without a test noticing)
+
+import math  # noqa: E402
+
+
+def test_a_publish_request_takes_ints_at_their_least():
+    PublishRequest(request_id=1, num_tokens=0, block_size_tokens=1)  # an empty request is a request
+    for bad in (True, 2.0, -1):
+        with pytest.raises(ConfigError) as e:
+            PublishRequest(request_id=1, num_tokens=bad, block_size_tokens=B)
+        assert e.value.field == "num_tokens"
+
+
+def test_never_publishes_and_still_checks_its_input():
+    f = NeverPublish()
+    r = req(1, 3)
+    f.observe(r, ["a", "b", "c"])
+    assert f.publishable(r, ["a", "b", "c"]) == 0
+    for call in (f.observe, f.publishable):
+        with pytest.raises(ConfigError, match="keys"):
+            call(r, ["a"] * 4)  # more keys than full blocks
+
+
+def test_count_min_sketch_limits_and_columns():
+    CountMinSketch(width=8, depth=64)  # the deepest allowed
+    for kw in ({"width": (1 << 28) + 1}, {"depth": 65}):  # (the widest allowed, 2**28, would allocate 8 GiB at depth 4)
+        with pytest.raises(ConfigError):
+            CountMinSketch(**kw)
+    sk = CountMinSketch(width=1 << 12, depth=4, seed=3)
+    sk.add("k", 0.0)
+    touched = [int(np.flatnonzero(np.frombuffer(r, dtype=np.float64))[0]) for r in sk._rows_data]
+    assert touched == sk._rows("k"), "_rows names the columns add() writes"
+
+
+def test_the_sketch_seed_is_mixed_not_masked():
+    """key ^ seed: keys 0 and 1 stay apart under any seed (key | seed would merge every key into the seed's set bits)."""
+    sk = CountMinSketch(width=1 << 16, depth=4, seed=1)
+    for _ in range(5):
+        sk.add(0, 0.0)
+    assert sk.estimate(1, 0.0) == 0.0 and sk.estimate(0, 0.0) == pytest.approx(5.0)
+
+
+def test_the_sketch_decays_correctly_across_a_rescale():
+    sk = CountMinSketch(width=1 << 12, depth=4, half_life_s=1.0)
+    sk.add("old", 0.0)
+    sk.add("new", 100.0)  # 100 half-lives later: the table is rescaled to keep weights finite
+    assert sk.estimate("new", 100.0) == pytest.approx(1.0)
+    assert sk.estimate("new", 101.0) == pytest.approx(0.5)
+    assert sk.estimate("old", 101.0) == pytest.approx(0.0, abs=1e-20)
+
+
+def test_reuse_aware_bounds_and_the_write_delay_at_full_utilisation():
+    reuse_aware(buckets=64)
+    with pytest.raises(ConfigError):
+        reuse_aware(buckets=65)
+    f = reuse_aware(index_s=1e-4, eviction_s=1e-4)
+    full = f.write_cost_s(req(1, 2, write_path_utilisation=1.0))
+    assert full == pytest.approx(f.write_s * 0.99 / 0.01 + 2e-4), "a saturated path counts as 99 % busy, not as infinite"
+    assert f.write_cost_s(req(1, 2, write_path_utilisation=0.5)) == pytest.approx(f.write_s + 2e-4), "rho / (1 - rho) at 0.5 is 1"
+
+
+def test_structure_aware_counts_decay_at_its_half_life():
+    """values(): a block seen by c distinct requests (decayed) has P(read again) = 1 - exp(-(c - 1) / half_life x
+    lifetime) when c > 1.5 — here c = 4 at t = 0 and 2 one half-life later."""
+    f = StructureAwarePublish(half_life_s=10.0, lifetime_s=20.0, write_weight=0.5, cross_replica_share=1.0)
+    for i in range(4):
+        f.observe(req(i, 1, t=0.0), ["k"])
+    for t, c in ((0.0, 4.0), (10.0, 2.0)):
+        want = (1.0 - math.exp(-(c - 1.0) / 10.0 * 20.0)) - 0.5
+        assert f.values(req(9, 1, t=t), ["k"]) == [pytest.approx(want)]
+    with pytest.raises(ConfigError, match="write_weight"):
+        StructureAwarePublish(write_weight=1.0)
+
+
+def test_structure_aware_classes_by_hand():
+    f = StructureAwarePublish()
+    E = len(StructureAwarePublish.DEPTH_EDGES) + 1
+    all_reused = PublishRequest(request_id=1, num_tokens=8 * B + 1, block_size_tokens=B, reused_blocks=8, time_s=0.0)
+    assert f.block_class(all_reused, 0) == (StructureAwarePublish.REUSE_BUCKETS - 1) * E
+    assert f.block_class(req(1, 8), 3) == 1 and f.block_class(req(1, 8), 4) == 2 and f.block_class(req(1, 8), 16) == 3
+    empty = PublishRequest(request_id=2, num_tokens=0, block_size_tokens=B, time_s=0.0)
+    assert f.block_class(empty, 0) == 0
+
+
+def test_structure_aware_remembers_the_most_recently_seen_keys():
+    f = StructureAwarePublish(capacity_keys=2, half_life_s=1e9, lifetime_s=1e9)
+    f.observe(req(1, 1), ["a"])
+    f.observe(req(2, 1), ["b"])
+    assert set(f._seen) == {"a", "b"}, "exactly capacity_keys kept"
+    f.observe(req(3, 1), ["a"])  # a seen again: the most recent
+    f.observe(req(4, 1), ["c"])
+    assert set(f._seen) == {"a", "c"}
+    with pytest.raises(ConfigError, match="time_s"):
+        f.publishable(PublishRequest(request_id=5, num_tokens=B + 1, block_size_tokens=B), ["a"])
+
+
+def test_the_budget_floor_rises_as_the_bucket_empties():
+    """A block is written while tokens last, and only if its value is at least value_floor_s x (1 - fill): a full
+    bucket takes anything, a half-empty one only blocks worth half the floor."""
+
+    class Valued(ReuseAwarePublish):  # reuse-aware's values (what the budget reads), fixed by hand
+        def __init__(self, values):
+            super().__init__(block_bytes=1, recompute_s=lambda d: 0.01)
+            self._v = values
+
+        def publishable(self, request, keys):
+            return len(keys)
+
+        def values(self, request, keys):
+            return list(self._v[: len(keys)])
+
+    bb = 100
+    full = WriteBudget(Valued([0.1] * 4), bytes_per_s=1e-9, burst_bytes=4 * bb, block_bytes=bb, value_floor_s=1.0)
+    assert full.publishable(req(1, 4), list("abcd")) == 1, "full: the first passes (floor x 0); then 3/4 full needs 0.25"
+    half = WriteBudget(Valued([0.6, 0.6, 0.4, 0.4]), bytes_per_s=1e-9, burst_bytes=4 * bb, block_bytes=bb, value_floor_s=1.0)
+    half.tokens = 2 * bb
+    assert half.publishable(req(1, 4), list("abcd")) == 1, "half full needs 0.5; then a quarter full needs 0.75"
+
+
+def test_a_composed_spec_is_every_part_at_once():
+    f = make_filter("threshold-1+never")
+    r = req(1, 2)
+    f.observe(r, ["a", "b"])
+    assert f.publishable(r, ["a", "b"]) == 0, "never, composed, vetoes"
+    alone = make_filter("threshold-1")
+    alone.observe(r, ["a", "b"])
+    assert alone.publishable(r, ["a", "b"]) == 2
+
+
+def test_structure_aware_decays_from_the_last_sighting_and_classes_a_one_block_request():
+    f = StructureAwarePublish(half_life_s=10.0, lifetime_s=20.0, write_weight=0.5, cross_replica_share=1.0)
+    for i in range(4):
+        f.observe(req(i, 1, t=5.0), ["k"])
+    want = (1.0 - math.exp(-(2.0 - 1.0) / 10.0 * 20.0)) - 0.5  # c = 4 halved once: ten seconds after t = 5
+    assert f.values(req(9, 1, t=15.0), ["k"]) == [pytest.approx(want)]
+    one = PublishRequest(request_id=1, num_tokens=B + 1, block_size_tokens=B, reused_blocks=1, time_s=0.0)
+    assert f.block_class(one, 0) == (StructureAwarePublish.REUSE_BUCKETS - 1) * (len(StructureAwarePublish.DEPTH_EDGES) + 1)
+
+
+def test_an_own_filter_must_observe_and_answer(tmp_path):
+    (tmp_path / "myfilters.py").write_text(
+        "class Good:\n    def __init__(self, block_bytes=0):\n        self.block_bytes = block_bytes\n"
+        "    def observe(self, request, keys):\n        pass\n    def publishable(self, request, keys):\n        return len(keys)\n"
+        "class Mute:\n    def publishable(self, request, keys):\n        return 0\n")
+    good = make_filter(f"{tmp_path / 'myfilters.py'}:Good", block_bytes=7)
+    assert good.block_bytes == 7 and good.publishable(req(1, 2), ["a", "b"]) == 2
+    with pytest.raises(ConfigError, match="lacks observe/publishable"):
+        make_filter(f"{tmp_path / 'myfilters.py'}:Mute")
