@@ -536,7 +536,6 @@ class _Lying(BlockServer):
 
     def _answer(self, ch, req):
         if req.get("op") == "put":
-            self.store  # noqa: B018
             from kvpolicy.reference.transport import _block_meta
 
             meta = _block_meta(req.get("blocks"), self.store.block_bytes, self.limits)

@@ -51,9 +51,13 @@ def _module(name: str, **attrs: object) -> types.ModuleType:
     return m
 
 
-def _load(wheel: str, path: str, name: str) -> types.ModuleType:
+def _source(wheel: str, path: str) -> str:
     with zipfile.ZipFile(wheel) as z:
-        source = z.read(path).decode()
+        return z.read(path).decode()
+
+
+def _load(wheel: str, path: str, name: str) -> types.ModuleType:
+    source = _source(wheel, path)
     mod = _module(name)
     exec(compile(source, f"{wheel}!{path}", "exec"), mod.__dict__)
     return mod
@@ -735,11 +739,6 @@ def drive_sglang_step_clock(wheel: str, radix: types.ModuleType, params: types.M
         assert abs(got["default"] - got["told"]) <= tol, (cls.name, got)
         print(f"  SGLang's own RadixCache stamped by UnifiedRadixCache's step counter, {cap} tokens: {cls.name} "
               f"{got['default']:,} hits at its default clock, {got['told']:,} told the counter, {got['wall']:,} on a wall clock")
-
-
-def _source(wheel: str, path: str) -> str:
-    with zipfile.ZipFile(wheel) as z:
-        return z.read(path).decode()
 
 
 def drive_sglang_strategies(evict: types.ModuleType) -> None:

@@ -120,10 +120,6 @@ def load_vllm(wheel: str, *, int_hashes: bool = True) -> types.SimpleNamespace:
     return types.SimpleNamespace(kcu=kcu, ev=ev, bp=bp, hashing=sys.modules["vllm.utils.hashing"], enc=msgspec.msgpack.Encoder())
 
 
-class _Pos(types.SimpleNamespace):
-    pass
-
-
 class VllmRequest:
     """What the block pool and the hasher read of vLLM's ``Request`` (the real class pulls in torch and the
     sampler): token ids, block hashes appended by vLLM's own request hasher, LoRA, salt, multimodal features."""
@@ -134,7 +130,7 @@ class VllmRequest:
         self.num_tokens = len(tokens)
         self.lora_request = None if lora is None else types.SimpleNamespace(lora_name=lora[0], lora_path=lora[1], adapter_id=1, name=lora[0])
         self.cache_salt = cache_salt
-        self.mm_features = [types.SimpleNamespace(identifier=i, mm_position=_Pos(offset=o, length=n)) for i, o, n in mm_items] or None
+        self.mm_features = [types.SimpleNamespace(identifier=i, mm_position=types.SimpleNamespace(offset=o, length=n)) for i, o, n in mm_items] or None
         self.prompt_embeds = None
         self._prompt_embeds_per_block_hashes: dict[Any, bytes] = {}
         self.session_id = None
@@ -364,18 +360,12 @@ def _load_radix(wheel: str, loader: Any) -> Any:
     around it, so the recorder it loads builds the engine's own events with its own hash."""
     real = sys.modules["sglang.srt.disaggregation.kv_events"]
     nh = sys.modules["sglang.srt.mem_cache.cpp_utils.native_hash"]
-    saved = sys.modules.copy()
-
-    class Keep(dict):  # the loader's _module() replaces these two: keep the real ones
-        pass
-
-    out = loader(wheel)
+    out = loader(wheel)  # its _module() replaces these two with stubs: the real ones go back below
     sys.modules["sglang.srt.disaggregation.kv_events"] = real
     sys.modules["sglang.srt.mem_cache.cpp_utils.native_hash"] = nh
     for name in ("sglang/srt/mem_cache/utils.py", "sglang/srt/mem_cache/events.py"):
         _load(wheel, name, name[:-3].replace("/", "."))
     _load(wheel, "sglang/srt/mem_cache/radix_cache.py", "sglang.srt.mem_cache.radix_cache")
-    del saved
     return sys.modules["sglang.srt.mem_cache.radix_cache"], out[1], out[2]
 
 
@@ -411,7 +401,6 @@ class SglangEngine:
         cpu = self.s.kve.StorageMedium.CPU
         for node in self._nodes():
             if id(node) not in self.host:
-                self.s.events  # noqa: B018
                 self.cache.kv_events.record_store(node, medium=cpu)
                 self.host[id(node)] = node
 

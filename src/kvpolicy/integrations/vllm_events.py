@@ -703,6 +703,9 @@ class ZmqEventSubscriber:
         except ConfigError:
             self.monitor.close(linger=0)
             raise
+        self._poller = zmq.Poller()  # the event socket and its connection monitor, read together
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(self.monitor, zmq.POLLIN)
         self.poll_ms = poll_ms
         self.last_seq: int | None = None
         self._seen: OrderedDict[int, bytes] = OrderedDict()  # seq -> digest of its payload, the last remember_batches
@@ -845,7 +848,7 @@ class ZmqEventSubscriber:
     def poll_once(self) -> bool:
         """Handle at most one message (and any connection event); False if none arrived within ``poll_ms``."""
         zmq = self._zmq
-        ready = dict(self._poller().poll(self.poll_ms))
+        ready = dict(self._poller.poll(self.poll_ms))
         if self.monitor in ready:
             from zmq.utils.monitor import recv_monitor_message
 
@@ -858,14 +861,6 @@ class ZmqEventSubscriber:
             return False
         self.handle(self.sock.recv_multipart())
         return True
-
-    def _poller(self) -> Any:
-        p = getattr(self, "_poll", None)
-        if p is None:
-            p = self._poll = self._zmq.Poller()
-            p.register(self.sock, self._zmq.POLLIN)
-            p.register(self.monitor, self._zmq.POLLIN)
-        return p
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
