@@ -733,10 +733,9 @@ def drive_sglang_step_clock(wheel: str, radix: types.ModuleType, params: types.M
                    "wall": __import__("time").monotonic}[how]
             strategy = make_sglang_strategy(cls(cap), now_s=now)
             got[how] = int(sglang_radix_replay(trace, strategy, cap, radix=radix, params=params, stamp=step).sum())
-        # hit density decides exactly as told; adaptive's experts also see that the root's stamp (its default "now": the
-        # request's prefix match) precedes the counter's last tick (an insert's), and may part by a little
-        tol = 0 if cls is HitDensityPolicy else 0.01 * got["told"]
-        assert abs(got["default"] - got["told"]) <= tol, (cls.name, got)
+        # both decide exactly as told (adaptive too, whatever order SGLang's set of leaves hands them over in: a run
+        # on CI once parted by 2 % when its mini-simulations replayed blocks in that order)
+        assert got["default"] == got["told"], (cls.name, got)
         print(f"  SGLang's own RadixCache stamped by UnifiedRadixCache's step counter, {cap} tokens: {cls.name} "
               f"{got['default']:,} hits at its default clock, {got['told']:,} told the counter, {got['wall']:,} on a wall clock")
 

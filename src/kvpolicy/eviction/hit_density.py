@@ -428,6 +428,8 @@ class AdaptivePolicy(HitDensityPolicy):
     def _flush(self) -> None:
         if not self._pending:
             return
+        if self.requests_from_engine:
+            self._pending = self._canonical(self._pending)
         for q, sim in enumerate(self.mini_sims):
             h = sim.replay_observed(self._pending)
             self._window_hits[q] += h
@@ -436,6 +438,27 @@ class AdaptivePolicy(HitDensityPolicy):
         self.mini_ref_bytes += sum(item[1] for item in self._pending)
         self._pending = []
         self._pending_set.clear()
+
+    @staticmethod
+    def _canonical(pending: list[tuple[Hashable, int, Hashable | None, float]]) -> list[tuple[Hashable, int, Hashable | None, float]]:
+        """An engine's request as the mini-simulations replay it, in an order that does not depend on the order the
+        engine showed its blocks (SGLang asks for its leaves in its set's order — the nodes' addresses): by time, a
+        block never before its sampled parent, then by depth and key bits."""
+        by_key = {item[0]: item for item in pending}
+        order: dict[Hashable, tuple[float, int, int]] = {}
+
+        for key in by_key:
+            chain = []  # key and its unranked sampled ancestors in this request, deepest first (no recursion: chains run deep)
+            k: Hashable | None = key
+            while k in by_key and k not in order:
+                chain.append(k)
+                k = by_key[k][2]
+            above = order.get(k) if k in by_key else None
+            for k in reversed(chain):
+                t = by_key[k][3]
+                above = (t, 0, key_bits(k)) if above is None else (max(t, above[0]), above[1] + 1, key_bits(k))
+                order[k] = above
+        return sorted(pending, key=lambda item: order[item[0]])
 
     def _observe(self, node: Node) -> None:
         """A sampled block's use or insertion goes to the mini-simulations, under its nearest sampled ancestor: the

@@ -39,12 +39,13 @@ from ..eviction.learned import LearnedRelaxedBeladyPolicy
 
 
 class _Mirror:
-    __slots__ = ("token", "hits", "t_access")
+    __slots__ = ("token", "hits", "t_access", "priority")
 
     def __init__(self, token: int, hits: int, t_access: float) -> None:
         self.token = token
         self.hits = hits
         self.t_access = t_access
+        self.priority: tuple | None = None  # the last one this strategy gave SGLang for the node
 
 
 def _content(node: Any) -> Any:
@@ -108,7 +109,6 @@ class PriorityStrategy:
         self._clock = ManualClock()
         policy.clock = self._clock
         self._mirror: dict[int, _Mirror] = {}  # id(TreeNode) -> mirror (ids are reused only after the node is gone)
-        self._tokens = 0
         # nodes SGLang dropped, (id, token), applied by the next get_priority: a TreeNode's finalizer runs whenever the
         # garbage collector frees it — in whatever thread allocated at that moment (SGLang's HiCache threads too),
         # possibly in the middle of this strategy's own update — so it only queues (deque.append is atomic)
@@ -141,22 +141,20 @@ class PriorityStrategy:
         if m is not None:
             return m
         parent = self._mirrored(node.parent)
-        self._tokens += 1
         t_access = float(getattr(node, "last_access_time", 0.0))
-        token: Any = self._tokens
-        if self._ranked:  # the same content gets the same key again after SGLang drops it: hit density's ghosts find it
-            # BLAKE2b of the repr, not hash(): hash(None) and str hashes change from one process to the next (adaptive
-            # samples its mini-simulations' keys by their bits: a run would not reproduce)
-            token = key_bits(repr((parent.token if parent is not None else None, _content(node))))
-            stale = self._by_token.get(token)
-            if stale is not None:  # the dropped node that held it: its finalizer has not run yet
-                self._remove(stale, token)
+        # the same content gets the same key again after SGLang drops it: hit density's ghosts find it, and ties are
+        # broken by it rather than by the order SGLang shows its nodes. BLAKE2b of the repr, not hash(): hash(None) and
+        # str hashes change from one process to the next (adaptive samples its mini-simulations' keys by their bits)
+        token = key_bits(repr((parent.token if parent is not None else None, _content(node))))
+        stale = self._by_token.get(token)
+        if stale is not None:  # the dropped node that held it (its finalizer has not run yet), or a twin SGLang holds
+            self._remove(stale, token)
         self._replay_at(float(getattr(node, "creation_time", t_access)),
                         lambda: self.policy.on_insert(token, _size(node), parent.token if parent is not None else None))
         m = _Mirror(token, int(getattr(node, "hit_count", 0)), t_access)
         self._mirror[id(node)] = m
+        self._by_token[token] = id(node)
         if self._ranked:
-            self._by_token[token] = id(node)
             self.policy.nodes[token].data[1] = max(m.hits - 1, 0)  # hits before it was first seen (SGLang counts its insert)
         self._sync(node, m)
         weakref.finalize(node, self._gone, id(node), m.token)
@@ -167,8 +165,21 @@ class PriorityStrategy:
         self._dropped.append((node_id, token))
 
     def _apply_dropped(self) -> None:
+        """Forget the nodes dropped since the last call in the order SGLang evicted them — the lowest priority this
+        strategy last gave first (its heap's order), then by key — not in the order Python freed them: ``evict`` frees
+        its victims when it returns, in its set of leaves' order (the nodes' addresses), and hit density's ghosts and
+        GDSF's inflation remember the order they are forgotten in."""
+        if not self._dropped:
+            return
+        dropped = []
         while self._dropped:
-            self._remove(*self._dropped.popleft())
+            node_id, token = self._dropped.popleft()
+            m = self._mirror.get(node_id)
+            asked = m is not None and m.token == token and m.priority is not None
+            dropped.append(((0, m.priority) if asked else (1, ()), token, node_id))  # type: ignore[union-attr]
+        dropped.sort(key=lambda d: d[:2])
+        for _, token, node_id in dropped:
+            self._remove(node_id, token)
 
     def _remove(self, node_id: int, token: int) -> None:
         """Remove a dropped node from the mirror (its descendants went first, or go now)."""
@@ -195,6 +206,10 @@ class PriorityStrategy:
 
     def get_priority(self, node: Any, now_time: float | None = None) -> tuple:
         self._apply_dropped()  # before the lookup: a dropped node's id may already belong to a new one
+        if self._ranked and getattr(node, "parent", None) is not None:
+            # a new request is begun before this node's uses since the last look are replayed, whichever leaf SGLang
+            # asks first (it asks in its set's order, the nodes' addresses): those uses are the new request's
+            self._requests_seen(node)
         m = self._mirrored(node)
         if m is None:
             return (float("inf"),)  # the root is never evicted
@@ -211,12 +226,14 @@ class PriorityStrategy:
         for x, mx in reversed(chain):
             self._catch_up(x, mx)
         if self._ranked:
-            self._requests_seen(node)
             # now: the clock given, or the radix root's stamp — SGLang stamps the root at every prefix match, so it is
             # the latest event on the tree's own clock (seconds in RadixCache, steps in UnifiedRadixCache)
             self._at(float(self._now_s()) if self._now_s is not None else self._root_t)
-            return self.policy.priority_of(self.policy.nodes[m.token], self._clock.now_s())  # type: ignore[union-attr]
-        return self.policy.priority(self.policy.nodes[m.token])  # type: ignore[union-attr]
+            # ties (LRU's and LFU's experts: nodes stamped at once) go by the content key, not by SGLang's address order
+            m.priority = (*self.policy.priority_of(self.policy.nodes[m.token], self._clock.now_s()), m.token)  # type: ignore[union-attr]
+        else:
+            m.priority = (*self.policy.priority(self.policy.nodes[m.token]), m.token)  # type: ignore[union-attr]
+        return m.priority
 
     def _catch_up(self, node: Any, m: _Mirror) -> None:
         """Replay one access per hit since the last look, at most MAX_REPLAYED_HITS: a hot node first seen at eviction

@@ -47,19 +47,27 @@ class RadixNode:
 
 
 def radix_replay(trace: Any, get_priority: Callable[[RadixNode], Any], capacity_blocks: int,
-                 clock: list[float] | None = None, *, merge_runs: bool = False) -> np.ndarray:
+                 clock: list[float] | None = None, *, merge_runs: bool = False, leaf_order_seed: int | None = None) -> np.ndarray:
     """Per block reference of ``trace``: whether it was a hit, with ``get_priority`` ranking the evictions (lowest
     first). ``clock``, a one-item list, is set to each request's arrival time before it runs (what a strategy that
     reads the time sees; SGLang's timestamps are ``time.monotonic()``). ``merge_runs``: SGLang's own tree shape instead
     of one node per block — a node holds a run of blocks (``key``: their ids; a new request's unshared rest is one
     node), a request that diverges or stops inside a node splits it there (:func:`_split`, as SGLang's
     ``_match_prefix_helper`` and ``_insert_helper`` do: a node's key and parent change under a strategy that remembers
-    them), and an eviction frees a whole leaf run. One node per block is the same loop with every run one block long."""
+    them), and an eviction frees a whole leaf run. One node per block is the same loop with every run one block long.
+
+    ``leaf_order_seed``: SGLang keeps its evictable leaves in a ``set`` of nodes, so the order it asks for their
+    priorities — and the order of heap ties — is the nodes' memory addresses, different from one process to the next.
+    Given a seed, each ``evict`` asks in a shuffled order and breaks ties by it (default: the order the leaves became
+    evictable). A strategy whose decisions must not depend on that order is replayed at several seeds."""
     check_trace(trace)
     if isinstance(capacity_blocks, bool) or not isinstance(capacity_blocks, (int, np.integer)) or capacity_blocks < 1:
         raise ConfigError("capacity_blocks", f"must be a positive int, got {capacity_blocks!r}")
     if not isinstance(merge_runs, bool):
         raise ConfigError("merge_runs", f"must be true or false, got {merge_runs!r}")
+    if leaf_order_seed is not None and (isinstance(leaf_order_seed, bool) or not isinstance(leaf_order_seed, (int, np.integer))):
+        raise ConfigError("leaf_order_seed", f"must be an int or None, got {leaf_order_seed!r}")
+    shuffle = None if leaf_order_seed is None else np.random.default_rng(leaf_order_seed).permutation
     root = RadixNode(None, 0.0)
     root.key = root.value = ()
     root.lock_ref = 1  # never evicted
@@ -96,7 +104,10 @@ def radix_replay(trace: Any, get_priority: Callable[[RadixNode], Any], capacity_
             leaves.pop(n, None)
         need = used + (e - i) - capacity_blocks
         if need > 0:
-            heap = [(get_priority(x), next(seq), x) for x in leaves]
+            asked = list(leaves)
+            if shuffle is not None:
+                asked = [asked[j] for j in shuffle(len(asked))]
+            heap = [(get_priority(x), next(seq), x) for x in asked]
             heapq.heapify(heap)
             while need > 0 and heap:
                 _, _, x = heapq.heappop(heap)
@@ -111,7 +122,9 @@ def radix_replay(trace: Any, get_priority: Callable[[RadixNode], Any], capacity_
                     leaves[parent] = None
                     heapq.heappush(heap, (get_priority(parent), next(seq), parent))
                 del x
-            del heap
+            # SGLang's ``evict`` holds every leaf it asked about in a list until it returns: the evicted nodes are freed
+            # then, in that list's order (a strategy that learns from the drops sees them in it)
+            del heap, asked
         room = capacity_blocks - used
         for n in path:
             n.hit_count += 1
