@@ -1235,8 +1235,9 @@ class Simulator:
         req.load = m
         self._push(t_front_done + tail, PREFILL_DONE, req)
 
-    def _install(self, rep: _Replica, req: _Req, keys: list[int], start: int, end: int) -> int:
-        """Insert keys[start:end] into the local cache (pinned for this request). Returns how many fit."""
+    def _install(self, rep: _Replica, req: _Req, keys: list[int], start: int, end: int) -> None:
+        """Insert keys[start:end] into the local cache (pinned for this request); stop at the first that does not fit
+        (its parent missing, no room, refused)."""
         cache = rep.cache
         bb = self.block_bytes
         nodes = cache.nodes
@@ -1249,17 +1250,16 @@ class Simulator:
                 continue
             parent = keys[j - 1] if j else None
             if parent is not None and parent not in nodes:
-                return j - start
+                return
             try:
                 cache.victims(bb, key)
             except CapacityError:
-                return j - start
+                return
             if not cache.admit(key, bb, parent):
-                return j - start
+                return
             cache.on_insert(key, bb, parent)
             cache.pin(key)
             req.pinned.append(key)
-        return end - start
 
     def _unpin(self, rep: _Replica, req: _Req) -> None:
         cache = rep.cache

@@ -1,0 +1,408 @@
+"""The simulator's decisions on scenarios small enough to work by hand (issue #49): a few requests, one storage
+node, a linear prefill, and every TTFT, byte and route computed here from the cluster's figures — not read back from
+the simulator. Each test names the decision it pins."""
+
+import attrs
+import numpy as np
+import pytest
+
+from kvpolicy.profile import PrefillModel
+from kvpolicy.sim import Degrade, Prepared, Simulator, default_cluster, policy_set
+from kvpolicy.sim.network import FlowNetwork
+from kvpolicy.traces.model import Trace
+
+B = 64  # tokens per block
+BPT = 4096  # bytes per token: a block is 256 KiB
+BLOCK_BYTES = B * BPT
+# prefill(t0, t1) = a + b·(t1 − t0): 10 ms fixed, 0.1 ms a token
+P = PrefillModel(a_s=0.01, b_s_per_token=1e-4, c_s_per_token2=0.0, rms_rel_error=float("nan"), max_rel_error=float("nan"))
+
+
+def tiny(prompts, arrivals, out=8):
+    """Requests of whole blocks plus one token (so every full block is matchable), ``out`` tokens decoded."""
+    n = len(prompts)
+    off = np.concatenate([[0], np.cumsum([len(p) for p in prompts])]).astype(np.int64)
+    return Trace(arrival_s=np.array(arrivals, float), input_tokens=np.array([len(p) * B + 1 for p in prompts], np.int64),
+                 output_tokens=np.full(n, out, np.int64), block_offsets=off,
+                 block_ids=np.array([b for p in prompts for b in p], np.int64),
+                 partial_block_ids=np.arange(10_000, 10_000 + n, dtype=np.int64), block_size_tokens=B)
+
+
+def cluster(tr, **kw):
+    base = dict(replicas=2, storage_nodes=1, router="round-robin", pool_share=1.0)
+    base.update(kw)
+    return default_cluster(tr, bytes_per_token=BPT, prefill=P, **base)
+
+
+def simulate(tr, c, name="lmcache-like", **kw):
+    sim = Simulator(Prepared(tr), c, policy_set(name) if isinstance(name, str) else name, **kw)
+    return sim, sim.run()
+
+
+# four requests for the same 4 blocks, 100 s apart, round-robin over 2 replicas: replica 0, 1, 0, 1
+SAME = ([[1, 2, 3, 4]] * 4, [0.0, 100.0, 200.0, 300.0])
+
+
+def cold_ttft(c, T):
+    return c.lookup_s + c.dispatch_s + P.a_s + P.b_s_per_token * T
+
+
+def load_ttft(c, k, T, local=0):
+    """lookup, the transfer (overhead + bytes over the slower end), the install, the prefill of the rest (after the
+    ``local`` cached blocks and the k loaded), and the interference the load's bytes steal from the replica."""
+    nbytes = k * BLOCK_BYTES
+    link = min(c.node_bandwidth_bytes_per_s, c.replica_bandwidth_bytes_per_s)
+    return (c.lookup_s + c.transfer_overhead_s + nbytes / link + c.install_s_per_block * k
+            + c.dispatch_s + P.a_s + P.b_s_per_token * (T - (local + k) * B) + c.interference_s_per_byte * nbytes)
+
+
+def local_ttft(c, k, T):
+    return c.lookup_s + c.dispatch_s + P.a_s + P.b_s_per_token * (T - k * B)
+
+
+def test_a_loaded_prefix_costs_its_transfer_and_install_and_then_stays_local():
+    """r0 computes cold on replica 0 and publishes; r1 on replica 1 loads the 4 blocks, installs them (only a load
+    that ended ok pays the install) and prefills 1 token; r2 and r3 find all 4 in their replica's own cache — r3
+    because r1's loaded blocks were installed there."""
+    tr = tiny(*SAME)
+    c = cluster(tr)
+    sim, res = simulate(tr, c)
+    T = 4 * B + 1
+    want = [cold_ttft(c, T), load_ttft(c, 4, T), local_ttft(c, 4, T), local_ttft(c, 4, T)]
+    assert res.ttft_s == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert list(res.routes) == [0, 1, 0, 1]
+    assert res.loads == 1 and res.bytes_read == 4 * BLOCK_BYTES and res.bytes_written == 4 * BLOCK_BYTES
+    assert res.ledger.tokens["local_hit"] == 2 * 4 * B and res.ledger.tokens["remote_hit"] == 4 * B
+
+
+def test_an_install_that_costs_more_delays_exactly_the_loaded_request():
+    tr = tiny(*SAME)
+    slow = cluster(tr, install_s_per_block=0.25)
+    _, a = simulate(tr, cluster(tr))
+    _, b = simulate(tr, slow)
+    assert b.ttft_s - a.ttft_s == pytest.approx([0.0, 4 * (0.25 - cluster(tr).install_s_per_block), 0.0, 0.0], abs=1e-12)
+
+
+def test_when_the_run_ends_every_replica_is_drained():
+    """The routers read each replica's queued prefill tokens and decoding tokens: a request adds its own when it
+    queues and when its decode starts, and takes exactly those away when it leaves."""
+    tr = tiny([[1, 2, 3, 4], [1, 2, 3, 4], [5, 6], [1, 2, 7], [5, 6, 8, 9, 10]], [0.0, 0.001, 0.002, 0.003, 0.004], out=40)
+    for router in ("least-loaded", "kv-overlap", "round-robin"):
+        for name in ("lmcache-like", "kvpolicy"):
+            sim, res = simulate(tr, cluster(tr, router=router, prefill_slots=1), name)
+            assert np.all(res.completed == 1)
+            for rep in sim.replicas:
+                assert (rep.load_tokens, rep.decode_tokens, rep.active, rep.free_slots, len(rep.queue)) == (0, 0, 0, 1, 0), (router, name)
+                assert rep.queued_s == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_queued_request_counts_its_prompt_less_the_blocks_it_skips(monkeypatch):
+    """What a queued request adds to its replica's load (the routers' view) and to its predicted queue (admission's
+    view): its prompt less the blocks it will not prefill — cached locally or loaded — in tokens, and the prefill of
+    that rest."""
+    tr = tiny(*SAME)
+    c = cluster(tr)
+    seen = []
+    enqueue = Simulator._enqueue
+
+    def spy(self, rep, req, t, reused_blocks):
+        enqueue(self, rep, req, t, reused_blocks)
+        seen.append((req.i, req.queued_tokens, req.queued_pred_s))
+
+    monkeypatch.setattr(Simulator, "_enqueue", spy)
+    simulate(tr, c)
+    T = 4 * B + 1
+    assert [i for i, _, _ in seen] == [0, 1, 2, 3]
+    for i, tokens, pred in seen:
+        skipped = 0 if i == 0 else 4
+        assert tokens == T - skipped * B
+        assert pred == pytest.approx(c.dispatch_s + P.a_s + P.b_s_per_token * (T - skipped * B))
+
+
+def test_a_load_behind_a_local_prefix_predicts_the_recompute_of_its_own_blocks_only(monkeypatch):
+    """A baseline's load of blocks [L, L+k) is worth their recompute with [0, L) cached: dispatch + prefill(L·B, (L+k)·B)
+    less the fixed term (the prompt's rest pays that). Replica 1 caches [1, 2] first (r1); r3 then loads [3, 4]."""
+    tr = tiny([[1, 2, 3, 4], [1, 2], [9], [1, 2, 3, 4]], [0.0, 100.0, 200.0, 300.0])
+    c = cluster(tr)
+    got = {}
+    enqueue = Simulator._enqueue
+
+    def spy(self, rep, req, t, reused_blocks):
+        got[req.i] = (req.local, req.load, req.predicted_s)
+        enqueue(self, rep, req, t, reused_blocks)
+
+    monkeypatch.setattr(Simulator, "_enqueue", spy)
+    _, res = simulate(tr, c)
+    assert got[3][:2] == (2, 2)
+    assert got[3][2] == pytest.approx(c.dispatch_s + P.b_s_per_token * 2 * B)
+    assert res.ttft_s[3] == pytest.approx(load_ttft(c, 2, 4 * B + 1, local=2), rel=1e-9)
+
+
+def test_only_the_requests_judged_count_the_bytes_they_read():
+    """judge_from_request = 1: request 1's load is judged (its bytes read count), request 0's write is not."""
+    tr = tiny(*SAME)
+    _, res = simulate(tr, cluster(tr), judge_from_request=1)
+    assert res.bytes_read == 4 * BLOCK_BYTES and res.loads == 1
+
+
+def test_a_degraded_node_serves_at_its_factor_of_the_bandwidth():
+    """Degrade(factor): the node's ports run at factor × bandwidth while the window is open: the load's bytes take
+    1/factor as long; outside the window, the full rate again."""
+    tr = tiny(*SAME)
+    base = cluster(tr, node_bandwidth_bytes_per_s=1e9, replica_bandwidth_bytes_per_s=1e9)
+    sc = Simulator(Prepared(tr), base, policy_set("lmcache-like"), events=(Degrade(node=0, t1_s=50.0, t2_s=150.0, bandwidth_factor=0.25,
+                                                                                     failure_rate=0.0),))
+    res = sc.run()
+    nbytes = 4 * BLOCK_BYTES
+    extra = nbytes / (0.25 * 1e9) - nbytes / 1e9
+    _, plain = simulate(tr, base)
+    assert res.ttft_s - plain.ttft_s == pytest.approx([0.0, extra, 0.0, 0.0], abs=1e-12)
+
+
+def test_kv_overlap_sends_a_tie_to_the_first_replica_and_an_overlap_to_its_holder():
+    """kv-overlap's cost is the prefill still needed + queued prefill + decode_weight × decode load; the lowest wins,
+    a tie goes to the lowest index. r0 (all idle: a tie) → replica 0; r1, the same prompt while r0 decodes → replica
+    0 still (its 4 cached blocks outweigh r0's decode); r2, a new prompt → replica 1 (replica 0 is busier)."""
+    tr = tiny([[1, 2, 3, 4], [1, 2, 3, 4], [7, 8]], [0.0, 1.0, 2.0], out=400)
+    _, res = simulate(tr, cluster(tr, router="kv-overlap", replicas=3))
+    assert list(res.routes) == [0, 0, 1]
+
+
+def test_prefix_affinity_hashes_exactly_the_first_affinity_blocks():
+    """Requests that share their first affinity_blocks blocks go to one replica; requests that differ only in the
+    last of those blocks are spread (one hash of that block's chain id each)."""
+    k = 3
+    together = [[1, 2, 3, 100 + j] for j in range(20)]
+    apart = [[1, 2, 200 + j, 300 + j] for j in range(20)]
+    tr = tiny(together + apart, list(range(40)))
+    _, res = simulate(tr, cluster(tr, router="prefix-affinity", affinity_blocks=k, replicas=4))
+    assert len(set(res.routes[:20].tolist())) == 1
+    assert len(set(res.routes[20:].tolist())) > 1
+
+
+# ------------------------------------------------------------------------------------------- the flow network
+
+
+def test_max_min_rates_pop_links_in_share_order_after_a_freeze():
+    """Progressive filling: after link B (1 B/s, two flows) freezes its flows at 0.5, link A's share rises from 10/3 to
+    4.75 — but link D (8 B/s, two flows: 4 each) must be filled first, or A would hand its flow f4 4.75 and D's own
+    flow only 3.25. Max-min: f1 5.5, f2 0.5, f3 0.5, f4 4, f5 4."""
+    net = FlowNetwork()
+    A, Bl, D = net.add_link("A", 10.0), net.add_link("B", 1.0), net.add_link("D", 8.0)
+    flows = [net.start(0.0, links, 1e6) for links in ((A,), (A, Bl), (Bl,), (A, D), (D,))]
+    net.advance(0.0)
+    assert [f.rate_bytes_per_s for f in flows] == pytest.approx([5.5, 0.5, 0.5, 4.0, 4.0])
+
+
+def test_cancelling_a_flow_takes_it_off_its_links_and_out_of_the_count():
+    net = FlowNetwork()
+    a = net.add_link("a", 100.0)
+    f1, f2 = net.start(0.0, (a,), 1000.0), net.start(0.0, (a,), 1000.0)
+    late = net.start(0.0, (a,), 1000.0, latency_s=5.0)
+    net.advance(0.0)
+    assert net.flow_count(a) == 2 and net.active_flows() == 3
+    net.cancel(1.0, f1)
+    assert net.flow_count(a) == 1 and net.link_state()["a"][2] == 1
+    net.cancel(1.0, late)  # still in its latency: cancelled before it moved a byte
+    assert net.active_flows() == 1
+    assert f2.rate_bytes_per_s == pytest.approx(100.0)
+
+
+def test_a_capacity_change_moves_the_next_event_and_says_so():
+    """version changes whenever the next event time may have: a caller's wake-ups from before are stale."""
+    net = FlowNetwork()
+    a = net.add_link("a", 100.0)
+    net.start(0.0, (a,), 1000.0)
+    net.advance(0.0)
+    assert net.next_event_s() == pytest.approx(10.0)
+    v = net.version
+    net.set_capacity(2.0, a, 50.0)
+    assert net.version != v and net.next_event_s() == pytest.approx(2.0 + 800.0 / 50.0)
+    net.set_capacity(3.0, a, 0.0)  # a link down: nothing moves until it is back
+    assert net.next_event_s() == float("inf")
+    net.set_capacity(4.0, a, 0.5)  # and a slow link is a link
+    assert net.next_event_s() == pytest.approx(4.0 + 750.0 / 0.5)
+
+
+def test_the_drained_replica_bookkeeping_is_not_the_same_thing_twice():
+    """A guard on the helpers above: a cold prompt, a load and a local hit are three different numbers here."""
+    tr = tiny(*SAME)
+    c = cluster(tr)
+    T = 4 * B + 1
+    assert len({round(cold_ttft(c, T), 12), round(load_ttft(c, 4, T), 12), round(local_ttft(c, 4, T), 12)}) == 3
+    assert attrs.evolve(c, install_s_per_block=0.0).install_s_per_block == 0.0
+
+
+# ------------------------------------------------------------------------------------------- failures, timeouts, writes
+
+
+def _failing(seed):
+    """A load of 8 blocks from a node that fails every transfer: the node's draw for request 1 says how many of the
+    blocks arrived intact before the failure (the simulator's own draw, an input here like a seed)."""
+    from kvpolicy.sim.engine import _unit
+
+    tr = tiny([[1, 2, 3, 4, 5, 6, 7, 8]] * 2, [0.0, 100.0])
+    ev = (Degrade(node=0, t1_s=50.0, t2_s=150.0, bandwidth_factor=1.0, failure_rate=1.0),)
+    return tr, ev, int(_unit(seed, 1, 0, 0, 3) * 8)
+
+
+@pytest.mark.parametrize("seed", [3, 5])
+def test_a_failed_load_delivers_the_blocks_before_the_failure_and_kvpolicy_uses_them(seed):
+    """The transfer from a failing node carries its leading blocks intact (one flow per node, the drawn share of its
+    blocks). A baseline uses a load whole or not at all; kvpolicy's controller keeps the blocks that arrived and
+    recomputes the rest, counted as transfer errors (not timeouts)."""
+    tr, ev, n = _failing(seed)
+    assert 0 < n < 8
+    c = cluster(tr)
+    base = Simulator(Prepared(tr), c, policy_set("lmcache-like"), events=ev, seed=seed).run()
+    assert base.bytes_sent == n * BLOCK_BYTES and base.loads_failed == 1
+    assert base.ledger.tokens["remote_hit"] == 0 and base.ledger.tokens["miss_transfer_error"] == 8 * B
+    ps = attrs.evolve(policy_set("kvpolicy"), publish="all", compute_while_loading=False)
+    kv = Simulator(Prepared(tr), c, ps, events=ev, seed=seed).run()
+    assert kv.bytes_sent == n * BLOCK_BYTES and kv.loads_failed == 1
+    tok = kv.ledger.tokens
+    assert (tok["remote_hit"], tok["miss_transfer_error"], tok["miss_timeout"]) == (n * B, (8 - n) * B, 0)
+    assert kv.bytes_read == n * BLOCK_BYTES
+
+
+def test_a_write_still_moving_at_the_transport_timeout_never_lands():
+    """r0's write crawls (its node at 5e-6 × the bandwidth until t = 150 s: 1 MiB would take 42 s); at the transport
+    timeout (30 s) it is cancelled and never lands, so r1 on the other replica at t = 200 s finds nothing to load.
+    A write that would have finished in time lands, and r1 loads it."""
+    tr = tiny([[1, 2, 3, 4], [1, 2, 3, 4]], [0.0, 200.0])
+    c = cluster(tr)
+    slow = (Degrade(node=0, t1_s=0.0, t2_s=150.0, bandwidth_factor=5e-6, failure_rate=0.0),)
+    res = Simulator(Prepared(tr), c, policy_set("lmcache-like"), events=slow).run()
+    assert res.loads == 0 and res.ledger.tokens["remote_hit"] == 0
+    assert res.bytes_written == 4 * BLOCK_BYTES  # r1's own write, at full speed again: r0's never landed
+    ok = (Degrade(node=0, t1_s=0.0, t2_s=150.0, bandwidth_factor=5e-5, failure_rate=0.0),)  # 4.2 s: in time
+    res = Simulator(Prepared(tr), c, policy_set("lmcache-like"), events=ok).run()
+    assert res.bytes_written == 4 * BLOCK_BYTES and res.loads == 1 and res.ledger.tokens["remote_hit"] == 4 * B
+
+
+def test_a_load_sees_only_the_foreground_flows_on_its_path():
+    """What the transport reports to admission: the remaining bytes of the foreground flows on the busier end of the
+    path (the source's egress or the replica's ingress). Background flows — warmup, background writes — never delay
+    a load, so they are not reported."""
+    tr = tiny(*SAME)
+    sim = Simulator(Prepared(tr), cluster(tr), policy_set("kvpolicy"))
+    rep, node = sim.replicas[0], sim.nodes[0]
+    sim.net.start(0.0, (node.out,), 7e6, priority=1)  # background, on the source's egress
+    sim.net.start(0.0, (rep.inn,), 3e6, priority=0)  # foreground, on the replica's ingress
+    sim.net.start(0.0, (rep.inn,), 1e6, priority=0)
+    sim.net.advance(0.0)
+    assert sorted(sim._path_flows(rep, node, 2e6)) == [1e6, 3e6]
+
+
+# ------------------------------------------------------------------------------------------- scale-out and warmup
+
+
+def _scaled(monkeypatch):
+    """Hot prefixes served early, then 2 new replicas at t = 40 s that kvpolicy warms from the pool."""
+    from kvpolicy.sim import ScaleOut
+    from kvpolicy.sim import engine
+
+    a, b, c_ = [1, 2, 3, 4], [5, 6, 7], [8, 9]  # three prompts over two replicas: from the fourth request on, loads
+    prompts = [a, b, c_, a, b, c_, a, b, a]
+    tr = tiny(prompts, [0.0, 5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 35.0, 80.0])
+    c = cluster(tr, node_bandwidth_bytes_per_s=4e9, replica_bandwidth_bytes_per_s=3e9, storage_nodes=1)
+    configs, steps = [], []
+    plan = engine.plan_warmup
+    monkeypatch.setattr(engine, "plan_warmup", lambda hot, cfg: configs.append(cfg) or plan(hot, cfg))
+    done = Simulator._warm_step_done
+    monkeypatch.setattr(Simulator, "_warm_step_done", lambda self, rep, t: steps.append((rep.idx, t)) or done(self, rep, t))
+    sim = Simulator(Prepared(tr), c, attrs.evolve(policy_set("kvpolicy"), publish="all"), events=(ScaleOut(t_s=40.0, replicas=2),))
+    return tr, c, sim, configs, steps
+
+
+def test_a_warmup_plan_gets_the_bandwidth_the_new_replicas_can_take_less_half_of_todays_reads(monkeypatch):
+    """The warmup budget: min(storage egress × nodes, replica ingress × new replicas); today's serving load, the bytes
+    read so far per second (from t = 1 s), counted at most half of it."""
+    tr, c, sim, configs, _ = _scaled(monkeypatch)
+    read_before = {}
+    scale = Simulator._scale_out
+
+    def spy(self, ev, t):
+        read_before["b"] = (self.bytes_read, t)
+        scale(self, ev, t)
+
+    monkeypatch.setattr(Simulator, "_scale_out", spy)
+    sim.run()
+    (cfg,) = configs
+    bw = min(4e9 * 1, 3e9 * 2)
+    assert cfg.bandwidth_bytes_per_s == pytest.approx(bw) and cfg.replicas == 2
+    got, t = read_before["b"]
+    assert got > 0 and t == 40.0
+    assert cfg.current_load_bytes_per_s == pytest.approx(min(got / t, bw * 0.5))
+
+
+def test_a_warming_replica_is_ready_when_its_last_planned_load_ends_and_the_bytes_are_counted(monkeypatch):
+    """Readiness is what the replica holds: once its last planned warm load has ended, warming_until_s is that
+    moment (not the plan's prediction); every byte it took is counted as replication in the ledger."""
+    tr, c, sim, _, steps = _scaled(monkeypatch)
+    res = sim.run()
+    new = [r for r in sim.replicas if r.idx >= 2]
+    assert steps and {i for i, _ in steps} <= {2, 3}
+    for r in new:
+        mine = [t for i, t in steps if i == r.idx]
+        assert r.warm_left == 0
+        if mine:
+            assert r.warming_until_s == pytest.approx(min(max(mine), r.warming_until_s)) and r.warming_until_s <= max(mine)
+    assert res.warmup_bytes > 0
+    assert res.ledger.flows["replica"].total == res.warmup_bytes
+
+
+def test_sglangs_timeout_gives_up_on_a_hung_load_after_one_second_and_a_quarter_per_kilotoken():
+    """SGLang's rule: a load is abandoned 1 s + 0.25 s per 1,024 tokens after the request arrived; the request then
+    prefills everything. r0 and r1 see the prompt (threshold 2: published after r1), r2 on a third replica loads it
+    and every transfer hangs (timeout_rate 1)."""
+    tr = tiny([list(range(1, 21))] * 3, [0.0, 100.0, 200.0])
+    c = cluster(tr, timeout_rate=1.0, replicas=3)
+    res = Simulator(Prepared(tr), c, policy_set("sglang-like")).run()
+    T = 20 * B + 1
+    limit = 1.0 + 0.25 * 20 * B / 1024
+    assert res.ttft_s[2] == pytest.approx(limit + c.dispatch_s + P.a_s + P.b_s_per_token * T, rel=1e-9)
+    assert (res.loads, res.loads_timeout, res.ledger.tokens["miss_timeout"]) == (1, 1, 20 * B)
+
+
+def test_the_makespan_runs_from_the_first_arrival_to_the_last_first_token():
+    tr = tiny([[1, 2], [3, 4]], [0.0, 0.01])
+    c = cluster(tr)
+    res = Simulator(Prepared(tr), c, policy_set("lmcache-like")).run()
+    assert res.makespan_s == pytest.approx(0.01 + cold_ttft(c, 2 * B + 1), rel=1e-12)
+
+
+def test_the_next_event_is_found_past_a_stalled_group():
+    """A group on a link at 0 B/s has no next event; the scan goes on to the groups after it."""
+    net = FlowNetwork()
+    down, up = net.add_link("down", 100.0), net.add_link("up", 100.0)
+    net.start(0.0, (down,), 1000.0)
+    net.start(0.0, (up,), 500.0)
+    net.advance(0.0)
+    net.set_capacity(0.0, down, 0.0)
+    assert net.next_event_s() == pytest.approx(5.0)
+
+
+def test_a_degraded_node_also_takes_writes_at_its_factor():
+    """Both directions of the node's port slow down: r0's write (1 MiB, 1.05 ms at 1 GB/s) takes 105 ms at 0.01 ×, so
+    r1, arriving 100 ms in on the other replica, finds nothing published yet; at full speed it loads."""
+    tr = tiny([[1, 2, 3, 4], [1, 2, 3, 4]], [0.0, 0.1])
+    c = cluster(tr, node_bandwidth_bytes_per_s=1e9, replica_bandwidth_bytes_per_s=1e9)
+    got = {}
+    for factor in (0.01, 1.0):
+        ev = (Degrade(node=0, t1_s=0.0, t2_s=50.0, bandwidth_factor=factor, failure_rate=0.0),)
+        res = Simulator(Prepared(tr), c, policy_set("lmcache-like"), events=ev).run()
+        got[factor] = res.loads
+    assert got == {0.01: 0, 1.0: 1}
+
+
+@pytest.mark.parametrize("judge_from", [0, 1])
+def test_a_failed_load_the_client_resubmits_is_one_retry_of_the_request_judged(judge_from):
+    """vLLM's rule (failure "fail"): a load error surfaces to the client, which resubmits at once — one retry, counted
+    for request 1 whether it is the first request judged or not; the resubmission lands on replica 0 (round-robin),
+    which holds the prompt, and the bytes the failed transfer moved before failing were sent but never used."""
+    tr, ev, n = _failing(3)
+    res = Simulator(Prepared(tr), cluster(tr), policy_set("vllm-like"), events=ev, seed=3, judge_from_request=judge_from).run()
+    assert res.retries == 1 and res.loads_failed == 1
+    assert list(res.routes) == [0, 0] and res.bytes_sent == n * BLOCK_BYTES and res.bytes_unused == n * BLOCK_BYTES
+    assert res.ledger.tokens["local_hit"] == 8 * B
