@@ -287,11 +287,16 @@ def test_a_load_sees_only_the_foreground_flows_on_its_path():
     tr = tiny(*SAME)
     sim = Simulator(Prepared(tr), cluster(tr), policy_set("kvpolicy"))
     rep, node = sim.replicas[0], sim.nodes[0]
-    sim.net.start(0.0, (node.out,), 7e6, priority=1)  # background, on the source's egress
+    for _ in range(3):  # background, on the source's egress: more than the ingress carries, were they counted
+        sim.net.start(0.0, (node.out,), 7e6, priority=1)
     sim.net.start(0.0, (rep.inn,), 3e6, priority=0)  # foreground, on the replica's ingress
     sim.net.start(0.0, (rep.inn,), 1e6, priority=0)
     sim.net.advance(0.0)
     assert sorted(sim._path_flows(rep, node, 2e6)) == [1e6, 3e6]
+    # as they stand when asked: 0.1 ms later (before either ends) the two share the ingress, each at half of it
+    sim.clock.t = 1e-4
+    half = 0.5 * rep.inn.capacity_bytes_per_s * 1e-4
+    assert sorted(sim._path_flows(rep, node, 2e6)) == pytest.approx([1e6 - half, 3e6 - half])
 
 
 # ------------------------------------------------------------------------------------------- scale-out and warmup
@@ -406,3 +411,54 @@ def test_a_failed_load_the_client_resubmits_is_one_retry_of_the_request_judged(j
     assert res.retries == 1 and res.loads_failed == 1
     assert list(res.routes) == [0, 0] and res.bytes_sent == n * BLOCK_BYTES and res.bytes_unused == n * BLOCK_BYTES
     assert res.ledger.tokens["local_hit"] == 8 * B
+
+
+# ------------------------------------------------------------------------------------------- compute while loading
+
+
+def test_compute_while_loading_meets_the_load_where_front_and_arrivals_cross():
+    """kvpolicy computes the found range from its front while it loads from the back; they meet at the j minimising
+    max(slot + front(j), arrival of the last K − j) — the reference here scans every j. Replica 1 holds the first
+    L = 3 blocks (r1 loaded them), so r3 finds L = 3 local and K = 10 remote: a block arrives every 10 ms after the
+    0.2 ms overhead, the front computes one in 6.4 ms plus reading the cached prefix (2e-5 s a cached token), after
+    12 ms of dispatch and fixed term; the tail is the prompt's last token.
+
+    Until 2026-12-03 the simulator read a flow's progress as of the network's last event, not as of now: with no
+    other flow moving, every re-plan pushed the meeting later, and r3 recomputed all 10 blocks (TTFT 97.1 ms)."""
+    PD = attrs.evolve(P, d_s_per_cached_token=2e-5)
+    L, K = 3, 10
+    X = list(range(1, L + K + 1))
+    tr = tiny([X, X[:L], [99], X], [0.0, 100.0, 200.0, 300.0])
+    R = BLOCK_BYTES / 0.01
+    c = default_cluster(tr, bytes_per_token=BPT, prefill=PD, replicas=2, storage_nodes=1, router="round-robin", pool_share=1.0,
+                        node_bandwidth_bytes_per_s=R, replica_bandwidth_bytes_per_s=R)
+    res = Simulator(Prepared(tr), c, attrs.evolve(policy_set("kvpolicy"), publish="all")).run()
+    T = (L + K) * B + 1
+
+    def pf(s, e):
+        return PD.a_s + PD.b_s_per_token * (e - s) + PD.d_s_per_cached_token * s
+
+    def front(j):
+        return 0.0 if j == 0 else c.dispatch_s + pf(L * B, (L + j) * B)
+
+    t0 = 300.0 + c.lookup_s
+    t1 = t0 + c.transfer_overhead_s
+
+    def arrival(m):
+        return t0 if m == 0 else t1 + m * BLOCK_BYTES / R
+
+    meets = [max(t0 + front(j), arrival(K - j)) for j in range(K + 1)]
+    j = min(range(K + 1), key=meets.__getitem__)
+    assert 0 < j < K, "a meeting in the middle"
+    tail = pf((L + K) * B, T) - PD.a_s
+    assert res.ttft_s[3] == pytest.approx(meets[j] + tail - 300.0, rel=1e-9)
+    assert res.ledger.tokens["remote_hit"] >= (K - j) * B
+
+
+def test_with_no_directory_lookup_a_request_queues_at_once_and_the_next_router_sees_it():
+    """lookup_s = 0: a request that loads nothing joins its replica's queue at its arrival (an event later would let
+    a request arriving at the same instant see an idle replica); least-loaded then sends the second elsewhere."""
+    tr = tiny([[1, 2], [3, 4]], [5.0, 5.0])
+    for lookup_s, routes in ((0.0, [0, 1]), (0.0005, [0, 0])):
+        res = Simulator(Prepared(tr), cluster(tr, router="least-loaded", lookup_s=lookup_s), policy_set("lmcache-like")).run()
+        assert list(res.routes) == routes, lookup_s

@@ -976,6 +976,7 @@ class Simulator:
         end (the source's egress or this replica's ingress) that a load would share with."""
         best: list[float] = []
         best_q = -1.0
+        self.net.sync(self.clock.t)  # the flows as they stand now, not at the network's last event
         for link in (node.out, rep.inn):
             flows = self.net.flows_on(link, 0)  # a load is foreground: background flows (warmup, background writes) never delay it
             q = sum(r if r < size_bytes else size_bytes for r in flows)
@@ -1143,6 +1144,7 @@ class Simulator:
         """Plan the meeting point: the front j minimising max(slot + front(j), arrival of the last k−j)."""
         load = req.xfer
         assert load is not None
+        self.net.sync(now)  # the bytes moved by now, not by the network's last event (or every re-plan pushes the meeting later)
         L, K = req.local, req.load
         s_ = 0
         t_s = req.slot_s
@@ -1192,6 +1194,7 @@ class Simulator:
             return
         load = req.xfer
         assert load is not None
+        self.net.sync(t)  # what has arrived by now
         L, K = req.local, req.load
         m = min(load.arrived_blocks(self.block_bytes), K)
         j = K - m

@@ -218,6 +218,11 @@ class FlowNetwork:
                 best = when
         return best
 
+    def sync(self, t: float) -> None:
+        """Move the clock to ``t`` without starting or ending a flow (``t`` must not pass ``next_event_s()``): a flow's
+        ``done_bytes()`` and ``flows_on`` then read the bytes moved by ``t``, not by the last event."""
+        self._advance_to(t)
+
     def advance(self, t: float) -> list[Flow]:
         """Move to time t: activate flows whose latency has passed, finish flows whose bytes
         have all arrived (calling their ``on_done``), recompute rates. Returns the finished flows."""
