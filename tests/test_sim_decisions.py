@@ -29,9 +29,9 @@ def tiny(prompts, arrivals, out=8):
 
 
 def cluster(tr, **kw):
-    base = dict(replicas=2, storage_nodes=1, router="round-robin", pool_share=1.0)
+    base = dict(replicas=2, storage_nodes=1, router="round-robin", pool_share=1.0, prefill=P)
     base.update(kw)
-    return default_cluster(tr, bytes_per_token=BPT, prefill=P, **base)
+    return default_cluster(tr, bytes_per_token=BPT, **base)
 
 
 def simulate(tr, c, name="lmcache-like", **kw):
@@ -338,7 +338,15 @@ def test_a_warmup_plan_gets_the_bandwidth_the_new_replicas_can_take_less_half_of
     assert cfg.bandwidth_bytes_per_s == pytest.approx(bw) and cfg.replicas == 2
     got, t = read_before["b"]
     assert got > 0 and t == 40.0
-    assert cfg.current_load_bytes_per_s == pytest.approx(min(got / t, bw * 0.5))
+    assert cfg.current_load_bytes_per_s == pytest.approx(got / t) and got / t < bw * 0.5
+    # a replica set reading more than half of the budget leaves warmup the other half, not less
+    from kvpolicy.sim import ScaleOut
+
+    configs.clear()
+    _, _, busy, configs2, _ = _scaled(monkeypatch)
+    busy.bytes_read = int(30 * bw)  # 0.75 × bw a second over 40 s
+    busy._scale_out(ScaleOut(t_s=40.0, replicas=2), 40.0)
+    assert configs2[-1].current_load_bytes_per_s == pytest.approx(bw * 0.5)
 
 
 def test_a_warming_replica_is_ready_when_its_last_planned_load_ends_and_the_bytes_are_counted(monkeypatch):
@@ -462,3 +470,18 @@ def test_with_no_directory_lookup_a_request_queues_at_once_and_the_next_router_s
     for lookup_s, routes in ((0.0, [0, 1]), (0.0005, [0, 0])):
         res = Simulator(Prepared(tr), cluster(tr, router="least-loaded", lookup_s=lookup_s), policy_set("lmcache-like")).run()
         assert list(res.routes) == routes, lookup_s
+
+
+def test_a_write_the_pool_gate_refuses_is_never_sent():
+    """TinyLFU in front of a full pool (4 blocks): the hot chain H, published and read again and again, holds it; a
+    chain C seen once would displace it and is refused — the pool gets H's 4 blocks only. Without the gate, C's 4
+    are written over H's."""
+    H, C = [1, 2, 3, 4], [5, 6, 7, 8]
+    tr = tiny([H, H, H, H, H, C], [0, 10, 20, 30, 40, 50])
+    c = cluster(tr, pool_share=0.5)
+    assert c.pool_capacity_bytes_per_node == 4 * BLOCK_BYTES
+    written = {}
+    for gate in ("none", "tinylfu"):
+        res = Simulator(Prepared(tr), c, attrs.evolve(policy_set("lmcache-like"), write_admission=gate)).run()
+        written[gate] = res.bytes_written // BLOCK_BYTES
+    assert written == {"none": 8, "tinylfu": 4}
