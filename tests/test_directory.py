@@ -236,6 +236,54 @@ def test_restart_clients_reconnect_and_report_misses_meanwhile(redis_server):
     assert d.match_prefix("t", KEYS[:4]) == 2
 
 
+def test_every_redis_failure_is_a_counted_miss_read_only_busy_and_refused(redis_server):
+    """docs/security.md: every Redis failure is answered as a miss and counted, never raised. A failover that turns
+    the server into a read-only replica (READONLY), a script that holds the server (BUSY) and any other error reply
+    raised out of publish / match_prefix / lookup / lease (issue #47: a ReadOnlyError killed the ingest-events
+    worker). Each is counted by kind; once the server is writable again, everything works."""
+    import threading
+
+    import redis
+
+    from kvpolicy.directory import RedisDirectory
+
+    d = RedisDirectory(url=redis_server.url, socket_timeout_s=5.0)
+    admin = redis.Redis.from_url(redis_server.url)
+    assert d.publish("t", [Entry(k, "n", 1) for k in KEYS[:4]]) == 4
+    admin.execute_command("REPLICAOF", "127.0.0.1", "1")  # a replica of nobody: read-only, its data kept
+    try:
+        assert d.publish("t", [Entry(KEYS[5], "n", 1)]) == 0
+        assert d.match_prefix("t", KEYS[:4]) == 0  # the match script refreshes recency: a write, refused
+        d.lease("t", KEYS[:2], ttl_s=10.0)  # the lease cannot be written: a counted failure, not an exception
+        assert not d.leased("t", KEYS[0])
+        assert d.errors == 3 and d.error_kinds == {"ReadOnlyError": 3}, d.error_kinds
+    finally:
+        admin.execute_command("REPLICAOF", "NO", "ONE")
+    assert d.match_prefix("t", KEYS[:4]) == 4 and d.publish("t", [Entry(KEYS[5], "n", 1)]) == 1
+
+    admin.config_set("busy-reply-threshold", 50)  # ms a script may run before others get BUSY
+    hog = redis.Redis.from_url(redis_server.url)
+    t = threading.Thread(target=lambda: _swallow(lambda: hog.eval("while true do end", 0)), daemon=True)
+    t.start()
+    time.sleep(0.3)
+    try:
+        before = d.errors
+        assert d.match_prefix("t", KEYS[:4]) == 0
+        assert d.lookup("t", KEYS[:2]) == [[], []]
+        assert d.errors == before + 2 and d.error_kinds.get("BUSY", 0) == 2, d.error_kinds
+    finally:
+        admin.script_kill()
+        t.join(timeout=5)
+    assert d.match_prefix("t", KEYS[:4]) == 4
+
+
+def _swallow(fn):
+    try:
+        fn()
+    except Exception:  # the hog is killed: its own call fails, as it should
+        pass
+
+
 # the testing kit's contract, run on both backends (a third-party directory subclasses it the same way)
 from kvpolicy.testing import DirectoryContract, contract_test  # noqa: E402
 

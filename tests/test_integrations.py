@@ -185,6 +185,29 @@ def test_an_event_the_directory_refuses_is_counted_not_raised():
     assert ing.counts["malformed_events"] == 1 and ing.refused["malformed_event"] == 1 and d.match_prefix("acme", list(HASHER.hash_blocks(PROMPT[:B]))) == 1
 
 
+def test_a_directory_that_raises_is_a_counted_directory_error_and_ingestion_goes_on():
+    """A third-party directory (or a client library) that raises something kvpolicy does not know — an OSError, a
+    driver's own exception — is counted as a directory error, the event dropped, and the next event still applies:
+    ingest() never raises."""
+
+    class Flaky(InMemoryDirectory):
+        fail = 1
+
+        def publish(self, tenant, entries):
+            if self.fail:
+                self.fail -= 1
+                raise OSError("connection reset by peer")
+            return super().publish(tenant, entries)
+
+    d = Flaky()
+    ing = ingestor(d)
+    ev, _ = stored(PROMPT[:B])
+    assert ing.ingest(encode_batch(1.0, [ev])) == 0
+    assert ing.refused["directory_error"] == 1 and ing.counts["malformed_events"] == 0
+    assert ing.ingest(encode_batch(2.0, [ev])) == 1
+    assert d.match_prefix("acme", list(HASHER.hash_blocks(PROMPT[:B]))) == 1
+
+
 @pytest.mark.parametrize("on_gap", ["keep", "forget"])
 def test_real_zmq_socket_on_loopback(on_gap):
     zmq = pytest.importorskip("zmq")
@@ -3273,6 +3296,106 @@ def test_ingest_events_feeds_a_directory_from_an_engines_socket_and_reports_what
                 "--scheme", "fast", "--max-seconds", "0.2"]
         assert main(["ingest-events", *args]) == 2
         assert f"error: {field}" in capsys.readouterr().err
+
+
+def _sidecar_args(port, out, seconds="1.5"):
+    return ["ingest-events", "--endpoint", f"tcp://127.0.0.1:{port}", "--directory", "memory", "--tenant", "acme", "--holder", "pod-1",
+            "--block-size", "16", "--scheme", "fast", "--bytes-per-token", "2048", "--max-seconds", seconds, "--stats-every-s", "0.5",
+            "--json", str(out)]
+
+
+def test_a_sidecar_worker_that_crashes_is_restarted_counted_and_goes_on(tmp_path, capsys, monkeypatch):
+    """Issue #47: an exception out of a worker (a ReadOnlyError from Redis did it) killed its thread; the process went
+    on printing stats, ingested nothing and exited 0. A crash is logged, counted in the stats (restarts, last error) and
+    the worker restarted after a backoff; events then flow again."""
+    from kvpolicy.cli import main
+    from kvpolicy.integrations.vllm_events import ZmqEventSubscriber
+
+    engine_cases()
+    crashes = [1]
+    run = ZmqEventSubscriber.run
+
+    def flaky(self, stop):
+        if crashes[0]:
+            crashes[0] -= 1
+            raise RuntimeError("the directory went away")
+        run(self, stop)
+
+    monkeypatch.setattr(ZmqEventSubscriber, "run", flaky)
+    port, stop = _free_port(), threading.Event()
+    t = threading.Thread(target=_publish_case, args=(port, "stored-int-hashes-default", 10.0, stop), daemon=True)
+    t.start()
+    out = tmp_path / "stats.json"
+    try:
+        rc = main(_sidecar_args(port, out))
+    finally:
+        stop.set()
+        t.join()
+    assert rc == 0
+    final = json.loads(out.read_text())["ranks"][0]
+    assert final["restarts"] == 1 and final["last_error"] == "RuntimeError: the directory went away"
+    assert final["counts"]["batches"] >= 1, "after the restart it ingests again"
+    assert "RuntimeError: the directory went away" in capsys.readouterr().err
+
+
+def test_a_sidecar_rides_out_a_redis_failover_to_read_only_and_resumes(tmp_path, capsys, redis_server):
+    """The issue's probe: Redis becomes a read-only replica while events flow (a failover), then writable again. The
+    failures are counted by kind in the stats, nothing is raised, the process keeps ingesting, and once Redis takes
+    writes the engine's blocks are in the directory again."""
+    import redis
+
+    from kvpolicy.cli import main
+
+    engine_cases()
+    admin = redis.Redis.from_url(redis_server.url)
+    port, stop = _free_port(), threading.Event()
+    t = threading.Thread(target=_publish_case, args=(port, "stored-int-hashes-default", 10.0, stop), daemon=True)
+    t.start()
+
+    def failover():
+        time.sleep(0.6)
+        admin.execute_command("REPLICAOF", "127.0.0.1", "1")
+        time.sleep(0.8)
+        admin.execute_command("REPLICAOF", "NO", "ONE")
+        admin.flushall()  # what the sidecar wrote before is gone: what is there at the end came after the failover
+
+    f = threading.Thread(target=failover, daemon=True)
+    f.start()
+    out = tmp_path / "stats.json"
+    args = _sidecar_args(port, out, seconds="3")
+    args[args.index("memory")] = redis_server.url
+    try:
+        rc = main(args)
+    finally:
+        stop.set()
+        t.join()
+        f.join()
+        admin.execute_command("REPLICAOF", "NO", "ONE")
+    assert rc == 0
+    final = json.loads(out.read_text())
+    assert final["directory_error_kinds"].get("ReadOnlyError", 0) >= 1 and final["directory_errors"] >= 1
+    assert final["ranks"][0]["restarts"] == 0 and final["fatal"] is None
+    keys = [k for k in admin.scan_iter("*:b:*")]
+    assert keys, "after the failover the engine's blocks are in the directory again"
+
+
+def test_a_sidecar_that_cannot_go_on_exits_non_zero_and_says_why(tmp_path, capsys, monkeypatch):
+    from kvpolicy.cli import main
+    from kvpolicy.integrations.vllm_events import ZmqEventSubscriber
+
+    def broken(self, stop):
+        raise OSError("no route to the directory")
+
+    monkeypatch.setattr(ZmqEventSubscriber, "run", broken)
+    monkeypatch.setattr("kvpolicy.cli.SIDECAR_BACKOFF_S", 0.01)
+    out = tmp_path / "stats.json"
+    t0 = time.monotonic()
+    rc = main(_sidecar_args(_free_port(), out, seconds="30"))
+    assert rc == 1 and time.monotonic() - t0 < 10, "it gives up, it does not wait out --max-seconds"
+    err = capsys.readouterr().err
+    assert "OSError: no route to the directory" in err and "restarts" in err
+    final = json.loads(out.read_text())
+    assert final["ranks"][0]["restarts"] >= 1 and final["fatal"]
 
 
 def test_ingest_events_stops_cleanly_on_sigterm(tmp_path):

@@ -420,6 +420,12 @@ def _endpoint_for_rank(endpoint: str, rank: int, flag: str) -> str:
     return f"{m.group(1)}:{port}"
 
 
+#: ingest-events: a crashed worker is restarted after this many seconds, doubling with each crash in a row (at most 30 s)
+SIDECAR_BACKOFF_S = 0.5
+#: ... and the sidecar gives up (exit 1) after this many crashes in a row: a worker that crashes at once every time
+SIDECAR_MAX_CRASHES = 8
+
+
 def _cmd_ingest_events(args: argparse.Namespace) -> int:
     """Feed a directory from an engine's KV events until SIGINT / SIGTERM (or --max-seconds): the sidecar of a pod."""
     import logging
@@ -472,16 +478,47 @@ def _cmd_ingest_events(args: argparse.Namespace) -> int:
     log.addHandler(handler)
     log.setLevel(logging.WARNING if args.verbose else logging.ERROR)
     log.propagate = False
-    workers = [threading.Thread(target=sub.run, args=(stop,), daemon=True, name=f"kv-events-{i}") for i, sub in enumerate(subs)]
+    restarts = [0] * len(subs)
+    last_error: list[str | None] = [None] * len(subs)
+    fatal: list[str] = []
+
+    def supervised(i: int, sub: Any) -> None:
+        """Run one rank's subscriber; an exception out of it (a directory that raised, a bug) is logged, counted and the
+        worker restarted after a backoff — a worker never dies silently. Crashes in a row past SIDECAR_MAX_CRASHES (no
+        message handled between them) stop the sidecar, which then exits 1."""
+        in_a_row = 0
+        while not stop.is_set():
+            handled = sub.ingestor.counts["batches"] + sub.ingestor.counts["malformed_frames"]
+            try:
+                sub.run(stop)
+                return
+            except Exception as e:  # noqa: BLE001 - whatever it was, the sidecar says so and goes on
+                restarts[i] += 1
+                last_error[i] = f"{type(e).__name__}: {e}"
+                progressed = sub.ingestor.counts["batches"] + sub.ingestor.counts["malformed_frames"] > handled
+                in_a_row = 1 if progressed else in_a_row + 1
+                print(f"kvpolicy ingest-events: error: rank {i} ({sub.ingestor.holder}) crashed: {last_error[i]} "
+                      f"(restarts {restarts[i]}, {in_a_row} in a row)", file=sys.stderr, flush=True)
+                if in_a_row >= SIDECAR_MAX_CRASHES:
+                    fatal.append(f"rank {i} ({sub.ingestor.holder}) crashed {in_a_row} times in a row, the last: {last_error[i]}")
+                    stop.set()
+                    return
+                stop.wait(min(SIDECAR_BACKOFF_S * 2 ** (in_a_row - 1), 30.0))
+
+    workers = [threading.Thread(target=supervised, args=(i, sub), daemon=True, name=f"kv-events-{i}") for i, sub in enumerate(subs)]
 
     def stats(final: bool) -> dict[str, Any]:
         out: dict[str, Any] = {"time_s": round(time.time(), 3), "final": final, "ranks": []}
-        for sub in subs:
+        for i, sub in enumerate(subs):
             ing = sub.ingestor
-            out["ranks"].append({"holder": ing.holder, "counts": dict(ing.counts), "refused": {k: v for k, v in ing.refused.items() if v}})
+            out["ranks"].append({"holder": ing.holder, "counts": dict(ing.counts), "refused": {k: v for k, v in ing.refused.items() if v},
+                                 "restarts": restarts[i], "last_error": last_error[i]})
         errors = getattr(directory, "errors", None)
         if errors is not None:
             out["directory_errors"] = errors
+            out["directory_error_kinds"] = dict(getattr(directory, "error_kinds", {}) or {})
+        if final:
+            out["fatal"] = fatal[0] if fatal else None
         return out
 
     for w in workers:
@@ -511,6 +548,9 @@ def _cmd_ingest_events(args: argparse.Namespace) -> int:
     print(json.dumps(final), flush=True)
     if args.json:
         _write_report(args.json, final)
+    if fatal:
+        print(f"kvpolicy ingest-events: error: cannot go on: {fatal[0]}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -25,6 +25,7 @@ from the client side: it keeps no cache.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -217,6 +218,10 @@ def _redis() -> Any:
     return redis
 
 
+#: an error reply's code: its first word, or the first after "caused error: " in a pipeline's message
+_ERROR_CODE = re.compile(r"(?:^|caused error: )([A-Z][A-Z_]{1,31})\b")
+
+
 class RedisDirectory:
     def __init__(self, client: Any = None, *, url: str | None = None, prefix: str = "kvp", max_keys_per_tenant: int = 1_000_000,
                  socket_timeout_s: float = 1.0) -> None:
@@ -232,9 +237,10 @@ class RedisDirectory:
         self.r = client
         self.prefix = prefix
         self.max_keys_per_tenant = max_keys_per_tenant
-        # an outage, a timeout, or a full server (maxmemory with noeviction): answered as misses and counted, never raised
-        self._errors_types = tuple(t for t in (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                                               getattr(redis.exceptions, "OutOfMemoryError", None)) if t is not None)
+        # every Redis failure — an outage, a timeout, a full server (maxmemory with noeviction), a failover that left a
+        # read-only replica (READONLY), a script holding the server (BUSY), any other error reply — is answered as a
+        # miss and counted by kind (error_kinds), never raised: the caller (an engine, the ingest-events sidecar) goes on
+        self._errors_types = (redis.exceptions.RedisError,)
         # a connection confined by ACL to one tenant that names another: refused by Redis, answered as a miss, counted
         self._denied_types = (redis.exceptions.NoPermissionError,)
         self._match = client.register_script(_MATCH)
@@ -244,6 +250,9 @@ class RedisDirectory:
         self._release = client.register_script(_RELEASE)
         self._clear = client.register_script(_CLEAR_HOLDER)
         self.errors = 0
+        #: the failures in ``errors`` by kind: the exception's class (``ConnectionError``, ``ReadOnlyError``, ...), or the
+        #: reply's code for a generic error reply (``BUSY``, ``ERR``, ...)
+        self.error_kinds: dict[str, int] = {}
         #: calls Redis refused for lack of permission (an ACL confining this connection to another tenant); also in ``errors``
         self.denied = 0
         self.evicted_by_capacity = 0
@@ -256,13 +265,22 @@ class RedisDirectory:
     def _call(self, fn: Any, default: Any) -> Any:
         try:
             return fn()
-        except self._denied_types:
+        except self._denied_types as e:
             self.denied += 1
-            self.errors += 1
+            self._count(e)
             return default
-        except self._errors_types:
-            self.errors += 1
+        except self._errors_types as e:
+            self._count(e)
             return default
+
+    def _count(self, e: Exception) -> None:
+        self.errors += 1
+        kind = type(e).__name__
+        if kind == "ResponseError":  # a generic error reply: its code says which ("BUSY Redis is busy running a script"; in a
+            # pipeline "Command # 1 (...) of pipeline caused error: BUSY ...")
+            m = _ERROR_CODE.search(str(e))
+            kind = m.group(1) if m else kind
+        self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
 
     # ------------------------------------------------------------------ API
 

@@ -315,7 +315,7 @@ class KVEventIngestor:
     """
 
     REASONS = ("malformed_frame", "malformed_event", "orphan", "incompatible_block_size", "mismatched_hash", "unverifiable",
-               "unknown_removed", "partial_block", "unknown_tier_only")
+               "unknown_removed", "partial_block", "unknown_tier_only", "directory_error")
 
     def __init__(self, directory: Any, tenant: str, hasher: BlockHasher, *, holder: str, bytes_per_token: int,
                  verify_algo: str | None = None, max_mapped_blocks: int = 4_000_000, none_hash_seed: str | None = None) -> None:
@@ -386,6 +386,11 @@ class KVEventIngestor:
                 self.counts["malformed_events"] += 1
                 self._refuse("malformed_event")
                 log.warning("kvpolicy events: dropped an event the directory refused: %s", e)
+                continue
+            except Exception as e:  # noqa: BLE001 - a directory that raised (kvpolicy's own count their failures instead)
+                self._refuse("directory_error")
+                log.error("kvpolicy events: the directory failed on an event (%s: %s); it is counted and ingestion goes on",
+                          type(e).__name__, e)
                 continue
             applied += 1
         return applied
