@@ -284,6 +284,66 @@ def _swallow(fn):
         pass
 
 
+def test_a_lease_cannot_be_released_by_another_tenant_or_guessed():
+    """Issue #47: attacker.release(Lease("mem-1", "attacker", (), 0)) released the victim's lease mem-1 — its keys
+    could then be evicted under the reader, and the victim's own release did nothing. A lease id is unguessable, and
+    only the Lease lease() returned releases it."""
+    from kvpolicy.directory import Lease
+
+    d = InMemoryDirectory()
+    victim = d.lease("victim", KEYS[:2], ttl_s=60.0)
+    assert d.leased("victim", KEYS[0])
+    for forged in (Lease(victim.lease_id, "attacker", (), 0.0), Lease(victim.lease_id, "victim", (), 0.0),
+                   Lease(victim.lease_id, "victim", KEYS[:1], victim.expires_at_s), Lease("mem-1", "victim", KEYS[:2], victim.expires_at_s)):
+        d.release(forged)
+        assert d.leased("victim", KEYS[0]) and d.leased("victim", KEYS[1]), forged
+    ids = {d.lease("t", KEYS[:1], ttl_s=1.0).lease_id for _ in range(200)}
+    assert len(ids) == 200 and all(len(i) >= 4 + 32 for i in ids), "128 random bits, not a counter"
+    d.release(victim)
+    assert not d.leased("victim", KEYS[0])
+
+
+@pytest.mark.parametrize("ttl_s", [1e300, 3600.001, 1e-4, 0.0009])
+def test_a_lease_ttl_is_bounded_and_means_the_same_on_both_backends(ttl_s):
+    """A lease of 1e300 s pinned its keys for ever; one of 1e-4 s was a no-op on Redis (whole milliseconds) and held
+    in memory. A lease lasts 1 ms to 1 h (MAX_LEASE_TTL_S), or it is an error naming ttl_s."""
+    from kvpolicy.directory.base import MAX_LEASE_TTL_S
+
+    assert MAX_LEASE_TTL_S == 3600.0
+    with pytest.raises(ConfigError) as e:
+        InMemoryDirectory().lease("t", KEYS[:1], ttl_s=ttl_s)
+    assert e.value.field == "ttl_s"
+
+
+def test_reading_an_unknown_tenant_allocates_nothing():
+    """300,000 unknown tenants through match_prefix grew the directory by 63 MiB: a read made the tenant's table."""
+    d = InMemoryDirectory()
+    for i in range(2000):
+        assert d.match_prefix(f"nobody-{i}", KEYS[:2]) == 0
+        assert d.lookup(f"nobody-{i}", KEYS[:1]) == [[]]
+        assert d.keys(f"nobody-{i}") == [] and d.count(f"nobody-{i}") == 0
+        assert d.evict(f"nobody-{i}", KEYS[:1]) == 0 and d.clear_holder(f"nobody-{i}", "h") == 0
+    assert d._t == {} and d._leases == {}
+
+
+def test_active_leases_are_bounded_and_a_lease_past_the_bound_protects_nothing():
+    """200,000 unreleased leases grew memory by 64 MiB. At max_leases (default 100,000) a new lease is refused —
+    counted, and returned holding no key (the reader then loads unprotected) — until one is released or expires."""
+    clock = ManualClock()
+    d = InMemoryDirectory(max_leases=3, clock=clock)
+    held = [d.lease("t", KEYS[i:i + 1], ttl_s=10.0) for i in range(3)]
+    extra = d.lease("t", KEYS[5:6], ttl_s=10.0)
+    assert extra.keys == () and d.leases_refused == 1 and not d.leased("t", KEYS[5])
+    d.release(held[0])
+    assert d.lease("t", KEYS[5:6], ttl_s=10.0).keys == (KEYS[5],)
+    clock.advance(11.0)  # the rest expire: room again
+    assert d.lease("t", KEYS[6:7], ttl_s=10.0).keys == (KEYS[6],)
+    with pytest.raises(ConfigError) as e:
+        InMemoryDirectory(max_leases=0)
+    assert e.value.field == "max_leases"
+    assert InMemoryDirectory().max_leases == 100_000
+
+
 # the testing kit's contract, run on both backends (a third-party directory subclasses it the same way)
 from kvpolicy.testing import DirectoryContract, contract_test  # noqa: E402
 

@@ -30,9 +30,17 @@ def check_tenant(tenant: Any) -> str:
     return tenant
 
 
+#: a lease lasts at least a millisecond (Redis expires in whole ms: shorter would be a no-op there and held in memory)
+MIN_LEASE_TTL_S = 0.001
+#: ... and at most an hour: a lease guards one read while it is in flight, and a longer one pins its keys past any use
+MAX_LEASE_TTL_S = 3600.0
+
+
 def check_ttl(ttl_s: Any) -> float:
-    """A lease's seconds: finite and positive (an infinite lease would pin its keys for ever; Redis needs whole ms)."""
+    """A lease's seconds, in [MIN_LEASE_TTL_S, MAX_LEASE_TTL_S]: the same lease on both backends, never one for ever."""
     check_positive_number("ttl_s", ttl_s)
+    if not MIN_LEASE_TTL_S <= ttl_s <= MAX_LEASE_TTL_S:
+        raise ConfigError("ttl_s", f"a lease lasts {MIN_LEASE_TTL_S * 1e3:g} ms to {MAX_LEASE_TTL_S:g} s, got {ttl_s!r}")
     return float(ttl_s)
 
 
