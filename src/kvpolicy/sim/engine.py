@@ -1224,8 +1224,9 @@ class Simulator:
         if req.i >= self.judge_k:
             self.bytes_read += m * self.block_bytes
         self.bytes_unused += max(load.delivered_bytes() - m * self.block_bytes, 0)
+        assert load.ended  # both callers end it first (_start: it had ended; _meet: cut where the front met it)
         if m:
-            req.load_s = load.end_s - req.load_start_s if load.ended else t_front_done - req.load_start_s
+            req.load_s = load.end_s - req.load_start_s
         tail = self._tail_s(req, j, K)
         busy = (t_front_done - req.slot_s) + tail
         req.prefill_s = busy
@@ -1486,12 +1487,15 @@ class Simulator:
         if not self.ps.warmup:
             return
         c = self.c
-        seen = self.p.trace.head(max(self.n_arrived + 1, 1))
+        n_seen = max(self.n_arrived + 1, 1)
+        seen = self.p.trace.head(n_seen)  # its block ids renumbered densely (canonical): mapped back to the run's own below
+        own = self.p.trace.block_ids[: int(self.p.trace.block_offsets[min(n_seen, len(self.p.trace))])].tolist()
+        back = dict(zip(seen.block_ids.tolist(), own))
         hot = hot_prefixes_from_trace(seen, bytes_per_token=c.bytes_per_token, recompute_s=lambda tok: c.prefill_s(0, int(tok)))
         bw = min(c.node_bandwidth_bytes_per_s * c.storage_nodes, c.replica_bandwidth_bytes_per_s * ev.replicas)
         plan = plan_warmup(hot, WarmupConfig(replicas=ev.replicas, window_s=c.warmup_window_s, bandwidth_bytes_per_s=max(bw, 1e-3),
                                              current_load_bytes_per_s=min(self.bytes_read / max(t, 1.0), bw * 0.5)))
-        chains = {h.prefix: h.blocks for h in hot}
+        chains = {h.prefix: tuple(back[b] for b in h.blocks) for h in hot}
         for j, r in enumerate(new):
             ready = plan.ready_at_s.get(j)
             r.warming_until_s = t + (ready if ready is not None else c.warmup_window_s)
