@@ -136,6 +136,23 @@ def test_analyze_builtin_preset_and_plots(capsys, tmp_path):
         assert (tmp_path / "figs" / name).stat().st_size > 1000
 
 
+def test_plots_replace_a_symlink_never_write_through_it(capsys, tmp_path):
+    """Issue #47: --plot DIR opened DIR/mrc.png for writing, following a symlink planted there onto any file the user
+    can write. A figure is written to a temporary file beside it and renamed into place, as --json does: the link is
+    replaced, its target untouched."""
+    pytest.importorskip("matplotlib")
+    figs = tmp_path / "figs"
+    figs.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (figs / "mrc.png").symlink_to(victim)
+    rc, _, _ = run(capsys, "analyze", "--preset", "chat", "--plot", str(figs), "--no-progress")
+    assert rc == 0
+    assert victim.read_bytes() == b"precious"
+    assert not (figs / "mrc.png").is_symlink() and (figs / "mrc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [p for p in figs.iterdir() if p.name.endswith(".tmp")], "no temporary file left behind"
+
+
 def test_analyze_errors(capsys, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n{"timestamp": 1}\n')

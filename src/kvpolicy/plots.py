@@ -22,10 +22,31 @@ def _plt() -> Any:
 
 
 def save_figure(plt: Any, fig: Any, path: Path) -> Path:
-    """Lay out, write (PNG, 110 dpi) and close a figure; returns its path."""
+    """Lay out, write (PNG, 110 dpi) and close a figure; returns its path. Written to a temporary file beside it and
+    renamed into place, as ``--json`` reports are: a symlink planted at ``path`` is replaced, never written through,
+    and a failure leaves the previous figure whole."""
+    import os
+    import tempfile
+
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        plt.close(fig)
+        raise ConfigError(str(path), f"cannot write a figure here: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png", dpi=110)
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise ConfigError(str(path), f"cannot write the figure: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
     return path
 
 
