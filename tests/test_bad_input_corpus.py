@@ -65,6 +65,8 @@ def files(tmp_path_factory):
     binary.write_bytes(b"\xff\xfe\x00\x9c" * 256)
     a_file = d / "a-file"
     a_file.write_text("x")
+    nested = d / "nested.json"  # 200,000 lists deep: json.loads raised RecursionError (a traceback) on it
+    nested.write_text("[" * 200_000 + "]" * 200_000)
     bad_traces = {  # a first line with chat_id: these files are Bailian (detected, or --format bailian)
         # with chat_id, so each is refused for the field it names — not for a missing chat_id
         "hash id >= 2^63": {"chat_id": 1, "timestamp": 0, "input_length": 32, "output_length": 1, "hash_ids": [2**63, 1]},
@@ -93,6 +95,13 @@ def files(tmp_path_factory):
         f = d / f"badmc{i}.jsonl"
         f.write_text(json.dumps({"timestamp": 0, "input_length": 16, "output_length": 1, "hash_ids": [7]}) + "\n" + json.dumps(row) + "\n")
         out[name] = f
+    deep = "[" * 200_000 + "]" * 200_000
+    for name, first, row in (("nested 200,000 deep (mooncake)", '{"timestamp": 0, "input_length": 16, "output_length": 1, "hash_ids": [7]}',
+                              '{"timestamp": 1, "input_length": 16, "output_length": 1, "hash_ids": ' + deep + "}"),
+                             ("nested 200,000 deep (tokens)", '{"timestamp": 0, "tokens": [5, 6]}', '{"timestamp": 1, "tokens": ' + deep + "}")):
+        f = d / f"nested-{len(out)}.jsonl"
+        f.write_text(first + "\n" + row + "\n")
+        out[name] = f
     bad_token_traces = {
         "token id >= 2^63": {"timestamp": 1, "tokens": [2**63, 1]},
         "token id 1e30": {"timestamp": 1, "tokens": [1e30]},
@@ -103,7 +112,8 @@ def files(tmp_path_factory):
         f = d / f"badtok{i}.jsonl"
         f.write_text(json.dumps({"timestamp": 0, "tokens": [5, 6]}) + "\n" + json.dumps(row) + "\n")
         out[name] = f
-    return {"dir": d, "trace": trace, "token_trace": token_trace, "tokens": tokens, "profile": profile, "binary": binary, "a_file": a_file, "bad_traces": out}
+    return {"dir": d, "trace": trace, "token_trace": token_trace, "tokens": tokens, "profile": profile, "binary": binary, "a_file": a_file,
+            "nested": nested, "bad_traces": out}
 
 
 def base(cmd: str, f: dict) -> list[str]:
@@ -171,12 +181,14 @@ def cases():
             if kind in ("trace", "tokens", "profile", "json-in", "text-in", "config"):
                 for bad in ("directory", "binary", "missing"):
                     out.append(pytest.param(cmd, a.dest, "file", bad, id=f"{cmd} {label}={bad}"))
+            if kind in ("tokens", "json-in", "config"):
+                out.append(pytest.param(cmd, a.dest, "file", "nested", id=f"{cmd} {label}=nested"))
             if kind == "trace":
                 bads = ("hash id >= 2^63", "length 1e30", "negative length", "NaN timestamp", "chat_id as a dict", "parent_chat_id as a list",
                         "hash id >= 2^63 (mooncake)", "output length 1e23 (mooncake)", "timestamp past float range (mooncake)",
-                        "an id after itself (mooncake)")
+                        "an id after itself (mooncake)", "nested 200,000 deep (mooncake)")
                 if cmd in TOKEN_TRACE_COMMANDS:
-                    bads = ("token id >= 2^63", "token id 1e30", "tokens not a list", "NaN timestamp (tokens)")
+                    bads = ("token id >= 2^63", "token id 1e30", "tokens not a list", "NaN timestamp (tokens)", "nested 200,000 deep (tokens)")
                 for bad in bads:
                     out.append(pytest.param(cmd, a.dest, "trace", bad, id=f"{cmd} {label}: {bad}"))
             if kind in ("out", "out-dir"):
@@ -229,7 +241,7 @@ def test_bad_input_is_one_line_naming_it_exit_2(cmd, dest, what, value, files, c
         _check(*_run(cmd, _set(argv, a, value) if value != "" else _set(argv, a, ","), capsys), [label, a.dest])
         return
     if what == "file":
-        path = {"directory": files["dir"], "binary": files["binary"], "missing": files["dir"] / "no-such-file"}[value]
+        path = {"directory": files["dir"], "binary": files["binary"], "missing": files["dir"] / "no-such-file", "nested": files["nested"]}[value]
         names = [str(path), path.name, label]
         _check(*_run(cmd, _set(argv, a, str(path)), capsys), names)
         return

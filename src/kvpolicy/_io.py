@@ -66,3 +66,14 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
             pass
         raise ConfigError(str(p), f"cannot write the report: {e.strerror or e} (the previous file, if any, is intact)") from None
     return p
+
+
+def json_loads(text: str | bytes) -> Any:
+    """``json.loads``, with nesting deeper than Python can recurse (200,000 ``[`` in a trace row, a tokens file or a
+    config) refused as malformed JSON — a ``json.JSONDecodeError`` the caller already names the file and line for —
+    rather than a ``RecursionError`` traceback."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        doc = text if isinstance(text, str) else ""
+        raise json.JSONDecodeError("nested too deeply", doc, 0) from None

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .errors import ConfigError, KVPolicyError
-from ._io import read_text, strict_json, write_text_atomic
+from ._io import json_loads, read_text, strict_json, write_text_atomic
 
 DEFAULT_PREFIXES = (4096, 16384, 32768, 65536)
 
@@ -224,7 +224,7 @@ def _read_tokens(path: str) -> list[int]:
 
     text = read_text(path, "tokens")
     try:
-        data = json.loads(text)
+        data = json_loads(text)
     except json.JSONDecodeError as exc:
         raise InputFormatError(path, exc.lineno, f"not valid JSON ({exc.msg})") from None
     if not isinstance(data, list):
@@ -242,7 +242,7 @@ def _hasher(args: argparse.Namespace, command: str) -> Any:
 
     if args.namespace:
         try:
-            ns_data = json.loads(read_text(args.namespace, "--namespace"))
+            ns_data = json_loads(read_text(args.namespace, "--namespace"))
         except json.JSONDecodeError as exc:
             raise ConfigError("--namespace", f"{args.namespace}:{exc.lineno}: not valid JSON ({exc.msg})") from None
         if not isinstance(ns_data, dict):
@@ -741,7 +741,7 @@ def _load_hot(args: argparse.Namespace, bpt: int) -> list[Any]:
     src = args.source
     if src and src.endswith(".json"):
         try:
-            data = json.loads(read_text(src, "HOT.json"))
+            data = json_loads(read_text(src, "HOT.json"))
         except json.JSONDecodeError as exc:
             raise ConfigError("HOT.json", f"{src}:{exc.lineno}: not valid JSON ({exc.msg})") from None
         if not isinstance(data, dict) or not isinstance(data.get("prefixes"), list):

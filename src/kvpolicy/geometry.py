@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import attrs
 
-from ._io import read_text
+from ._io import json_loads, read_text
 from .errors import ConfigError, ProfileRequiredError
 
 #: element sizes for HF ``torch_dtype`` spellings and KV-dtype overrides.
@@ -125,7 +125,7 @@ class KVGeometry:
         if isinstance(config, (str, Path)):
             where = str(config)
             try:
-                config = json.loads(read_text(config, "config"))
+                config = json_loads(read_text(config, "config"))
             except json.JSONDecodeError as exc:
                 raise ConfigError("config", f"{where}:{exc.lineno}: not valid JSON ({exc.msg})") from None
         if not isinstance(config, Mapping):

@@ -43,6 +43,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from .._io import json_loads
 from ..clock import MonotonicClock
 from ..errors import ConfigError
 from ..protocols import Clock
@@ -59,7 +60,7 @@ def load_config(raw: str | None = None) -> dict[str, Any]:
     cfg = dict(DEFAULTS)
     if text:
         try:
-            given = json.loads(text)
+            given = json_loads(text)
         except json.JSONDecodeError as e:
             raise ConfigError(ENV, f"not JSON: {e}") from None
         if not isinstance(given, dict):

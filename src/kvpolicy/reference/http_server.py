@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from .._io import json_loads
 from ..errors import ConfigError
 from .model import ModelConfig
 
@@ -97,7 +98,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(413 if n > 0 else 400, f"Content-Length: a body of 0 to {srv.max_body_bytes} bytes, got {self.headers.get('Content-Length')!r}")
             return
         try:
-            req = json.loads(self.rfile.read(n) or b"{}")
+            req = json_loads(self.rfile.read(n) or b"{}")
         except (ValueError, json.JSONDecodeError) as exc:
             self._error(400, f"the body is not JSON ({exc})")
             return

@@ -60,6 +60,7 @@ from typing import Any
 
 import attrs
 
+from .._io import json_loads
 from .._validate import non_negative_number, positive_int, positive_number
 from ..errors import ConfigError
 
@@ -227,7 +228,7 @@ class Channel:
             raise AuthError("a frame's tag does not verify")
         self._recv_seq += 1
         try:
-            obj = json.loads(h)
+            obj = json_loads(h)
         except (ValueError, UnicodeDecodeError) as e:
             raise TransportError(f"malformed header: {e}") from None
         if not isinstance(obj, dict):

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from .._io import json_loads
 from ..errors import ConfigError, TraceFormatError
 from .model import Trace, canonical_ids, chain_check
 
@@ -72,7 +73,7 @@ class _Lines:
                 if not raw.strip():
                     continue
                 try:
-                    obj = json.loads(raw)
+                    obj = json_loads(raw)
                 except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                     self.bad(lineno, f"not valid JSON ({getattr(exc, 'msg', exc)})")
                     continue
@@ -413,7 +414,7 @@ def detect_format(path: str | Path) -> Format:
             if not raw.strip():
                 continue
             try:
-                obj = json.loads(raw)
+                obj = json_loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise TraceFormatError(str(path), lineno, "not valid JSON; cannot detect the format") from None
             if not isinstance(obj, dict):
