@@ -47,6 +47,12 @@ def strict_json(obj: Any, **kw: Any) -> str:
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
     """Write ``text`` to a temporary file beside ``path`` and rename it into place: a full disk or
     a crash leaves the previous file intact, never half a report. Errors name the file."""
+    return write_bytes_atomic(path, text.encode("utf-8"), "the report")
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, what: str = "the file") -> Path:
+    """``data`` to a temporary file beside ``path``, renamed into place: a symlink at ``path`` is replaced, never
+    written through, and a failure leaves the previous file whole. Errors name the file."""
     p = Path(path)
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -54,8 +60,8 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
     except OSError as e:
         raise ConfigError(str(p), f"cannot write here: {e.strerror or e}") from None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, p)
@@ -64,7 +70,7 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
             os.unlink(tmp)
         except OSError:
             pass
-        raise ConfigError(str(p), f"cannot write the report: {e.strerror or e} (the previous file, if any, is intact)") from None
+        raise ConfigError(str(p), f"cannot write {what}: {e.strerror or e} (the previous file, if any, is intact)") from None
     return p
 
 

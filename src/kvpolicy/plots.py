@@ -25,29 +25,17 @@ def save_figure(plt: Any, fig: Any, path: Path) -> Path:
     """Lay out, write (PNG, 110 dpi) and close a figure; returns its path. Written to a temporary file beside it and
     renamed into place, as ``--json`` reports are: a symlink planted at ``path`` is replaced, never written through,
     and a failure leaves the previous figure whole."""
-    import os
-    import tempfile
+    import io
+
+    from ._io import write_bytes_atomic
 
     fig.tight_layout()
-    path = Path(path)
+    buf = io.BytesIO()
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as e:
-        plt.close(fig)
-        raise ConfigError(str(path), f"cannot write a figure here: {e.strerror or e}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=110)
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise ConfigError(str(path), f"cannot write the figure: {e.strerror or e}") from None
+        fig.savefig(buf, format="png", dpi=110)
     finally:
         plt.close(fig)
-    return path
+    return write_bytes_atomic(path, buf.getvalue(), "the figure")
 
 
 def analyze_figures(report: dict[str, Any], trace: Any, distances: np.ndarray, out_dir: str | Path) -> list[Path]:
