@@ -167,8 +167,8 @@ class PriorityStrategy:
     def _apply_dropped(self) -> None:
         """Forget the nodes dropped since the last call in the order SGLang evicted them — the lowest priority this
         strategy last gave first (its heap's order), then by key — not in the order Python freed them: ``evict`` frees
-        its victims when it returns, in its set of leaves' order (the nodes' addresses), and hit density's ghosts and
-        GDSF's inflation remember the order they are forgotten in."""
+        its victims when it returns, in its set of leaves' order (the nodes' addresses), and hit density's ghosts remember
+        the order they are forgotten in (the oldest leave the ghost window first)."""
         if not self._dropped:
             return
         dropped = []
