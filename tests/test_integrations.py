@@ -185,10 +185,11 @@ def test_an_event_the_directory_refuses_is_counted_not_raised():
     assert ing.counts["malformed_events"] == 1 and ing.refused["malformed_event"] == 1 and d.match_prefix("acme", list(HASHER.hash_blocks(PROMPT[:B]))) == 1
 
 
-def test_a_directory_that_raises_is_a_counted_directory_error_and_ingestion_goes_on():
+def test_a_directory_that_raises_is_a_counted_directory_error_and_ingestion_goes_on(caplog):
     """A third-party directory (or a client library) that raises something kvpolicy does not know — an OSError, a
     driver's own exception — is counted as a directory error, the event dropped, and the next event still applies:
     ingest() never raises."""
+    import logging
 
     class Flaky(InMemoryDirectory):
         fail = 1
@@ -202,9 +203,10 @@ def test_a_directory_that_raises_is_a_counted_directory_error_and_ingestion_goes
     d = Flaky()
     ing = ingestor(d)
     ev, _ = stored(PROMPT[:B])
-    assert ing.ingest(encode_batch(1.0, [ev])) == 0
+    with caplog.at_level(logging.ERROR, logger="kvpolicy.events"):
+        assert ing.ingest(encode_batch(1.0, [ev, ev])) == 1, "the event after the failed one, in the same batch, applies"
     assert ing.refused["directory_error"] == 1 and ing.counts["malformed_events"] == 0
-    assert ing.ingest(encode_batch(2.0, [ev])) == 1
+    assert "OSError: connection reset by peer" in caplog.text, "counted and said, not silent"
     assert d.match_prefix("acme", list(HASHER.hash_blocks(PROMPT[:B]))) == 1
 
 
