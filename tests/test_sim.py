@@ -351,7 +351,7 @@ def test_interference_is_charged_to_the_receiving_replica(trace, prepared):
 
 def test_background_publishes_leave_loads_alone(trace, prepared):
     fair = run(prepared, cluster(trace), "vllm-like")
-    bg = run(prepared, cluster(trace, publish_priority="background"), "vllm-like")
+    bg = run(prepared, cluster(trace, publish_priority="background", stage_bytes_per_s=2e9), "vllm-like")
     check_conservation(bg, trace)
     assert bg.bytes_written > 0
     with pytest.raises(ConfigError, match="publish_priority"):

@@ -6,6 +6,7 @@ import attrs
 import numpy as np
 import pytest
 
+from kvpolicy.errors import ConfigError
 from kvpolicy.profile import PrefillModel
 from kvpolicy.sim import Degrade, Prepared, Simulator, default_cluster, policy_set
 from kvpolicy.sim.network import FlowNetwork
@@ -538,3 +539,29 @@ def test_a_plain_load_that_ends_before_compute_queues_whole_and_pays_the_fixed_t
     assert res.ttft_s[3] == pytest.approx(want, abs=5e-6)  # µs of interference debt aside
     load = res.ledger.to_dict()["distributions"]["remote_hit"]["load_s"]
     assert load["max"] == pytest.approx(end - t0, rel=1e-6)
+
+
+@pytest.mark.parametrize("priority", ["fair", "background"])
+def test_a_write_back_shares_the_staging_copy_with_a_load_unless_it_is_background(priority):
+    """Reads and writes meet only on the replica's staging copy through CPU memory (a full-duplex NIC carries them
+    apart). Replica 1 is still writing r1's 36 new blocks through a slow staging copy when r3 loads r0's 4 blocks
+    there: in the same class the load gets half of the copy for its whole transfer (the write has more left than the
+    load moves); as background the write waits and the load runs alone, exactly as with no write at all."""
+    stage = 1e7  # bytes/s: the slowest link, so the load's time is its bytes over its share of it
+    tr = tiny([[1, 2, 3, 4], list(range(100, 136)), [50], [1, 2, 3, 4]], [0.0, 100.0, 100.4, 100.5])
+    c = cluster(tr, stage_bytes_per_s=stage, publish_priority=priority)
+    _, res = simulate(tr, c)
+    assert list(res.routes) == [0, 1, 0, 1] and res.loads == 1
+    T, k = 4 * B + 1, 4
+    share = stage / 2 if priority == "fair" else stage
+    want = (c.lookup_s + c.transfer_overhead_s + k * BLOCK_BYTES / share + c.install_s_per_block * k + c.dispatch_s
+            + P.a_s + P.b_s_per_token * (T - k * B) + c.interference_s_per_byte * k * BLOCK_BYTES)
+    assert res.ttft_s[3] == pytest.approx(want, rel=1e-9)
+    assert res.bytes_written == (4 + 36 + 1) * BLOCK_BYTES
+
+
+def test_background_publishing_without_a_staging_copy_is_refused_as_a_setting_that_changes_nothing():
+    tr = tiny(*SAME)
+    with pytest.raises(ConfigError, match="publish_priority.*stage_bytes_per_s"):
+        cluster(tr, publish_priority="background")
+    assert cluster(tr, publish_priority="background", stage_bytes_per_s=1e9).publish_priority == "background"

@@ -61,8 +61,10 @@ class ClusterConfig:
     #: a new replica counts as warming for at most this long (or until its warmup plan says it is ready)
     warmup_window_s: float = attrs.field(default=60.0, validator=_pos)
     #: how publishes share links with loads: "fair" (default: what engines do — their background
-    #: writes are ordinary TCP/RDMA flows that share the NIC) or "background" (a lower class that
-    #: only uses what loads leave, as with a QoS/traffic class for write-back)
+    #: writes are ordinary flows that share the links) or "background" (a lower class that only uses
+    #: what loads leave, as with a QoS/traffic class for write-back). Reads and writes meet only on the
+    #: staging copy through CPU memory (``stage_bytes_per_s``): a full-duplex NIC carries them apart. So
+    #: "background" needs ``stage_bytes_per_s``; without it the setting could change nothing, and is refused
     publish_priority: str = "fair"
     #: the replicas' real prefill over ``prefill`` (the profile, which is also the admission controller's prior):
     #: 1.0 the profile is right; 2.0 the GPUs run twice as slow as profiled (another GPU model, throttling, a noisy
@@ -80,6 +82,9 @@ class ClusterConfig:
             raise ConfigError("router", f"must be one of {ROUTERS}, got {self.router!r}")
         if self.stage_bytes_per_s is not None:
             _pos(self, attrs.fields(ClusterConfig).stage_bytes_per_s, self.stage_bytes_per_s)
+        if self.publish_priority == "background" and self.stage_bytes_per_s is None:
+            raise ConfigError("publish_priority", "'background' needs stage_bytes_per_s: without a staging copy reads and writes "
+                              "never share a link (full-duplex ports), so it would change nothing")
         if not isinstance(self.prefill, PrefillModel):
             raise ConfigError("prefill", "must be a PrefillModel (e.g. read_profile(path).prefill_model())")
 

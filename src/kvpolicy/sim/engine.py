@@ -21,13 +21,13 @@ A request's life::
 Network (:mod:`kvpolicy.sim.network`): every link has a capacity per direction —
 a storage node's egress and ingress, a replica NIC's ingress and egress, and
 optionally a replica's staging copy through CPU memory. A read is a flow over
-(node egress, replica ingress[, staging]); a write over (replica egress, node
-ingress). Concurrent flows share each link max-min fairly, recomputed whenever
+(node egress, replica ingress[, staging]); a write over ([staging,] replica
+egress, node ingress): the two directions meet only on the staging copy. Concurrent flows share each link max-min fairly, recomputed whenever
 a flow starts or ends or a degradation window opens or closes; a flow starts
 moving bytes ``transfer_overhead_s`` after it is issued. Publishes run in the
 same class as loads (``publish_priority="fair"``, what engines do: their
-background writes share the NIC like any TCP/RDMA flow) or below them
-(``"background"``). Failures are drawn from a hash of (seed, request, attempt,
+background writes are flows like any other) or below them (``"background"``,
+which only a staging copy makes mean anything). Failures are drawn from a hash of (seed, request, attempt,
 node), so every policy set sees the same failures; a failed transfer delivers a
 drawn share of its blocks intact first; a hung one delivers nothing until the
 transport or the policy gives up.
@@ -972,12 +972,13 @@ class Simulator:
             self._push(t + limit, TIMER, (req.xfer, "timeout"))
 
     def _path_flows(self, rep: _Replica, node: _Node, size_bytes: float) -> tuple[float, ...]:
-        """What a transport reports of the path: the remaining bytes of the flows on its busier
-        end (the source's egress or this replica's ingress) that a load would share with."""
+        """What a transport reports of the path: the remaining bytes of the flows on its busiest
+        link (the source's egress, this replica's ingress, or its staging copy, which write-backs share) that a load
+        would share with."""
         best: list[float] = []
         best_q = -1.0
         self.net.sync(self.clock.t)  # the flows as they stand now, not at the network's last event
-        for link in (node.out, rep.inn):
+        for link in ((node.out, rep.inn) if rep.stage is None else (node.out, rep.inn, rep.stage)):
             flows = self.net.flows_on(link, 0)  # a load is foreground: background flows (warmup, background writes) never delay it
             q = sum(r if r < size_bytes else size_bytes for r in flows)
             if q > best_q:
@@ -1417,7 +1418,8 @@ class Simulator:
         for node, todo in batches.items():
             nbytes = len(todo) * self.block_bytes
             writing.update(todo)
-            f = self.net.start(t, (rep.out, node.inn), nbytes, priority=self.write_priority, latency_s=c.transfer_overhead_s,
+            path = (rep.out, node.inn) if rep.stage is None else (rep.stage, rep.out, node.inn)  # the staging copy carries both directions
+            f = self.net.start(t, path, nbytes, priority=self.write_priority, latency_s=c.transfer_overhead_s,
                                payload=(node, todo, keys, cls), on_done=self._write_flow_end)
             self._push(t + c.transport_timeout_s, TIMER, (f, "write"))  # a write still moving then never lands
         self._net_changed()
