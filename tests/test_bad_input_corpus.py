@@ -41,7 +41,7 @@ KIND = {
     "dtype": "name", "host": "name", "model": "name", "model_name": "name", "openai_url": "name", "api_key_env": "name", "cache_salt": "name",
     "lora_name": "name", "lora_path": "name", "secret_hex": "name", "request": "name", "policies": "name", "strategies": "name", "controller_scope": "name",
     "endpoint": "name", "replay_endpoint": "name", "topic": "name", "directory": "name", "tenant": "name", "holder": "name", "verify": "name",
-    "verify_hash_seed": "name", "on_gap": "name",
+    "verify_hash_seed": "name", "on_gap": "name", "gguf": "gguf", "cache_type_k": "name", "cache_type_v": "name",
 }
 
 
@@ -178,7 +178,7 @@ def cases():
                 continue
             kind = KIND.get(a.dest)
             out.append(pytest.param(cmd, a.dest, "kind", kind, id=f"{cmd} {label} kind"))
-            if kind in ("trace", "tokens", "profile", "json-in", "text-in", "config"):
+            if kind in ("trace", "tokens", "profile", "json-in", "text-in", "config", "gguf"):
                 for bad in ("directory", "binary", "missing"):
                     out.append(pytest.param(cmd, a.dest, "file", bad, id=f"{cmd} {label}={bad}"))
             if kind in ("tokens", "json-in", "config"):
@@ -243,6 +243,8 @@ def test_bad_input_is_one_line_naming_it_exit_2(cmd, dest, what, value, files, c
     if what == "file":
         path = {"directory": files["dir"], "binary": files["binary"], "missing": files["dir"] / "no-such-file", "nested": files["nested"]}[value]
         names = [str(path), path.name, label]
+        if KIND.get(dest) == "gguf" and cmd == "size":
+            argv = []  # --gguf stands instead of the base's --config
         _check(*_run(cmd, _set(argv, a, str(path)), capsys), names)
         return
     if what == "trace":

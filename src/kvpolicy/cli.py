@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .errors import ConfigError, KVPolicyError
+from .gguf import KV_CACHE_TYPES
 from ._io import json_loads, read_text, strict_json, write_text_atomic
 
 DEFAULT_PREFIXES = (4096, 16384, 32768, 65536)
@@ -131,26 +132,46 @@ def _cmd_size(args: argparse.Namespace) -> int:
     from .geometry import KVGeometry, useful_tokens
     from .profile import read_profile
 
-    path = resolve_config(args.config)
-    if not path.exists():
-        raise ConfigError("--config", f"no such file {args.config!r}; bundled configs: {sorted(bundled_configs())}")
-    geom = KVGeometry.from_hf_config(path, kv_dtype=args.kv_dtype)
-    bpt = geom.bytes_per_token
+    if (args.config is None) == (args.gguf is None):
+        raise ConfigError("--config", "give exactly one of --config (an HF config.json) or --gguf (a GGUF model file)")
     B = args.block_size
-    payload: dict[str, Any] = {
-        "config": str(args.config),
-        "geometry": {
-            "kind": geom.kind,
-            "num_layers": geom.num_layers,
-            "num_kv_heads": geom.num_kv_heads,
-            "head_dim": geom.head_dim,
-            "mla_latent_dim": geom.mla_latent_dim,
-            "bytes_per_element": geom.bytes_per_element,
-        },
-        "bytes_per_token": bpt,
-        "block_size_tokens": B,
-        "prefixes": [],
-    }
+    if args.gguf is not None:
+        from .gguf import GGUFModel
+
+        if args.kv_dtype is not None:
+            raise ConfigError("--kv-dtype", "is for --config; a GGUF's cache types are --cache-type-k / --cache-type-v")
+        m = GGUFModel.read(args.gguf)
+        bpt = m.bytes_per_token(args.cache_type_k, args.cache_type_v)
+        kv = sorted(set(m.num_kv_heads))
+        payload: dict[str, Any] = {
+            "config": str(args.gguf),
+            "geometry": {"kind": "gguf", "architecture": m.architecture, "name": m.name, "num_layers": m.num_layers,
+                         "num_kv_heads": kv[0] if len(kv) == 1 else list(m.num_kv_heads), "key_length": m.key_length,
+                         "value_length": m.value_length, "type_k": args.cache_type_k, "type_v": args.cache_type_v},
+            "bytes_per_token": bpt, "block_size_tokens": B, "prefixes": [],
+        }
+    else:
+        if args.cache_type_k != "f16" or args.cache_type_v != "f16":
+            raise ConfigError("--cache-type-k", "is for --gguf; an HF config's KV format is --kv-dtype")
+        path = resolve_config(args.config)
+        if not path.exists():
+            raise ConfigError("--config", f"no such file {args.config!r}; bundled configs: {sorted(bundled_configs())}")
+        geom = KVGeometry.from_hf_config(path, kv_dtype=args.kv_dtype)
+        bpt = geom.bytes_per_token
+        payload = {
+            "config": str(args.config),
+            "geometry": {
+                "kind": geom.kind,
+                "num_layers": geom.num_layers,
+                "num_kv_heads": geom.num_kv_heads,
+                "head_dim": geom.head_dim,
+                "mla_latent_dim": geom.mla_latent_dim,
+                "bytes_per_element": geom.bytes_per_element,
+            },
+            "bytes_per_token": bpt,
+            "block_size_tokens": B,
+            "prefixes": [],
+        }
     prefill = None
     if args.profile:
         prof = read_profile(args.profile)
@@ -176,7 +197,10 @@ def _cmd_size(args: argparse.Namespace) -> int:
 
 def _render_size(p: dict[str, Any]) -> str:
     g = p["geometry"]
-    if g["kind"] == "mla":
+    if g["kind"] == "gguf":
+        formula = (f"sum over L={g['num_layers']} layers of K row (Hkv={g['num_kv_heads']} x {g['key_length']} {g['type_k']}) "
+                   f"+ V row (Hkv x {g['value_length']} {g['type_v']})  ({g['architecture']}, llama.cpp cache)")
+    elif g["kind"] == "mla":
         formula = f"L={g['num_layers']} x latent={g['mla_latent_dim']} x q={g['bytes_per_element']}  (MLA)"
     else:
         formula = f"2 x L={g['num_layers']} x Hkv={g['num_kv_heads']} x D={g['head_dim']} x q={g['bytes_per_element']}"
@@ -905,6 +929,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     prog = Progress("profile", enabled=None if not args.no_progress else False)
     if args.openai_url:
         return _profile_openai(args, prog)
+    if args.gguf:
+        return _profile_llamacpp(args, prog)
     if args.model or args.config or args.bytes_per_token:
         raise ConfigError("--model", "--model/--config/--bytes-per-token go with --openai-url (the reference engine is configured by --layers/--heads/...)")
     cfg = ModelConfig(num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype)
@@ -947,6 +973,31 @@ def _finish_profile(args: argparse.Namespace, prog: Any, prof: Any, report: dict
     if args.plot:
         print("plots            " + ", ".join(report["plots"]))
     return 0
+
+
+def _profile_llamacpp(args: argparse.Namespace, prog: Any) -> int:
+    from .integrations.llamacpp import LlamaCppProfileTarget
+    from .reference.profiling import run_profile
+
+    if args.model or args.config or args.bytes_per_token:
+        raise ConfigError("--gguf", "the GGUF gives the model and its KV bytes: drop --model/--config/--bytes-per-token")
+    for L in args.lengths:
+        if L % args.block_size:
+            raise ConfigError("--lengths", f"{L} is not a multiple of the block size {args.block_size}")
+    prog("loading the model and publishing the longest prefix")
+    target = LlamaCppProfileTarget(args.gguf, block_size_tokens=args.block_size, max_prefix_tokens=max(args.lengths),
+                                   max_tail_tokens=args.tail_tokens, seed=args.seed, n_threads=args.threads)
+    try:
+        prof, report = run_profile(target, args.lengths, args.concurrency, repeats=args.repeats, tail_tokens=args.tail_tokens, progress=prog,
+                                   expected_bytes_per_token=target.model.bytes_per_token())
+    finally:
+        target.close()
+    m = target.model
+    report["engine"] = {"model": f"{m.name} ({m.architecture}, llama.cpp via llama-cpp-python)", "gguf": str(args.gguf),
+                        "block_size_tokens": args.block_size, "threads": args.threads,
+                        "transport": "TCP loopback to a block server in this process"}
+    e = report["engine"]
+    return _finish_profile(args, prog, prof, report, f"{e['model']}, {args.threads} threads, {args.block_size}-token blocks; remote = {e['transport']}")
 
 
 def _profile_openai(args: argparse.Namespace, prog: Any) -> int:
@@ -1036,7 +1087,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     s = sub.add_parser("size", help="KV bytes per token and per prefix from a model config (and a measured profile)")
-    s.add_argument("--config", required=True, help=f"HF config.json path, or a bundled name: {', '.join(sorted(bundled_configs()))}")
+    s.add_argument("--config", default=None, help=f"HF config.json path, or a bundled name: {', '.join(sorted(bundled_configs()))}")
+    s.add_argument("--gguf", default=None, help="a GGUF model file (llama.cpp): the geometry from its metadata, tensors not read")
+    s.add_argument("--cache-type-k", choices=sorted(KV_CACHE_TYPES), default="f16", help="llama.cpp's K cache type (--gguf; default f16)")
+    s.add_argument("--cache-type-v", choices=sorted(KV_CACHE_TYPES), default="f16", help="llama.cpp's V cache type (--gguf; default f16)")
     s.add_argument("--kv-dtype", default=None, help="KV element format override (fp8, bf16, fp16, fp32); default: the config's torch_dtype")
     s.add_argument("--block-size", type=_positive_int, default=16, help="block size in tokens (default 16)")
     s.add_argument("--prefix-tokens", type=_int_list, default=list(DEFAULT_PREFIXES), help="comma-separated prefix lengths (default 4096,16384,32768,65536)")
@@ -1250,6 +1304,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", action="store_true", help="print the report as JSON")
     pr.add_argument("--plot", default=None, metavar="DIR")
     pr.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a progress bar on a terminal, one line per finished unit elsewhere)")
+    pr.add_argument("--gguf", default=None, metavar="FILE", help="profile llama.cpp (llama-cpp-python) running this GGUF model in-process instead")
+    pr.add_argument("--threads", type=_positive_int, default=2, help="with --gguf: llama.cpp threads per context (default 2)")
     pr.add_argument("--openai-url", default=None, metavar="URL", help="profile an OpenAI-compatible server (vLLM, SGLang, TGI, kvpolicy serve-reference) instead")
     pr.add_argument("--model", default=None, help="with --openai-url: the served model's name")
     pr.add_argument("--config", default=None, help="with --openai-url: model config for KV bytes when the server's /metrics does not give them")

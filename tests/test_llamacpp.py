@@ -1,0 +1,489 @@
+"""llama.cpp replicas sharing prefix KV through kvpolicy (issue #46).
+
+The codec and the GGUF reader are tested on data made here. The real-engine tests run SmolLM2-135M in
+llama-cpp-python: point ``KVPOLICY_GGUF`` at its ``.gguf`` (``.ci/run`` builds llama-cpp-python and fetches the
+model; ``KVPOLICY_REQUIRE_LLAMACPP=1`` there turns a missing engine or model into a failure, not a skip)."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpolicy.cli import main
+from kvpolicy.errors import ConfigError
+from kvpolicy.gguf import GGUFModel, read_metadata, row_bytes
+from kvpolicy.integrations.llamacpp import (
+    STATE_MAGIC,
+    StateFormatError,
+    StateLayout,
+    block_payloads,
+    build_seq_state,
+    parse_seq_state,
+)
+
+from helpers import SECRET
+
+# ------------------------------------------------------------------------------------------------ a GGUF made here
+
+
+def _gguf_str(s: str) -> bytes:
+    b = s.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+def write_gguf(path, meta: dict, *, version: int = 3, magic: bytes = b"GGUF") -> None:
+    """A GGUF file of metadata only (no tensors): ints as u32, floats as f32, strings, lists of u32 or strings."""
+    out = [magic, struct.pack("<IQQ", version, 0, len(meta))]
+    for k, v in meta.items():
+        out.append(_gguf_str(k))
+        if isinstance(v, str):
+            out.append(struct.pack("<I", 8) + _gguf_str(v))
+        elif isinstance(v, float):
+            out.append(struct.pack("<If", 6, v))
+        elif isinstance(v, int):
+            out.append(struct.pack("<II", 4, v))
+        elif isinstance(v, list) and all(isinstance(x, str) for x in v):
+            out.append(struct.pack("<IIQ", 9, 8, len(v)) + b"".join(_gguf_str(x) for x in v))
+        else:
+            out.append(struct.pack("<IIQ", 9, 4, len(v)) + struct.pack(f"<{len(v)}I", *v))
+    path.write_bytes(b"".join(out))
+
+
+LLAMA_META = {"general.architecture": "llama", "general.name": "tiny", "llama.block_count": 4, "llama.embedding_length": 256,
+              "llama.attention.head_count": 8, "llama.attention.head_count_kv": 2, "llama.rope.freq_base": 10000.0,
+              "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "c"]}
+
+
+def test_a_gguf_gives_the_caches_bytes_per_token_exactly_in_every_cache_type(tmp_path):
+    f = tmp_path / "m.gguf"
+    write_gguf(f, LLAMA_META)
+    m = GGUFModel.read(f)
+    assert (m.architecture, m.num_layers, m.num_kv_heads, m.key_length, m.value_length) == ("llama", 4, (2, 2, 2, 2), 32, 32)
+    assert m.bytes_per_token() == 4 * 2 * (2 * 32) * 2  # layers x (K + V) x row of 64 f16
+    assert m.bytes_per_token("q8_0", "q8_0") == 4 * 2 * (64 // 32 * 34)  # 34 bytes per 32 elements, not rounded up
+    assert m.bytes_per_token("f32", "q4_0") == 4 * (64 * 4 + 64 // 32 * 18)
+    assert row_bytes("q5_1", 64) == 48 and row_bytes("bf16", 3) == 6
+    with pytest.raises(ConfigError, match="q8_0 stores blocks of 32"):
+        row_bytes("q8_0", 48)
+    # one value per layer (GGUF stores either form) — a model whose layers hold different KV heads
+    write_gguf(f, {**LLAMA_META, "llama.attention.head_count_kv": [2, 2, 1, 4]})
+    assert GGUFModel.read(f).bytes_per_token() == (2 + 2 + 1 + 4) * 32 * 2 * 2
+    write_gguf(f, {**LLAMA_META, "llama.attention.head_count_kv": [2, 2]})
+    with pytest.raises(ConfigError, match="llama.attention.head_count_kv.*2 values for 4 layers"):
+        GGUFModel.read(f)
+
+
+def test_the_namespace_changes_with_the_file_the_tokenizer_the_cache_types_and_the_block_size(tmp_path):
+    f, g = tmp_path / "m.gguf", tmp_path / "n.gguf"
+    write_gguf(f, LLAMA_META)
+    write_gguf(g, {**LLAMA_META, "tokenizer.ggml.tokens": ["a", "b", "d"]})
+    m, n = GGUFModel.read(f), GGUFModel.read(g)
+    base = m.namespace(16).digest
+    assert m.namespace(16).digest == base  # deterministic
+    assert m.namespace(16).model_revision == m.file_digest()
+    assert m.namespace(32).digest != base
+    assert m.namespace(16, type_k="q8_0", type_v="q8_0").digest != base
+    assert m.namespace(16, type_k="q4_0", type_v="q4_0").digest != m.namespace(16, type_k="q8_0", type_v="q8_0").digest
+    assert n.namespace(16).digest != base  # another tokenizer
+    assert m.namespace(16, file_digest="another file").digest != base
+    with pytest.raises(ConfigError, match="type_k"):
+        m.namespace(16, type_k="q3_k")
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda b: b"GGUX" + b[4:], "not a GGUF file"),
+    (lambda b: b[:4] + struct.pack("<I", 7) + b[8:], "gguf.version"),
+    (lambda b: b[: len(b) // 2], "truncated"),
+    (lambda b: b[:16] + struct.pack("<Q", 2**60) + b[24:], "gguf.kv_count"),
+])
+def test_a_corrupt_gguf_is_refused_naming_what_is_wrong(tmp_path, mutate, field):
+    f = tmp_path / "m.gguf"
+    write_gguf(f, LLAMA_META)
+    f.write_bytes(mutate(f.read_bytes()))
+    with pytest.raises(ConfigError, match=field):
+        read_metadata(f)
+
+
+def test_an_array_claiming_more_elements_than_the_file_holds_is_refused_before_allocating(tmp_path):
+    f = tmp_path / "m.gguf"
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _gguf_str("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 2**62)
+    f.write_bytes(head + b"\0" * 64)
+    with pytest.raises(ConfigError, match="tokenizer.ggml.tokens.*array of"):
+        read_metadata(f)
+    write_gguf(f, {k: v for k, v in LLAMA_META.items() if k != "llama.block_count"})
+    with pytest.raises(ConfigError, match="llama.block_count"):
+        GGUFModel.read(f)
+
+
+def test_size_reads_a_gguf(tmp_path, capsys):
+    f = tmp_path / "m.gguf"
+    write_gguf(f, LLAMA_META)
+    assert main(["size", "--gguf", str(f), "--cache-type-k", "q8_0", "--cache-type-v", "q8_0", "--prefix-tokens", "100", "--block-size", "16", "--json"]) == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    assert out["bytes_per_token"] == 4 * 2 * 68
+    assert out["prefixes"][0] == {"prefix_tokens": 100, "useful_tokens": 96, "kv_bytes": 54400, "load_bytes": 52224}
+    assert main(["size", "--gguf", str(f), "--config", "llama-3-8b"]) == 2
+    assert "exactly one of --config" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ the state codec
+
+
+def _state_blob(layout: StateLayout, positions, k, v, *, magic=STATE_MAGIC) -> bytes:
+    """A llama.cpp sequence export, written the way llama_kv_cache::state_write does (one stream)."""
+    n = len(positions)
+    parts = [struct.pack("<IiII", magic, 0, 1, n)]
+    parts += [struct.pack("<iIi", int(p), 1, 0) for p in positions]
+    parts.append(struct.pack("<II", int(layout.v_trans), layout.num_layers))
+    for t, row, a in zip(layout.k_types, layout.k_row_bytes, k):
+        parts += [struct.pack("<iQ", t, row), a.tobytes()]
+    for i, (t, row, a) in enumerate(zip(layout.v_types, layout.v_row_bytes, v)):
+        if layout.v_trans:
+            el, ne = layout.v_elem_bytes[i], layout.v_elems[i]
+            parts += [struct.pack("<iII", t, el, ne), a.reshape(n, ne, el).transpose(1, 0, 2).tobytes()]
+        else:
+            parts += [struct.pack("<iQ", t, row), a.tobytes()]
+    return b"".join(parts)
+
+
+@st.composite
+def states(draw):
+    layers = draw(st.integers(1, 3))
+    v_trans = draw(st.booleans())
+    el = 2
+    k_rows = tuple(draw(st.sampled_from([4, 6, 8])) for _ in range(layers))
+    v_elems = tuple(draw(st.sampled_from([2, 3, 4])) for _ in range(layers))
+    layout = StateLayout((1,) * layers, k_rows, (1,) * layers, tuple(e * el for e in v_elems), v_trans,
+                         (el,) * layers if v_trans else (), v_elems if v_trans else ())
+    B = draw(st.integers(1, 4))
+    n_blocks = draw(st.integers(1, 4))
+    n = B * n_blocks + draw(st.integers(0, B - 1))  # a partial block at the end, as a prompt leaves
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    k = [rng.integers(0, 256, (n, r), dtype=np.uint8) for r in k_rows]
+    v = [rng.integers(0, 256, (n, r), dtype=np.uint8) for r in layout.v_row_bytes]
+    order = draw(st.permutations(list(range(n))))  # the cells as they sit in the cache: any order of positions
+    return layout, B, n_blocks, n, k, v, order
+
+
+@settings(max_examples=60, deadline=None)
+@given(states())
+def test_blocks_cut_from_an_export_rebuild_the_same_cells_in_position_order(s):
+    layout, B, n_blocks, n, k, v, order = s
+    blob = _state_blob(layout, order, [a[order] for a in k], [a[order] for a in v])
+    parsed = parse_seq_state(blob)
+    assert parsed.layout == layout and np.array_equal(parsed.positions, np.arange(n))
+    for got, want in zip(parsed.k + parsed.v, k + v):
+        assert np.array_equal(got, want)  # sorted back by position, V un-transposed
+    blocks = block_payloads(parsed, n_blocks, B)
+    assert len(blocks) == n_blocks and {len(b) for b in blocks} == {B * layout.bytes_per_token}
+    # a block is its B cells of every layer's K rows, then of every layer's V rows
+    b = n_blocks - 1
+    cut = slice(b * B, (b + 1) * B)
+    assert blocks[b] == b"".join([a[cut].tobytes() for a in k] + [a[cut].tobytes() for a in v])
+    rebuilt = parse_seq_state(build_seq_state(layout, blocks, B))
+    m = n_blocks * B
+    assert np.array_equal(rebuilt.positions, np.arange(m))
+    for got, want in zip(rebuilt.k + rebuilt.v, k + v):
+        assert np.array_equal(got, want[:m])
+    # and the rebuilt state is byte for byte what llama.cpp writes for those cells in order
+    assert build_seq_state(layout, blocks, B) == _state_blob(layout, list(range(m)), [a[:m] for a in k], [a[:m] for a in v])
+
+
+def test_blocks_are_never_cut_from_a_context_missing_a_position():
+    layout = StateLayout((1,), (4,), (1,), (4,), False)
+    k = [np.zeros((8, 4), np.uint8)]
+    parsed = parse_seq_state(_state_blob(layout, [0, 1, 2, 3, 5, 6, 7, 8], k, k))
+    assert len(block_payloads(parsed, 1, 4)) == 1
+    with pytest.raises(StateFormatError, match="positions 0…7"):
+        block_payloads(parsed, 2, 4)
+
+
+@pytest.mark.parametrize("mutate, what", [
+    (lambda b: struct.pack("<I", 0x12345678) + b[4:], "magic"),
+    (lambda b: b[:-1], "runs past the end"),
+    (lambda b: b + b"\0", "left over"),
+    (lambda b: b[:8] + struct.pack("<I", 2) + b[12:], "runs past the end|several streams"),
+    (lambda b: b[:16] + struct.pack("<iIi", 0, 2, 0) + b[28:], "several sequences"),
+])
+def test_a_state_this_codec_does_not_read_is_refused(mutate, what):
+    layout = StateLayout((1,), (4,), (1,), (4,), False)
+    k = [np.zeros((4, 4), np.uint8)]
+    with pytest.raises(StateFormatError, match=what):
+        parse_seq_state(mutate(_state_blob(layout, [0, 1, 2, 3], k, k)))
+
+
+# ------------------------------------------------------------------------------------------------ the real engine
+
+
+def _engine():
+    path = os.environ.get("KVPOLICY_GGUF")
+    required = bool(os.environ.get("KVPOLICY_REQUIRE_LLAMACPP"))
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        if required:
+            pytest.fail("KVPOLICY_REQUIRE_LLAMACPP is set but llama-cpp-python is not installed")
+        pytest.skip("llama-cpp-python is not installed (.ci/run builds it)")
+    if not path or not os.path.exists(path):
+        if required:
+            pytest.fail(f"KVPOLICY_REQUIRE_LLAMACPP is set but KVPOLICY_GGUF={path!r} is not a file")
+        pytest.skip("KVPOLICY_GGUF does not name the SmolLM2-135M GGUF (.ci/run fetches it)")
+    return path
+
+
+B = 16
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    return _engine()
+
+
+@pytest.fixture(scope="module")
+def model(gguf_path):
+    return GGUFModel.read(gguf_path)
+
+
+@pytest.fixture(scope="module")
+def namespace(model):
+    return model.namespace(B)
+
+
+def new_llama(path):
+    from llama_cpp import Llama
+
+    return Llama(model_path=path, n_ctx=1024, n_threads=2, n_batch=256, verbose=False)
+
+
+@pytest.fixture(scope="module")
+def llamas(gguf_path):
+    return [new_llama(gguf_path) for _ in range(3)]
+
+
+@pytest.fixture
+def server(namespace, model):
+    from kvpolicy.reference.transport import BlockServer, BlockStore
+
+    srv = BlockServer(BlockStore(namespace.digest, B * model.bytes_per_token()), secret=SECRET)
+    yield srv
+    srv.close()
+
+
+def client(server, namespace, model, name="store"):
+    from kvpolicy.reference.transport import PeerClient
+
+    return PeerClient(server.address, namespace.digest, secret=SECRET, block_bytes=B * model.bytes_per_token(), name=name)
+
+
+def replica(llm, model, namespace, *, store=None, **kw):
+    from kvpolicy.integrations.llamacpp import LlamaCppReplica
+
+    llm.reset()
+    return LlamaCppReplica(llm, model, block_size_tokens=B, secret=SECRET if store is not None else kw.pop("secret", None), store=store,
+                           file_digest=namespace.model_revision, **kw)
+
+
+def prompt(llm, n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(100, 40000, n)]
+
+
+def cold_logits(llm, tokens):
+    llm.reset()
+    llm.eval(tokens)
+    from llama_cpp import llama_get_logits_ith
+
+    return np.ctypeslib.as_array(llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),)).copy()
+
+
+def test_the_gguf_prices_exactly_the_state_llama_cpp_exports(llamas, model, namespace):
+    """kvpolicy size --gguf's bytes per token against the engine's own export: the state of n cells is
+    8 (magic, seq) + 8 (streams, cells) + 12 per cell + 8 (v_trans, layers) + 12 per layer and direction + n x bytes per token."""
+    r = replica(llamas[0], model, namespace)
+    toks = prompt(llamas[0], 100)
+    r.prefill(toks)
+    state = r.export_state()
+    assert state.layout.bytes_per_token == model.bytes_per_token() == 23040
+    import ctypes
+
+    import llama_cpp
+
+    size = llama_cpp.llama_state_seq_get_size(llamas[0]._ctx.ctx, 0)
+    assert size == 8 + 8 + 12 * 100 + 8 + 12 * 2 * model.num_layers + 100 * model.bytes_per_token()
+    assert ctypes.sizeof(ctypes.c_uint8 * size) == size
+
+
+@pytest.mark.parametrize("n_tokens", [17, 50, 64, 65, 150])  # 1, 3, 3 (the last token is computed), 4 and 9 blocks
+def test_a_remote_load_gives_exactly_the_logits_of_a_cold_prefill(llamas, model, namespace, server, n_tokens):
+    toks = prompt(llamas[0], n_tokens, seed=n_tokens)
+    pub = replica(llamas[0], model, namespace, store=client(server, namespace, model))
+    first = pub.prefill(toks)
+    assert first.local_blocks == first.loaded_blocks == 0
+    assert pub.counts["published_blocks"] == n_tokens // B
+    loader = replica(llamas[1], model, namespace, store=client(server, namespace, model))
+    tail = prompt(llamas[0], 7, seed=99)
+    got = loader.prefill(toks + tail)
+    matchable = min((n_tokens + 7 - 1) // B, n_tokens // B)
+    assert (got.local_blocks, got.remote_found, got.loaded_blocks, got.load_status) == (0, matchable, matchable, "ok")
+    assert got.computed_tokens == n_tokens + 7 - matchable * B
+    want = cold_logits(llamas[2], toks + tail)
+    assert np.abs(got.logits - want).max() == 0.0  # not close: the same numbers
+
+
+def test_a_load_behind_local_blocks_keeps_them_and_adds_the_fetched_ones(llamas, model, namespace, server):
+    toks = prompt(llamas[0], 130, seed=5)
+    pub = replica(llamas[0], model, namespace, store=client(server, namespace, model))
+    pub.prefill(toks)  # publishes 8 blocks
+    loader = replica(llamas[1], model, namespace, store=client(server, namespace, model), publish_filter=_Never())
+    loader.prefill(toks[:40] + prompt(llamas[0], 5, seed=1))  # the loader's context holds 2 blocks of it
+    got = loader.prefill(toks + [7, 8, 9])
+    assert (got.local_blocks, got.loaded_blocks, got.load_status) == (2, 6, "ok")
+    assert np.abs(got.logits - cold_logits(llamas[2], toks + [7, 8, 9])).max() == 0.0
+    again = loader.prefill(toks + [7, 8, 10])  # now all 8 are the context's own
+    assert (again.local_blocks, again.remote_found, again.loaded_blocks) == (8, 0, 0)
+    assert np.abs(again.logits - cold_logits(llamas[2], toks + [7, 8, 10])).max() == 0.0
+
+
+class _Never:
+    def observe(self, request, keys):
+        pass
+
+    def publishable(self, request, keys):
+        return 0
+
+
+def test_a_block_forged_in_flight_is_refused_and_the_request_recomputes(llamas, model, namespace, server):
+    toks = prompt(llamas[0], 96, seed=7)
+    replica(llamas[0], model, namespace, store=client(server, namespace, model)).prefill(toks)
+    server.faults.corrupt = True  # one byte of the first block flipped after its MAC was made
+    loader = replica(llamas[1], model, namespace, store=client(server, namespace, model))
+    got = loader.prefill(toks + [11])
+    assert (got.remote_found, got.loaded_blocks, got.load_status) == (6, 0, "failed")
+    assert loader.counts["corrupt_refused"] == 1
+    assert np.abs(got.logits - cold_logits(llamas[2], toks + [11])).max() == 0.0
+
+
+class _Truncating:
+    """A store whose blocks arrive one byte short (a buggy or hostile server past the transport's size check)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name, self.block_bytes, self.namespace_digest = inner.name, inner.block_bytes, inner.namespace_digest
+
+    def match_prefix(self, keys):
+        return self.inner.match_prefix(keys)
+
+    def fetch(self, keys, timeout_s):
+        res = self.inner.fetch(keys, timeout_s)
+        return attrs.evolve(res, payloads=tuple(p[:-1] for p in res.payloads))
+
+    def put(self, keys, payloads, timeout_s):
+        return self.inner.put(keys, payloads, timeout_s)
+
+
+def test_a_truncated_block_is_refused_and_the_request_recomputes(llamas, model, namespace, server):
+    toks = prompt(llamas[0], 80, seed=8)
+    replica(llamas[0], model, namespace, store=client(server, namespace, model)).prefill(toks)
+    loader = replica(llamas[1], model, namespace, store=_Truncating(client(server, namespace, model)))
+    got = loader.prefill(toks + [3])
+    assert (got.loaded_blocks, got.load_status, loader.counts["corrupt_refused"]) == (0, "failed", 1)
+    assert np.abs(got.logits - cold_logits(llamas[2], toks + [3])).max() == 0.0
+
+
+def test_blocks_of_another_namespace_are_never_matched(llamas, model, namespace, server):
+    """Another tenant's replica (another namespace digest, so other keys) asks the same server: the server answers
+    only its own namespace, the replica finds nothing and computes."""
+    from kvpolicy.reference.transport import PeerClient
+
+    toks = prompt(llamas[0], 64, seed=9)
+    replica(llamas[0], model, namespace, store=client(server, namespace, model)).prefill(toks)
+    other = model.namespace(B, tenant="other", file_digest=namespace.model_revision)
+    c = PeerClient(server.address, other.digest, secret=SECRET, block_bytes=B * model.bytes_per_token())
+    r = replica(llamas[1], model, namespace, store=c, tenant="other")
+    got = r.prefill(toks + [5])
+    assert (got.remote_found, got.loaded_blocks) == (0, 0)
+    assert np.abs(got.logits - cold_logits(llamas[2], toks + [5])).max() == 0.0
+    with pytest.raises(ConfigError, match="another namespace"):
+        replica(llamas[1], model, namespace, store=client(server, namespace, model), tenant="other")
+
+
+def test_an_import_llama_cpp_refuses_leaves_a_recompute_from_nothing(llamas, model, namespace, server, monkeypatch):
+    """A state of another cache type (right sizes, wrong ggml type): llama.cpp refuses it and clears the sequence, so
+    even the context's own blocks are gone — the request recomputes from the first token, and the answer is right."""
+    toks = prompt(llamas[0], 80, seed=10)
+    replica(llamas[0], model, namespace, store=client(server, namespace, model)).prefill(toks)
+    loader = replica(llamas[1], model, namespace, store=client(server, namespace, model), publish_filter=_Never())
+    loader.prefill(toks[:33])  # 2 blocks of its own
+    from kvpolicy.integrations import llamacpp
+
+    build = llamacpp.build_seq_state
+    monkeypatch.setattr(llamacpp, "build_seq_state", lambda lay, *a, **k: build(attrs.evolve(lay, k_types=(8,) * lay.num_layers), *a, **k))
+    got = loader.prefill(toks + [4])
+    assert (got.local_blocks, got.loaded_blocks, loader.counts["import_refused"]) == (2, 0, 1)
+    assert got.computed_tokens == 81
+    assert np.abs(got.logits - cold_logits(llamas[2], toks + [4])).max() == 0.0
+
+
+def test_admission_decides_every_load_and_hears_how_it_ended(llamas, model, namespace, server):
+    from kvpolicy.admission import AdmissionController
+    from kvpolicy.ledger import Ledger
+    from kvpolicy.profile import PrefillModel
+
+    toks = prompt(llamas[0], 160, seed=11)
+    replica(llamas[0], model, namespace, store=client(server, namespace, model)).prefill(toks)
+    from kvpolicy.admission import LatencyModel, LinkPrior
+
+    prefill = PrefillModel(a_s=0.01, b_s_per_token=1e-3, c_s_per_token2=0.0, rms_rel_error=float("nan"), max_rel_error=float("nan"))
+    ctl = AdmissionController(LatencyModel(LinkPrior(bandwidth_bytes_per_s=1e9), prefill))
+    ledger = Ledger(bytes_per_token=model.bytes_per_token())
+    loader = replica(llamas[1], model, namespace, store=client(server, namespace, model), controller=ctl, ledger=ledger)
+    got = loader.prefill(toks + [1, 2])
+    assert got.decision is not None and got.decision.loads and got.loaded_blocks == 10
+    assert ctl.loads_in_flight() == 0  # the outcome was recorded
+    d = ledger.to_dict()
+    assert d["tokens"]["remote_hit"] == 160
+
+
+def test_sharing_needs_the_secret_and_the_stores_block_size(llamas, model, namespace, server):
+    from kvpolicy.integrations.llamacpp import LlamaCppReplica
+    from kvpolicy.reference.transport import PeerClient
+
+    with pytest.raises(ConfigError, match="secret"):
+        LlamaCppReplica(llamas[0], model, block_size_tokens=B, store=client(server, namespace, model), file_digest=namespace.model_revision)
+    bad = PeerClient(server.address, namespace.digest, secret=SECRET, block_bytes=1000)
+    with pytest.raises(ConfigError, match="store"):
+        LlamaCppReplica(llamas[0], model, block_size_tokens=B, secret=SECRET, store=bad, file_digest=namespace.model_revision)
+    r = replica(llamas[0], model, namespace)
+    for bad_tokens, msg in (([], "empty"), ([1.5, 2.0], "integer"), ([-1, 3], r"\[0, 49152\)"), ([0] * 2000, "do not fit")):
+        with pytest.raises(ConfigError, match=msg):
+            r.prefill(bad_tokens)
+
+
+def test_profile_measures_llama_cpp_in_process(gguf_path, tmp_path, capsys):
+    """kvpolicy profile --gguf: the engine's own KV bytes (the slope equals the GGUF's formula), cold and local-hit
+    prefills, and a real remote load over the authenticated transport, into a profile compare reads."""
+    out = tmp_path / "p.csv"
+    assert main(["profile", "--gguf", gguf_path, "--lengths", "64,128", "--block-size", "32", "--concurrency", "1", "--repeats", "2",
+                 "--tail-tokens", "8", "--out", str(out), "--json", "-q"]) == 0
+    import json
+
+    from kvpolicy.profile import read_profile
+
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["measured_bytes_per_token"] == pytest.approx(23040, rel=1e-9) and rep["formula_bytes_per_token"] == 23040
+    assert rep["slope_matches_formula"]
+    prof = read_profile(out)
+    assert list(prof.prefix_tokens) == [64, 128] and list(prof.kv_bytes) == [64 * 23040, 128 * 23040]
+    assert np.all(0 < prof.local_hit_ttft_ms) and np.all(prof.local_hit_ttft_ms < prof.cold_prefill_ms)  # the prefix is not recomputed
+    remote = prof.extra["remote_load_p50_ms"]
+    assert np.all(0 < remote) and np.all(remote < prof.cold_prefill_ms)  # 135M on a CPU: a load is far cheaper than recompute
+    assert main(["profile", "--gguf", gguf_path, "--lengths", "48", "--block-size", "32"]) == 2
+    assert "--lengths" in capsys.readouterr().err
