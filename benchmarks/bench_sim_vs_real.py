@@ -356,9 +356,10 @@ def replay_trace(n_requests: int, seed: int) -> Any:
                            user_tokens=(16, 160), output_tokens=(16, 160), think_time_s=4.0, rate_per_s=6.0, seed=seed), keep_tokens=True)
 
 
-def simulated(e: dict[str, Any], trace: Any, compute_scale: Any = None) -> tuple[Any, Any]:
+def simulated(e: dict[str, Any], trace: Any, compute_scale: Any = None, local_capacity_blocks: int = 4096) -> tuple[Any, Any]:
     """The simulator of (b), configured only from the figures an end-to-end record holds (the profile's fit, the link
-    measured alone, the probes); ``compute_scale`` as Simulator takes it. Returns the Simulator and its result."""
+    measured alone, the probes); ``compute_scale`` as Simulator takes it; ``local_capacity_blocks`` each replica's own
+    cache (a llama.cpp context holds one sequence: bench_real_engine gives its size). Returns the Simulator and its result."""
     import attrs
     import numpy as np
 
@@ -370,7 +371,7 @@ def simulated(e: dict[str, Any], trace: Any, compute_scale: Any = None) -> tuple
     woken = attrs.evolve(PrefillModel(**e["prefill"]), a_s=e["a_s_woken"])
     link_bw = e["link_bytes_per_s"]
     sim_trace = attrs.evolve(trace, output_tokens=np.zeros(len(trace), dtype=np.int64), tokens=None, token_offsets=None)
-    cluster = ClusterConfig(bytes_per_token=bpt, prefill=woken, replicas=int(e["replicas"]), local_capacity_bytes=4096 * B * bpt, prefill_slots=1,
+    cluster = ClusterConfig(bytes_per_token=bpt, prefill=woken, replicas=int(e["replicas"]), local_capacity_bytes=local_capacity_blocks * B * bpt, prefill_slots=1,
                             decode_tokens_per_s=1e9, storage_nodes=1, pool_capacity_bytes_per_node=10**12, node_bandwidth_bytes_per_s=link_bw,
                             replica_bandwidth_bytes_per_s=link_bw, placement_chunk_blocks=10**6, lookup_s=e["lookup_s"],
                             transfer_overhead_s=e["transfer_overhead_s"], install_s_per_block=e["install_s_per_block"], dispatch_s=e["dispatch_s"],

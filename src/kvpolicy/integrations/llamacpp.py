@@ -266,6 +266,8 @@ class LlamaCppReplica:
         self.load_timeout_s = load_timeout_s
         self.layout: StateLayout | None = None
         self.published: set[bytes] = set()
+        #: the last load or publish error (they are counted, never raised): for logs and ``stats``
+        self.last_error: str | None = None
         self.counts = {"loads_ok": 0, "loads_failed": 0, "loads_timeout": 0, "corrupt_refused": 0, "import_refused": 0,
                        "published_blocks": 0, "publish_failed": 0}
 
@@ -385,11 +387,13 @@ class LlamaCppReplica:
         reused = L + loaded
         if self.cached_tokens(toks) < reused * B:  # an import llama.cpp refused emptied the context
             reused = min(reused, self.cached_tokens(toks) // B)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         self.llm.n_tokens = reused * B  # eval drops every cell past it, then computes the rest
         self.llm.eval(toks[reused * B:].tolist())
         logits = self._logits()
         timings["prefill_s"] = time.perf_counter() - t0
+        timings["prefill_cpu_s"] = time.process_time() - c0  # every thread of this process: llama.cpp's workers too
+        timings["load_bytes"] = float(loaded * self.block_bytes)
         timings["ttft_s"] = time.perf_counter() - t_start
         if self.controller is not None:
             self.controller.model.observe_prefill(reused * B, T - reused * B, timings["prefill_s"])
@@ -431,8 +435,9 @@ class LlamaCppReplica:
             self.counts["corrupt_refused"] += 1
         except StateFormatError:
             self.counts["import_refused"] += 1
-        except Exception:  # any transport error: recompute
+        except Exception as e:  # any transport error: recompute
             self.counts["loads_failed"] += 1
+            self.last_error = f"load: {e!r}"
         finally:
             if decision is not None and decision.load_id is not None and self.controller is not None:
                 self.controller.record(LoadOutcome(decision.load_id, status, loaded, lookup_s=timings.get("lookup_s"),
@@ -459,15 +464,17 @@ class LlamaCppReplica:
         try:
             payloads = self.export_blocks(todo[-1] + 1)
             stored = self.store.put([keys[j] for j in todo], [payloads[j] for j in todo], 30.0)
-            if stored < len(todo):
+            if stored < len(todo):  # refused whole (a MAC or namespace the server does not share) or cut short
                 self.counts["publish_failed"] += 1
+                self.last_error = f"publish: the store kept {stored} of {len(todo)} blocks (another secret or namespace?)"
             done = todo[:stored] if stored == len(todo) else []
             if self.directory is not None and done:
                 from ..directory import Entry
 
                 self.directory.publish([Entry(keys[j], self.store.name, self.block_bytes, namespace_digest=self.namespace.digest) for j in done])
-        except Exception:  # a publish is best effort
+        except Exception as e:  # a publish is best effort: counted, and the last error kept for the operator
             self.counts["publish_failed"] += 1
+            self.last_error = f"publish: {e!r}"
             done = []
         self.published.update(keys[j] for j in done)
         self.counts["published_blocks"] += len(done)
