@@ -70,7 +70,7 @@ def _replica_proc(conn: Any, gguf: str, file_digest: str, mode: str, server_addr
                               transfer_overhead_s=figures["transfer_overhead_s"], install_s_per_block=figures["install_s_per_block"],
                               dispatch_s=0.0, interference_s_per_byte=0.0)
             controller = AdmissionController(LatencyModel(prior, PrefillModel(**figures["prefill"])))
-    llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=1, n_batch=512, verbose=False)
+    llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=1, n_threads_batch=1, n_batch=512, verbose=False)
     r = LlamaCppReplica(llm, model, block_size_tokens=B, secret=secret if store is not None else None, store=store, directory=directory,
                         controller=controller, replica=name, file_digest=file_digest)
     conn.send("ready")
@@ -92,7 +92,7 @@ def chat_slice(n_requests: int, seed: int, vocab: int) -> Any:
     from kvpolicy.traces import generate, preset
 
     return generate(preset("chat", n_requests=n_requests, block_size_tokens=B, vocab=vocab, system_prompt_tokens=(256, 768),
-                           user_tokens=(16, 128), output_tokens=(16, 64), think_time_s=6.0, rate_per_s=0.3, seed=seed), keep_tokens=True)
+                           user_tokens=(16, 128), output_tokens=(16, 64), think_time_s=6.0, rate_per_s=0.15, seed=seed), keep_tokens=True)
 
 
 def _free_port() -> int:

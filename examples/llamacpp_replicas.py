@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         server = BlockServer(BlockStore(ns.digest, block_bytes), secret=secret)
 
         def llama() -> Llama:
-            return Llama(model_path=args.gguf, n_ctx=2048, n_threads=args.threads, n_batch=512, verbose=False)
+            return Llama(model_path=args.gguf, n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads, n_batch=512, verbose=False)
 
         def store(name: str) -> PeerClient:
             return PeerClient(server.address, ns.digest, secret=secret, block_bytes=block_bytes, name=name)

@@ -158,10 +158,12 @@ def _set(argv: list[str], action: argparse.Action, value: str) -> list[str]:
 def _numeric_values(action: argparse.Action) -> list[str]:
     t = action.type
     name = getattr(t, "__name__", "")
-    if name in ("_int_list",):
-        return ["1,-5", f"1,{HUGE_INT}", "nan", ""]
+    if name.startswith("_int_list"):
+        return ["1,-5", f"1,{HUGE_INT}", f"1,{2**40}", "nan", ""]
     if t is int or "int" in name:
-        return ["-1", HUGE_INT, "nan", "1.5"]
+        # 2^40: every count flag has a maximum of its own below it (issue #47) — 2^40 replicas, threads or layers
+        # started a run that allocated or looped on it
+        return ["-1", HUGE_INT, str(2**40), "nan", "1.5"]
     return ["nan", "inf", "-inf", "-1", "1e400"]
 
 

@@ -260,7 +260,7 @@ def namespace(model):
 def new_llama(path):
     from llama_cpp import Llama
 
-    return Llama(model_path=path, n_ctx=1024, n_threads=2, n_batch=256, verbose=False)
+    return Llama(model_path=path, n_ctx=1024, n_threads=2, n_threads_batch=2, n_batch=256, verbose=False)
 
 
 @pytest.fixture(scope="module")
@@ -487,3 +487,68 @@ def test_profile_measures_llama_cpp_in_process(gguf_path, tmp_path, capsys):
     assert np.all(0 < remote) and np.all(remote < prof.cold_prefill_ms)  # 135M on a CPU: a load is far cheaper than recompute
     assert main(["profile", "--gguf", gguf_path, "--lengths", "48", "--block-size", "32"]) == 2
     assert "--lengths" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def llama_server(gguf_path):
+    """llama-cpp-python's OpenAI-compatible server on the real model (text prompts only)."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    try:
+        import llama_cpp.server  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        if os.environ.get("KVPOLICY_REQUIRE_LLAMACPP"):
+            pytest.fail("KVPOLICY_REQUIRE_LLAMACPP is set but llama-cpp-python[server] is not installed")
+        pytest.skip("llama-cpp-python[server] is not installed")
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf_path, "--model_alias", "smollm2", "--host", "127.0.0.1",
+                             "--port", str(port), "--n_ctx", "2048", "--n_threads", "2", "--verbose", "false"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            if proc.poll() is not None:
+                pytest.fail(f"the llama.cpp server exited: {proc.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_profile_over_http_against_llama_cpps_own_server_with_text_prompts(llama_server, gguf_path, capsys):
+    """kvpolicy profile --openai-url on llama-cpp-python's server, which takes text only: prompts of one-token words,
+    counted by the server's own tokenizer, so a prefix of words is a prefix of tokens and the server's prefix cache hits."""
+    import json
+
+    from kvpolicy.openai_profile import OpenAIProfileTarget
+
+    t = OpenAIProfileTarget(llama_server, "smollm2", bytes_per_token=23040, prompt_format="text")
+    words = t._ids(np.random.default_rng(0), 300)
+    assert len(t._tokenize(t._text(words))) == 300 + t.special_tokens  # exact token counts
+    t.close()
+    assert main(["profile", "--openai-url", llama_server, "--model", "smollm2", "--gguf", gguf_path, "--prompt-format", "text",
+                 "--lengths", "256,512", "--concurrency", "1", "--repeats", "2", "--tail-tokens", "8", "--json", "-q"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["formula_bytes_per_token"] == 23040 and rep["kv_bytes"] == [256 * 23040, 512 * 23040]  # computed from the GGUF
+    assert rep["has_remote"] is False
+    for r in rep["rows"]:  # the server's own prefix cache skips the cached prefix: text prompts kept it token for token
+        assert r["local_hit_ttft_p50_ms"] < 0.5 * r["cold_prefill_p50_ms"], r
+    # token ids are refused by this server: the error says what to do
+    assert main(["profile", "--openai-url", llama_server, "--model", "smollm2", "--gguf", gguf_path, "--lengths", "256",
+                 "--concurrency", "1", "--repeats", "2", "-q"]) == 2
+    assert "--prompt-format text" in capsys.readouterr().err

@@ -45,6 +45,34 @@ def _int_list(text: str) -> list[int]:
     return _ints(text, 1)
 
 
+def _ints_upto(high: int, low: int = 1, many: bool = False) -> Callable[[str], Any]:
+    """A flag's parser with its own maximum (issue #47): far above any real deployment or trace, and low enough that
+    a typo (2^40 replicas, threads, layers) is refused with the flag named instead of starting a run that allocates
+    or loops on it."""
+
+    def parse(text: str) -> Any:
+        return _ints(text, low, high) if many else _one_int(text, low, high)
+
+    parse.__name__ = f"_int{'_list' if many else ''}_{low}_{high}"  # "int" in the name: the bad-input corpus tries it
+    return parse
+
+
+#: per-flag maxima: a block of a million tokens, 4,096 replicas or nodes, a billion bytes of KV per token, ...
+MAX_BLOCK_TOKENS = 2**20
+MAX_REPLICAS = 4096
+MAX_BYTES_PER_TOKEN = 2**30
+MAX_SEED = 2**32 - 1
+MAX_PROMPT_TOKENS = 2**24
+MAX_CAPACITY_BLOCKS = 2**32
+MAX_THREADS = 1024
+_block_size = _ints_upto(MAX_BLOCK_TOKENS)
+_replicas = _ints_upto(MAX_REPLICAS)
+_bytes_per_token_int = _ints_upto(MAX_BYTES_PER_TOKEN)
+_seed = _ints_upto(MAX_SEED, low=0)
+_token_lengths = _ints_upto(MAX_PROMPT_TOKENS, many=True)
+_capacities = _ints_upto(MAX_CAPACITY_BLOCKS, many=True)
+
+
 def _one_int(text: str, low: int, high: int = MAX_CLI_INT) -> int:
     values = _ints(text, low, high)
     if len(values) != 1:
@@ -929,6 +957,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     prog = Progress("profile", enabled=None if not args.no_progress else False)
     if args.openai_url:
         return _profile_openai(args, prog)
+    if args.prompt_format != "ids":
+        raise ConfigError("--prompt-format", "goes with --openai-url (in-process engines take token ids)")
     if args.gguf:
         return _profile_llamacpp(args, prog)
     if args.model or args.config or args.bytes_per_token:
@@ -1005,9 +1035,15 @@ def _profile_openai(args: argparse.Namespace, prog: Any) -> int:
     from .reference.profiling import run_profile
 
     bpt = _bytes_per_token(args)[0] if (args.config or args.bytes_per_token) else None
+    if args.gguf is not None:  # a llama.cpp server: its KV bytes from the model file it serves
+        from .gguf import GGUFModel
+
+        if bpt is not None:
+            raise ConfigError("--gguf", "give one source of KV bytes: --gguf, --config or --bytes-per-token")
+        bpt = GGUFModel.read(args.gguf).bytes_per_token()
     prog("connecting")
     target = OpenAIProfileTarget(args.openai_url, args.model, bytes_per_token=bpt, seed=args.seed,
-                                 api_key=os.environ.get(args.api_key_env) if args.api_key_env else None)
+                                 api_key=os.environ.get(args.api_key_env) if args.api_key_env else None, prompt_format=args.prompt_format)
     try:
         prof, report = run_profile(target, args.lengths, args.concurrency, repeats=args.repeats, tail_tokens=args.tail_tokens, progress=prog,
                                    expected_bytes_per_token=bpt)
@@ -1041,11 +1077,11 @@ def _cmd_serve_reference(args: argparse.Namespace) -> int:
 
 def _reference_model_args(p: argparse.ArgumentParser) -> None:
     """The reference engine's shape: the same flags wherever it runs (profile, serve-reference)."""
-    p.add_argument("--block-size", type=_positive_int, default=16)
-    p.add_argument("--layers", type=_positive_int, default=2)
-    p.add_argument("--heads", type=_positive_int, default=4)
-    p.add_argument("--kv-heads", type=_positive_int, default=1)
-    p.add_argument("--head-dim", type=_positive_int, default=32)
+    p.add_argument("--block-size", type=_block_size, default=16)
+    p.add_argument("--layers", type=_ints_upto(1024), default=2)
+    p.add_argument("--heads", type=_ints_upto(1024), default=4)
+    p.add_argument("--kv-heads", type=_ints_upto(1024), default=1)
+    p.add_argument("--head-dim", type=_ints_upto(4096), default=32)
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32")
 
 
@@ -1062,16 +1098,16 @@ def _add_trace_args(p: argparse.ArgumentParser, *, model: bool = True) -> None:
 
     p.add_argument("trace", nargs="?", default=None, help="trace file (JSONL); default: a built-in synthetic preset")
     p.add_argument("--format", choices=FORMATS, default=None, help="trace format (default: detected)")
-    p.add_argument("--block-size", type=_positive_int, default=None, help="block size in tokens (default: 512 mooncake, 16 bailian/tokens, 64 synthetic)")
+    p.add_argument("--block-size", type=_block_size, default=None, help="block size in tokens (default: 512 mooncake, 16 bailian/tokens, 64 synthetic)")
     p.add_argument("--sort", action="store_true", help="sort requests by time instead of rejecting a trace whose time goes backwards")
     p.add_argument("--skip-bad-lines", action="store_true", help="skip malformed lines (counted and reported) instead of failing")
     p.add_argument("--preset", choices=sorted(PRESETS), default="mixed", help="synthetic preset when no TRACE is given (default mixed)")
-    p.add_argument("--seed", type=_non_negative_int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     if not model:
         return
     p.add_argument("--config", default=None, help="model config.json or bundled name (default llama-3-8b)")
     p.add_argument("--kv-dtype", default=None, help="KV element format override (e.g. fp8)")
-    p.add_argument("--bytes-per-token", type=_positive_int, default=None, help="KV bytes per token instead of --config")
+    p.add_argument("--bytes-per-token", type=_bytes_per_token_int, default=None, help="KV bytes per token instead of --config")
 
 
 # --------------------------------------------------------------------------- main
@@ -1092,8 +1128,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-type-k", choices=sorted(KV_CACHE_TYPES), default="f16", help="llama.cpp's K cache type (--gguf; default f16)")
     s.add_argument("--cache-type-v", choices=sorted(KV_CACHE_TYPES), default="f16", help="llama.cpp's V cache type (--gguf; default f16)")
     s.add_argument("--kv-dtype", default=None, help="KV element format override (fp8, bf16, fp16, fp32); default: the config's torch_dtype")
-    s.add_argument("--block-size", type=_positive_int, default=16, help="block size in tokens (default 16)")
-    s.add_argument("--prefix-tokens", type=_int_list, default=list(DEFAULT_PREFIXES), help="comma-separated prefix lengths (default 4096,16384,32768,65536)")
+    s.add_argument("--block-size", type=_block_size, default=16, help="block size in tokens (default 16)")
+    s.add_argument("--prefix-tokens", type=_token_lengths, default=list(DEFAULT_PREFIXES), help="comma-separated prefix lengths (default 4096,16384,32768,65536)")
     s.add_argument("--profile", default=None, help="measured profile CSV: prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms")
     s.add_argument("--json", action="store_true", help="print JSON")
     s.set_defaults(func=_cmd_size)
@@ -1101,7 +1137,7 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("keys", help="block keys of a token sequence (kvpolicy or vLLM-compatible)")
     k.add_argument("tokens", help="JSON file holding a list of token ids")
     k.add_argument("--scheme", choices=["keyed", "fast", "vllm-sha256", "vllm-sha256-cbor"], default="keyed")
-    k.add_argument("--block-size", type=_positive_int, required=True)
+    k.add_argument("--block-size", type=_block_size, required=True)
     k.add_argument("--namespace", default=None, help="namespace JSON (kvpolicy schemes); default: an unspecified-model namespace")
     k.add_argument("--secret-hex", default=None, help="deployment secret as hex (visible in ps and shell history: prefer --secret-file or env KVPOLICY_SECRET_HEX)")
     k.add_argument("--secret-file", default=None, help="file holding the deployment secret as hex (one line)")
@@ -1114,13 +1150,13 @@ def build_parser() -> argparse.ArgumentParser:
     ie = sub.add_parser("ingest-events", help="feed the shared directory from a vLLM / SGLang pod's KV events (a sidecar; runs until stopped)")
     ie.add_argument("--endpoint", required=True, help="the engine's KV event PUB socket, e.g. tcp://vllm-0:5557 (vLLM: --kv-events-config endpoint)")
     ie.add_argument("--replay-endpoint", default=None, help="its replay socket (e.g. tcp://vllm-0:5558): gaps in the sequence are fetched again")
-    ie.add_argument("--ranks", type=_positive_int, default=1, help="data-parallel ranks: rank r publishes on PORT + r (default 1)")
+    ie.add_argument("--ranks", type=_ints_upto(MAX_REPLICAS), default=1, help="data-parallel ranks: rank r publishes on PORT + r (default 1)")
     ie.add_argument("--topic", default="", help="topic prefix to subscribe to (default: every topic)")
     ie.add_argument("--directory", required=True, help="redis://HOST:PORT/DB (or rediss://), or 'memory' for a dry run that only counts")
     ie.add_argument("--tenant", required=True, help="the tenant whose namespace these blocks live in")
     ie.add_argument("--holder", required=True, help="this engine's name in the directory (rank r of several: HOLDER-dpR)")
     ie.add_argument("--namespace", default=None, help="namespace JSON of the deployment (as for kvpolicy keys); default: an unspecified-model namespace")
-    ie.add_argument("--block-size", type=_positive_int, required=True, help="the engine's block size in tokens")
+    ie.add_argument("--block-size", type=_block_size, required=True, help="the engine's block size in tokens")
     ie.add_argument("--scheme", choices=["keyed", "fast"], default="keyed")
     ie.add_argument("--secret-hex", default=None, help="deployment secret as hex (visible in ps: prefer --secret-file or env KVPOLICY_SECRET_HEX)")
     ie.add_argument("--secret-file", default=None, help="file holding the deployment secret as hex (one line)")
@@ -1133,7 +1169,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "hold (default), or keep it and only count them")
     ie.add_argument("--config", default=None, help="model config.json or bundled name, for the bytes a block holds (default llama-3-8b)")
     ie.add_argument("--kv-dtype", default=None)
-    ie.add_argument("--bytes-per-token", type=_positive_int, default=None)
+    ie.add_argument("--bytes-per-token", type=_bytes_per_token_int, default=None)
     ie.add_argument("--stats-every-s", type=_positive_float, default=30.0, help="print a JSON stats line this often (default 30)")
     ie.add_argument("--max-seconds", type=_positive_float, default=None, help="stop after this long (default: run until SIGINT / SIGTERM)")
     ie.add_argument("--json", default=None, metavar="OUT", help="write the final stats as JSON")
@@ -1144,7 +1180,7 @@ def build_parser() -> argparse.ArgumentParser:
     lk.add_argument("tokens", help="JSON file holding a list of token ids (the prompt)")
     lk.add_argument("--directory", required=True, help="redis://HOST:PORT/DB (or rediss://); 'memory': an empty one (the keys alone)")
     lk.add_argument("--tenant", required=True)
-    lk.add_argument("--block-size", type=_positive_int, required=True)
+    lk.add_argument("--block-size", type=_block_size, required=True)
     lk.add_argument("--namespace", default=None, help="the deployment's namespace JSON (as for kvpolicy keys and ingest-events)")
     lk.add_argument("--scheme", choices=["keyed", "fast"], default="keyed")
     lk.add_argument("--secret-hex", default=None, help="deployment secret as hex (visible in ps: prefer --secret-file or env KVPOLICY_SECRET_HEX)")
@@ -1157,10 +1193,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("analyze", help="what a trace says before anyone buys a cache: reuse, MRC, replicas, byte flows, verdict")
     _add_trace_args(a)
-    a.add_argument("--capacities-blocks", type=_int_list, default=None, help="MRC capacities in blocks (default: powers of two up to the distinct blocks)")
-    a.add_argument("--replicas", type=_positive_int, default=8)
+    a.add_argument("--capacities-blocks", type=_capacities, default=None, help="MRC capacities in blocks (default: powers of two up to the distinct blocks)")
+    a.add_argument("--replicas", type=_replicas, default=8)
     a.add_argument("--routing", choices=["random", "round-robin", "prefix-affinity"], default="round-robin", help="how the current deployment routes (default round-robin)")
-    a.add_argument("--affinity-blocks", type=_positive_int, default=4, help="prefix-affinity hashes the first k full blocks (default 4)")
+    a.add_argument("--affinity-blocks", type=_ints_upto(MAX_BLOCK_TOKENS), default=4, help="prefix-affinity hashes the first k full blocks (default 4)")
     a.add_argument("--local-kv-gib", type=_gib, default=32.0, help="physical KV cache per replica in GiB (default 32; minus the decode/reserved/fragmentation shares below = 20.8 GiB for prefixes)")
     a.add_argument("--decode-share", type=_non_negative_float, default=0.25, help="share of it held by active decodes (default 0.25)")
     a.add_argument("--reserved-share", type=_non_negative_float, default=0.05, help="reserved share (default 0.05)")
@@ -1173,7 +1209,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("breakeven", help="remote load vs recompute per prefix length, and the break-even prefix")
     b.add_argument("--config", default=None, help="model config.json or bundled name (default llama-3-8b)")
     b.add_argument("--kv-dtype", default=None)
-    b.add_argument("--bytes-per-token", type=_positive_int, default=None)
+    b.add_argument("--bytes-per-token", type=_bytes_per_token_int, default=None)
     b.add_argument("--profile", required=True, help="measured profile CSV (prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms)")
     b.add_argument("--allow-mismatch", action="store_true", help="use a --profile whose measured KV bytes/token differs from the model's by more than 10%%")
     b.add_argument("--bandwidth-gbps", type=_positive_float, required=True, help="useful bandwidth under contention, Gbit/s (10^9 bits)")
@@ -1182,14 +1218,14 @@ def build_parser() -> argparse.ArgumentParser:
                                 ("--dispatch-ms", 0.0, "recompute dispatch overhead"), ("--interference-ms-per-gb", 0.5, "time stolen from active requests per GB loaded")):
         b.add_argument(flag, type=_non_negative_float, default=default, help=f"{what} (default {default})")
     b.add_argument("--margin", type=_positive_float, default=0.8, help="load iff T_remote + T_interf < margin x T_recompute (default 0.8)")
-    b.add_argument("--block-size", type=_positive_int, default=16)
-    b.add_argument("--prefix-tokens", type=_int_list, default=[1024, 4096, 16384, 32768, 65536])
+    b.add_argument("--block-size", type=_block_size, default=16)
+    b.add_argument("--prefix-tokens", type=_token_lengths, default=[1024, 4096, 16384, 32768, 65536])
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=_cmd_breakeven)
 
     e = sub.add_parser("evict-bench", help="replay a trace through eviction policies, with Belady and the infinite cache beside them")
     _add_trace_args(e)
-    e.add_argument("--capacities-blocks", type=_int_list, default=None, help="capacities in blocks (default: 1/64, 1/16, 1/4, 1/2 of the distinct blocks)")
+    e.add_argument("--capacities-blocks", type=_capacities, default=None, help="capacities in blocks (default: 1/64, 1/16, 1/4, 1/2 of the distinct blocks)")
     e.add_argument("--policies", type=_policy_list, default=["lru", "fifo", "lfu", "ttl", "s3fifo", "sieve", "arc", "gdsf", "reuse-distance", "hit-density", "adaptive", "lrb", "belady"],
                    help="comma-separated (default: lru,fifo,lfu,ttl,s3fifo,sieve,arc,gdsf,reuse-distance,hit-density,adaptive,lrb,belady; also belady-bypass; "
                         "and your own: MODULE:CLASS or PATH.py:CLASS, an EvictionPolicy subclass built as CLASS(capacity_bytes, clock=clock))")
@@ -1204,7 +1240,7 @@ def build_parser() -> argparse.ArgumentParser:
     sg = sub.add_parser("sglang-bench", help="which eviction strategy to run in SGLang: a trace through SGLang's radix-cache eviction loop, "
                                              "SGLang's LRU and LFU beside kvpolicy's strategies and Belady")
     _add_trace_args(sg, model=False)  # block hits: no model's bytes in them
-    sg.add_argument("--capacities-blocks", type=_int_list, default=None,
+    sg.add_argument("--capacities-blocks", type=_capacities, default=None,
                     help="capacities in blocks, one token per block (default: 1/64 and 1/16 of the distinct blocks)")
     sg.add_argument("--strategies", type=_policy_list, default=list(SGLANG_BENCH_STRATEGIES),
                     help=f"comma-separated (default: {','.join(SGLANG_BENCH_STRATEGIES)}; also kvpolicy-gdsf, kvpolicy-lru, kvpolicy-lfu)")
@@ -1219,7 +1255,7 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--policies", type=_policy_list, default=["all", "never", "threshold-2", "threshold-3", "threshold-4", "boundary", "reuse-aware", "structure-aware",
                                                              "dueling"],
                     help="comma-separated; compose with + (e.g. boundary+reuse-aware); your own filter: MODULE:CLASS or PATH.py:CLASS")
-    pb.add_argument("--replicas", type=_positive_int, default=8)
+    pb.add_argument("--replicas", type=_replicas, default=8)
     pb.add_argument("--routing", choices=["random", "round-robin", "prefix-affinity"], default="round-robin")
     pb.add_argument("--pool-capacity-blocks", type=_pool_capacity, default="compare",
                     help="blocks the LRU pool holds: a positive int, 'compare' (default: the pool kvpolicy compare gives the trace, a "
@@ -1236,21 +1272,21 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("plan-warmup", help="schedule loads of measured hot prefixes into new replicas within caps and bandwidth")
     w.add_argument("source", nargs="?", default=None, help="trace (JSONL) or HOT.json; default: a built-in synthetic preset")
     w.add_argument("--preset", default="mixed")
-    w.add_argument("--seed", type=_non_negative_int, default=0)
-    w.add_argument("--block-size", type=_positive_int, default=None)
+    w.add_argument("--seed", type=_seed, default=0)
+    w.add_argument("--block-size", type=_block_size, default=None)
     w.add_argument("--config", default=None)
     w.add_argument("--kv-dtype", default=None)
-    w.add_argument("--bytes-per-token", type=_positive_int, default=None)
+    w.add_argument("--bytes-per-token", type=_bytes_per_token_int, default=None)
     w.add_argument("--profile", default=None, help="measured profile CSV for recompute seconds")
     w.add_argument("--allow-mismatch", action="store_true", help="use a --profile whose measured KV bytes/token differs from the model's by more than 10%%")
-    w.add_argument("--replicas", type=_positive_int, required=True)
+    w.add_argument("--replicas", type=_replicas, required=True)
     w.add_argument("--window-s", type=_positive_float, required=True)
     w.add_argument("--bandwidth-gbps", type=_positive_float, required=True, help="useful link bandwidth, Gbit/s")
     w.add_argument("--current-load-gbps", type=_non_negative_float, default=0.0)
-    w.add_argument("--max-loads-per-replica", type=_positive_int, default=2)
-    w.add_argument("--max-loads-pool", type=_positive_int, default=8)
-    w.add_argument("--min-access-count", type=_non_negative_int, default=2, help="only prefixes used by at least this many requests are planned")
-    w.add_argument("--max-prefixes", type=_positive_int, default=64)
+    w.add_argument("--max-loads-per-replica", type=_ints_upto(MAX_THREADS), default=2)
+    w.add_argument("--max-loads-pool", type=_ints_upto(MAX_REPLICAS * MAX_THREADS), default=8)
+    w.add_argument("--min-access-count", type=_ints_upto(MAX_SEED, low=0), default=2, help="only prefixes used by at least this many requests are planned")
+    w.add_argument("--max-prefixes", type=_ints_upto(10**6), default=64)
     w.add_argument("--readiness-share", type=_non_negative_float, default=0.9)
     w.add_argument("--json", action="store_true")
     w.set_defaults(func=_cmd_plan_warmup)
@@ -1264,10 +1300,10 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--profile", default=None, help="measured profile CSV for prefill times (default: an order-of-magnitude model)")
     cp.add_argument("--allow-overload", action="store_true", help="simulate even when the offered prefill load exceeds the cluster's capacity with an infinite cache")
     cp.add_argument("--allow-mismatch", action="store_true", help="use a --profile whose measured KV bytes/token differs from the model's by more than 10%%")
-    cp.add_argument("--replicas", type=_positive_int, default=8)
+    cp.add_argument("--replicas", type=_replicas, default=8)
     cp.add_argument("--router", choices=list(ROUTERS), default="round-robin", help="request router (default round-robin)")
     cp.add_argument("--local-kv-gib", type=_gib, default=28.0, help="local KV per replica, GiB, after reserved and fragmentation (default 28 = analyze's 32 GiB physical less 5%%+5%%, rounded); running decodes pin their blocks in it during the run, so no decode share is taken off up front")
-    cp.add_argument("--storage-nodes", type=_positive_int, default=4)
+    cp.add_argument("--storage-nodes", type=_replicas, default=4)
     cp.add_argument("--pool-share", type=_non_negative_float, default=0.25, help="pool capacity as a share of the trace's distinct KV bytes (default 0.25)")
     cp.add_argument("--node-gbps", type=_non_negative_float, default=40.0, help="useful bandwidth per storage node, Gbit/s (default 40)")
     cp.add_argument("--replica-gbps", type=_non_negative_float, default=40.0, help="useful NIC bandwidth per replica, Gbit/s (default 40)")
@@ -1283,7 +1319,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--controller-scope", choices=["cluster", "replica"], default=None,
                     help="kvpolicy's admission controller: one for the cluster (the preset: it hears every replica) or one per "
                          "replica, as an engine process embeds it")
-    cp.add_argument("--prefill-slots", type=_positive_int, default=1, help="concurrent prefills per replica (default 1)")
+    cp.add_argument("--prefill-slots", type=_ints_upto(MAX_THREADS), default=1, help="concurrent prefills per replica (default 1)")
     cp.add_argument("--decode-tokens-per-s", type=_positive_float, default=30.0, help="decode rate per request (default 30)")
     cp.add_argument("--judge-second-half", action="store_true",
                     help="a held-out split: every set learns over the whole trace, only the second half's requests (and bytes "
@@ -1294,23 +1330,27 @@ def build_parser() -> argparse.ArgumentParser:
     cp.set_defaults(func=_cmd_compare)
 
     pr = sub.add_parser("profile", help="measure bytes/token, cold prefill, local-hit TTFT and remote load on an engine (the reference engine by default)")
-    pr.add_argument("--lengths", type=_int_list, default=[1024, 2048, 4096, 8192], help="prefix lengths in tokens (default 1024,2048,4096,8192)")
-    pr.add_argument("--concurrency", type=_int_list, default=[1, 4], help="concurrency levels (default 1,4; 1 is always measured)")
-    pr.add_argument("--repeats", type=_positive_int, default=5, help="runs per measurement alone (default 5)")
-    pr.add_argument("--tail-tokens", type=_positive_int, default=16, help="new tokens after the prefix (default 16)")
+    pr.add_argument("--lengths", type=_token_lengths, default=[1024, 2048, 4096, 8192], help="prefix lengths in tokens (default 1024,2048,4096,8192)")
+    pr.add_argument("--concurrency", type=_ints_upto(MAX_THREADS, many=True), default=[1, 4], help="concurrency levels (default 1,4; 1 is always measured)")
+    pr.add_argument("--repeats", type=_ints_upto(10**5), default=5, help="runs per measurement alone (default 5)")
+    pr.add_argument("--tail-tokens", type=_ints_upto(MAX_PROMPT_TOKENS), default=16, help="new tokens after the prefix (default 16)")
     _reference_model_args(pr)
-    pr.add_argument("--seed", type=_non_negative_int, default=0)
+    pr.add_argument("--seed", type=_seed, default=0)
     pr.add_argument("--out", default=None, metavar="CSV", help="write the profile CSV (prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms,...)")
     pr.add_argument("--json", action="store_true", help="print the report as JSON")
     pr.add_argument("--plot", default=None, metavar="DIR")
     pr.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a progress bar on a terminal, one line per finished unit elsewhere)")
-    pr.add_argument("--gguf", default=None, metavar="FILE", help="profile llama.cpp (llama-cpp-python) running this GGUF model in-process instead")
-    pr.add_argument("--threads", type=_positive_int, default=2, help="with --gguf: llama.cpp threads per context (default 2)")
+    pr.add_argument("--gguf", default=None, metavar="FILE", help="profile llama.cpp (llama-cpp-python) running this GGUF model in-process "
+                                                                  "instead; with --openai-url, the served model's file (its KV bytes)")
+    pr.add_argument("--threads", type=_ints_upto(MAX_THREADS), default=2, help="with --gguf: llama.cpp threads per context (default 2)")
     pr.add_argument("--openai-url", default=None, metavar="URL", help="profile an OpenAI-compatible server (vLLM, SGLang, TGI, kvpolicy serve-reference) instead")
     pr.add_argument("--model", default=None, help="with --openai-url: the served model's name")
     pr.add_argument("--config", default=None, help="with --openai-url: model config for KV bytes when the server's /metrics does not give them")
     pr.add_argument("--kv-dtype", default=None)
-    pr.add_argument("--bytes-per-token", type=_positive_int, default=None, help="with --openai-url: KV bytes per token instead of --config")
+    pr.add_argument("--bytes-per-token", type=_bytes_per_token_int, default=None, help="with --openai-url: KV bytes per token instead of --config")
+    pr.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
+                    help="with --openai-url: send token ids (default) or text of one-token words, counted by the server's tokenizer "
+                         "(llama-cpp-python's server takes text only)")
     pr.add_argument("--api-key-env", default=None, metavar="VAR", help="with --openai-url: environment variable holding the API key")
     pr.set_defaults(func=_cmd_profile)
 
@@ -1318,17 +1358,17 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("--host", default="127.0.0.1")
     sr.add_argument("--port", type=_port, default=8000)
     sr.add_argument("--model-name", default="kvpolicy-reference")
-    sr.add_argument("--capacity-blocks", type=_positive_int, default=16384)
+    sr.add_argument("--capacity-blocks", type=_ints_upto(MAX_CAPACITY_BLOCKS), default=16384)
     _reference_model_args(sr)
     sr.add_argument("--verbose", action="store_true", help="log every request")
     sr.set_defaults(func=_cmd_serve_reference)
 
     dg = sub.add_parser("diagnose", help="find misses caused by nondeterministic prompt assembly; explain one request's misses")
     dg.add_argument("trace", help="token trace (JSONL with raw token ids)")
-    dg.add_argument("--block-size", type=_positive_int, default=None, help="block size in tokens (default 16)")
+    dg.add_argument("--block-size", type=_block_size, default=None, help="block size in tokens (default 16)")
     dg.add_argument("--min-shared", type=_non_negative_float, default=0.8, help="share of content a request must share with an earlier one (default 0.8)")
     dg.add_argument("--request", default=None, help="explain this request: its id, or #N for the N-th request (from 0) when several share an id")
-    dg.add_argument("--capacity-blocks", type=_positive_int, default=None, help="with --request: replay an LRU cache of this size to find evictions")
+    dg.add_argument("--capacity-blocks", type=_ints_upto(MAX_CAPACITY_BLOCKS), default=None, help="with --request: replay an LRU cache of this size to find evictions")
     dg.add_argument("--sort", action="store_true")
     dg.add_argument("--skip-bad-lines", action="store_true")
     dg.add_argument("--json", default=None, metavar="OUT")

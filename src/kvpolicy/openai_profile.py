@@ -19,7 +19,16 @@ on the reference engine and writes the same CSV:
 Prompts go as token ids, so token counts are exact (no tokenizer round trip).
 Ids are drawn from ``[id_low, id_high)``: the server's ``vocab_size`` from
 ``/v1/models`` when it says, else ``[1000, 30000)`` — ordinary tokens in every
-current vocabulary. There is no remote-load column: an OpenAI endpoint offers no
+current vocabulary.
+
+Servers that take text only (llama-cpp-python's, ``prompt_format="text"``,
+``--prompt-format text``) get text whose token count is still exact: at start the
+target asks the server's own tokenizer (``/tokenize``, vLLM's and SGLang's, or
+``/extras/tokenize``, llama-cpp-python's) for words that are one token each with
+their leading space (`` the``, `` house``), checks that a prompt of 256 of them
+tokenizes to exactly 256 tokens plus the fixed special tokens the server adds, and
+then writes every prompt as such words — a prefix of words is a prefix of tokens,
+so the server's prefix cache sees what it would see with ids. There is no remote-load column: an OpenAI endpoint offers no
 way to load a prefix from another replica, so break-even comes from ``kvpolicy
 breakeven`` with this profile and your link.
 """
@@ -40,7 +49,7 @@ class OpenAIProfileTarget:
     has_remote = False
 
     def __init__(self, url: str, model: str, *, bytes_per_token: int | None = None, seed: int = 0, timeout_s: float = 600.0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, prompt_format: str = "ids") -> None:
         import httpx
 
         if not re.match(r"^https?://", url or ""):
@@ -78,6 +87,13 @@ class OpenAIProfileTarget:
         if self.kv_bytes_source is None:
             raise ConfigError("--config", f"{self.base}/metrics exposes no KV bytes: pass --config or --bytes-per-token to compute them")
         self.bytes_per_token = bytes_per_token
+        if prompt_format not in ("ids", "text"):
+            raise ConfigError("--prompt-format", f"must be 'ids' or 'text', got {prompt_format!r}")
+        self.prompt_format = prompt_format
+        self.words: list[str] = []
+        self.special_tokens = 0
+        if prompt_format == "text":
+            self._find_words()
 
     # ------------------------------------------------------------------ HTTP
 
@@ -87,16 +103,64 @@ class OpenAIProfileTarget:
             return np.random.default_rng([self._seed, self._n])
 
     def _ids(self, rng: np.random.Generator, n: int) -> list[int]:
+        if self.prompt_format == "text":  # indexes into the one-token words
+            return rng.integers(0, len(self.words), n).tolist()
         return rng.integers(self.id_low, self.id_high, n).tolist()
+
+    # ------------------------------------------------------------------ text prompts
+
+    def _tokenize(self, text: str) -> list[int]:
+        """The server's own tokenizer: vLLM/SGLang ``/tokenize``, else llama-cpp-python's ``/extras/tokenize``."""
+        for path, body, field in (("/tokenize", {"model": self.model, "prompt": text}, "tokens"),
+                                  ("/extras/tokenize", {"input": text, "model": self.model}, "tokens")):
+            r = self.client.post(f"{self.base}{path}", json=body)
+            if r.status_code == 200:
+                try:
+                    toks = r.json().get(field)
+                except (ValueError, AttributeError):
+                    toks = None
+                if isinstance(toks, list) and all(isinstance(t, int) for t in toks):
+                    return toks
+        raise ConfigError("--prompt-format", f"{self.base} has no tokenizer endpoint (/tokenize or /extras/tokenize): text prompts "
+                                             "could not be given an exact token count")
+
+    def _find_words(self) -> None:
+        # candidate words: letters only, common enough to be single tokens in any BPE vocabulary of 30k+ entries
+        base = ("time year people way day man thing woman life child world school state family student group country problem hand "
+                "part place case week company system program question work government number night point home water room mother "
+                "area money story fact month lot right study book eye job word business issue side kind head house service friend "
+                "father power hour game line end member law car city community name president team minute idea kid body information "
+                "back parent face others level office door health person art war history party result change morning reason "
+                "research girl guy moment air teacher force education").split()
+        singles = []
+        for w in base:
+            if len(self._tokenize(" " + w)) == len(self._tokenize(" " + w + " " + w)) - 1:  # its own token, with the space
+                singles.append(" " + w)
+            if len(singles) >= 64:
+                break
+        if len(singles) < 16:
+            raise ConfigError("--prompt-format", f"the server's tokenizer splits common words: only {len(singles)} one-token words found")
+        self.words = singles
+        rng = np.random.default_rng(self._seed)
+        probe = rng.integers(0, len(singles), 256).tolist()
+        n = len(self._tokenize(self._text(probe)))
+        self.special_tokens = n - 256
+        if not 0 <= self.special_tokens <= 4 or len(self._tokenize(self._text(probe[:100]))) != 100 + self.special_tokens:
+            raise ConfigError("--prompt-format", f"256 one-token words tokenized to {n} tokens: the server's tokenizer does not keep them apart")
+
+    def _text(self, idx: list[int]) -> str:
+        return "".join(self.words[i] for i in idx)
 
     def _ttft_s(self, prompt: list[int]) -> float:
         """Seconds from sending the request to the first streamed token."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "stream": True, "temperature": 0}
+        body = {"model": self.model, "prompt": self._text(prompt) if self.prompt_format == "text" else prompt, "max_tokens": 1,
+                "stream": True, "temperature": 0}
         t0 = time.perf_counter()
         with self.client.stream("POST", f"{self.base}/v1/completions", json=body) as r:
             if r.status_code != 200:
                 r.read()
-                raise ConfigError("--openai-url", f"/v1/completions answered HTTP {r.status_code}: {r.text[:300]}")
+                hint = " (a server that takes text prompts only? try --prompt-format text)" if r.status_code == 422 and self.prompt_format == "ids" else ""
+                raise ConfigError("--openai-url", f"/v1/completions answered HTTP {r.status_code}{hint}: {r.text[:300]}")
             for line in r.iter_lines():
                 if line.startswith("data:") and line[5:].strip() != "[DONE]":
                     return time.perf_counter() - t0

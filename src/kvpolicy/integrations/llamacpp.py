@@ -534,7 +534,7 @@ class LlamaCppProfileTarget:
 
         got = getattr(self._local, "replicas", None)
         if got is None:
-            llm = self.lib.Llama(model_path=self.path, n_ctx=self.n_ctx, n_threads=self.n_threads, n_batch=512, verbose=False)
+            llm = self.lib.Llama(model_path=self.path, n_ctx=self.n_ctx, n_threads=self.n_threads, n_threads_batch=self.n_threads, n_batch=512, verbose=False)
             store = PeerClient(self.server.address, self.ns.digest, secret=self._secret, block_bytes=self.block_bytes, name="peer", timeout_s=60.0)
             kw: dict[str, Any] = dict(block_size_tokens=self.B, file_digest=self.ns.model_revision)
             got = (LlamaCppReplica(llm, self.model, **kw), LlamaCppReplica(llm, self.model, secret=self._secret, store=store, **kw))
