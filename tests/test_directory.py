@@ -644,3 +644,21 @@ def test_the_in_memory_directory_can_be_shared_between_threads():
 
     assert race(*[lambda h=h: publisher(h) for h in "abc"], reader) == []
     assert d.count("t") <= 500, "the capacity bound held"
+
+
+@pytest.mark.parametrize("skew_s", [-3600.0, 7200.0])
+def test_redis_lookup_and_leases_run_on_the_servers_clock_not_the_clients(redis_url, monkeypatch, skew_s):
+    """A client an hour behind saw holders the server had expired; one two hours ahead saw an empty lookup while match
+    (the server's TIME) counted the block. Both now read the server's clock, as the match script does."""
+    import kvpolicy.directory.redis as redis_mod
+
+    d = redis_dir(redis_url)
+    now = time.time()
+    d.publish("t", [Entry(KEYS[0], "live", 1, expires_at_s=now + 600), Entry(KEYS[0], "gone", 1, expires_at_s=now - 600)])
+    real_time = time.time
+    monkeypatch.setattr(redis_mod.time, "time", lambda: real_time() + skew_s)
+    assert d.match_prefix("t", KEYS[:1]) == 1
+    assert [e.holder for e in d.lookup("t", KEYS[:1])[0]] == ["live"]
+    lease = d.lease("t", KEYS[:1], 30.0)
+    assert abs(lease.expires_at_s - (real_time() + 30.0)) < 2.0  # the server's now + ttl, not the client's
+    d.release(lease)

@@ -160,11 +160,12 @@ return n
 
 # a key's leases are a set of lease ids (expiring with the longest): releasing one twice is a no-op
 _LEASE = """
+local t = redis.call('TIME')
 for i = 1, #KEYS do
   redis.call('SADD', KEYS[i], ARGV[2])
   if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[1]) then redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
 end
-return #KEYS
+return {#KEYS, t[1], t[2]}
 """
 
 _RELEASE = """
@@ -329,14 +330,16 @@ class RedisDirectory:
             pipe = self.r.pipeline(transaction=False)
             for k in ks:
                 pipe.hgetall(base + "b:" + k.hex())
+            pipe.time()  # the server's clock, as the match script's: a client's own clock hours off would disagree with match
             return pipe.execute()
 
         raw = self._call(go, None)
         if raw is None:
             return [[] for _ in ks]
         out = []
-        now = time.time()
-        for k, h in zip(ks, raw):
+        sec, usec = raw[-1]
+        now = float(sec) + float(usec) / 1e6
+        for k, h in zip(ks, raw[:-1]):
             entries = (Entry.unpack(k, holder.decode(), v) for holder, v in h.items())
             out.append(sorted((e for e in entries if e.expires_at_s is None or e.expires_at_s > now), key=lambda e: e.holder))
         return out
@@ -364,9 +367,19 @@ class RedisDirectory:
         ttl_s = check_ttl(ttl_s)
         names = [base + "lease:" + k.hex() for k in ks]
         lease_id = f"redis-{uuid.uuid4().hex}"
+        now = None
         if names:
-            self._call(lambda: self._lease(keys=names, args=[int(ttl_s * 1000), lease_id]), 0)
-        return Lease(lease_id, tenant, tuple(ks), time.time() + ttl_s)
+            got = self._call(lambda: self._lease(keys=names, args=[int(ttl_s * 1000), lease_id]), None)
+            if isinstance(got, list) and len(got) == 3:
+                now = float(got[1]) + float(got[2]) / 1e6  # the server's clock, which expires the lease
+        if now is None:  # no keys, or Redis did not answer (counted): the client's clock is all there is
+            now = self._server_now()
+        return Lease(lease_id, tenant, tuple(ks), now + ttl_s)
+
+    def _server_now(self) -> float:
+        """The server's TIME in seconds; the client's clock when Redis does not answer."""
+        t = self._call(lambda: self.r.time(), None)
+        return float(t[0]) + float(t[1]) / 1e6 if t else time.time()
 
     def release(self, lease: Lease) -> None:
         base = self._base(check_lease(lease).tenant)
