@@ -348,22 +348,56 @@ def test_frames_cannot_be_altered_replayed_or_reordered():
 
 
 def test_idle_connections_are_capped_and_timed_out_and_legitimate_peers_still_get_served():
-    """1,000 idle connections held 1,003 threads; now at most ``max_connections`` are served, the rest wait."""
-    store, srv = one_block_server(TransportLimits(max_connections=8, handshake_timeout_s=0.3))
+    """1,000 idle connections held 1,003 threads; now at most ``max_handshakes`` wait in the handshake (a new one sheds
+    the oldest), and a peer that proves the secret is served at once, not after the idle ones time out."""
+    store, srv = one_block_server(TransportLimits(max_connections=8, max_handshakes=8, handshake_timeout_s=3.0))
     threads_before = threading.active_count()
     try:
         idle = [raw(srv.address) for _ in range(40)]
-        time.sleep(0.2)
-        assert srv.open_connections <= 8 and threading.active_count() - threads_before <= 8
-        good = PeerClient(srv.address, bytes(16), secret=SECRET, block_bytes=BB, timeout_s=10.0,
-                          limits=TransportLimits(handshake_timeout_s=10.0))
-        assert good.match_prefix([b"\x01" * 16]) == 1, "served once the idle ones timed out"
+        wait_until(lambda: srv.stats["connections"] == 40)
+        assert srv.open_connections <= 8 and threading.active_count() - threads_before <= 8 + 1
+        assert srv.stats["shed_handshakes"] == 32
+        good = _client(srv)  # the client's default 2 s handshake: shorter than the idle ones' 3 s
+        t0 = time.monotonic()
+        assert good.match_prefix([b"\x01" * 16]) == 1, "served beside the idle ones, not after them"
+        assert time.monotonic() - t0 < 1.0
         good.close()
-        assert all(closed_by_peer(s, 5.0) for s in idle), "every idle connection was dropped at the handshake deadline"
-        assert srv.stats["connections"] == 41 and srv.stats["peak_connections"] == 8
+        assert all(closed_by_peer(s, 5.0) for s in idle), "every idle connection was shed or dropped at the handshake deadline"
+        assert srv.stats["connections"] == 41
         for s in idle:
             s.close()
     finally:
+        srv.close()
+
+
+def test_a_slowloris_of_unauthenticated_connections_cannot_crowd_out_honest_peers():
+    """600 connections that send nothing, against the default limits, left 0 of 16 honest PeerClients served (each gave
+    up at its default 2 s handshake, waiting in the backlog behind them). Unproven connections now have their own budget
+    and the oldest is shed: every honest client, with the default client settings, gets its answer."""
+    store, srv = one_block_server()
+    idle = []
+    try:
+        idle = [raw(srv.address) for _ in range(600)]
+        answers: list[int] = []
+        lock = threading.Lock()
+
+        def honest() -> None:
+            c = _client(srv)
+            got = c.match_prefix([b"\x01" * 16])
+            c.close()
+            with lock:
+                answers.append(got)
+
+        ts = [threading.Thread(target=honest, daemon=True) for _ in range(16)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        assert answers.count(1) == 16, f"{answers.count(1)} of 16 honest clients served"
+        assert srv.stats["shed_handshakes"] >= 600 - TransportLimits().max_handshakes
+    finally:
+        for s in idle:
+            s.close()
         srv.close()
 
 

@@ -123,7 +123,9 @@ class TransportLimits:
     """What a server (or client) accepts from a peer, checked before anything is allocated.
 
     Defaults: 4,096 blocks per message, a 2 s handshake, 10 s to finish a message
-    once started, 60 s idle between messages, 256 connections served at once, an
+    once started, 60 s idle between messages, 256 connections served at once, at
+    most 64 connections still in the handshake (a new one sheds the oldest of them:
+    connections that never prove the secret cannot crowd out those that do), an
     accept backlog of 1,024."""
 
     max_blocks_per_message: int = attrs.field(default=4096, validator=positive_int)
@@ -132,6 +134,7 @@ class TransportLimits:
     idle_timeout_s: float = attrs.field(default=60.0, validator=positive_number)
     max_connections: int = attrs.field(default=256, validator=positive_int)
     backlog: int = attrs.field(default=1024, validator=positive_int)
+    max_handshakes: int = attrs.field(default=64, validator=positive_int)
 
     @property
     def max_header_bytes(self) -> int:
@@ -309,9 +312,12 @@ class BlockServer:
         self.keys = TransportKeys.from_secret(secret)
         self.limits = limits or TransportLimits()
         self.faults = Faults()
-        self.stats = {"connections": 0, "peak_connections": 0, "auth_failed": 0, "protocol_errors": 0, "mac_refused": 0, "served_blocks": 0, "stored_blocks": 0}
+        self.stats = {"connections": 0, "peak_connections": 0, "auth_failed": 0, "protocol_errors": 0, "mac_refused": 0, "served_blocks": 0,
+                      "stored_blocks": 0, "shed_handshakes": 0}
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
+        #: connections still in the handshake, oldest first: at most limits.max_handshakes, a new one sheds the oldest
+        self._pending: dict[socket.socket, None] = {}
         self._slots = threading.BoundedSemaphore(self.limits.max_connections)
         self._closed = threading.Event()
         self._listener = socket.create_server((host, port), backlog=self.limits.backlog, reuse_port=False)
@@ -330,25 +336,36 @@ class BlockServer:
             return len(self._conns)
 
     def _accept_loop(self) -> None:
+        # Accepting never waits for a served slot: a connection first proves the secret under its own, smaller budget
+        # (max_handshakes), and the oldest unproven one is shed to make room — 600 connections that send nothing used
+        # to hold every slot while honest peers waited behind them in the backlog until their own handshakes expired.
         while not self._closed.is_set():
-            if not self._slots.acquire(timeout=0.2):  # at the cap: new peers wait in the backlog
-                continue
             try:
                 sock, _ = self._listener.accept()
             except (socket.timeout, OSError):
-                self._slots.release()
                 continue
+            shed = None
             with self._lock:
                 if self._closed.is_set():
                     sock.close()
-                    self._slots.release()
                     return
+                if len(self._pending) >= self.limits.max_handshakes:
+                    shed = next(iter(self._pending))
+                    del self._pending[shed]
+                    self.stats["shed_handshakes"] += 1
+                self._pending[sock] = None
                 self._conns.add(sock)
                 self.stats["connections"] += 1
                 self.stats["peak_connections"] = max(self.stats["peak_connections"], len(self._conns))
+            if shed is not None:
+                try:
+                    shed.shutdown(socket.SHUT_RDWR)  # its thread's read ends at once
+                except OSError:
+                    pass
             threading.Thread(target=self._serve_conn, args=(sock,), daemon=True).start()
 
     def _serve_conn(self, sock: socket.socket) -> None:
+        slot = False
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
@@ -358,6 +375,15 @@ class BlockServer:
                 return
             except (OSError, ConnectionError):
                 self._count("protocol_errors")
+                return
+            with self._lock:
+                shed = sock not in self._pending  # shed while its proof was in flight: too late
+                self._pending.pop(sock, None)
+            if shed:
+                return
+            while not self._closed.is_set() and not slot:  # proven: wait for one of max_connections served slots
+                slot = self._slots.acquire(timeout=0.2)
+            if not slot:
                 return
             ch = Channel(sock, session, is_server=True, limits=self.limits)
             while not self._closed.is_set():
@@ -378,10 +404,12 @@ class BlockServer:
         finally:
             with self._lock:
                 self._conns.discard(sock)
+                self._pending.pop(sock, None)
             try:
                 sock.close()
             finally:
-                self._slots.release()
+                if slot:
+                    self._slots.release()
 
     def _answer(self, ch: Channel, req: dict[str, Any]) -> bool:
         """Answer one request; False = drop the connection."""
