@@ -481,6 +481,8 @@ def test_a_per_tenant_redis_acl_user_reaches_only_its_own_tenant(redis_server):
     admin = redis_lib.Redis.from_url(redis_server.url)
     admin.execute_command("ACL", "SETUSER", "tenant-acme", "reset", "on", ">acme-password-0123456789", *tenant_acl_rules("acme"))
     owner = RedisDirectory(url=redis_server.url, prefix="kvp")  # the operator's unconfined view
+    admin.script_flush()
+    owner.load_scripts()  # tenants may only EVALSHA what the operator loaded
     beta_keys = [bytes([50 + i]) * 16 for i in range(3)]
     owner.publish("beta", [Entry(k, "beta-replica", 1) for k in beta_keys])
     beta_before = sorted(admin.keys("{kvp:beta}:*"))
@@ -508,6 +510,43 @@ def test_a_per_tenant_redis_acl_user_reaches_only_its_own_tenant(redis_server):
     for cmd in (("FLUSHALL",), ("KEYS", "*"), ("SCAN", "0"), ("CONFIG", "GET", "maxmemory"), ("DBSIZE",)):
         with pytest.raises(redis_lib.exceptions.NoPermissionError):
             acme.r.execute_command(*cmd)
+
+
+def test_a_tenant_runs_exactly_the_scripts_the_operator_loaded_and_cannot_touch_the_servers(redis_server):
+    """FUNCTION FLUSH/DELETE/LOAD REPLACE are @write, not @dangerous: a tenant user deleted every tenant's libraries.
+    With +script|load a tenant loaded `while true do end` and every tenant got BUSY until an admin's SCRIPT KILL.
+    Now a tenant EVALSHAs only what the operator loaded (load_scripts); every server-wide scripting command is refused."""
+    import redis as redis_lib
+
+    from kvpolicy.directory import RedisDirectory
+    from kvpolicy.directory.redis import tenant_acl_rules
+
+    admin = redis_lib.Redis.from_url(redis_server.url)
+    lib = "#!lua name=victimlib\nredis.register_function('victim', function() return 1 end)"
+    admin.execute_command("FUNCTION", "LOAD", "REPLACE", lib)
+    admin.execute_command("ACL", "SETUSER", "tenant-evil", "reset", "on", ">evil-password-0123456789", *tenant_acl_rules("evil"))
+    admin.script_flush()
+    owner = RedisDirectory(url=redis_server.url, prefix="kvp")
+    evil_url = redis_server.url.replace("redis://", "redis://tenant-evil:evil-password-0123456789@")
+    evil = RedisDirectory(url=evil_url, prefix="kvp")
+    k = [bytes([90 + i]) * 16 for i in range(2)]
+    assert evil.publish("evil", [Entry(x, "r", 1) for x in k]) == 0 and evil.errors == 1  # nothing loaded yet: a counted miss
+    shas = owner.load_scripts()
+    assert len(shas) == 6 and all(admin.script_exists(*shas))
+    assert evil.publish("evil", [Entry(x, "r", 1) for x in k]) == 2 and evil.match_prefix("evil", k) == 2
+    raw = redis_lib.Redis.from_url(evil_url)
+    spin = "while true do end"
+    for cmd in (("FUNCTION", "FLUSH"), ("FUNCTION", "DELETE", "victimlib"), ("FUNCTION", "LOAD", "REPLACE", lib), ("SCRIPT", "LOAD", spin),
+                ("SCRIPT", "FLUSH"), ("SCRIPT", "KILL"), ("EVAL", spin, "0"), ("FCALL", "victim", "0")):
+        with pytest.raises(redis_lib.exceptions.NoPermissionError):
+            raw.execute_command(*cmd)
+    assert admin.execute_command("FCALL", "victim", "0") == 1  # the other tenant's library is still there
+    assert all(admin.script_exists(*shas))
+    for bad in ("k*", "k?", "k[a]", "a\\b"):
+        with pytest.raises(ConfigError, match="glob"):
+            tenant_acl_rules("evil", prefix=bad)
+        with pytest.raises(ConfigError, match="glob"):
+            RedisDirectory(url=redis_server.url, prefix=bad)
 
 
 def test_the_security_page_shows_the_acl_the_code_builds():
@@ -662,3 +701,43 @@ def test_redis_lookup_and_leases_run_on_the_servers_clock_not_the_clients(redis_
     lease = d.lease("t", KEYS[:1], 30.0)
     assert abs(lease.expires_at_s - (real_time() + 30.0)) < 2.0  # the server's now + ttl, not the client's
     d.release(lease)
+
+
+def test_a_key_holds_at_most_max_holders_and_expired_ones_make_room(directory_factory):
+    """200,000 holders on one key took 48 MiB in memory and a 6.5 s script on Redis (which also answered 0, errors=1,
+    having written everything). A new holder past the bound is refused, counted, and not reported as written."""
+    d = directory_factory(max_holders_per_key=4)
+    k = KEYS[0]
+    now = time.time()
+    assert d.publish("t", [Entry(k, f"h{i}", 1) for i in range(6)]) == 4
+    assert d.holders_refused == 2
+    assert [e.holder for e in d.lookup("t", [k])[0]] == ["h0", "h1", "h2", "h3"]
+    assert d.publish("t", [Entry(k, "h0", 2)]) == 1  # an existing holder updates in place
+    d2 = directory_factory(max_holders_per_key=2)
+    d2.publish("t", [Entry(k, "old", 1, expires_at_s=now + 0.05), Entry(k, "live", 1)])
+    time.sleep(0.1)
+    assert d2.publish("t", [Entry(k, "new", 1)]) == 1  # the expired holder made room
+    assert [e.holder for e in d2.lookup("t", [k])[0]] == ["live", "new"]
+    with pytest.raises(ConfigError, match="max_holders_per_key"):
+        directory_factory(max_holders_per_key=0)
+
+
+def test_a_large_redis_call_is_split_and_reports_what_it_wrote(redis_url, monkeypatch):
+    """A 10^6-key publish was one script that held Redis for seconds, timed out client-side and reported 0 written.
+    Calls are now split at MAX_KEYS_PER_CALL keys; each part is short, and the count is the truth."""
+    from kvpolicy.directory import redis as redis_mod
+
+    d = redis_dir(redis_url)
+    sizes = []
+    publish = d._publish
+    d._publish = lambda keys, args: sizes.append(len(keys) - 2) or publish(keys=keys, args=args)
+    keys = [i.to_bytes(16, "big") for i in range(2 * redis_mod.MAX_KEYS_PER_CALL + 5)]
+    assert d.publish("t", [Entry(x, "r", 1) for x in keys]) == len(keys) and d.errors == 0
+    assert sizes == [redis_mod.MAX_KEYS_PER_CALL, redis_mod.MAX_KEYS_PER_CALL, 5]
+    assert d.match_prefix("t", keys) == len(keys)
+    assert d.match_prefix("t", keys[:1500] + [b"\xff" * 16] + keys[1500:]) == 1500
+    lease = d.lease("t", keys, 30.0)
+    assert d.leased("t", keys[-1])
+    d.release(lease)
+    assert not d.leased("t", keys[-1])
+    assert d.evict("t", keys) == len(keys) and d.match_prefix("t", keys) == 0

@@ -101,3 +101,27 @@ def test_python_block_runs_and_prints_what_it_claims(code, fragment, tmp_path):
     runner.write_text(RUNNER)
     out = subprocess.run([sys.executable, str(runner), str(path)], capture_output=True, text=True, timeout=300, cwd=str(ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_the_security_page_claims_only_what_a_named_test_shows():
+    """docs/security.md (issue #47): every row of a threat table names the test that shows it, and every test the page
+    names exists — written whole, or cut with '…' after a prefix that one test function has."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "security.md").read_text()
+    defined = set()
+    for f in (root / "tests").glob("test_*.py"):
+        defined.update(re.findall(r"^def (test_\w+)", f.read_text(), re.M))
+    named = re.findall(r"`(?:tests/\w+\.py::)?(test_[\w…]+)`", page)
+    assert len(named) >= 10
+    for name in named:
+        if name.endswith("…"):
+            assert any(d.startswith(name[:-1]) for d in defined), f"docs/security.md names {name}: no test starts so"
+        else:
+            assert name in defined, f"docs/security.md names {name}, which no test defines"
+    table = page[page.index("| threat | defence | tested by |"):].split("\n\n")[0].splitlines()[2:]
+    assert table, "the threat table"
+    for r in table:
+        assert re.search(r"`test_[\w…]+`", r.rsplit("|", 2)[-2]), f"a threat row names no test: {r[:120]}"

@@ -13,7 +13,19 @@ from typing import Any, TypeVar
 from ..clock import WallClock
 from ..errors import ConfigError
 from ..protocols import Clock
-from .base import Entry, Lease, TenantIndex, check_entries, check_holder, check_keys, check_lease, check_tenant, check_ttl
+from .base import (
+    MAX_HOLDERS_PER_KEY,
+    Entry,
+    Lease,
+    TenantIndex,
+    check_entries,
+    check_holder,
+    check_keys,
+    check_lease,
+    check_max_holders,
+    check_tenant,
+    check_ttl,
+)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -42,7 +54,8 @@ class InMemoryDirectory:
     size during iteration".
     """
 
-    def __init__(self, *, max_keys_per_tenant: int = 1_000_000, max_leases: int = 100_000, clock: Clock | None = None) -> None:
+    def __init__(self, *, max_keys_per_tenant: int = 1_000_000, max_leases: int = 100_000, clock: Clock | None = None,
+                 max_holders_per_key: int = MAX_HOLDERS_PER_KEY) -> None:
         if isinstance(max_keys_per_tenant, bool) or not isinstance(max_keys_per_tenant, int) or max_keys_per_tenant <= 0:
             raise ConfigError("max_keys_per_tenant", f"must be a positive int, got {max_keys_per_tenant!r}")
         if isinstance(max_leases, bool) or not isinstance(max_leases, int) or max_leases <= 0:
@@ -51,6 +64,9 @@ class InMemoryDirectory:
         #: leases held at once; past it a lease is refused (counted in ``leases_refused``) and protects no key
         self.max_leases = max_leases
         self.leases_refused = 0
+        #: live holders one key may have; a new holder past it is refused (expired ones make room first), counted here
+        self.max_holders_per_key = check_max_holders(max_holders_per_key)
+        self.holders_refused = 0
         self.clock = clock or WallClock()
         self._t: dict[str, OrderedDict[bytes, dict[str, Entry]]] = {}
         self._leases: dict[str, dict[bytes, int]] = {}
@@ -105,12 +121,22 @@ class InMemoryDirectory:
     def publish(self, tenant: str, entries: Sequence[Entry]) -> int:
         table = self._table(tenant)
         entries = check_entries(entries)
+        written: list[Entry] = []
+        now_s: float | None = None
         for e in entries:
             holders = table.get(e.key)
             if holders is None:
                 holders = table[e.key] = {}
+            if e.holder not in holders and len(holders) >= self.max_holders_per_key:
+                now_s = self.clock.now_s() if now_s is None else now_s
+                for h in [h for h, x in holders.items() if not self._alive(x, now_s)]:  # expired holders make room first
+                    del holders[h]
+                if len(holders) >= self.max_holders_per_key:
+                    self.holders_refused += 1
+                    continue
             holders[e.holder] = e
-        for e in reversed(entries):  # a chain's head ends most recent: capacity eviction takes leaves first
+            written.append(e)
+        for e in reversed(written):  # a chain's head ends most recent: capacity eviction takes leaves first
             table.move_to_end(e.key)
         excess = len(table) - self.max_keys_per_tenant
         if excess > 0:  # walk from the least recently used end: expired keys go for free, leased ones stay
@@ -129,7 +155,7 @@ class InMemoryDirectory:
                 del table[k]
                 excess -= 1
                 self.evicted_by_capacity += 1
-        return len(entries)
+        return len(written)
 
     @_locked
     def match_prefix(self, tenant: str, keys: Sequence[bytes]) -> int:

@@ -32,7 +32,20 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ConfigError
-from .base import Entry, Lease, TenantIndex, check_entries, check_holder, check_keys, check_lease, check_tenant, check_ttl
+from .base import (
+    MAX_HOLDERS_PER_KEY,
+    MAX_KEYS_PER_CALL,
+    Entry,
+    Lease,
+    TenantIndex,
+    check_entries,
+    check_holder,
+    check_keys,
+    check_lease,
+    check_max_holders,
+    check_tenant,
+    check_ttl,
+)
 
 # A holder's value ends in its own expiry (absolute seconds; '' = none): the entry is live while that is ahead.
 # A hash lives as long as its longest-lived holder — persistent if any holder is, else until the latest expiry —
@@ -89,17 +102,32 @@ return n
 """
 
 # KEYS: lru, clock, then one hash per entry
-# ARGV: max_keys, lease_prefix, then per entry: hex, holder, value, expire_at_ms ('' = none)
+# ARGV: max_keys, lease_prefix, max_holders, then per entry: hex, holder, value, expire_at_ms ('' = none)
 _PUBLISH = _HOLDERS + """
 local tick = redis.call('INCRBY', KEYS[2], #KEYS - 2)
 local n = 0
+local refused = 0
+local maxh = tonumber(ARGV[3])
+local now = now_s()
 for i = 3, #KEYS do
-  local j = (i - 3) * 4 + 3
+  local j = (i - 3) * 4 + 4
   local hex, holder, value, exp = ARGV[j], ARGV[j + 1], ARGV[j + 2], ARGV[j + 3]
-  redis.call('HSET', KEYS[i], holder, value)
-  reset_expiry(KEYS[i])
-  redis.call('ZADD', KEYS[1], tick - (i - 3), hex)
-  n = n + 1
+  local room = redis.call('HEXISTS', KEYS[i], holder) == 1 or redis.call('HLEN', KEYS[i]) < maxh
+  if not room then  -- full of holders: the expired ones make room first (at most maxh values read)
+    local all = redis.call('HGETALL', KEYS[i])
+    for k = 1, #all, 2 do
+      if not live_value(all[k + 1], now) then redis.call('HDEL', KEYS[i], all[k]) end
+    end
+    room = redis.call('HLEN', KEYS[i]) < maxh
+  end
+  if room then
+    redis.call('HSET', KEYS[i], holder, value)
+    reset_expiry(KEYS[i])
+    redis.call('ZADD', KEYS[1], tick - (i - 3), hex)
+    n = n + 1
+  else
+    refused = refused + 1
+  end
 end
 local maxk = tonumber(ARGV[1])
 local excess = redis.call('ZCARD', KEYS[1]) - maxk
@@ -130,7 +158,7 @@ if excess > 0 then
     start = start + kept
   end
 end
-return {n, evicted}
+return {n, evicted, refused}
 """
 
 # KEYS: lru, then one hash per key; ARGV: force ('1'/'0'), holder ('' = all), lease_prefix, then hex per key
@@ -202,13 +230,23 @@ return n
 
 def tenant_acl_rules(tenant: str, prefix: str = "kvp") -> list[str]:
     """The Redis ACL rules (after ``ACL SETUSER <user> reset on ><password>``) that confine a connection to one
-    tenant's keys and to the commands the directory uses: reading and writing ``{prefix:tenant}:*``, its scripts
-    (``EVALSHA``, ``SCRIPT LOAD``), ``TIME`` (the scripts' expiry clock) and ``PING`` — no other tenant's keys, no
-    ``FLUSHALL``/``KEYS``/``SCAN``/``CONFIG`` or anything else in ``@dangerous``."""
-    if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix:
-        raise ConfigError("prefix", f"must be a non-empty string without braces, got {prefix!r}")
-    return ["resetkeys", f"~{{{prefix}:{check_tenant(tenant)}}}:*", "resetchannels", "-@all", "+@read", "+@write", "+evalsha",
-            "+script|load", "+time", "+ping", "-@dangerous", "-scan", "-randomkey", "-dbsize"]
+    tenant's keys and to the commands the directory uses: reading and writing ``{prefix:tenant}:*``, running the
+    scripts already loaded (``EVALSHA``; the operator loads kvpolicy's with :meth:`RedisDirectory.load_scripts`),
+    ``TIME`` (the expiry clock) and ``PING``. Nothing in ``@scripting`` besides ``EVALSHA``: no ``SCRIPT LOAD`` (a
+    tenant's own ``while true do end`` blocked every tenant), no ``EVAL``, no ``FUNCTION FLUSH/DELETE/LOAD`` (in
+    ``@write``, not ``@dangerous``: they deleted every tenant's libraries), no ``SCRIPT KILL/FLUSH``; no other
+    tenant's keys, no ``FLUSHALL``/``KEYS``/``SCAN``/``CONFIG`` or anything else in ``@dangerous``."""
+    _check_prefix(prefix)
+    return ["resetkeys", f"~{{{prefix}:{check_tenant(tenant)}}}:*", "resetchannels", "-@all", "+@read", "+@write", "-@scripting",
+            "+evalsha", "+time", "+ping", "-@dangerous", "-scan", "-randomkey", "-dbsize"]
+
+
+def _check_prefix(prefix: Any) -> str:
+    """A key prefix: no braces (the hash tag) and no glob characters — ``prefix="k*"`` made an ACL key pattern
+    ``~{k*:acme}:*`` that also matched ``{kvp:acme}``'s keys."""
+    if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{}*?[]\\"):
+        raise ConfigError("prefix", f"must be a non-empty string without braces or glob characters (*?[]\\), got {prefix!r}")
+    return prefix
 
 
 def _redis() -> Any:
@@ -225,19 +263,21 @@ _ERROR_CODE = re.compile(r"(?:^|caused error: )([A-Z][A-Z_]{1,31})\b")
 
 class RedisDirectory:
     def __init__(self, client: Any = None, *, url: str | None = None, prefix: str = "kvp", max_keys_per_tenant: int = 1_000_000,
-                 socket_timeout_s: float = 1.0) -> None:
+                 socket_timeout_s: float = 1.0, max_holders_per_key: int = MAX_HOLDERS_PER_KEY) -> None:
         redis = _redis()
         if client is None:
             if not url:
                 raise ConfigError("url", "give a redis client or a redis:// URL")
             client = redis.Redis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
-        if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix:
-            raise ConfigError("prefix", f"must be a non-empty string without braces, got {prefix!r}")
+        _check_prefix(prefix)
         if isinstance(max_keys_per_tenant, bool) or not isinstance(max_keys_per_tenant, int) or max_keys_per_tenant <= 0:
             raise ConfigError("max_keys_per_tenant", f"must be a positive int, got {max_keys_per_tenant!r}")
         self.r = client
         self.prefix = prefix
         self.max_keys_per_tenant = max_keys_per_tenant
+        self.max_holders_per_key = check_max_holders(max_holders_per_key)
+        #: publishes refused because their key already had max_holders_per_key live holders
+        self.holders_refused = 0
         # every Redis failure — an outage, a timeout, a full server (maxmemory with noeviction), a failover that left a
         # read-only replica (READONLY), a script holding the server (BUSY), any other error reply — is answered as a
         # miss and counted by kind (error_kinds), never raised: the caller (an engine, the ingest-events sidecar) goes on
@@ -250,6 +290,7 @@ class RedisDirectory:
         self._lease = client.register_script(_LEASE)
         self._release = client.register_script(_RELEASE)
         self._clear = client.register_script(_CLEAR_HOLDER)
+        self._scripts = (self._match, self._publish, self._evict, self._lease, self._release, self._clear)
         self.errors = 0
         #: the failures in ``errors`` by kind: the exception's class (``ConnectionError``, ``ReadOnlyError``, ...), or the
         #: reply's code for a generic error reply (``BUSY``, ``ERR``, ...)
@@ -290,27 +331,37 @@ class RedisDirectory:
         entries = check_entries(entries)  # None was "nothing to publish" here and a TypeError in memory
         if not entries:
             return 0
-        keys = [base + "lru", base + "clock"]
-        args: list[Any] = [self.max_keys_per_tenant, base + "lease:"]
-        for e in entries:
-            h = e.key.hex()
-            keys.append(base + "b:" + h)
-            exp = "" if e.expires_at_s is None else str(int(e.expires_at_s * 1000))
-            args += [h, e.holder, e.pack(), exp]
-        res = self._call(lambda: self._publish(keys=keys, args=args), None)
-        if res is None:
-            return 0
-        self.evicted_by_capacity += int(res[1])
-        return int(res[0])
+        written = 0
+        for lo in range(0, len(entries), MAX_KEYS_PER_CALL):  # one script call never holds the server for long
+            keys = [base + "lru", base + "clock"]
+            args: list[Any] = [self.max_keys_per_tenant, base + "lease:", self.max_holders_per_key]
+            for e in entries[lo:lo + MAX_KEYS_PER_CALL]:
+                h = e.key.hex()
+                keys.append(base + "b:" + h)
+                exp = "" if e.expires_at_s is None else str(int(e.expires_at_s * 1000))
+                args += [h, e.holder, e.pack(), exp]
+            res = self._call(lambda: self._publish(keys=keys, args=args), None)
+            if res is None:  # counted in errors; what earlier calls wrote stays written, and is reported
+                continue
+            written += int(res[0])
+            self.evicted_by_capacity += int(res[1])
+            self.holders_refused += int(res[2])
+        return written
 
     def match_prefix(self, tenant: str, keys: Sequence[bytes]) -> int:
         ks = check_keys(keys)
         base = self._base(tenant)
         if not ks:
             return 0
-        hexes = [k.hex() for k in ks]
-        names = [base + "lru", base + "clock"] + [base + "b:" + h for h in hexes]
-        return int(self._call(lambda: self._match(keys=names, args=hexes), 0))
+        n = 0
+        for lo in range(0, len(ks), MAX_KEYS_PER_CALL):  # the leading run, a bounded call at a time
+            hexes = [k.hex() for k in ks[lo:lo + MAX_KEYS_PER_CALL]]
+            names = [base + "lru", base + "clock"] + [base + "b:" + h for h in hexes]
+            got = int(self._call(lambda: self._match(keys=names, args=hexes), 0))
+            n += got
+            if got < len(hexes):
+                break
+        return n
 
     def match_prefix_per_key(self, tenant: str, keys: Sequence[bytes]) -> int:
         """The naive way — one EXISTS round trip per key (for the benchmark's baseline)."""
@@ -351,10 +402,13 @@ class RedisDirectory:
         base = self._base(tenant)
         if not ks:
             return 0
-        hexes = [k.hex() for k in ks]
-        names = [base + "lru"] + [base + "b:" + h for h in hexes]
-        args = ["1" if force else "0", holder or "", base + "lease:"] + hexes
-        return int(self._call(lambda: self._evict(keys=names, args=args), 0))
+        n = 0
+        for lo in range(0, len(ks), MAX_KEYS_PER_CALL):
+            hexes = [k.hex() for k in ks[lo:lo + MAX_KEYS_PER_CALL]]
+            names = [base + "lru"] + [base + "b:" + h for h in hexes]
+            args = ["1" if force else "0", holder or "", base + "lease:"] + hexes
+            n += int(self._call(lambda: self._evict(keys=names, args=args), 0))
+        return n
 
     def clear_holder(self, tenant: str, holder: str) -> int:
         check_holder(holder)
@@ -368,13 +422,21 @@ class RedisDirectory:
         names = [base + "lease:" + k.hex() for k in ks]
         lease_id = f"redis-{uuid.uuid4().hex}"
         now = None
-        if names:
-            got = self._call(lambda: self._lease(keys=names, args=[int(ttl_s * 1000), lease_id]), None)
-            if isinstance(got, list) and len(got) == 3:
+        for lo in range(0, len(names), MAX_KEYS_PER_CALL):
+            part = names[lo:lo + MAX_KEYS_PER_CALL]
+            got = self._call(lambda: self._lease(keys=part, args=[int(ttl_s * 1000), lease_id]), None)
+            if now is None and isinstance(got, list) and len(got) == 3:
                 now = float(got[1]) + float(got[2]) / 1e6  # the server's clock, which expires the lease
         if now is None:  # no keys, or Redis did not answer (counted): the client's clock is all there is
             now = self._server_now()
         return Lease(lease_id, tenant, tuple(ks), now + ttl_s)
+
+    def load_scripts(self) -> list[str]:
+        """Load kvpolicy's scripts into the server's script cache (``SCRIPT LOAD``) and return their SHA1s. Run it from
+        the operator's connection: tenants confined by :func:`tenant_acl_rules` may only ``EVALSHA`` scripts already
+        loaded, so run it again after a Redis restart or ``SCRIPT FLUSH`` (until then tenants' calls are misses,
+        counted in ``errors``). Raises the Redis error: loading is the operator's step, not a serving path."""
+        return [str(self.r.script_load(sc.script)) for sc in self._scripts]
 
     def _server_now(self) -> float:
         """The server's TIME in seconds; the client's clock when Redis does not answer."""
@@ -384,8 +446,9 @@ class RedisDirectory:
     def release(self, lease: Lease) -> None:
         base = self._base(check_lease(lease).tenant)
         names = [base + "lease:" + k.hex() for k in lease.keys]
-        if names:
-            self._call(lambda: self._release(keys=names, args=[lease.lease_id]), 0)
+        for lo in range(0, len(names), MAX_KEYS_PER_CALL):
+            part = names[lo:lo + MAX_KEYS_PER_CALL]
+            self._call(lambda: self._release(keys=part, args=[lease.lease_id]), 0)
 
     def leased(self, tenant: str, key: bytes) -> bool:
         return bool(self._call(lambda: self.r.exists(self._base(tenant) + "lease:" + key.hex()), 0))
