@@ -490,7 +490,7 @@ def test_profile_measures_llama_cpp_in_process(gguf_path, tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def llama_server(gguf_path):
+def llama_server(gguf_path, tmp_path_factory):
     """llama-cpp-python's OpenAI-compatible server on the real model (text prompts only)."""
     import subprocess
     import sys
@@ -511,14 +511,15 @@ def llama_server(gguf_path):
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
+    log = tmp_path_factory.mktemp("llama-server") / "stderr.log"
     proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf_path, "--model_alias", "smollm2", "--host", "127.0.0.1",
                              "--port", str(port), "--n_ctx", "2048", "--n_threads", "2", "--verbose", "false"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=log.open("wb"))  # not a pipe: its request log would fill it and block
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(300):
             if proc.poll() is not None:
-                pytest.fail(f"the llama.cpp server exited: {proc.stderr.read().decode()[-2000:]}")
+                pytest.fail(f"the llama.cpp server exited: {log.read_text()[-2000:]}")
             try:
                 if httpx.get(f"{url}/v1/models", timeout=1.0).status_code == 200:
                     break

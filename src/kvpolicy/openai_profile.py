@@ -159,7 +159,8 @@ class OpenAIProfileTarget:
         with self.client.stream("POST", f"{self.base}/v1/completions", json=body) as r:
             if r.status_code != 200:
                 r.read()
-                hint = " (a server that takes text prompts only? try --prompt-format text)" if r.status_code == 422 and self.prompt_format == "ids" else ""
+                text_only = r.status_code in (400, 422, 500) and self.prompt_format == "ids"  # llama-cpp-python's answers 500
+                hint = " (a server that takes text prompts only? try --prompt-format text)" if text_only else ""
                 raise ConfigError("--openai-url", f"/v1/completions answered HTTP {r.status_code}{hint}: {r.text[:300]}")
             for line in r.iter_lines():
                 if line.startswith("data:") and line[5:].strip() != "[DONE]":
