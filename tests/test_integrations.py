@@ -167,6 +167,34 @@ def test_malformed_frames_are_counted_never_raised():
     assert ing.counts["malformed_frames"] == 2 and ing.counts["malformed_events"] == 1 and ing.counts["stored_blocks"] == 1
 
 
+def test_a_flood_of_events_in_one_batch_is_refused_whole_and_logs_are_bounded(caplog):
+    """A 3 MB message of 3 million nil events took 8.6 s of ingestion (one decode and one log line each). A batch past
+    MAX_EVENTS_PER_BATCH is now one malformed frame, refused before any event is looked at; within a batch, malformed
+    events past the first few are counted and summed in one log line."""
+    import time as time_mod
+
+    import msgpack
+
+    from kvpolicy.integrations import vllm_events
+
+    ing = ingestor()
+    flood = msgpack.packb([1.0, [None] * 3_000_000])
+    assert len(flood) < 4 * 2**20
+    t0 = time_mod.perf_counter()
+    assert ing.ingest(flood) == 0
+    assert time_mod.perf_counter() - t0 < 1.0
+    assert ing.counts["malformed_frames"] == 1 and ing.counts["malformed_events"] == 0
+    with pytest.raises(EventFormatError, match="3,000,000 events in one batch"):
+        decode_batch(flood)
+    ev, _ = stored(PROMPT[:B])
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=vllm_events.log.name):
+        assert ing.ingest(encode_batch(2.0, [None] * 100 + [ev])) == 1
+    assert ing.counts["malformed_events"] == 100
+    lines = [r for r in caplog.records if "malformed" in r.getMessage()]
+    assert len(lines) == vllm_events.MAX_LOGGED_PER_BATCH + 1 and "92 more" in lines[-1].getMessage()
+
+
 def test_an_event_the_directory_refuses_is_counted_not_raised():
     """ingest() never raises: what decode_event cannot see — here a directory that refuses the write — is a malformed
     event, and the next event still applies."""

@@ -352,3 +352,27 @@ def test_every_consumer_refuses_a_trace_of_sparse_or_negative_ids_by_name():
             assert says in e.value.problem, e.value
     fixed = canonicalize(sparse)
     assert np.array_equal(replay_kernel(fixed, "lru", 40).hits, replay_kernel(dense, "lru", 40).hits)
+
+
+def test_a_decompression_bomb_is_refused_after_a_bounded_read(tmp_path):
+    """A 2 MB gzip of one 2 GiB line peaked at 4.3 GB of memory (lines were read whole). A line past MAX_LINE_BYTES is
+    now refused naming the file and line, having read at most that much of it."""
+    import gzip
+    import resource
+
+    from kvpolicy.traces import read_mooncake
+    from kvpolicy.traces.readers import MAX_LINE_BYTES
+
+    f = tmp_path / "bomb.jsonl.gz"
+    chunk = b"9" * (1 << 20)
+    with gzip.open(f, "wb", compresslevel=1) as g:
+        g.write(b'{"timestamp": 0, "input_length": 16, "output_length": 1, "hash_ids": [1]}\n{"timestamp": ')
+        for _ in range(MAX_LINE_BYTES // len(chunk) * 3):  # 192 MiB on one line
+            g.write(chunk)
+        g.write(b"}\n")
+    assert f.stat().st_size < 2 * 2**20
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(TraceFormatError, match=r"bomb.jsonl.gz:2.*longer than 64 MiB"):
+        read_mooncake(f)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mib < 3 * MAX_LINE_BYTES / 2**20, f"{grown_mib:.0f} MiB"

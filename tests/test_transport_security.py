@@ -322,6 +322,55 @@ def test_an_authenticated_peer_is_still_held_to_the_header_cap():
         srv.close()
 
 
+def test_a_deep_header_or_a_non_ascii_mac_from_a_peer_with_the_secret_is_a_protocol_error_on_both_sides():
+    """A 100k-deep header and a non-ASCII mac (hmac.compare_digest raises TypeError on it) escaped as uncaught errors in
+    the server's thread and in PeerClient. Both are now malformed messages: counted, the connection dropped."""
+    crashes = []
+    old_hook = threading.excepthook
+    threading.excepthook = lambda a: crashes.append(repr(a.exc_value))
+    store, srv = one_block_server()
+    k = TransportKeys.from_secret(SECRET)
+    try:
+        for header in ({"op": "match", "namespace": bytes(16).hex(), "keys": [[[0]]]},  # placeholder, replaced below
+                       {"op": "put", "namespace": bytes(16).hex(), "blocks": [{"key": "00" * 16, "nbytes": BB, "mac": "é" * 32}]}):
+            s = raw(srv.address)
+            ch = Channel(s, client_handshake(s, k, 5.0), is_server=False, limits=TransportLimits())
+            if header["op"] == "match":
+                deep = b"[" * 100_000 + b"]" * 100_000
+                h = b'{"op": "match", "namespace": "' + bytes(16).hex().encode() + b'", "keys": ' + deep + b"}"
+                s.sendall(struct.pack(">I", len(h)) + h + ch._frame_tag(b"C", 0, h))
+            else:
+                ch.send(header, [b"\0" * BB])
+            assert closed_by_peer(s, 5.0)
+            s.close()
+        wait_until(lambda: srv.stats["protocol_errors"] >= 2)
+        assert srv.stats["protocol_errors"] == 2 and bytes(16) not in store.blocks  # the forged put stored nothing
+
+        # a server with the secret answering a get with a non-ASCII mac: the client refuses it as a protocol error
+        listener = socket.create_server(("127.0.0.1", 0))
+
+        def evil() -> None:
+            c, _ = listener.accept()
+            ch = Channel(c, server_handshake(c, k, 5.0), is_server=True, limits=TransportLimits())
+            req = ch.recv(5.0)
+            ch.send({"blocks": [{"key": req["keys"][0], "nbytes": BB, "mac": "é" * 32}]}, [b"\0" * BB])
+            time.sleep(0.5)
+            c.close()
+
+        t = threading.Thread(target=evil, daemon=True)
+        t.start()
+        c = PeerClient(listener.getsockname()[:2], bytes(16), secret=SECRET, block_bytes=BB, timeout_s=5.0)
+        with pytest.raises(TransportError, match="32-hex-digit mac"):
+            c.fetch([b"\x01" * 16], 5.0)
+        assert c.stats["protocol_errors"] == 1
+        t.join(5)
+        listener.close()
+    finally:
+        threading.excepthook = old_hook
+        srv.close()
+    assert crashes == []
+
+
 def test_frames_cannot_be_altered_replayed_or_reordered():
     store, srv = one_block_server()
     k = TransportKeys.from_secret(SECRET)

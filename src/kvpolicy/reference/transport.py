@@ -51,6 +51,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import socket
 import struct
 import threading
@@ -251,14 +252,23 @@ def _hex_keys(values: Any, limits: TransportLimits) -> list[bytes]:
         raise TransportError("keys: not hex strings") from None
 
 
+_MAC_RE = re.compile(r"[0-9a-f]{32}")
+
+
+def _is_mac(v: Any) -> bool:
+    """A block MAC as block_mac writes it: 32 lowercase hex digits. A non-ASCII one made hmac.compare_digest raise
+    TypeError, an uncaught error in the server's thread and in PeerClient (issue #47)."""
+    return isinstance(v, str) and _MAC_RE.fullmatch(v) is not None
+
+
 def _block_meta(meta: Any, block_bytes: int, limits: TransportLimits) -> list[tuple[bytes, str]]:
     """(key, mac) per block, after checking every size equals the block size: nothing is allocated before."""
     if not isinstance(meta, list) or len(meta) > limits.max_blocks_per_message:
         raise TransportError(f"blocks: must be a list of at most {limits.max_blocks_per_message}")
     out = []
     for m in meta:
-        if not isinstance(m, dict) or m.get("nbytes") != block_bytes or not isinstance(m.get("mac"), str):
-            raise TransportError(f"blocks: every block must be {block_bytes} bytes with a mac, got {str(m)[:80]}")
+        if not isinstance(m, dict) or m.get("nbytes") != block_bytes or not _is_mac(m.get("mac")):
+            raise TransportError(f"blocks: every block must be {block_bytes} bytes with a 32-hex-digit mac, got {str(m)[:80]}")
         try:
             out.append((bytes.fromhex(m["key"]), m["mac"]))
         except (KeyError, TypeError, ValueError):

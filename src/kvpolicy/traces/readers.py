@@ -40,20 +40,27 @@ def open_trace(path: str | Path) -> Any:
     return open(p, "rb")
 
 
+#: the longest line a trace may have: a million-token prompt as JSON is ~8 MB. A 2 MB gzip bomb of one 2 GiB line
+#: peaked at 4.3 GB of memory when lines were read whole; now it is refused after 64 MiB of it (issue #47)
+MAX_LINE_BYTES = 64 * 2**20
+
+
 def _numbered(f: Any, path: str) -> Iterator[tuple[int, bytes]]:
-    """``enumerate(f, 1)`` that turns a corrupt or truncated gzip stream into a TraceFormatError."""
+    """``enumerate(f, 1)`` that turns a corrupt or truncated gzip stream, or a line over MAX_LINE_BYTES, into a
+    TraceFormatError — reading at most MAX_LINE_BYTES + 1 bytes of any line."""
     import gzip
 
     lineno = 0
-    it = iter(f)
     while True:
         try:
-            raw = next(it)
-        except StopIteration:
-            return
+            raw = f.readline(MAX_LINE_BYTES + 1)
         except (gzip.BadGzipFile, EOFError, OSError) as exc:
             raise TraceFormatError(path, lineno + 1 if lineno else None, f"not a readable gzip stream ({exc})") from None
+        if not raw:
+            return
         lineno += 1
+        if len(raw) > MAX_LINE_BYTES:
+            raise TraceFormatError(path, lineno, f"a line longer than {MAX_LINE_BYTES // 2**20} MiB (a decompression bomb, or not a trace)")
         yield lineno, raw
 
 
