@@ -229,7 +229,8 @@ def test_restart_clients_reconnect_and_report_misses_meanwhile(redis_server):
     assert d.match_prefix("t", KEYS[:4]) == 0, "the server is down: a miss, not an exception"
     assert d.publish("t", [Entry(KEYS[5], "n", 1)]) == 0
     assert d.lookup("t", KEYS[:2]) == [[], []]
-    assert d.errors >= 3
+    assert d.leased("t", KEYS[0]) is False, "no answer is not a lease"
+    assert d.errors >= 4
     redis_server.start()  # a fresh, empty server on the same port
     assert d.match_prefix("t", KEYS[:4]) == 0, "nothing stale is served after the restart"
     assert d.publish("t", [Entry(k, "n", 1) for k in KEYS[:2]]) == 2, "the client reconnects and reloads its scripts"
@@ -698,8 +699,12 @@ def test_redis_lookup_and_leases_run_on_the_servers_clock_not_the_clients(redis_
     monkeypatch.setattr(redis_mod.time, "time", lambda: real_time() + skew_s)
     assert d.match_prefix("t", KEYS[:1]) == 1
     assert [e.holder for e in d.lookup("t", KEYS[:1])[0]] == ["live"]
+    sec, usec = d.r.time()
     lease = d.lease("t", KEYS[:1], 30.0)
-    assert abs(lease.expires_at_s - (real_time() + 30.0)) < 2.0  # the server's now + ttl, not the client's
+    server_now = float(sec) + float(usec) / 1e6
+    assert 0 <= lease.expires_at_s - (server_now + 30.0) < 0.05  # the server's now (to the microsecond) + ttl
+    sec, usec = d.r.time()
+    assert 0 <= d._server_now() - (float(sec) + float(usec) / 1e6) < 0.01
     d.release(lease)
 
 
@@ -741,3 +746,53 @@ def test_a_large_redis_call_is_split_and_reports_what_it_wrote(redis_url, monkey
     d.release(lease)
     assert not d.leased("t", keys[-1])
     assert d.evict("t", keys) == len(keys) and d.match_prefix("t", keys) == 0
+
+
+def test_the_directorys_bounds_hold_at_their_edges(directory_factory):
+    """Keys of 1 and 64 bytes, holders of 1 and 256 characters, leases of exactly 1 ms and 1 h are accepted; one step
+    past each edge is refused, naming the field. A tier must be a name too."""
+    d = directory_factory()
+    assert d.publish("t", [Entry(b"k", "h" * 256, 1), Entry(b"K" * 64, "h", 1)]) == 2
+    assert d.match_prefix("t", [b"k"]) == 1 and d.match_prefix("t", [b"K" * 64]) == 1
+    for bad, field in ((lambda: Entry(b"", "h"), "key"), (lambda: Entry(b"x" * 65, "h"), "key"), (lambda: Entry(b"k", "h" * 257), "holder"),
+                       (lambda: Entry(b"k", "h", 1, tier=""), "tier"), (lambda: Entry(b"k", "h", 1, tier=5), "tier"),
+                       (lambda: d.match_prefix("t", [b""]), "key"), (lambda: d.match_prefix("t", [b"x" * 65]), "key"),
+                       (lambda: d.lease("t", [b"k"], 0.000999), "ttl_s"), (lambda: d.lease("t", [b"k"], 3600.001), "ttl_s"),
+                       (lambda: d.lease("a b", [b"k"], 1.0), "tenant")):
+        with pytest.raises(ConfigError, match=field):
+            bad()
+    for ttl in (0.001, 3600.0):
+        d.release(d.lease("t", [b"k"], ttl))
+
+
+def test_an_expired_lease_protects_nothing_even_before_anything_else_is_called():
+    """In memory a lease expires when its time comes: leased() says so at once, and evict() may take the key."""
+    clock = ManualClock(100.0)
+    d = InMemoryDirectory(clock=clock)
+    d.publish("t", [Entry(KEYS[0], "h", 1, expires_at_s=105.0)])
+    lease = d.lease("t", KEYS[:1], 1.0)
+    assert d.leased("t", KEYS[0]) and d.evict("t", KEYS[:1]) == 0
+    clock.advance(1.0)  # exactly at expiry: gone (a lease is live while its expiry is ahead)
+    assert not d.leased("t", KEYS[0])
+    d.lease("t", KEYS[:1], 1.0)
+    clock.advance(2.0)
+    assert d.evict("t", KEYS[:1]) == 1, "the expired lease no longer protects the key"
+    d.publish("t", [Entry(KEYS[1], "h", 1, expires_at_s=clock.now_s())])  # an entry whose expiry is now is not live
+    assert d.match_prefix("t", KEYS[1:2]) == 0
+    assert lease.expires_at_s == 101.0
+
+
+def test_a_tenant_scoped_directory_with_a_namespace_never_returns_anothers_entries():
+    from kvpolicy.directory import TenantScopedDirectory
+
+    raw = InMemoryDirectory()
+    raw.publish("t", [Entry(KEYS[0], "mine", 1, namespace_digest=b"A" * 16), Entry(KEYS[0], "theirs", 1, namespace_digest=b"B" * 16)])
+    scoped = TenantScopedDirectory(raw, "t", b"A" * 16)
+    assert [e.holder for e in scoped.lookup(KEYS[:1])[0]] == ["mine"]
+    assert [e.holder for e in TenantScopedDirectory(raw, "t").lookup(KEYS[:1])[0]] == ["mine", "theirs"]
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, "5", 1.5])
+def test_redis_refuses_a_key_bound_that_is_not_a_positive_int(redis_url, bad):
+    with pytest.raises(ConfigError, match="max_keys_per_tenant"):
+        redis_dir(redis_url, max_keys_per_tenant=bad)

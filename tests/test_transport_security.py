@@ -674,3 +674,64 @@ def test_server_faults_reach_the_client_as_what_they_are():
     finally:
         c.close()
         srv.close()
+
+
+def test_a_proven_connection_is_never_shed_by_new_unproven_ones():
+    """Only connections still in the handshake count against max_handshakes: three authenticated clients stay
+    served while ten silent connections come and are shed."""
+    store, srv = one_block_server(TransportLimits(max_handshakes=2))
+    clients = [_client(srv) for _ in range(3)]
+    idle = []
+    try:
+        assert [c.match_prefix([b"\x01" * 16]) for c in clients] == [1, 1, 1]
+        idle = [raw(srv.address) for _ in range(10)]
+        wait_until(lambda: srv.stats["connections"] == 13)
+        assert srv.stats["shed_handshakes"] == 8
+        assert [c.match_prefix([b"\x01" * 16]) for c in clients] == [1, 1, 1]
+        assert srv.stats["connections"] == 13, "the same connections answered: none was shed and reopened"
+    finally:
+        for s in idle:
+            s.close()
+        for c in clients:
+            c.close()
+        srv.close()
+
+
+def test_another_namespace_is_answered_with_nothing_and_the_connection_goes_on():
+    store, srv = one_block_server()
+    k = TransportKeys.from_secret(SECRET)
+    try:
+        s = raw(srv.address)
+        ch = Channel(s, client_handshake(s, k, 5.0), is_server=False, limits=TransportLimits())
+        other = (b"\x09" * 16).hex()
+        ch.send({"op": "match", "namespace": other, "keys": [(b"\x01" * 16).hex()]})
+        assert ch.recv(5.0) == {"n": 0, "blocks": [], "error": "namespace"}
+        ch.send({"op": "get", "namespace": other, "keys": [(b"\x01" * 16).hex()]})
+        assert ch.recv(5.0)["blocks"] == []
+        payload = b"\x05" * BB
+        mac = block_mac(k.block, b"\x09" * 16, b"\x02" * 16, payload)
+        ch.send({"op": "put", "namespace": other, "blocks": [{"key": (b"\x02" * 16).hex(), "nbytes": BB, "mac": mac}]}, [payload])
+        assert ch.recv(5.0) == {"stored": 0, "error": "namespace"}
+        ch.send({"op": "match", "namespace": bytes(16).hex(), "keys": [(b"\x01" * 16).hex()]})
+        assert ch.recv(5.0) == {"n": 1}, "the same connection still answers its own namespace"
+        assert b"\x02" * 16 not in store.blocks
+        s.close()
+    finally:
+        srv.close()
+
+
+def test_a_client_checks_its_block_size_asks_nothing_for_no_keys_and_hangs_up_on_close():
+    store, srv = one_block_server()
+    try:
+        for bad in (0, -1, True, "5", 1.5):
+            with pytest.raises(ConfigError, match="block_bytes"):
+                PeerClient(srv.address, bytes(16), secret=SECRET, block_bytes=bad)
+        c = _client(srv)
+        assert c.match_prefix([]) == 0 and srv.stats["connections"] == 0, "nothing to ask: no connection"
+        assert c.match_prefix([b"\x01" * 16]) == 1
+        wait_until(lambda: srv.open_connections == 1)
+        c.close()
+        wait_until(lambda: srv.open_connections == 0)
+        assert srv.open_connections == 0, "close() hangs up at once, not at the server's idle limit"
+    finally:
+        srv.close()
