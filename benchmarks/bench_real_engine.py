@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_real_engine: give the GGUF (or set KVPOLICY_GGUF)", file=sys.stderr)
         return 2
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_sim_vs_real import forward_over_marginal, simulated
+    from bench_sim_vs_real import forward_over_marginal, link_figures, simulated
 
     from kvpolicy.gguf import GGUFModel
     from kvpolicy.integrations.llamacpp import LlamaCppProfileTarget
@@ -226,16 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         target.close()
     prefill = prof.prefill_model()
-    ex = prof.extra
     bpt = model.bytes_per_token()
-    nbytes = prof.prefix_tokens.astype(float) * bpt
-    xfer_s = ex["remote_transfer_p50_ms"] / 1e3
-    beta = max(float(np.polyfit(nbytes, xfer_s, 1)[0]), 1e-15)
-    figures = {"bytes_per_token": bpt, "replicas": 2, "link_bytes_per_s": 1.0 / beta,
-               "lookup_s": float(np.median(ex["remote_lookup_p50_ms"])) / 1e3,
-               "transfer_overhead_s": max(float(np.median(xfer_s - beta * nbytes)), 0.0),
-               "install_s_per_block": float(np.median((ex["remote_install_p50_ms"] + ex["remote_stage_p50_ms"]) / 1e3 / (prof.prefix_tokens / B))),
-               "dispatch_s": 0.0, "prefill": prefill.to_dict(), "publish": "all"}
+    figures = {"bytes_per_token": bpt, "replicas": 2, **link_figures(prof, B, bpt), "dispatch_s": 0.0, "prefill": prefill.to_dict(),
+               "publish": "all"}
 
     # 2. the three real runs
     redis_proc, redis_url = start_redis()

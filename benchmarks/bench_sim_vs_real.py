@@ -356,6 +356,21 @@ def replay_trace(n_requests: int, seed: int) -> Any:
                            user_tokens=(16, 160), output_tokens=(16, 160), think_time_s=4.0, rate_per_s=6.0, seed=seed), keep_tokens=True)
 
 
+def link_figures(prof: Any, block_size_tokens: int, bytes_per_token: int) -> dict[str, float]:
+    """What ``kvpolicy profile`` measured of the path, as the simulator and the controllers take it: the lookup, the
+    transfer's fixed cost and rate (a line through the transfer times against bytes), and staging + install per block."""
+    import numpy as np
+
+    ex = prof.extra
+    xfer_s = ex["remote_transfer_p50_ms"] / 1e3
+    nbytes = prof.prefix_tokens.astype(float) * bytes_per_token
+    beta = max(float(np.polyfit(nbytes, xfer_s, 1)[0]), 1e-15)
+    return {"lookup_s": float(np.median(ex["remote_lookup_p50_ms"])) / 1e3,
+            "transfer_overhead_s": max(float(np.median(xfer_s - beta * nbytes)), 0.0), "link_bytes_per_s": 1.0 / beta,
+            "install_s_per_block": float(np.median((ex["remote_install_p50_ms"] + ex["remote_stage_p50_ms"]) / 1e3
+                                                   / (prof.prefix_tokens / block_size_tokens)))}
+
+
 def simulated(e: dict[str, Any], trace: Any, compute_scale: Any = None, local_capacity_blocks: int = 4096) -> tuple[Any, Any]:
     """The simulator of (b), configured only from the figures an end-to-end record holds (the profile's fit, the link
     measured alone, the probes); ``compute_scale`` as Simulator takes it; ``local_capacity_blocks`` each replica's own
@@ -478,15 +493,10 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publ
     finally:
         target.close()
     prefill = prof.prefill_model()
-    ex = prof.extra
-    lookup_s = float(np.median(ex["remote_lookup_p50_ms"])) / 1e3
-    xfer_s = ex["remote_transfer_p50_ms"] / 1e3
     bpt = int(round(prof.bytes_per_token))
-    nbytes = prof.prefix_tokens.astype(float) * bpt
-    beta = max(float(np.polyfit(nbytes, xfer_s, 1)[0]), 1e-15)
-    alpha = max(float(np.median(xfer_s - beta * nbytes)), 0.0)
-    install_s_per_block = float(np.median((ex["remote_install_p50_ms"] + ex["remote_stage_p50_ms"]) / 1e3 / (prof.prefix_tokens / B)))
-    link_bw = 1.0 / beta
+    link = link_figures(prof, B, bpt)
+    lookup_s, alpha, install_s_per_block, link_bw = (link["lookup_s"], link["transfer_overhead_s"], link["install_s_per_block"],
+                                                     link["link_bytes_per_s"])
     if netns_mbit is not None:  # the shaped link's figures: this model's blocks, fetched alone across it
         netns_up(netns_mbit, small_segments=True)  # loads of a few hundred KiB: shaped, not let through in one bucket
         rig = Rig(1, 64, cfg.block_bytes(B), netns=True)

@@ -45,6 +45,7 @@ from ..keys import BlockHasher
 from ..ledger import Ledger, NotLoaded, RequestRecord
 from ..matching import match
 from ..publish import PublishAll, PublishRequest
+from ..reference.engine import PrefillResult  # one prefill's outcome, the same for every engine kvpolicy drives
 from ..reference.transport import CorruptBlockError, PeerClient
 
 #: what ``llama_state_seq_get_data`` writes first (llama.cpp's ``io_magic``), then the sequence id
@@ -201,20 +202,6 @@ def build_seq_state(layout: StateLayout, payloads: Sequence[bytes], block_size_t
     return b"".join(parts)
 
 
-@attrs.frozen(eq=False)
-class LlamaPrefill:
-    logits: np.ndarray
-    local_blocks: int
-    remote_found: int
-    loaded_blocks: int
-    computed_tokens: int
-    load_status: str | None
-    decision: Decision | None
-    timings: dict[str, float]
-    keys: tuple[bytes, ...] = ()
-    prompt_tokens: int = 0
-
-
 class _ContextIndex:
     """The context's own cached tokens as a BlockIndex: the leading blocks it holds, token for token."""
 
@@ -349,7 +336,7 @@ class LlamaCppReplica:
             return None
         return self.directory.index() if self.directory is not None else self.store
 
-    def prefill(self, tokens: Sequence[int] | np.ndarray, *, request_id: Any = None, publish: bool = True) -> LlamaPrefill:
+    def prefill(self, tokens: Sequence[int] | np.ndarray, *, request_id: Any = None, publish: bool = True) -> PrefillResult:
         """Prefill one prompt, reusing what the context and the shared store hold; returns the last token's logits."""
         t_start = time.perf_counter()
         arrival_s = self.controller.clock.now_s() if self.controller is not None else time.monotonic()
@@ -407,7 +394,7 @@ class LlamaCppReplica:
                                              prefill_s=timings["prefill_s"], load_s=timings.get("load_s") if loaded else None,
                                              predicted_recompute_s=decision.t_recompute_p50_s if decision is not None and loaded else None,
                                              load_attempted=status is not None, arrival_s=arrival_s))
-        res = LlamaPrefill(logits, L, R, loaded, T - reused * B, status, decision, timings, tuple(keys), T)
+        res = PrefillResult(logits, L, R, loaded, T - reused * B, status, decision, timings, tuple(keys), T)
         if publish:
             self.publish(res, request_id=request_id)
         return res
@@ -445,7 +432,7 @@ class LlamaCppReplica:
                                                    install_s=timings.get("install_s")))
         return loaded, status
 
-    def publish(self, result: LlamaPrefill, *, request_id: Any = None) -> int:
+    def publish(self, result: PrefillResult, *, request_id: Any = None) -> int:
         """Offer the prompt's full blocks to the publish filter; put the allowed ones not yet published into the store
         (and the directory). Returns the blocks newly published; the time is ``result.timings["publish_s"]``."""
         t0 = time.perf_counter()
