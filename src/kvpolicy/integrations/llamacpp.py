@@ -237,7 +237,9 @@ class LlamaCppReplica:
         if store is not None and secret is None:
             raise ConfigError("secret", "sharing blocks through a store needs the deployment secret (16..64 bytes): keys are keyed under it")
         self.hasher = BlockHasher(self.namespace, "keyed", secret) if secret is not None else BlockHasher(self.namespace, "fast")
-        self.bytes_per_token = self.model.bytes_per_token(type_k, type_v)
+        #: (K row, V row) bytes per token of each layer: what the engine's export must show
+        self.layer_row_bytes = self.model.layer_row_bytes(type_k, type_v)
+        self.bytes_per_token = sum(k + v for k, v in self.layer_row_bytes)
         self.block_bytes = self.B * self.bytes_per_token
         if store is not None and store.block_bytes != self.block_bytes:
             raise ConfigError("store", f"the store client expects {store.block_bytes:,}-byte blocks; this model's are {self.block_bytes:,}")
@@ -282,7 +284,7 @@ class LlamaCppReplica:
         state = parse_seq_state(memoryview(buf)[:got])
         if self.layout is None:
             lay = state.layout
-            want = self.model.layer_row_bytes(*(self.namespace.attention.split(":k=")[1].split(":v=")))
+            want = self.layer_row_bytes
             if lay.num_layers != len(want) or [(k, v) for k, v in zip(lay.k_row_bytes, lay.v_row_bytes)] != want:
                 raise ConfigError("gguf", f"the context's KV rows {list(zip(lay.k_row_bytes, lay.v_row_bytes))[:2]}… per layer differ from "
                                           f"the GGUF's {want[:2]}… (another model, or other cache types than type_k/type_v)")
@@ -371,9 +373,7 @@ class LlamaCppReplica:
                 want_blocks = decision.load_blocks if decision.loads else 0
             if want_blocks:
                 loaded, status = self._load(keys, L, want_blocks, toks, decision, timings)
-        reused = L + loaded
-        if self.cached_tokens(toks) < reused * B:  # an import llama.cpp refused emptied the context
-            reused = min(reused, self.cached_tokens(toks) // B)
+        reused = min(L + loaded, self.cached_tokens(toks) // B)  # fewer only when a refused import emptied the context
         t0, c0 = time.perf_counter(), time.process_time()
         self.llm.n_tokens = reused * B  # eval drops every cell past it, then computes the rest
         self.llm.eval(toks[reused * B:].tolist())
