@@ -1,3 +1,4 @@
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -511,6 +512,46 @@ def test_split_is_the_fallback_when_a_plain_load_cannot_win():
     fast = controller(bw=25e9, compute_while_loading=True).decide(pm(0, 64), ctx)
     assert fast.loads and fast.split_blocks == 0 and fast.compute_after_s == pytest.approx(fast.terms["t_plan_s"])
     assert controller(bw=25e9, compute_while_loading=True, gpu_s_price=0.0).decide(pm(0, 64), ctx).split_blocks > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(0.3e9, 50e9), st.integers(0, 100), st.integers(1, 200), st.floats(0.0, 1.0),
+       st.sampled_from([0.0, 1e-3, 0.1, 1.0, 10.0, float("inf")]))
+def test_a_late_plain_load_is_waited_for_only_while_it_still_beats_recompute(bw, local, remote, wait_s, price):
+    """wait_limit_s: the p95 prediction at a price of 0; at most until recompute would have produced the range; never
+    earlier than the prediction; never shorter at a higher price. keep_waiting: exactly elapsed + remaining <= it."""
+    cx = AdmissionContext(block_bytes=BLOCK_BYTES, queue_wait_s=wait_s)
+    c = controller(bw=bw, compute_while_loading=True, gpu_s_price=price)
+    d = c.decide(pm(local, remote), cx)
+    if not d.loads:
+        return
+    t = d.terms
+    lim = c.wait_limit_s(d)
+    assert t["t_plan_s"] <= lim <= max(t["t_plan_s"], t["t_recompute_only_s"])
+    if price == 0 or d.split_blocks > 0:
+        assert lim == t["t_plan_s"]
+    if price == float("inf") and d.split_blocks == 0:
+        assert lim == max(t["t_plan_s"], t["t_recompute_only_s"])
+    higher = attrs.evolve(c.config, gpu_s_price=price * 10 if price else 1.0)
+    c2 = controller(bw=bw, compute_while_loading=True, gpu_s_price=higher.gpu_s_price)
+    assert c2.wait_limit_s(d) >= lim
+    assert c.keep_waiting(d, lim / 2, lim / 2)
+    assert not c.keep_waiting(d, lim, 1e-3)
+    assert not c.keep_waiting(d, 0.0, float("inf")), "a stalled load is never waited on"
+
+
+def test_keep_waiting_refuses_bad_input_by_name():
+    c = controller(bw=25e9, compute_while_loading=True)
+    d = c.decide(pm(0, 64), ctx)
+    assert d.loads
+    with pytest.raises(ConfigError, match="remaining_s"):
+        c.keep_waiting(d, 0.1, float("nan"))
+    with pytest.raises(ConfigError, match="elapsed_s"):
+        c.keep_waiting(d, -1.0, 0.1)
+    no = controller(bw=0.05e9, ttft_slo_s=0.0, probe_interval_s=None).decide(pm(0, 64), ctx)
+    assert not no.loads
+    with pytest.raises(ConfigError, match="decision"):
+        c.wait_limit_s(no)
 
 
 def test_a_prefill_queue_makes_loading_free_and_bad_context_is_refused():

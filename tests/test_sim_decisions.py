@@ -2,6 +2,8 @@
 node, a linear prefill, and every TTFT, byte and route computed here from the cluster's figures — not read back from
 the simulator. Each test names the decision it pins."""
 
+import math
+
 import attrs
 import numpy as np
 import pytest
@@ -565,3 +567,37 @@ def test_background_publishing_without_a_staging_copy_is_refused_as_a_setting_th
     with pytest.raises(ConfigError, match="publish_priority.*stage_bytes_per_s"):
         cluster(tr, publish_priority="background")
     assert cluster(tr, publish_priority="background", stage_bytes_per_s=1e9).publish_priority == "background"
+
+
+def _late_load(price):
+    """One plain load of K blocks on a link the controller believes twice as fast as it is (``link_prior_factor``):
+    it runs past its p95 prediction but ends well before recomputing the range would have."""
+    L, K = 3, 10
+    X = list(range(1, L + K + 1))
+    tr = tiny([X, X[:L], [99], X], [0.0, 100.0, 200.0, 300.0])
+    recompute_s = P.b_s_per_token * K * B  # the range's GPU seconds (dispatch and the fixed term aside)
+    R = K * BLOCK_BYTES / (0.6 * recompute_s)  # the transfer takes 60 % of that
+    c = cluster(tr, node_bandwidth_bytes_per_s=R, replica_bandwidth_bytes_per_s=R, link_prior_factor=2.0)
+    ps = attrs.evolve(policy_set("kvpolicy"), publish="all", gpu_s_price=price)
+    sim = Simulator(Prepared(tr), c, ps)
+    return sim, sim.run(), (L, K, R, c)
+
+
+def test_a_late_load_still_on_course_to_beat_recompute_is_waited_for_not_raced():
+    """Past its p95 prediction the plain load is still arriving, and at the rate the link shows it lands before
+    recompute would have produced the range: at the default price (GPU seconds first) the request waits for it, the
+    GPU computes no front and no loaded byte is thrown away (``AdmissionController.keep_waiting``). At a price of 0
+    (the fastest plan) the same late load turns into compute-while-loading at its p95 prediction."""
+    sim, res, (L, K, R, c) = _late_load(math.inf)
+    assert res.loads == 2 and res.ledger.tokens["remote_hit"] == (L + K) * B  # request 1 loads X[:L], request 3 the rest
+    assert res.ledger.tokens["split_recompute"] == 0 and res.bytes_unused == 0
+    t0 = 300.0 + c.lookup_s
+    end = t0 + c.transfer_overhead_s + K * BLOCK_BYTES / R
+    assert res.ttft_s[3] + 300.0 >= end, "it waited for the whole load"
+    # ... outside its prefill slot: the GPU is busy only for the rest of the prompt (a slot taken at the p95 prediction
+    # would have held the GPU while the bytes came in)
+    assert res.prefill_s[3] == pytest.approx(c.dispatch_s + P.a_s + P.b_s_per_token * 1, rel=1e-9)
+    _, fast, _ = _late_load(0.0)
+    assert fast.ledger.tokens["split_recompute"] > 0, "at price 0 the late load is raced from the front"
+    assert fast.ttft_s[3] < res.ttft_s[3]
+    assert fast.gpu_prefill_s > res.gpu_prefill_s

@@ -238,7 +238,8 @@ class Decision:
     queue_bytes: float = 0.0
     #: compute while loading: if the load has not finished this many seconds after it started, start
     #: prefilling from the front while it goes on from the back (0 for a split plan: at once; the p95
-    #: prediction for a plain load — a late load then costs at most what recompute would). None: off
+    #: prediction for a plain load — then ask :meth:`AdmissionController.keep_waiting` whether the bytes, at the
+    #: rate they arrive now, still beat recompute; a late load costs at most what recompute would). None: off
     compute_after_s: float | None = None
 
     @property
@@ -600,6 +601,36 @@ class AdmissionController:
             split_blocks=best_s, queue_bytes=best["queue_bytes"],
             compute_after_s=self._compute_after_s(sides, best_k, best_s, best["t_plan_s"]) if cfg.compute_while_loading else None,
         )
+
+    def wait_limit_s(self, decision: Decision) -> float:
+        """Compute while loading: how long after it started a plain load may keep the request waiting for its bytes
+        before the GPU starts on the front. ``gpu_s_price`` = 0: its p95 prediction (``t_plan_s``; the fastest — a
+        late load turns into a split at once). Otherwise the longest wait that still pays: while the load is ready
+        before recompute would have produced the range (``t_recompute_only_s``) or keeps this request within the p95
+        TTFT target it was planned against (``ttft_slo_s`` less the rest of the prompt's prefill), waiting saves the
+        range's GPU seconds (``gpu_saved_s``) — taken when they are worth, at ``gpu_s_price``, the TTFT the wait may
+        add past the prediction. Never below ``t_plan_s``."""
+        if not isinstance(decision, Decision) or not decision.loads or not decision.terms:
+            raise ConfigError("decision", "must be a load decision from this controller")
+        t = decision.terms
+        plan = float(t["t_plan_s"])
+        if decision.split_blocks > 0:
+            return plan  # a split computes from the start: nothing to wait for
+        bound = float(t["t_recompute_only_s"])
+        saved = float(t["gpu_saved_s"])
+        if bound <= plan or saved <= 0 or self.config.gpu_s_price * saved < bound - plan:
+            return plan
+        return bound
+
+    def keep_waiting(self, decision: Decision, elapsed_s: float, remaining_s: float) -> bool:
+        """At a plain load's switch time (``compute_after_s``): wait on for its bytes (True) or start the front now
+        (False)? ``remaining_s``: the engine's estimate of the time until the rest arrives at the rates it sees now
+        (``inf`` for a load that has stalled). Waits while the load is on course to arrive within
+        :meth:`wait_limit_s` — re-planned with what the link shows now, not what was predicted at admission."""
+        check_non_negative_number("elapsed_s", elapsed_s)
+        if isinstance(remaining_s, bool) or not isinstance(remaining_s, (int, float)) or math.isnan(remaining_s) or remaining_s < 0:
+            raise ConfigError("remaining_s", f"must be a number >= 0 (inf: not moving), got {remaining_s!r}")
+        return elapsed_s + remaining_s <= self.wait_limit_s(decision)
 
     @staticmethod
     def _compute_after_s(sides: _Sides, k: int, s: int, t_plan_s: float) -> float:

@@ -207,7 +207,7 @@ class _Req:
     __slots__ = ("i", "attempt", "first_arrival_s", "replica", "local", "found", "load", "load_id", "load_start_s", "load_groups",
                  "status", "reused", "not_loaded", "not_loaded_reason", "predicted_s", "load_s", "queue_enter_s", "prefill_s",
                  "pinned", "stall_s", "load_attempted", "decision", "xfer", "split", "cake", "slot_s", "meet_ver", "queued_tokens",
-                 "queued_pred_s", "job_end_s", "waiting")
+                 "queued_pred_s", "job_end_s", "waiting", "rechecked")
     replica: Any  # the _Replica serving it
     local: int  # leading blocks found in the local cache
     found: int  # remote blocks found after them
@@ -786,6 +786,16 @@ class Simulator:
         obj, kind = item
         if kind == "switch":  # a plain load ran past its p95 prediction: compute from the front while it goes on
             req: _Req = obj
+            if req.waiting and not req.rechecked and req.decision is not None and req.xfer is not None:
+                # past its p95 prediction: wait on while the link says the bytes come in time (the controller's rule)
+                ctl = self._ctl(req.replica)
+                assert ctl is not None
+                self.net.sync(t)
+                elapsed = t - req.load_start_s
+                if ctl.keep_waiting(req.decision, elapsed, self._arrival_s(req.xfer, req.load, t) - t):
+                    req.rechecked = True
+                    self._push(req.load_start_s + ctl.wait_limit_s(req.decision), TIMER, (req, "switch"))
+                    return
             if req.waiting:
                 req.waiting = False
                 self._enqueue(req.replica, req, t, req.local)
@@ -891,6 +901,7 @@ class Simulator:
         req.split = 0
         req.cake = False
         req.waiting = False
+        req.rechecked = False
         req.xfer = None
         req.not_loaded = 0
         req.not_loaded_reason = None
