@@ -41,7 +41,7 @@ KIND = {
     "dtype": "name", "host": "name", "model": "name", "model_name": "name", "openai_url": "name", "api_key_env": "name", "cache_salt": "name",
     "lora_name": "name", "lora_path": "name", "secret_hex": "name", "request": "name", "policies": "name", "strategies": "name", "controller_scope": "name",
     "endpoint": "name", "replay_endpoint": "name", "topic": "name", "directory": "name", "tenant": "name", "holder": "name", "verify": "name",
-    "verify_hash_seed": "name", "on_gap": "name", "gguf": "gguf", "cache_type_k": "name", "cache_type_v": "name", "prompt_format": "name",
+    "verify_hash_seed": "name", "on_gap": "name", "gguf": "gguf", "cache_type_k": "name", "cache_type_v": "name", "prompt_format": "name", "ray": "name",
 }
 
 

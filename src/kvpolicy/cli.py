@@ -666,6 +666,32 @@ def _second_half(args: argparse.Namespace, trace: Any) -> int:
     return len(trace) // 2
 
 
+#: below this many request-runs (requests × jobs of the grid) a sweep stays in this process by default: a spawned worker
+#: takes ~1.5 s to start (it imports kvpolicy and numpy), about what 3,000 simulated requests take, so a grid smaller
+#: than ~10 s of sequential work would only wait for its workers
+AUTO_MIN_REQUEST_RUNS = 20_000
+
+
+def _add_sweep_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--jobs", type=_ints_upto(MAX_THREADS), default=None,
+                   help="worker processes for the grid's independent runs (default: the machine's cores, or 1 for a grid too small to "
+                        "pay for their start-up); the results are the same whatever the number")
+    p.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="run the grid on Ray: 'auto' (this machine's cluster), 'ray://HOST:PORT', or 'local' (start one here); "
+                        "needs pip install 'kvpolicy[ray]'")
+
+
+def _sweep(args: argparse.Namespace, trace: Any, grid_jobs: int) -> Any:
+    """Where the grid's runs go: --ray, else --jobs processes, else the cores when the grid is large enough."""
+    from .sweep import Sweep, default_jobs
+
+    if args.ray is not None:
+        return Sweep(jobs=args.jobs or default_jobs(), ray_address=args.ray)
+    if args.jobs is not None:
+        return Sweep(jobs=args.jobs)
+    return Sweep(jobs=1 if len(trace) * grid_jobs < AUTO_MIN_REQUEST_RUNS else default_jobs())
+
+
 def _cmd_evict_bench(args: argparse.Namespace) -> int:
     from .eviction.bench import compare, default_capacities, render
     from .progress import Progress
@@ -679,7 +705,7 @@ def _cmd_evict_bench(args: argparse.Namespace) -> int:
     bpt = _bytes_per_token(args)[0] if (args.config or args.bytes_per_token) else None
     caps = args.capacities_blocks or default_capacities(trace)
     res = compare(trace, args.policies, caps, bytes_per_token=bpt, progress=prog,
-                  judge_from_request=_second_half(args, trace))
+                  judge_from_request=_second_half(args, trace), sweep=_sweep(args, trace, len(args.policies) * len(caps)))
     return _print_report(prog, args.json, res, render(res))
 
 
@@ -745,7 +771,7 @@ def _cmd_publish_bench(args: argparse.Namespace) -> int:
     trace = _load_trace(args)
     res = publish_bench(trace, args.policies, replicas=args.replicas, routing=args.routing, pool_capacity_blocks=args.pool_capacity_blocks,
                         bytes_per_token=bpt, prefill=_prefill_model(args, bpt), write_bytes_per_s=args.write_gbps * 1e9 / 8, seed=args.seed, progress=prog,
-                        judge_from_request=_second_half(args, trace))
+                        judge_from_request=_second_half(args, trace), sweep=_sweep(args, trace, len(args.policies)))
     prog.done()
     res["model"] = model_note
     _write_report(args.json, res)
@@ -933,7 +959,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if not args.allow_overload:
         check_offered_load(load)
     report, raw = compare(trace, cluster, scenarios=scenarios, policies=policies, seed=args.seed, progress=prog, load=load,
-                          judge_from_request=_second_half(args, trace))
+                          judge_from_request=_second_half(args, trace),
+                          sweep=_sweep(args, trace, len(scenarios) * (len(policies) + ("recompute-only" not in policies))))
     report["model"] = model_note
     if args.plot:
         prog("plots")
@@ -1233,6 +1260,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a held-out split: every policy runs over the whole trace but only the second half's requests are scored")
     e.add_argument("--json", default=None, metavar="OUT")
     e.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a progress bar on a terminal, one line per finished unit elsewhere)")
+    _add_sweep_args(e)
     e.set_defaults(func=_cmd_evict_bench)
 
     from .integrations.sglang_bench import DEFAULT_STRATEGIES as SGLANG_BENCH_STRATEGIES
@@ -1267,6 +1295,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a held-out split: every filter learns over the whole trace but only writes and re-reads of the second half's requests count")
     pb.add_argument("--json", default=None, metavar="OUT")
     pb.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a progress bar on a terminal, one line per finished unit elsewhere)")
+    _add_sweep_args(pb)
     pb.set_defaults(func=_cmd_publish_bench)
 
     w = sub.add_parser("plan-warmup", help="schedule loads of measured hot prefixes into new replicas within caps and bandwidth")
@@ -1327,6 +1356,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--json", default=None, metavar="OUT", help="write every run as JSON")
     cp.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures (needs matplotlib)")
     cp.add_argument("--quiet", "-q", "--no-progress", dest="no_progress", action="store_true", help="no progress on stderr (default: a progress bar on a terminal, one line per finished unit elsewhere)")
+    _add_sweep_args(cp)
     cp.set_defaults(func=_cmd_compare)
 
     pr = sub.add_parser("profile", help="measure bytes/token, cold prefill, local-hit TTFT and remote load on an engine (the reference engine by default)")

@@ -7,6 +7,8 @@ caused by a bad value also derive from :class:`ValueError`, so generic
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class KVPolicyError(Exception):
     """Base of every error kvpolicy raises on purpose."""
@@ -20,6 +22,9 @@ class ConfigError(KVPolicyError, ValueError):
         self.problem = problem
         super().__init__(f"{field}: {problem}")
 
+    def __reduce__(self) -> tuple[Any, ...]:  # raised in a sweep's worker process, it crosses back whole (by name and problem)
+        return (type(self), (self.field, self.problem))
+
 
 class InputFormatError(KVPolicyError, ValueError):
     """A file (or stream) is malformed; the message names the file and line."""
@@ -30,6 +35,9 @@ class InputFormatError(KVPolicyError, ValueError):
         self.problem = problem
         where = f"{path}:{line}" if line is not None else str(path)
         super().__init__(f"{where}: {problem}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.line, self.problem))
 
 
 class TraceFormatError(InputFormatError):

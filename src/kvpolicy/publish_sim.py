@@ -37,6 +37,7 @@ from .eviction.policies import depth_cost
 from .profile import PrefillModel
 from ._own import is_own
 from .publish import DuelingPublish, PublishRequest, make_filter
+from .sweep import Sweep
 from .traces.model import check_trace
 
 #: order-of-magnitude default prefill model (≈ 20k tokens/s, mildly superlinear); pass a measured profile
@@ -60,7 +61,8 @@ def compare_pool_blocks(trace: Any, pool_share: float = 0.25, storage_nodes: int
 
 def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing: str = "round-robin",
                   pool_capacity_blocks: int | str | None = COMPARE_POOL, bytes_per_token: int, prefill: PrefillModel | None = None,
-                  write_bytes_per_s: float = 12.5e9, seed: int = 0, progress: Any = None, judge_from_request: int = 0) -> dict[str, Any]:
+                  write_bytes_per_s: float = 12.5e9, seed: int = 0, progress: Any = None, judge_from_request: int = 0,
+                  sweep: Sweep | None = None) -> dict[str, Any]:
     """``judge_from_request`` = k > 0 is a held-out split: every filter sees the whole trace (it learns on requests < k)
     but only writes and re-reads made by requests >= k are counted — for the oracle too. ``pool_capacity_blocks``:
     blocks the LRU pool holds; ``"compare"`` (default) the pool ``kvpolicy compare`` gives the trace; None infinite."""
@@ -87,7 +89,8 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
     ntok = trace.input_tokens.tolist()
     bound = trace.publish_boundary_tokens.tolist() if trace.publish_boundary_tokens is not None else None
     tenant = [trace.tenant_names[t] for t in trace.tenant.tolist()] if trace.tenant is not None else None
-    kw = {"block_bytes": block_bytes, "recompute_s": block_recompute_s(prefill, B), "write_bytes_per_s": write_bytes_per_s,
+    # the filters' keywords but recompute_s, a closure no worker process could be sent: each job builds it (_publish_job)
+    kw = {"block_bytes": block_bytes, "write_bytes_per_s": write_bytes_per_s,
           "cross_replica_share": (replicas - 1) / replicas if routing != "prefix-affinity" else 0.1, "pool_capacity_blocks": cap}
     needs = _pool_needs(trace, rep)
     r_all, in_s, n_seen = _sightings(trace, rep)
@@ -98,64 +101,10 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
         _, first_ref = np.unique(trace.block_ids, return_index=True)
         first_at_arr[first_ref] = in_s[trace.block_ids[first_ref]]
     first_at: list[int] = first_at_arr.tolist()
-    runs = []
-    for spec in policies:
-        step(spec)
-        try:
-            f = make_filter(spec, **kw)  # each filter takes the keywords it uses (a composition passes them to every part)
-        except ConfigError as err:  # named as the option that gave the spec (a filter of your own that does not build, say)
-            raise ConfigError("--policies", err.problem) from None
-        local: list[set[int]] = [set() for _ in range(replicas)]
-        pool: OrderedDict[int, list[Any]] = OrderedDict()  # block -> [read since written, counted (written at r >= k)]
-        written = reread = wasted = evicted_needed = 0
-        first_pub = first_caught = 0  # blocks published by the request that first saw them; of those, re-read at their 2nd sighting (oracle)
-        for r in range(len(trace)):
-            p = int(rep[r])
-            s, e = offsets[r], offsets[r + 1]
-            m = s + matchable[r]
-            mine = local[p]
-            j = s
-            while j < m and ids[j] in mine:
-                j += 1
-            L = j - s
-            while j < m and ids[j] in pool:
-                pool[ids[j]][0] = True
-                pool.move_to_end(ids[j])
-                j += 1
-            if r >= k:
-                reread += j - s - L
-            blocks = ids[s:e]
-            mine.update(blocks)
-            req = PublishRequest(request_id=r, num_tokens=ntok[r], block_size_tokens=B, time_s=arrival[r],
-                                 tenant=tenant[r] if tenant else "default", boundary_tokens=bound[r] if bound else None,
-                                 replica=str(p), reused_blocks=j - s, local_blocks=L)
-            f.observe(req, blocks)
-            n = f.publishable(req, blocks)
-            if r >= k:
-                for flag in first_at[s:s + n]:
-                    if flag >= 0:
-                        first_pub += 1
-                        first_caught += flag
-            for b in blocks[:n]:
-                if b in pool:
-                    pool.move_to_end(b)
-                    continue
-                pool[b] = [False, r >= k]
-                written += r >= k
-                if cap is not None and len(pool) > cap:
-                    gone, (was_read, counted) = pool.popitem(last=False)
-                    wasted += counted and not was_read
-                    evicted_needed += r >= k and _needed_after(needs, gone, r)
-        wasted += sum(1 for was_read, counted in pool.values() if counted and not was_read)
-        runs.append({"policy": spec, "blocks_written": written, "bytes_written": written * block_bytes, "reread_bytes": reread * block_bytes,
-                     "wasted_write_bytes": wasted * block_bytes, "reread_per_written_byte": (reread / written) if written else None,
-                     "evicted_needed_blocks": evicted_needed,
-                     "first_sighting_published_blocks": first_pub, "first_sighting_caught_blocks": first_caught})
-        if isinstance(f, DuelingPublish):
-            runs[-1]["dueling"] = f.report()
-        if spec == "boundary" and bound is None:
-            runs[-1]["note"] = ("boundary publishes nothing here: this trace marks no prompt boundaries (Mooncake, Bailian and token "
-                                "JSONL carry none; kvpolicy's synthetic presets do)")
+    shared = {"trace": trace, "rep": rep, "offsets": offsets, "ids": ids, "matchable": matchable, "arrival": arrival, "ntok": ntok,
+              "bound": bound, "tenant": tenant, "kw": kw, "needs": needs, "first_at": first_at, "k": k, "cap": cap,
+              "replicas": replicas, "block_bytes": block_bytes, "prefill": prefill}
+    runs = (sweep or Sweep()).map(_publish_job, shared, list(policies), progress=step)
     step("oracle")
     if cap is None:
         view = replica_view(trace, replicas, routing, bytes_per_token=bytes_per_token, seed=seed)  # type: ignore[arg-type]
@@ -179,6 +128,70 @@ def publish_bench(trace: Any, policies: list[str], *, replicas: int = 8, routing
     if k == 0:  # what the share goal asks of a first sighting (the bound is over the whole trace: no split)
         res["first_sighting"] = _first_sighting_figures(r_all, in_s, n_seen, GOAL_REREAD_SHARE, GOAL_WRITTEN_OVER_ORACLE)
     return res
+
+
+def _publish_job(sh: dict[str, Any], spec: str) -> dict[str, Any]:
+    """One publish filter over the trace, in its own LRU pool: what it writes, what gets re-read, what it evicts."""
+    trace, rep, offsets, ids, matchable = sh["trace"], sh["rep"], sh["offsets"], sh["ids"], sh["matchable"]
+    arrival, ntok, bound, tenant, kw, needs = sh["arrival"], sh["ntok"], sh["bound"], sh["tenant"], sh["kw"], sh["needs"]
+    first_at, k, cap, replicas, block_bytes = sh["first_at"], sh["k"], sh["cap"], sh["replicas"], sh["block_bytes"]
+    B = trace.block_size_tokens
+    try:
+        f = make_filter(spec, recompute_s=block_recompute_s(sh["prefill"], B), **kw)  # each filter takes the keywords it uses (a composition passes them to every part)
+    except ConfigError as err:  # named as the option that gave the spec (a filter of your own that does not build, say)
+        raise ConfigError("--policies", err.problem) from None
+    local: list[set[int]] = [set() for _ in range(replicas)]
+    pool: OrderedDict[int, list[Any]] = OrderedDict()  # block -> [read since written, counted (written at r >= k)]
+    written = reread = wasted = evicted_needed = 0
+    first_pub = first_caught = 0  # blocks published by the request that first saw them; of those, re-read at their 2nd sighting (oracle)
+    for r in range(len(trace)):
+        p = int(rep[r])
+        s, e = offsets[r], offsets[r + 1]
+        m = s + matchable[r]
+        mine = local[p]
+        j = s
+        while j < m and ids[j] in mine:
+            j += 1
+        L = j - s
+        while j < m and ids[j] in pool:
+            pool[ids[j]][0] = True
+            pool.move_to_end(ids[j])
+            j += 1
+        if r >= k:
+            reread += j - s - L
+        blocks = ids[s:e]
+        mine.update(blocks)
+        req = PublishRequest(request_id=r, num_tokens=ntok[r], block_size_tokens=B, time_s=arrival[r],
+                             tenant=tenant[r] if tenant else "default", boundary_tokens=bound[r] if bound else None,
+                             replica=str(p), reused_blocks=j - s, local_blocks=L)
+        f.observe(req, blocks)
+        n = f.publishable(req, blocks)
+        if r >= k:
+            for flag in first_at[s:s + n]:
+                if flag >= 0:
+                    first_pub += 1
+                    first_caught += flag
+        for b in blocks[:n]:
+            if b in pool:
+                pool.move_to_end(b)
+                continue
+            pool[b] = [False, r >= k]
+            written += r >= k
+            if cap is not None and len(pool) > cap:
+                gone, (was_read, counted) = pool.popitem(last=False)
+                wasted += counted and not was_read
+                evicted_needed += r >= k and _needed_after(needs, gone, r)
+    wasted += sum(1 for was_read, counted in pool.values() if counted and not was_read)
+    run: dict[str, Any] = {
+        "policy": spec, "blocks_written": written, "bytes_written": written * block_bytes, "reread_bytes": reread * block_bytes,
+        "wasted_write_bytes": wasted * block_bytes, "reread_per_written_byte": (reread / written) if written else None,
+        "evicted_needed_blocks": evicted_needed, "first_sighting_published_blocks": first_pub, "first_sighting_caught_blocks": first_caught}
+    if isinstance(f, DuelingPublish):
+        run["dueling"] = f.report()
+    if spec == "boundary" and bound is None:
+        run["note"] = ("boundary publishes nothing here: this trace marks no prompt boundaries (Mooncake, Bailian and token "
+                       "JSONL carry none; kvpolicy's synthetic presets do)")
+    return run
 
 
 def _pool_needs(trace: Any, rep: Any) -> dict[int, list[int]]:

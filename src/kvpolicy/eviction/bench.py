@@ -17,6 +17,7 @@ from ..analysis import PrefixMRC
 from .._own import is_own
 from .._validate import check_positive_int, check_split
 from ..errors import ConfigError
+from ..sweep import Sweep
 from ..traces.model import check_trace
 from .kernels import KERNEL_POLICIES, replay_kernel
 from .replay import check_policy_names, replay
@@ -34,8 +35,17 @@ def check_capacities(capacities_blocks: Any) -> None:
         raise ConfigError("--capacities-blocks", f"give one or more capacities, ints in [1, 2**40], got {capacities_blocks!r:.80}")
 
 
+def _replay_job(shared: tuple[Any, int], spec: tuple[str, int]) -> tuple[int, dict[str, Any], Any]:
+    """One (policy, capacity) replay: its hits on the judged references, its stats, its per-reference hits (LRU and
+    Belady only: the gap's whereabouts need them)."""
+    trace, r0 = shared
+    name, cap = spec
+    r = replay_kernel(trace, name, cap) if name in KERNEL_POLICIES else replay(trace, name, cap)
+    return int(r.hits[r0:].sum()), r.stats, r.hits if name in ("lru", "belady") else None
+
+
 def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, bytes_per_token: int | None = None,
-            progress: Any = None, judge_from_request: int = 0) -> dict[str, Any]:
+            progress: Any = None, judge_from_request: int = 0, sweep: Sweep | None = None) -> dict[str, Any]:
     """Every policy at every capacity beside LRU, ARC, S3-FIFO, Belady and the infinite cache. A policy of your own
     (``module:Name`` or ``path.py:Name``, see :func:`~kvpolicy.eviction.replay.load_policy_factory`) replays online and
     gets issue #20's goal lines too.
@@ -62,15 +72,15 @@ def compare(trace: Any, policies: list[str], capacities_blocks: list[int], *, by
     B = trace.block_size_tokens
     total_tokens = max(int(trace.input_tokens[k:].sum()), 1)
     results, where = [], []
+    specs = [(name, cap) for cap in capacities_blocks for name in names]
+    got = dict(zip(specs, (sweep or Sweep()).map(_replay_job, (trace, r0), specs, progress=step,
+                                                  label=lambda sp: f"{sp[0]} @ {sp[1]:,} blocks")))
     for cap in capacities_blocks:
         hits, per_ref, stats = {}, {}, {}
         for name in names:
-            step(f"{name} @ {cap:,} blocks")
-            r = replay_kernel(trace, name, cap) if name in KERNEL_POLICIES else replay(trace, name, cap)
-            hits[name] = int(r.hits[r0:].sum())
-            stats[name] = r.stats
-            if name in ("lru", "belady"):
-                per_ref[name] = r.hits
+            hits[name], stats[name], ref_hits = got[(name, cap)]
+            if ref_hits is not None:
+                per_ref[name] = ref_hits
         where.append(gap_where(trace, cap, per_ref["lru"], per_ref["belady"], since_s, r0))
         lru, bel = hits["lru"], hits["belady"]
         for name in names:

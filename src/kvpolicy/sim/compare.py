@@ -14,9 +14,10 @@ import attrs
 import numpy as np
 
 from ..errors import ConfigError
+from ..sweep import Sweep
 from .config import ClusterConfig
 from .engine import Prepared, SimResult, Simulator
-from .policysets import POLICY_SETS, policy_set
+from .policysets import POLICY_SETS, PolicySet, policy_set
 from .scenarios import SCENARIOS, build
 
 
@@ -71,12 +72,46 @@ def check_offered_load(load: dict[str, Any]) -> None:
         )
 
 
+class _Grid:
+    """What every (scenario, policy set) job of one ``compare`` reads: the trace, the cluster, the seed and split. Each
+    process builds a scenario once and keeps it for the sets that follow (the cache is not sent to workers)."""
+
+    def __init__(self, trace: Any, cluster: ClusterConfig, seed: int, judge_from_request: int) -> None:
+        self.trace, self.cluster, self.seed, self.k = trace, cluster, seed, judge_from_request
+        self._built: dict[str, Any] = {}
+        self._prepared: dict[str, Prepared] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_built": {}, "_prepared": {}}
+
+    def built(self, name: str) -> Any:
+        sc = self._built.get(name)
+        if sc is None:
+            sc = self._built[name] = build(name, self.trace, self.cluster)
+        return sc
+
+    def scenario(self, name: str) -> tuple[Any, Prepared]:
+        sc = self.built(name)
+        prep = self._prepared.get(name)
+        if prep is None:
+            prep = self._prepared[name] = Prepared(sc.trace)
+        return sc, prep
+
+
+def _run_job(grid: _Grid, spec: tuple[str, PolicySet]) -> SimResult:
+    s, ps = spec
+    sc, prep = grid.scenario(s)
+    return Simulator(prep, sc.cluster, ps, events=sc.events, seed=grid.seed, judge_from_request=grid.k).run()
+
+
 def compare(trace: Any, cluster: ClusterConfig, *, scenarios: list[str] | None = None, policies: list[Any] | None = None, seed: int = 0,
             progress: Any = None, load: dict[str, Any] | None = None,
-            judge_from_request: int = 0) -> tuple[dict[str, Any], dict[tuple[str, str], SimResult]]:
+            judge_from_request: int = 0, sweep: Sweep | None = None) -> tuple[dict[str, Any], dict[tuple[str, str], SimResult]]:
     """Run every (scenario, policy set); returns the report and the raw results. ``load`` is
     :func:`offered_load` of the trace on the cluster, computed here when not given. ``judge_from_request`` = k > 0: a
-    held-out split — every set learns from the start, the report counts requests k onwards (``Simulator``)."""
+    held-out split — every set learns from the start, the report counts requests k onwards (``Simulator``).
+    ``sweep``: where the runs go (:class:`kvpolicy.sweep.Sweep`: local processes, Ray); every run is independent and
+    seeded, so the report is the same wherever they ran. Default: one after another, here."""
     load = load if load is not None else offered_load(trace, cluster)
     for name, v in (("--scenario", scenarios), ("--policies", policies)):
         if isinstance(v, str):  # "steady" would be read as the scenarios 's', 't', ...
@@ -95,16 +130,16 @@ def compare(trace: Any, cluster: ClusterConfig, *, scenarios: list[str] | None =
     step = progress or (lambda _m: None)
     runs: list[dict[str, Any]] = []
     raw: dict[tuple[str, str], SimResult] = {}
-    descriptions = {}
+    grid = _Grid(trace, cluster, seed, judge_from_request)
+    descriptions = {s: grid.built(s).description for s in scenarios}
+    specs = [(s, ps) for s in scenarios for ps in sets]
+    results = (sweep or Sweep()).map(_run_job, grid, specs, progress=step, label=lambda sp: f"{sp[0]} / {sp[1].name}")
+    done = dict(zip(((s, ps.name) for s, ps in specs), results))
     for s in scenarios:
-        sc = build(s, trace, cluster)
-        descriptions[s] = sc.description
-        prep = Prepared(sc.trace)
         rows = []
         for ps in sets:
             name = ps.name
-            step(f"{s} / {name}")
-            res = Simulator(prep, sc.cluster, ps, events=sc.events, seed=seed, judge_from_request=judge_from_request).run()
+            res = done[(s, name)]
             raw[(s, name)] = res
             row = {"scenario": s, **res.row(), "busiest_link": _busiest_link(res)}
             rows.append(row)

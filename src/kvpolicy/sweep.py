@@ -1,0 +1,155 @@
+"""Sweeps: a grid of independent jobs — scenario × policy set, policy × capacity — run here, on local processes, or on
+a Ray cluster, with the same results in the same order wherever they ran.
+
+A job is ``fn(shared, spec)``: ``shared`` is what every job reads (the trace, the cluster), sent once to each worker
+process (or put once in Ray's object store), and ``spec`` is the job's own small description. ``fn`` must be a
+module-level function (workers import it by name) and deterministic in its arguments — every simulator and replay in
+kvpolicy takes its seed from ``spec`` — so a parallel run returns exactly what a sequential one does
+(``tests/test_sweep.py`` checks the reports byte for byte).
+
+* ``Sweep(jobs=1)``: in this process, one job after another (no pickling, no start-up).
+* ``Sweep(jobs=N)``: ``N`` local worker processes (``spawn``: a fresh interpreter each, nothing inherited but
+  ``shared``). Default in the CLI: the machine's cores (``os.cpu_count()``).
+* ``Sweep(ray_address=...)``: Ray — ``"auto"`` (the cluster this machine belongs to), ``"ray://host:10001"`` (a
+  remote one), or ``"local"`` (start one here for this sweep, ``jobs`` CPUs). Needs ``pip install 'kvpolicy[ray]'``.
+
+Expected scaling: the wall time is about max(longest job, Σ job times / workers) + start-up (≈ 1–2 s per spawned
+worker: it imports kvpolicy and numpy; Ray adds its own start). ``benchmarks/bench_sweep.py`` measures it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from typing import Any
+
+import attrs
+
+from ._validate import check_positive_int
+from .errors import ConfigError
+
+#: what a spawned worker keeps between jobs: ``shared``, set once by the pool's initializer. It lives only in worker
+#: processes (never in the parent), and only for the pool's life.
+_WORKER_SHARED: list[Any] = []
+
+
+def _init_worker(shared: Any) -> None:
+    _WORKER_SHARED[:] = [shared]
+
+
+def _run_in_worker(fn: Callable[[Any, Any], Any], spec: Any) -> Any:
+    return fn(_WORKER_SHARED[0], spec)
+
+
+def _run_on_ray(fn: Callable[[Any, Any], Any], shared: Any, spec: Any) -> Any:
+    return fn(shared, spec)
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A ``HOST:PORT`` or ``ray://HOST:PORT`` address must accept a TCP connection (``auto`` is Ray's to resolve)."""
+    if address == "auto":
+        return
+    hostport = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError("--ray", f"must be 'auto', 'local', HOST:PORT or ray://HOST:PORT, got {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError("--ray", f"nothing answers at {address!r} ({e.strerror or e}): start the cluster (ray start --head) or pass "
+                                   "--ray local") from None
+
+
+def default_jobs() -> int:
+    """The cores this process may use (its CPU affinity where the OS reports one)."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(os.cpu_count() or 1, 1)
+
+
+@attrs.frozen
+class Sweep:
+    #: worker processes (1: run in this process)
+    jobs: int = 1
+    #: a Ray cluster's address ("auto", "ray://host:port"), or "local" to start one here; None: no Ray
+    ray_address: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        try:
+            check_positive_int("--jobs", self.jobs)
+        except ConfigError:
+            raise ConfigError("--jobs", f"must be a positive int (worker processes), got {self.jobs!r}") from None
+        if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address.strip()):
+            raise ConfigError("--ray", f"must be a Ray address ('auto', 'ray://host:port') or 'local', got {self.ray_address!r}")
+
+    @property
+    def where(self) -> str:
+        if self.ray_address is not None:
+            return f"Ray ({self.ray_address})"
+        return "this process" if self.jobs == 1 else f"{self.jobs} local processes"
+
+    def map(self, fn: Callable[[Any, Any], Any], shared: Any, specs: Sequence[Any], *,
+            progress: Callable[[str], None] | None = None, label: Callable[[Any], str] = str) -> list[Any]:
+        """``[fn(shared, s) for s in specs]``, run where this sweep says; results in the order of ``specs``. ``progress``
+        hears each job's label as it starts (here) or as it finishes (elsewhere)."""
+        step = progress or (lambda _m: None)
+        specs = list(specs)
+        if self.ray_address is not None:
+            return self._ray(fn, shared, specs, step, label)
+        if self.jobs == 1 or len(specs) <= 1:
+            out = []
+            for s in specs:
+                step(label(s))
+                out.append(fn(shared, s))
+            return out
+        ctx = get_context("spawn")
+        results: list[Any] = [None] * len(specs)
+        with ProcessPoolExecutor(max_workers=min(self.jobs, len(specs)), mp_context=ctx, initializer=_init_worker,
+                                 initargs=(shared,)) as ex:
+            futures = {ex.submit(_run_in_worker, fn, s): i for i, s in enumerate(specs)}
+            from concurrent.futures import as_completed
+
+            for fut in as_completed(futures):
+                i = futures[fut]
+                results[i] = fut.result()  # a job's own error (a ConfigError, say) is raised here, as it would be in order
+                step(label(specs[i]))
+        return results
+
+    def _ray(self, fn: Callable[[Any, Any], Any], shared: Any, specs: list[Any], step: Callable[[str], None],
+             label: Callable[[Any], str]) -> list[Any]:
+        try:
+            import ray
+        except ImportError:
+            raise ConfigError("--ray", "running a sweep on Ray needs Ray: pip install 'kvpolicy[ray]'") from None
+        started = False
+        if not ray.is_initialized():
+            if self.ray_address == "local":
+                ray.init(num_cpus=self.jobs, include_dashboard=False, log_to_driver=False)
+            else:
+                _check_reachable(self.ray_address)  # Ray itself retries a dead address for minutes, logging as it goes
+                try:
+                    ray.init(address=self.ray_address, log_to_driver=False)
+                except (ConnectionError, ValueError, RuntimeError) as e:
+                    raise ConfigError("--ray", f"could not connect to the Ray cluster at {self.ray_address!r}: {e}") from None
+            started = True
+        try:
+            ref = ray.put(shared)
+            remote = ray.remote(_run_on_ray)
+            futures = [remote.remote(fn, ref, s) for s in specs]
+            index = {f: i for i, f in enumerate(futures)}
+            results: list[Any] = [None] * len(specs)
+            pending = list(futures)
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                for f in done:
+                    i = index[f]
+                    results[i] = ray.get(f)
+                    step(label(specs[i]))
+            return results
+        finally:
+            if started:
+                ray.shutdown()
