@@ -126,11 +126,13 @@ class Sweep:
         except ImportError:
             raise ConfigError("--ray", "running a sweep on Ray needs Ray: pip install 'kvpolicy[ray]'") from None
         started = False
+        address = self.ray_address
+        assert address is not None
         if not ray.is_initialized():
             if self.ray_address == "local":
                 ray.init(num_cpus=self.jobs, include_dashboard=False, log_to_driver=False)
             else:
-                _check_reachable(self.ray_address)  # Ray itself retries a dead address for minutes, logging as it goes
+                _check_reachable(address)  # Ray itself retries a dead address for minutes, logging as it goes
                 try:
                     ray.init(address=self.ray_address, log_to_driver=False)
                 except (ConnectionError, ValueError, RuntimeError) as e:

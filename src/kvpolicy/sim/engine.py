@@ -231,6 +231,7 @@ class _Req:
     queued_tokens: int
     queued_pred_s: float
     job_end_s: float
+    rechecked: bool  # a late plain load the controller said to wait on: checked once at its limit, then raced
 
     def __init__(self, i: int, t: float) -> None:
         self.i = i
