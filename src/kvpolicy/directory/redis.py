@@ -16,6 +16,20 @@ first key with no live holder, touching what it matched. ``publish`` is one
 recently touched keys no lease protects. Expiry: an entry with ``expires_at_s``
 makes its hash expire (Redis ``PEXPIREAT`` on the directory clock = Unix time).
 
+**Redis Cluster: the spread layout** (``key_groups`` = G > 1, issue #48). Above, a tenant is one slot: on a cluster
+it lives on one shard however large it grows. With G groups a key goes to group ``blake2b(key) mod G``, and group g's
+keys carry the hash tag ``{T_g}`` — G tags chosen once so that tag g hashes into the g-th G-th of the 16,384 slots, so
+the groups (and every tenant's keys, evenly) follow the cluster's own slot split::
+
+    {T_g}:p:t:b:<key hex>   {T_g}:p:t:lru   {T_g}:p:t:clock   {T_g}:p:t:lease:<key hex>
+
+Each group keeps its own LRU and clock and bounds itself to ``ceil(max_keys_per_tenant / G)`` keys. A match sends one
+script per group its keys fall in, all of a node's in one pipeline, the nodes in parallel: one round trip. Why not a
+tag per chain root: on the Mooncake conversation trace all 12,031 requests share their first block (a system
+prompt), so a root tag would put the whole tenant in one slot again; a key's own hash spreads any trace. The price:
+a match touches (in its group's LRU) every live key it asked about, also those past the first miss; the bound is
+per group, not exact per tenant.
+
 Failure handling: every call catches connection errors and timeouts — a match
 answers 0 (a miss), a publish answers 0 (nothing published), an evict 0 — and
 counts them in :attr:`RedisDirectory.errors`; redis-py reconnects on the next
@@ -25,6 +39,7 @@ from the client side: it keeps no cache.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 import uuid
@@ -99,6 +114,25 @@ if n > 0 then
   for i = 1, n do redis.call('ZADD', KEYS[1], tick - i + 1, ARGV[i]) end
 end
 return n
+"""
+
+# the spread layout: KEYS: lru, clock, then one hash per key (a group's keys, in chain order); ARGV: hex per key.
+# Answers 1/0 per key (live or not) and touches the live ones, the earliest in the chain newest
+_MATCH_EACH = _HOLDERS + """
+local now = now_s()
+local flags = {}
+local n = 0
+for i = 3, #KEYS do
+  if live(KEYS[i], now) then flags[i - 2] = 1; n = n + 1 else flags[i - 2] = 0 end
+end
+if n > 0 then
+  local tick = redis.call('INCRBY', KEYS[2], n)
+  local j = 0
+  for i = 3, #KEYS do
+    if flags[i - 2] == 1 then redis.call('ZADD', KEYS[1], tick - j, ARGV[i - 2]); j = j + 1 end
+  end
+end
+return flags
 """
 
 # KEYS: lru, clock, then one hash per entry
@@ -228,17 +262,23 @@ return n
 """
 
 
-def tenant_acl_rules(tenant: str, prefix: str = "kvp") -> list[str]:
+def tenant_acl_rules(tenant: str, prefix: str = "kvp", *, spread: bool = False, cluster: bool = False) -> list[str]:
     """The Redis ACL rules (after ``ACL SETUSER <user> reset on ><password>``) that confine a connection to one
     tenant's keys and to the commands the directory uses: reading and writing ``{prefix:tenant}:*``, running the
     scripts already loaded (``EVALSHA``; the operator loads kvpolicy's with :meth:`RedisDirectory.load_scripts`),
-    ``TIME`` (the expiry clock) and ``PING``. Nothing in ``@scripting`` besides ``EVALSHA``: no ``SCRIPT LOAD`` (a
+    ``TIME`` (the expiry clock) and ``PING``. ``spread``: for a directory with ``key_groups`` > 1 (its keys'
+    tenant follows the hash tag). ``cluster``: also the read-only ``CLUSTER SLOTS/SHARDS/NODES`` and ``COMMAND`` a cluster client learns
+    the slot map from (set the user on every node, replicas included: a promoted replica serves the tenant next). Nothing in ``@scripting`` besides ``EVALSHA``: no ``SCRIPT LOAD`` (a
     tenant's own ``while true do end`` blocked every tenant), no ``EVAL``, no ``FUNCTION FLUSH/DELETE/LOAD`` (in
     ``@write``, not ``@dangerous``: they deleted every tenant's libraries), no ``SCRIPT KILL/FLUSH``; no other
     tenant's keys, no ``FLUSHALL``/``KEYS``/``SCAN``/``CONFIG`` or anything else in ``@dangerous``."""
     _check_prefix(prefix)
-    return ["resetkeys", f"~{{{prefix}:{check_tenant(tenant)}}}:*", "resetchannels", "-@all", "+@read", "+@write", "-@scripting",
-            "+evalsha", "+time", "+ping", "-@dangerous", "-scan", "-randomkey", "-dbsize"]
+    # the spread layout (key_groups > 1): the tenant's keys are {tag}:prefix:tenant:..., and a tenant name has no ':'
+    keys = f"~{{*}}:{prefix}:{check_tenant(tenant)}:*" if spread else f"~{{{prefix}:{check_tenant(tenant)}}}:*"
+    # the client learns the slot map, and (COMMAND) where each command keeps its keys
+    topology = ["+cluster|slots", "+cluster|shards", "+cluster|nodes", "+command"] if cluster else []
+    return ["resetkeys", keys, "resetchannels", "-@all", "+@read", "+@write", "-@scripting",
+            "+evalsha", "+time", "+ping", "-@dangerous", "-scan", "-randomkey", "-dbsize", *topology]
 
 
 def _check_prefix(prefix: Any) -> str:
@@ -261,15 +301,46 @@ def _redis() -> Any:
 _ERROR_CODE = re.compile(r"(?:^|caused error: )([A-Z][A-Z_]{1,31})\b")
 
 
+#: the most groups the spread layout takes (finding G balanced tags costs ~G² CRC16s: 1,024 is ~0.3 s, once per directory)
+MAX_KEY_GROUPS = 1024
+_SLOTS = 16384
+
+
+def balanced_tags(groups: int) -> list[str]:
+    """``groups`` hash tags, the g-th hashing (Redis Cluster CRC16) into the g-th ``groups``-th of the slots: the groups
+    spread over a cluster's shards as its slots do, whatever their number."""
+    from redis.crc import key_slot
+
+    tags = []
+    for g in range(groups):
+        lo, hi = g * _SLOTS // groups, (g + 1) * _SLOTS // groups
+        n = 0
+        while not lo <= key_slot(f"{g}.{n}".encode()) < hi:
+            n += 1
+        tags.append(f"{g}.{n}")
+    return tags
+
+
 class RedisDirectory:
     def __init__(self, client: Any = None, *, url: str | None = None, prefix: str = "kvp", max_keys_per_tenant: int = 1_000_000,
-                 socket_timeout_s: float = 1.0, max_holders_per_key: int = MAX_HOLDERS_PER_KEY) -> None:
+                 socket_timeout_s: float = 1.0, max_holders_per_key: int = MAX_HOLDERS_PER_KEY, cluster: bool = False,
+                 key_groups: int = 1) -> None:
         redis = _redis()
+        if isinstance(key_groups, bool) or not isinstance(key_groups, int) or not 1 <= key_groups <= MAX_KEY_GROUPS:
+            raise ConfigError("key_groups", f"must be an int in [1, {MAX_KEY_GROUPS}] (1: a tenant in one slot), got {key_groups!r}")
         if client is None:
             if not url:
                 raise ConfigError("url", "give a redis client or a redis:// URL")
-            client = redis.Redis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
+            if cluster:  # any node's address: the client learns the others (and follows failovers) from the cluster itself
+                client = redis.cluster.RedisCluster.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
+            else:
+                client = redis.Redis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
         _check_prefix(prefix)
+        #: groups of the spread layout (1: the tenant-in-one-slot layout)
+        self.key_groups = key_groups
+        self._tags = balanced_tags(key_groups) if key_groups > 1 else []
+        self._is_cluster = isinstance(client, redis.cluster.RedisCluster)
+        self._threads: Any = None  # the nodes' pipelines run in parallel on these (made on first need)
         if isinstance(max_keys_per_tenant, bool) or not isinstance(max_keys_per_tenant, int) or max_keys_per_tenant <= 0:
             raise ConfigError("max_keys_per_tenant", f"must be a positive int, got {max_keys_per_tenant!r}")
         self.r = client
@@ -285,12 +356,13 @@ class RedisDirectory:
         # a connection confined by ACL to one tenant that names another: refused by Redis, answered as a miss, counted
         self._denied_types = (redis.exceptions.NoPermissionError,)
         self._match = client.register_script(_MATCH)
+        self._match_each = client.register_script(_MATCH_EACH)
         self._publish = client.register_script(_PUBLISH)
         self._evict = client.register_script(_EVICT)
         self._lease = client.register_script(_LEASE)
         self._release = client.register_script(_RELEASE)
         self._clear = client.register_script(_CLEAR_HOLDER)
-        self._scripts = (self._match, self._publish, self._evict, self._lease, self._release, self._clear)
+        self._scripts = (self._match, self._publish, self._evict, self._lease, self._release, self._clear, self._match_each)
         self.errors = 0
         #: the failures in ``errors`` by kind: the exception's class (``ConnectionError``, ``ReadOnlyError``, ...), or the
         #: reply's code for a generic error reply (``BUSY``, ``ERR``, ...)
@@ -303,6 +375,174 @@ class RedisDirectory:
 
     def _base(self, tenant: str) -> str:
         return f"{{{self.prefix}:{check_tenant(tenant)}}}:"
+
+    # ------------------------------------------------------------------ the spread layout (key_groups > 1)
+
+    def _group(self, key: bytes) -> int:
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") % self.key_groups
+
+    def _gbase(self, tenant: str, g: int) -> str:
+        return f"{{{self._tags[g]}}}:{self.prefix}:{tenant}:"
+
+    def _by_group(self, keys: Sequence[bytes]) -> dict[int, list[int]]:
+        """Positions of ``keys`` per group, in their order, each group cut into calls of at most MAX_KEYS_PER_CALL."""
+        out: dict[int, list[int]] = {}
+        for i, k in enumerate(keys):
+            out.setdefault(self._group(k), []).append(i)
+        return out
+
+    @property
+    def group_max_keys(self) -> int:
+        """The spread layout's bound per group: ceil(max_keys_per_tenant / key_groups)."""
+        return -(-self.max_keys_per_tenant // self.key_groups)
+
+    def _batch(self, cmds: list[tuple[str, str, tuple[Any, ...]]]) -> list[Any]:
+        """Run (routing key, command, args) in one pipeline per node, the nodes in parallel; the replies in order, an
+        exception in place of each command that failed (counted in ``errors``). A node that has lost kvpolicy's scripts
+        (a restart, a promoted replica) gets them again and its commands are retried once; a connection error or a
+        MOVED reply (a failover, a reshard) makes the client re-learn the cluster's map for the next call."""
+        if not cmds:
+            return []
+        nodes: dict[Any, list[int]] = {}
+        conns: dict[Any, Any] = {}
+        if self._is_cluster:
+            for i, (route, _, _) in enumerate(cmds):
+                try:
+                    node = self.r.get_node_from_key(route)
+                except self._errors_types as e:  # no node owns the slot right now (a failover in progress)
+                    nodes.setdefault(("error", e), []).append(i)
+                    continue
+                nodes.setdefault(node.name, []).append(i)
+                conns[node.name] = self.r.get_redis_connection(node)
+        else:
+            nodes[None] = list(range(len(cmds)))
+            conns[None] = self.r
+        out: list[Any] = [None] * len(cmds)
+
+        def run(name: Any) -> list[Any]:
+            idx = nodes[name]
+            if isinstance(name, tuple):
+                return [name[1]] * len(idx)
+            conn = conns[name]
+            for attempt in range(2):
+                try:
+                    pipe = conn.pipeline(transaction=False)
+                    for i in idx:
+                        _, cmd, args = cmds[i]
+                        getattr(pipe, cmd)(*args)
+                    got = pipe.execute(raise_on_error=False)
+                except self._errors_types as e:
+                    return [e] * len(idx)
+                if attempt == 0 and any(type(r).__name__ == "NoScriptError" for r in got):
+                    try:
+                        for sc in self._scripts:
+                            conn.script_load(sc.script)
+                    except self._errors_types as e:
+                        return [e] * len(idx)
+                    continue
+                return list(got)
+            return list(got)
+
+        if len(nodes) == 1:
+            results = {name: run(name) for name in nodes}
+        else:
+            if self._threads is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._threads = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvpolicy-redis")
+            futs = {name: self._threads.submit(run, name) for name in nodes}
+            results = {name: f.result() for name, f in futs.items()}
+        stale = False
+        for name, idx in nodes.items():
+            for i, r in zip(idx, results[name]):
+                if isinstance(r, Exception):
+                    self._count(r)
+                    if isinstance(r, self._denied_types):
+                        self.denied += 1
+                    else:
+                        stale = True
+                out[i] = r
+        if stale and self._is_cluster:
+            try:
+                self.r.nodes_manager.initialize()
+            except Exception:  # noqa: BLE001 - the cluster is still moving: the next call tries again
+                pass
+        return out
+
+    def _eval(self, script: Any, keys: list[str], args: list[Any]) -> tuple[str, str, tuple[Any, ...]]:
+        return (keys[0], "evalsha", (script.sha, len(keys), *keys, *args))
+
+    def _spread_publish(self, tenant: str, entries: Sequence[Entry]) -> int:
+        cmds = []
+        groups = self._by_group([e.key for e in entries])
+        for g, idx in groups.items():
+            base = self._gbase(tenant, g)
+            for lo in range(0, len(idx), MAX_KEYS_PER_CALL):
+                keys = [base + "lru", base + "clock"]
+                args: list[Any] = [self.group_max_keys, base + "lease:", self.max_holders_per_key]
+                for i in idx[lo:lo + MAX_KEYS_PER_CALL]:
+                    e = entries[i]
+                    h = e.key.hex()
+                    keys.append(base + "b:" + h)
+                    args += [h, e.holder, e.pack(), "" if e.expires_at_s is None else str(int(e.expires_at_s * 1000))]
+                cmds.append(self._eval(self._publish, keys, args))
+        written = 0
+        for res in self._batch(cmds):
+            if isinstance(res, Exception):
+                continue
+            written += int(res[0])
+            self.evicted_by_capacity += int(res[1])
+            self.holders_refused += int(res[2])
+        return written
+
+    def _spread_live(self, tenant: str, ks: list[bytes]) -> list[bool]:
+        """Per key: live (some holder unexpired) — the groups asked in one round trip; a failed group's keys are not."""
+        cmds, where = [], []
+        for g, idx in self._by_group(ks).items():
+            base = self._gbase(tenant, g)
+            for lo in range(0, len(idx), MAX_KEYS_PER_CALL):
+                part = idx[lo:lo + MAX_KEYS_PER_CALL]
+                hexes = [ks[i].hex() for i in part]
+                cmds.append(self._eval(self._match_each, [base + "lru", base + "clock"] + [base + "b:" + h for h in hexes], hexes))
+                where.append(part)
+        live = [False] * len(ks)
+        for part, res in zip(where, self._batch(cmds)):
+            if isinstance(res, Exception):
+                continue
+            for i, flag in zip(part, res):
+                live[i] = int(flag) == 1
+        return live
+
+    def _name(self, tenant: str, key: bytes, kind: str) -> str:
+        """The Redis name of ``key``'s entry (``kind`` "b:") or lease ("lease:"), in either layout."""
+        base = self._gbase(check_tenant(tenant), self._group(key)) if self.key_groups > 1 else self._base(tenant)
+        return base + kind + key.hex()
+
+    def _batched_lookup(self, tenant: str, ks: list[bytes]) -> list[list[Entry]]:
+        names = [self._name(tenant, k, "b:") for k in ks]
+        # each key's holders, and the TIME of the node that holds it (expiry is judged on the server's clock, as match does)
+        cmds: list[tuple[str, str, tuple[Any, ...]]] = []
+        for n in names:
+            cmds += [(n, "hgetall", (n,)), (n, "time", ())]
+        raw = self._batch(cmds)
+        out: list[list[Entry]] = []
+        for j, k in enumerate(ks):
+            h, t = raw[2 * j], raw[2 * j + 1]
+            if isinstance(h, Exception) or isinstance(t, Exception):
+                out.append([])
+                continue
+            now = float(t[0]) + float(t[1]) / 1e6
+            entries = (Entry.unpack(k, holder.decode(), v) for holder, v in h.items())
+            out.append(sorted((e for e in entries if e.expires_at_s is None or e.expires_at_s > now), key=lambda e: e.holder))
+        return out
+
+    def _spread_match(self, tenant: str, ks: list[bytes]) -> int:
+        n = 0
+        for flag in self._spread_live(tenant, ks):
+            if not flag:
+                break
+            n += 1
+        return n
 
     def _call(self, fn: Any, default: Any) -> Any:
         try:
@@ -331,6 +571,8 @@ class RedisDirectory:
         entries = check_entries(entries)  # None was "nothing to publish" here and a TypeError in memory
         if not entries:
             return 0
+        if self.key_groups > 1:
+            return self._spread_publish(check_tenant(tenant), entries)
         written = 0
         for lo in range(0, len(entries), MAX_KEYS_PER_CALL):  # one script call never holds the server for long
             keys = [base + "lru", base + "clock"]
@@ -353,6 +595,8 @@ class RedisDirectory:
         base = self._base(tenant)
         if not ks:
             return 0
+        if self.key_groups > 1:
+            return self._spread_match(tenant, list(ks))
         n = 0
         for lo in range(0, len(ks), MAX_KEYS_PER_CALL):  # the leading run, a bounded call at a time
             hexes = [k.hex() for k in ks[lo:lo + MAX_KEYS_PER_CALL]]
@@ -365,10 +609,9 @@ class RedisDirectory:
 
     def match_prefix_per_key(self, tenant: str, keys: Sequence[bytes]) -> int:
         """The naive way — one EXISTS round trip per key (for the benchmark's baseline)."""
-        base = self._base(tenant)
         n = 0
         for k in check_keys(keys):
-            if not self._call(lambda k=k: self.r.exists(base + "b:" + k.hex()), 0):
+            if not self._call(lambda k=k: self.r.exists(self._name(tenant, k, "b:")), 0):
                 break
             n += 1
         return n
@@ -376,6 +619,8 @@ class RedisDirectory:
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[list[Entry]]:
         ks = check_keys(keys)
         base = self._base(tenant)
+        if self.key_groups > 1 or self._is_cluster:  # a cluster pipelines per node (redis-py blocks TIME in its own pipelines)
+            return self._batched_lookup(tenant, list(ks))
 
         def go() -> list[Any]:
             pipe = self.r.pipeline(transaction=False)
@@ -402,6 +647,15 @@ class RedisDirectory:
         base = self._base(tenant)
         if not ks:
             return 0
+        if self.key_groups > 1:
+            cmds = []
+            for g, idx in self._by_group(ks).items():
+                gb = self._gbase(tenant, g)
+                for lo in range(0, len(idx), MAX_KEYS_PER_CALL):
+                    hexes = [ks[i].hex() for i in idx[lo:lo + MAX_KEYS_PER_CALL]]
+                    cmds.append(self._eval(self._evict, [gb + "lru"] + [gb + "b:" + h for h in hexes],
+                                           ["1" if force else "0", holder or "", gb + "lease:"] + hexes))
+            return sum(int(r) for r in self._batch(cmds) if not isinstance(r, Exception))
         n = 0
         for lo in range(0, len(ks), MAX_KEYS_PER_CALL):
             hexes = [k.hex() for k in ks[lo:lo + MAX_KEYS_PER_CALL]]
@@ -413,6 +667,9 @@ class RedisDirectory:
     def clear_holder(self, tenant: str, holder: str) -> int:
         check_holder(holder)
         base = self._base(tenant)
+        if self.key_groups > 1:  # every group's LRU, all in one round trip
+            cmds = [self._eval(self._clear, [self._gbase(tenant, g) + "lru"], [holder]) for g in range(self.key_groups)]
+            return sum(int(r) for r in self._batch(cmds) if not isinstance(r, Exception))
         return int(self._call(lambda: self._clear(keys=[base + "lru"], args=[holder]), 0))
 
     def lease(self, tenant: str, keys: Sequence[bytes], ttl_s: float) -> Lease:
@@ -422,6 +679,19 @@ class RedisDirectory:
         names = [base + "lease:" + k.hex() for k in ks]
         lease_id = f"redis-{uuid.uuid4().hex}"
         now = None
+        if self.key_groups > 1:
+            cmds = []
+            for g, idx in self._by_group(ks).items():
+                gb = self._gbase(tenant, g)
+                for lo in range(0, len(idx), MAX_KEYS_PER_CALL):
+                    cmds.append(self._eval(self._lease, [gb + "lease:" + ks[i].hex() for i in idx[lo:lo + MAX_KEYS_PER_CALL]],
+                                           [int(ttl_s * 1000), lease_id]))
+            for got in self._batch(cmds):
+                if now is None and isinstance(got, list) and len(got) == 3:
+                    now = float(got[1]) + float(got[2]) / 1e6
+            if now is None:
+                now = self._server_now()
+            return Lease(lease_id, tenant, tuple(ks), now + ttl_s)
         for lo in range(0, len(names), MAX_KEYS_PER_CALL):
             part = names[lo:lo + MAX_KEYS_PER_CALL]
             got = self._call(lambda: self._lease(keys=part, args=[int(ttl_s * 1000), lease_id]), None)
@@ -436,6 +706,21 @@ class RedisDirectory:
         the operator's connection: tenants confined by :func:`tenant_acl_rules` may only ``EVALSHA`` scripts already
         loaded, so run it again after a Redis restart or ``SCRIPT FLUSH`` (until then tenants' calls are misses,
         counted in ``errors``). Raises the Redis error: loading is the operator's step, not a serving path."""
+        if self._is_cluster:  # every node, replicas included: a promoted replica must already have them (tenants cannot load)
+            # from CLUSTER NODES: CLUSTER SLOTS (the client's map) leaves out replicas that have not replicated a byte yet
+            redis = _redis()
+            kw = dict(self.r.nodes_manager.connection_kwargs)
+            shas: list[str] = []
+            for addr, info in self.r.cluster_nodes().items():
+                if "fail" in str(info.get("flags", "")):
+                    continue
+                host, port = addr.rsplit(":", 1)
+                conn = redis.Redis(**{**kw, "host": host, "port": int(port.split("@")[0])})
+                try:
+                    shas = [str(conn.script_load(sc.script)) for sc in self._scripts]
+                finally:
+                    conn.close()
+            return shas
         return [str(self.r.script_load(sc.script)) for sc in self._scripts]
 
     def _server_now(self) -> float:
@@ -445,16 +730,31 @@ class RedisDirectory:
 
     def release(self, lease: Lease) -> None:
         base = self._base(check_lease(lease).tenant)
+        if self.key_groups > 1:
+            cmds = []
+            for g, idx in self._by_group(lease.keys).items():
+                gb = self._gbase(lease.tenant, g)
+                for lo in range(0, len(idx), MAX_KEYS_PER_CALL):
+                    cmds.append(self._eval(self._release, [gb + "lease:" + lease.keys[i].hex() for i in idx[lo:lo + MAX_KEYS_PER_CALL]],
+                                           [lease.lease_id]))
+            self._batch(cmds)
+            return
         names = [base + "lease:" + k.hex() for k in lease.keys]
         for lo in range(0, len(names), MAX_KEYS_PER_CALL):
             part = names[lo:lo + MAX_KEYS_PER_CALL]
             self._call(lambda: self._release(keys=part, args=[lease.lease_id]), 0)
 
     def leased(self, tenant: str, key: bytes) -> bool:
-        return bool(self._call(lambda: self.r.exists(self._base(tenant) + "lease:" + key.hex()), 0))
+        return bool(self._call(lambda: self.r.exists(self._name(tenant, key, "lease:")), 0))
 
     def keys(self, tenant: str) -> list[bytes]:
         base = self._base(tenant)
+        if self.key_groups > 1:
+            lrus = self._batch([(self._gbase(tenant, g) + "lru", "zrange", (self._gbase(tenant, g) + "lru", 0, -1))
+                                for g in range(self.key_groups)])
+            cand = [bytes.fromhex(h.decode()) for r in lrus if not isinstance(r, Exception) for h in r]
+            there = self._batch([(self._name(tenant, k, "b:"), "exists", (self._name(tenant, k, "b:"),)) for k in cand])
+            return sorted(k for k, e in zip(cand, there) if not isinstance(e, Exception) and int(e))
 
         def go() -> list[bytes]:
             out = []
