@@ -7,9 +7,15 @@
    16 tokens each, chained, plus their BlockRemoved) decoded, keyed and applied to
    the in-memory and the Redis directory: events and blocks per second.
 
+3. ``--cluster`` (issue #48): a Redis Cluster of 3 masters (+3 replicas) on loopback beside one redis-server: match
+   latency (16-block chains), match throughput from ``--clients`` processes for ``--seconds`` each (1 node, default
+   layout, against 3 shards, spread layout), and the share of keys on each master — one tenant of 30,000 keys and 100
+   tenants of 300 — for the default layout (a tenant in one slot) and the spread one (``--key-groups``, 256).
+
 Uses KVPOLICY_REDIS_URL if set, else starts a private redis-server.
 
     python benchmarks/bench_directory.py [--calls 2000] [--json OUT]
+    python benchmarks/bench_directory.py --cluster [--clients 2] [--seconds 5]
 """
 
 from __future__ import annotations
@@ -59,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     add_check_flag(ap)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cluster", action="store_true", help="also measure a local 3-master Redis Cluster")
+    ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--key-groups", type=int, default=256)
     args = ap.parse_args(argv)
     url, proc = _server()
     try:
@@ -102,13 +112,117 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:>9}: {n_events / dt:10,.0f} events/s  {200 * 64 / dt:10,.0f} blocks/s")
             res[f"events_per_s_{name}"] = n_events / dt
             res[f"blocks_per_s_{name}"] = 200 * 64 / dt
-        rc = report_targets({"one-round-trip match faster than one EXISTS per key": res["match64_speedup"] > 1.0}, args.check)
+        targets = {"one-round-trip match faster than one EXISTS per key": res["match64_speedup"] > 1.0}
+        if args.cluster:
+            targets.update(_cluster_section(url, args, res))
+        rc = report_targets(targets, args.check)
         path = write_json("directory", res, args.json)
         print(f"\nwrote {path}")
     finally:
         if proc is not None:
             proc.kill()
     return rc
+
+
+def _chains(n: int, seed: int) -> list[list[bytes]]:
+    return [[uuid.UUID(int=(seed << 64) + c * 64 + j).bytes for j in range(16)] for c in range(n)]
+
+
+def _redis_at(url: str):
+    import redis
+
+    return redis.Redis.from_url(url)
+
+
+def _cpu_s(r) -> float:
+    info = r.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def _match_loop(spec: tuple[str, bool, int, str, float, int]) -> int:
+    """One client process: match its chains round-robin for ``seconds``; the number of matches."""
+    url, cluster, groups, prefix, seconds, seed = spec
+    d = RedisDirectory(url=url, cluster=cluster, key_groups=groups, prefix=prefix)
+    chains = _chains(50, seed)
+    end = time.perf_counter() + seconds
+    n = 0
+    while time.perf_counter() < end:
+        assert d.match_prefix("bench", chains[n % 50]) == 16
+        n += 1
+    return n
+
+
+def _shares(c, d_factory, tenants: int, keys_per_tenant: int) -> dict[int, float]:
+    for p in c.master_ports():
+        c.cli(p, "flushall")
+    d = d_factory()
+    for t in range(tenants):
+        keys = [uuid.UUID(int=(t << 64) + i).bytes for i in range(keys_per_tenant)]
+        for lo in range(0, len(keys), 1000):
+            d.publish(f"t{t}", [Entry(k, "h", 1) for k in keys[lo:lo + 1000]])
+    counts = {p: int(c.cli(p, "dbsize").strip() or 0) for p in c.master_ports()}
+    total = sum(counts.values())
+    return {p: n / total for p, n in counts.items()}
+
+
+def _cluster_section(url: str, args: argparse.Namespace, res: dict) -> dict[str, bool]:
+    import tempfile
+    from concurrent.futures import ProcessPoolExecutor
+
+    from kvpolicy.testing.redis_cluster import LocalRedisCluster
+
+    c = LocalRedisCluster(tempfile.mkdtemp(prefix="kvp-cluster-"))
+    c.start()
+    try:
+        G = args.key_groups
+        setups = {"1 node, one slot per tenant": (url, False, 1), "1 node, spread": (url, False, G),
+                  "3 shards, spread": (c.url, True, G)}
+        print(f"\nRedis Cluster: 3 masters + 3 replicas on loopback; spread layout = {G} key groups")
+        print(f"{'setup':>30} {'match16 us':>11} {'matches/s, ' + str(args.clients) + ' clients':>24} "
+              f"{'busiest server CPU us':>22} {'server capacity/s':>22}")
+        for name, (u, cl, g) in setups.items():
+            prefix = f"b{uuid.uuid4().hex[:6]}"
+            d = RedisDirectory(url=u, cluster=cl, key_groups=g, prefix=prefix)
+            for seed in range(args.clients):
+                for ch in _chains(50, seed):
+                    d.publish("bench", [Entry(k, "h", 1) for k in ch])
+            one = _chains(1, 0)[0]
+            lat = _median_us(lambda: d.match_prefix("bench", one), args.calls)
+            servers = [_redis_at(f"redis://127.0.0.1:{p}/0") for p in c.master_ports()] if cl else [_redis_at(u)]
+            cpu0 = [_cpu_s(r) for r in servers]
+            with ProcessPoolExecutor(args.clients) as ex:
+                n = sum(ex.map(_match_loop, [(u, cl, g, prefix, args.seconds, s) for s in range(args.clients)]))
+            busiest_us = max(_cpu_s(r) - a for r, a in zip(servers, cpu0)) / n * 1e6  # the busiest server's CPU per match
+            rate = n / args.seconds
+            print(f"{name:>30} {lat:11.1f} {rate:24,.0f} {busiest_us:22.1f} {1e6 / busiest_us:22,.0f}")
+            res[f"cluster_{name}_match16_us"] = lat
+            res[f"cluster_{name}_matches_per_s"] = rate
+            res[f"cluster_{name}_busiest_server_cpu_us_per_match"] = busiest_us
+            res[f"cluster_{name}_server_capacity_matches_per_s"] = 1e6 / busiest_us
+        print(f"\nshare of keys per master (ideal 33.3 %)")
+        targets = {}
+        for label, tenants, per in (("1 tenant x 30,000 keys", 1, 30_000), ("100 tenants x 300 keys", 100, 300)):
+            for layout, g in (("one slot per tenant", 1), (f"spread, {G} groups", G)):
+                sh = _shares(c, lambda g=g: RedisDirectory(url=c.url, cluster=True, key_groups=g, prefix="kvp"), tenants, per)
+                vals = sorted(sh.values())
+                print(f"  {label:>24}, {layout:>22}: " + "  ".join(f"{v:6.1%}" for v in vals))
+                res[f"shares_{label}_{layout}"] = vals
+            worst = max(abs(v - 1 / 3) * 3 for v in res[f"shares_{label}_spread, {G} groups"])
+            targets[f"{label}: every shard within +-10 % of a third (spread)"] = worst <= 0.10
+        r1 = res["cluster_1 node, one slot per tenant_matches_per_s"]
+        r3 = res["cluster_3 shards, spread_matches_per_s"]
+        s1 = res["cluster_1 node, spread_server_capacity_matches_per_s"]
+        s3 = res["cluster_3 shards, spread_server_capacity_matches_per_s"]
+        print(f"\nmatches/s measured, 3 shards over 1 node (one slot per tenant): {r3 / r1:.2f}x — every process shares this "
+              f"machine's cores, so this is the clients' cost")
+        print(f"server capacity (1 / the busiest server's CPU per match), 3 shards over 1 node (spread): {s3 / s1:.2f}x")
+        res["cluster_throughput_ratio"] = r3 / r1
+        res["cluster_server_capacity_ratio"] = s3 / s1
+        targets["matches/s grow with shards (3 shards > 1 node)"] = r3 > r1
+        targets["server capacity grows with shards (3 shards > 1 node, spread)"] = s3 > s1
+        return targets
+    finally:
+        c.stop()
 
 
 if __name__ == "__main__":
