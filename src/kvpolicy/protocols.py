@@ -73,3 +73,15 @@ class ProfileTarget(Protocol):
     def local_hit_ttft_s(self, prefix_tokens: int, tail_tokens: int, cached_tokens: int | None = None) -> float: ...
 
     def remote_load(self, prefix_tokens: int) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class LoadRule(Protocol):
+    """How many of a request's remotely found blocks to load (the rest are recomputed): what the simulator asks a
+    policy set's ``load`` of your own (``PolicySet(load="mine.py:MyRule")``, built once per run with no arguments), on
+    the same two objects :meth:`kvpolicy.admission.AdmissionController.decide` takes — ``match`` (local and remote
+    blocks, block size, prompt tokens) and ``ctx`` (block bytes, replica, source, queue wait, the path's flows, ...).
+    Answer an int in ``[0, match.remote_total_blocks]``: the leading remote blocks to load."""
+
+    def blocks_to_load(self, match: Any, ctx: Any) -> int: ...
+

@@ -66,7 +66,8 @@ from ..traces.model import check_trace
 from ..warmup import WarmupConfig, hot_prefixes_from_trace, plan_warmup
 from .config import ClusterConfig, Degrade, ScaleOut, Spike
 from .network import Flow, FlowNetwork, Link
-from .policysets import PolicySet
+from .._own import is_own
+from .policysets import PolicySet, load_own_rule
 from ..write_admission import WriteAdmission, gate
 
 ARRIVE, LOAD_DONE, PREFILL_DONE, DECODE_DONE, WRITE_DONE, WARM_DONE, SCALE_OUT, READY, NET, TIMER, MEET, CAPACITY, SAMPLE = range(13)
@@ -502,6 +503,7 @@ class Simulator:
             blocks_per_node = cluster.pool_capacity_bytes_per_node // self.block_bytes
             self.write_gate = WriteAdmission(capacity_blocks=max(blocks_per_node * cluster.storage_nodes, 1))
         self.controller: AdmissionController | None = None
+        self.load_rule: Any = load_own_rule(ps.load) if is_own(ps.load) else None  # one per run: its state is this run's
         if ps.load == "admission":
             # the prior is the deployment's own figures: the path's slowest link (the staging copy is a
             # link of the path, pipelined with the network leg)
@@ -934,6 +936,16 @@ class Simulator:
                     req.predicted_s = d.t_recompute_p50_s
             elif load == "oracle":
                 k = self._oracle_k(rep, keys, L, R, req)
+            else:  # a rule of your own (kvpolicy.protocols.LoadRule), on what the admission controller is told
+                src = self.where[keys[L]]
+                ctx = AdmissionContext(block_bytes=self.block_bytes, replica=rep.name, source=src.name, active_decodes=rep.active,
+                                       warming=t < rep.warming_until_s, path_flows_bytes=self._path_flows(rep, src, R * self.block_bytes),
+                                       queue_wait_s=self._queue_wait_s(rep, t), prefill_queue_requests=len(rep.queue),
+                                       prefill_utilisation=rep.utilisation(t))
+                k = self.load_rule.blocks_to_load(pm, ctx)
+                if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= R:
+                    raise ConfigError("load", f"{load!r}.blocks_to_load answered {k!r} for {R} remote blocks: it must be an int in [0, {R}]")
+                k = int(k)
         if k < R:
             req.not_loaded = R - k
             req.not_loaded_reason = "declined"

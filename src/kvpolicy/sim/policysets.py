@@ -60,7 +60,9 @@ class PolicySet:
     pool_eviction: str = "lru"
     #: a kvpolicy.publish.make_filter spec, or "oracle"
     publish: str = "all"
-    load: Load = "always"
+    #: a preset rule, or your own: ``PATH.py:CLASS`` / ``MODULE:CLASS`` naming a :class:`kvpolicy.protocols.LoadRule`
+    #: (``blocks_to_load(match, ctx) -> int``), built once per run with no arguments
+    load: Load | str = "always"
     min_load_tokens: int = 0
     timeout: Timeout = "none"
     failure: Failure = "recompute"
@@ -101,8 +103,11 @@ class PolicySet:
                 check_spec(self.publish)
             except ConfigError as e:
                 raise ConfigError("publish", f"{e.problem} (or 'oracle')") from None
-        if self.load not in ("admission", "always", "min-tokens", "never", "oracle"):
-            raise ConfigError("load", f"unknown load rule {self.load!r}")
+        if is_own(self.load):
+            load_own_rule(self.load)  # it must load, and build, before any run
+        elif self.load not in ("admission", "always", "min-tokens", "never", "oracle"):
+            raise ConfigError("load", f"unknown load rule {self.load!r}; known: admission, always, min-tokens, never, oracle; or your "
+                                      "own, PATH.py:CLASS naming a kvpolicy.protocols.LoadRule")
         if self.timeout not in ("none", "admission", "sglang"):
             raise ConfigError("timeout", f"unknown timeout rule {self.timeout!r}")
         if self.failure not in ("recompute", "fail"):
@@ -133,6 +138,18 @@ PRESETS: dict[str, PolicySet] = {
     "oracle": PolicySet("oracle", local_eviction="belady", pool_eviction="belady", publish="oracle", load="oracle"),
 }
 POLICY_SETS = tuple(PRESETS)
+
+
+def load_own_rule(spec: str) -> Any:
+    """A load rule of your own, built (no arguments) and checked to have ``blocks_to_load``."""
+    cls = load_own(spec, "load", "a LoadRule class (blocks_to_load(match, ctx) -> int), built with no arguments")
+    try:
+        rule = cls()
+    except Exception as e:  # the user's constructor: named, no traceback through kvpolicy
+        raise ConfigError("load", f"{spec!r}: building it with no arguments raised {type(e).__name__}: {e}") from None
+    if not callable(getattr(rule, "blocks_to_load", None)):
+        raise ConfigError("load", f"{spec!r} has no blocks_to_load(match, ctx) method (kvpolicy.protocols.LoadRule)")
+    return rule
 
 
 def policy_set(name: Any) -> PolicySet:
