@@ -540,6 +540,26 @@ def test_a_late_plain_load_is_waited_for_only_while_it_still_beats_recompute(bw,
     assert not c.keep_waiting(d, 0.0, float("inf")), "a stalled load is never waited on"
 
 
+@pytest.mark.parametrize("price_over_breakeven", [0.5, 1.0, 2.0])
+def test_the_wait_limit_is_the_recompute_deadline_exactly_when_the_gpu_seconds_are_worth_the_wait(price_over_breakeven):
+    """wait_limit = t_recompute_only iff gpu_s_price × gpu_saved ≥ t_recompute_only − t_plan (at the break-even price
+    too), else t_plan; a split (any front, one block included), a load saving no GPU seconds, and a remaining time of
+    exactly 0 are the edges."""
+    d = controller(bw=25e9, compute_while_loading=True).decide(pm(0, 64), ctx)
+    assert d.loads and d.split_blocks == 0
+    t = d.terms
+    plan, bound, saved = t["t_plan_s"], t["t_recompute_only_s"], t["gpu_saved_s"]
+    assert bound > plan > 0 and saved > 0
+    breakeven = (bound - plan) / saved
+    c = controller(bw=25e9, compute_while_loading=True, gpu_s_price=breakeven * price_over_breakeven)
+    want = bound if price_over_breakeven >= 1.0 else plan
+    assert c.wait_limit_s(d) == pytest.approx(want, rel=1e-12)
+    inf = controller(bw=25e9, compute_while_loading=True)
+    assert inf.wait_limit_s(attrs.evolve(d, split_blocks=1)) == plan, "a split computes from the start"
+    assert inf.wait_limit_s(attrs.evolve(d, terms={**t, "gpu_saved_s": 0.0})) == plan, "nothing to save: no wait"
+    assert inf.keep_waiting(d, plan, 0.0), "the bytes are all here"
+
+
 def test_keep_waiting_refuses_bad_input_by_name():
     c = controller(bw=25e9, compute_while_loading=True)
     d = c.decide(pm(0, 64), ctx)

@@ -601,3 +601,23 @@ def test_a_late_load_still_on_course_to_beat_recompute_is_waited_for_not_raced()
     assert fast.ledger.tokens["split_recompute"] > 0, "at price 0 the late load is raced from the front"
     assert fast.ttft_s[3] < res.ttft_s[3]
     assert fast.gpu_prefill_s > res.gpu_prefill_s
+
+
+def test_a_late_load_that_slows_after_the_check_is_raced_at_the_recompute_deadline():
+    """The same late load, on course at its p95 prediction; then its node drops to 5 % of its bandwidth, so the rest
+    would land long after recompute would have produced the range. The request waits until that deadline
+    (wait_limit_s, checked once more there), then the GPU computes from the front while the rest keeps coming: a front
+    is recomputed, and the TTFT is far below waiting for the whole load."""
+    L, K = 3, 10
+    X = list(range(1, L + K + 1))
+    tr = tiny([X, X[:L], [99], X], [0.0, 100.0, 200.0, 300.0])
+    recompute_s = P.b_s_per_token * K * B
+    R = K * BLOCK_BYTES / (0.6 * recompute_s)
+    c = cluster(tr, node_bandwidth_bytes_per_s=R, replica_bandwidth_bytes_per_s=R, link_prior_factor=2.0)
+    ps = attrs.evolve(policy_set("kvpolicy"), publish="all")
+    slow = [Degrade(0, 300.032, 301.0, bandwidth_factor=0.05, failure_rate=0.0)]  # just after the p95 check (~300.031 s)
+    res = Simulator(Prepared(tr), c, ps, events=slow).run()
+    assert res.ledger.tokens["split_recompute"] > 0, "raced from the front at the deadline"
+    whole = c.lookup_s + 0.032 + (K * BLOCK_BYTES - R * 0.0315) / (0.05 * R)  # waiting for every byte at 5 %
+    deadline = c.dispatch_s + P.a_s + P.b_s_per_token * K * B  # t_recompute_only: the range recomputed on an idle replica
+    assert deadline < res.ttft_s[3] < whole - 0.05, (res.ttft_s[3], deadline, whole)

@@ -606,10 +606,10 @@ class AdmissionController:
         """Compute while loading: how long after it started a plain load may keep the request waiting for its bytes
         before the GPU starts on the front. ``gpu_s_price`` = 0: its p95 prediction (``t_plan_s``; the fastest — a
         late load turns into a split at once). Otherwise the longest wait that still pays: while the load is ready
-        before recompute would have produced the range (``t_recompute_only_s``) or keeps this request within the p95
-        TTFT target it was planned against (``ttft_slo_s`` less the rest of the prompt's prefill), waiting saves the
-        range's GPU seconds (``gpu_saved_s``) — taken when they are worth, at ``gpu_s_price``, the TTFT the wait may
-        add past the prediction. Never below ``t_plan_s``."""
+        before recompute would have produced the range (``t_recompute_only_s``), waiting saves the range's GPU seconds
+        (``gpu_saved_s``) — taken when they are worth, at ``gpu_s_price``, the TTFT the wait may add past the
+        prediction (``gpu_s_price × gpu_saved_s ≥ t_recompute_only_s − t_plan_s``). Never below ``t_plan_s``; a split
+        (it computes from the start) gets ``t_plan_s``."""
         if not isinstance(decision, Decision) or not decision.loads or not decision.terms:
             raise ConfigError("decision", "must be a load decision from this controller")
         t = decision.terms

@@ -923,12 +923,7 @@ class Simulator:
             elif load == "admission":
                 ctl = self._ctl(rep)
                 assert ctl is not None
-                src = self.where[keys[L]]
-                ctx = AdmissionContext(block_bytes=self.block_bytes, replica=rep.name, source=src.name, active_decodes=rep.active,
-                                       warming=t < rep.warming_until_s, path_flows_bytes=self._path_flows(rep, src, R * self.block_bytes),
-                                       queue_wait_s=self._queue_wait_s(rep, t), prefill_queue_requests=len(rep.queue),
-                                       prefill_utilisation=rep.utilisation(t))
-                d = ctl.decide(pm, ctx)
+                d = ctl.decide(pm, self._load_ctx(rep, keys[L], R, t))
                 req.decision = d
                 k = d.load_blocks
                 s_ = d.split_blocks
@@ -937,12 +932,7 @@ class Simulator:
             elif load == "oracle":
                 k = self._oracle_k(rep, keys, L, R, req)
             else:  # a rule of your own (kvpolicy.protocols.LoadRule), on what the admission controller is told
-                src = self.where[keys[L]]
-                ctx = AdmissionContext(block_bytes=self.block_bytes, replica=rep.name, source=src.name, active_decodes=rep.active,
-                                       warming=t < rep.warming_until_s, path_flows_bytes=self._path_flows(rep, src, R * self.block_bytes),
-                                       queue_wait_s=self._queue_wait_s(rep, t), prefill_queue_requests=len(rep.queue),
-                                       prefill_utilisation=rep.utilisation(t))
-                k = self.load_rule.blocks_to_load(pm, ctx)
+                k = self.load_rule.blocks_to_load(pm, self._load_ctx(rep, keys[L], R, t))
                 if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= R:
                     raise ConfigError("load", f"{load!r}.blocks_to_load answered {k!r} for {R} remote blocks: it must be an int in [0, {R}]")
                 k = int(k)
@@ -994,6 +984,16 @@ class Simulator:
             limit = 1.0 + 0.25 * k * self.B / 1024
         if limit < self.c.transport_timeout_s:
             self._push(t + limit, TIMER, (req.xfer, "timeout"))
+
+    def _load_ctx(self, rep: _Replica, first_key: int, R: int, t: float) -> AdmissionContext:
+        """What a load rule is told of a request's R remote blocks starting at ``first_key``: the replica, the node that
+        holds them, the path's flows, the replica's queue and utilisation — the same for the admission controller and
+        a rule of your own."""
+        src = self.where[first_key]
+        return AdmissionContext(block_bytes=self.block_bytes, replica=rep.name, source=src.name, active_decodes=rep.active,
+                                warming=t < rep.warming_until_s, path_flows_bytes=self._path_flows(rep, src, R * self.block_bytes),
+                                queue_wait_s=self._queue_wait_s(rep, t), prefill_queue_requests=len(rep.queue),
+                                prefill_utilisation=rep.utilisation(t))
 
     def _path_flows(self, rep: _Replica, node: _Node, size_bytes: float) -> tuple[float, ...]:
         """What a transport reports of the path: the remaining bytes of the flows on its busiest
