@@ -65,7 +65,7 @@ MODULES: dict[str, dict[str, Any]] = {
     "publish": {"paths": ["kvpolicy/publish.py"],
                 "tests": ["tests/test_publish.py", "tests/test_sim.py", "tests/test_decisions.py", "tests/test_sim_decisions.py"]},
     "directory": {"paths": ["kvpolicy/directory/memory.py", "kvpolicy/directory/redis.py", "kvpolicy/directory/base.py"],
-                  "tests": ["tests/test_directory.py"]},
+                  "tests": ["tests/test_directory.py", "tests/test_directory_cluster.py"]},
     "transport": {"paths": ["kvpolicy/reference/transport.py"], "tests": ["tests/test_transport_security.py", "tests/test_reference.py"]},
     "integrations": {"paths": ["kvpolicy/integrations/vllm_events.py", "kvpolicy/integrations/vllm_kv_connector.py"],
                      "tests": ["tests/test_integrations.py", "tests/test_engine_events.py"]},
