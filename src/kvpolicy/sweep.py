@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from typing import Any
 
@@ -111,8 +111,6 @@ class Sweep:
         with ProcessPoolExecutor(max_workers=min(self.jobs, len(specs)), mp_context=ctx, initializer=_init_worker,
                                  initargs=(shared,)) as ex:
             futures = {ex.submit(_run_in_worker, fn, s): i for i, s in enumerate(specs)}
-            from concurrent.futures import as_completed
-
             for fut in as_completed(futures):
                 i = futures[fut]
                 results[i] = fut.result()  # a job's own error (a ConfigError, say) is raised here, as it would be in order

@@ -43,7 +43,7 @@ import hashlib
 import re
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..errors import ConfigError
@@ -384,12 +384,16 @@ class RedisDirectory:
     def _gbase(self, tenant: str, g: int) -> str:
         return f"{{{self._tags[g]}}}:{self.prefix}:{tenant}:"
 
-    def _by_group(self, keys: Sequence[bytes]) -> dict[int, list[int]]:
-        """Positions of ``keys`` per group, in their order, each group cut into calls of at most MAX_KEYS_PER_CALL."""
-        out: dict[int, list[int]] = {}
+    def _group_calls(self, tenant: str, keys: Sequence[bytes]) -> Iterator[tuple[str, list[int]]]:
+        """Per script call: the group's key prefix and the positions of ``keys`` it takes (in their order, at most
+        MAX_KEYS_PER_CALL of a group per call)."""
+        by: dict[int, list[int]] = {}
         for i, k in enumerate(keys):
-            out.setdefault(self._group(k), []).append(i)
-        return out
+            by.setdefault(self._group(k), []).append(i)
+        for g, idx in by.items():
+            base = self._gbase(tenant, g)
+            for lo in range(0, len(idx), MAX_KEYS_PER_CALL):
+                yield base, idx[lo:lo + MAX_KEYS_PER_CALL]
 
     @property
     def group_max_keys(self) -> int:
@@ -440,7 +444,7 @@ class RedisDirectory:
                     except self._errors_types as e:
                         return [e] * len(idx)
                     continue
-                return list(got)
+                break
             return list(got)
 
         if len(nodes) == 1:
@@ -474,18 +478,15 @@ class RedisDirectory:
 
     def _spread_publish(self, tenant: str, entries: Sequence[Entry]) -> int:
         cmds = []
-        groups = self._by_group([e.key for e in entries])
-        for g, idx in groups.items():
-            base = self._gbase(tenant, g)
-            for lo in range(0, len(idx), MAX_KEYS_PER_CALL):
-                keys = [base + "lru", base + "clock"]
-                args: list[Any] = [self.group_max_keys, base + "lease:", self.max_holders_per_key]
-                for i in idx[lo:lo + MAX_KEYS_PER_CALL]:
-                    e = entries[i]
-                    h = e.key.hex()
-                    keys.append(base + "b:" + h)
-                    args += [h, e.holder, e.pack(), "" if e.expires_at_s is None else str(int(e.expires_at_s * 1000))]
-                cmds.append(self._eval(self._publish, keys, args))
+        for base, part in self._group_calls(tenant, [e.key for e in entries]):
+            keys = [base + "lru", base + "clock"]
+            args: list[Any] = [self.group_max_keys, base + "lease:", self.max_holders_per_key]
+            for i in part:
+                e = entries[i]
+                h = e.key.hex()
+                keys.append(base + "b:" + h)
+                args += [h, e.holder, e.pack(), "" if e.expires_at_s is None else str(int(e.expires_at_s * 1000))]
+            cmds.append(self._eval(self._publish, keys, args))
         written = 0
         for res in self._batch(cmds):
             if isinstance(res, Exception):
@@ -498,13 +499,10 @@ class RedisDirectory:
     def _spread_live(self, tenant: str, ks: list[bytes]) -> list[bool]:
         """Per key: live (some holder unexpired) — the groups asked in one round trip; a failed group's keys are not."""
         cmds, where = [], []
-        for g, idx in self._by_group(ks).items():
-            base = self._gbase(tenant, g)
-            for lo in range(0, len(idx), MAX_KEYS_PER_CALL):
-                part = idx[lo:lo + MAX_KEYS_PER_CALL]
-                hexes = [ks[i].hex() for i in part]
-                cmds.append(self._eval(self._match_each, [base + "lru", base + "clock"] + [base + "b:" + h for h in hexes], hexes))
-                where.append(part)
+        for base, part in self._group_calls(tenant, ks):
+            hexes = [ks[i].hex() for i in part]
+            cmds.append(self._eval(self._match_each, [base + "lru", base + "clock"] + [base + "b:" + h for h in hexes], hexes))
+            where.append(part)
         live = [False] * len(ks)
         for part, res in zip(where, self._batch(cmds)):
             if isinstance(res, Exception):
@@ -520,14 +518,16 @@ class RedisDirectory:
 
     def _batched_lookup(self, tenant: str, ks: list[bytes]) -> list[list[Entry]]:
         names = [self._name(tenant, k, "b:") for k in ks]
-        # each key's holders, and the TIME of the node that holds it (expiry is judged on the server's clock, as match does)
-        cmds: list[tuple[str, str, tuple[Any, ...]]] = []
-        for n in names:
-            cmds += [(n, "hgetall", (n,)), (n, "time", ())]
+        # each key's holders, and the TIME of the node that holds its slot (expiry is judged on the server's clock, as
+        # match does): one TIME per hash tag (a group, or the tenant), routed with the first of its keys
+        tags = {n[:n.index("}") + 1]: n for n in reversed(names)}
+        cmds: list[tuple[str, str, tuple[Any, ...]]] = [(n, "hgetall", (n,)) for n in names]
+        cmds += [(n, "time", ()) for n in tags.values()]
         raw = self._batch(cmds)
+        times = dict(zip(tags, raw[len(names):]))
         out: list[list[Entry]] = []
         for j, k in enumerate(ks):
-            h, t = raw[2 * j], raw[2 * j + 1]
+            h, t = raw[j], times[names[j][:names[j].index("}") + 1]]
             if isinstance(h, Exception) or isinstance(t, Exception):
                 out.append([])
                 continue
@@ -537,12 +537,8 @@ class RedisDirectory:
         return out
 
     def _spread_match(self, tenant: str, ks: list[bytes]) -> int:
-        n = 0
-        for flag in self._spread_live(tenant, ks):
-            if not flag:
-                break
-            n += 1
-        return n
+        live = self._spread_live(tenant, ks)
+        return live.index(False) if False in live else len(live)
 
     def _call(self, fn: Any, default: Any) -> Any:
         try:
@@ -649,12 +645,10 @@ class RedisDirectory:
             return 0
         if self.key_groups > 1:
             cmds = []
-            for g, idx in self._by_group(ks).items():
-                gb = self._gbase(tenant, g)
-                for lo in range(0, len(idx), MAX_KEYS_PER_CALL):
-                    hexes = [ks[i].hex() for i in idx[lo:lo + MAX_KEYS_PER_CALL]]
-                    cmds.append(self._eval(self._evict, [gb + "lru"] + [gb + "b:" + h for h in hexes],
-                                           ["1" if force else "0", holder or "", gb + "lease:"] + hexes))
+            for gb, part in self._group_calls(tenant, ks):
+                hexes = [ks[i].hex() for i in part]
+                cmds.append(self._eval(self._evict, [gb + "lru"] + [gb + "b:" + h for h in hexes],
+                                       ["1" if force else "0", holder or "", gb + "lease:"] + hexes))
             return sum(int(r) for r in self._batch(cmds) if not isinstance(r, Exception))
         n = 0
         for lo in range(0, len(ks), MAX_KEYS_PER_CALL):
@@ -680,12 +674,8 @@ class RedisDirectory:
         lease_id = f"redis-{uuid.uuid4().hex}"
         now = None
         if self.key_groups > 1:
-            cmds = []
-            for g, idx in self._by_group(ks).items():
-                gb = self._gbase(tenant, g)
-                for lo in range(0, len(idx), MAX_KEYS_PER_CALL):
-                    cmds.append(self._eval(self._lease, [gb + "lease:" + ks[i].hex() for i in idx[lo:lo + MAX_KEYS_PER_CALL]],
-                                           [int(ttl_s * 1000), lease_id]))
+            cmds = [self._eval(self._lease, [gb + "lease:" + ks[i].hex() for i in part], [int(ttl_s * 1000), lease_id])
+                    for gb, part in self._group_calls(tenant, ks)]
             for got in self._batch(cmds):
                 if now is None and isinstance(got, list) and len(got) == 3:
                     now = float(got[1]) + float(got[2]) / 1e6
@@ -731,13 +721,8 @@ class RedisDirectory:
     def release(self, lease: Lease) -> None:
         base = self._base(check_lease(lease).tenant)
         if self.key_groups > 1:
-            cmds = []
-            for g, idx in self._by_group(lease.keys).items():
-                gb = self._gbase(lease.tenant, g)
-                for lo in range(0, len(idx), MAX_KEYS_PER_CALL):
-                    cmds.append(self._eval(self._release, [gb + "lease:" + lease.keys[i].hex() for i in idx[lo:lo + MAX_KEYS_PER_CALL]],
-                                           [lease.lease_id]))
-            self._batch(cmds)
+            self._batch([self._eval(self._release, [gb + "lease:" + lease.keys[i].hex() for i in part], [lease.lease_id])
+                         for gb, part in self._group_calls(lease.tenant, lease.keys)])
             return
         names = [base + "lease:" + k.hex() for k in lease.keys]
         for lo in range(0, len(names), MAX_KEYS_PER_CALL):
