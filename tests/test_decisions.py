@@ -354,7 +354,7 @@ def test_peek_names_exactly_the_victims_that_victims_then_evicts(name, ops, need
 
 def test_a_replicas_utilisation_is_its_busy_share_averaged_over_the_window():
     """One slot busy from 0 to 10 s, then idle: 1 − e^−1 at 10 s (window 10 s), that times e^−1 at 20 s."""
-    from kvpolicy.sim.engine import UTIL_WINDOW_S, _Replica
+    from kvpolicy.sim.world import UTIL_WINDOW_S, _Replica
 
     assert UTIL_WINDOW_S == 10.0
     rep = _Replica(0, make_policy("lru", 10), 1, None, None, None)

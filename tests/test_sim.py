@@ -172,10 +172,10 @@ def test_failure_draws_are_the_same_for_every_policy_set(trace, prepared):
     import subprocess
     import sys
 
-    from kvpolicy.sim.engine import _unit
+    from kvpolicy.sim.world import _unit
 
     args = [(0, 5, 0, 1, 1), (3, 17, 1, 2, 2), (9, 0, 0, 0, 3)]
-    code = "from kvpolicy.sim.engine import _unit; print([_unit(*a) for a in %r])" % (args,)
+    code = "from kvpolicy.sim.world import _unit; print([_unit(*a) for a in %r])" % (args,)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "12345"}, check=True)
     assert eval(out.stdout) == [_unit(*a) for a in args]
     draws = [_unit(0, i, 0, 1, 1) for i in range(4000)]

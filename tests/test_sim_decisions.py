@@ -242,7 +242,7 @@ def test_the_drained_replica_bookkeeping_is_not_the_same_thing_twice():
 def _failing(seed):
     """A load of 8 blocks from a node that fails every transfer: the node's draw for request 1 says how many of the
     blocks arrived intact before the failure (the simulator's own draw, an input here like a seed)."""
-    from kvpolicy.sim.engine import _unit
+    from kvpolicy.sim.world import _unit
 
     tr = tiny([[1, 2, 3, 4, 5, 6, 7, 8]] * 2, [0.0, 100.0])
     ev = (Degrade(node=0, t1_s=50.0, t2_s=150.0, bandwidth_factor=1.0, failure_rate=1.0),)
@@ -308,15 +308,15 @@ def test_a_load_sees_only_the_foreground_flows_on_its_path():
 def _scaled(monkeypatch):
     """Hot prefixes served early, then 2 new replicas at t = 40 s that kvpolicy warms from the pool."""
     from kvpolicy.sim import ScaleOut
-    from kvpolicy.sim import engine
+    from kvpolicy.sim import replicas
 
     a, b, c_ = [1, 2, 3, 4], [5, 6, 7], [8, 9]  # three prompts over two replicas: from the fourth request on, loads
     prompts = [a, b, c_, a, b, c_, a, b, a]
     tr = tiny(prompts, [0.0, 5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 35.0, 80.0])
     c = cluster(tr, node_bandwidth_bytes_per_s=4e9, replica_bandwidth_bytes_per_s=3e9, storage_nodes=1)
     configs, steps = [], []
-    plan = engine.plan_warmup
-    monkeypatch.setattr(engine, "plan_warmup", lambda hot, cfg: configs.append(cfg) or plan(hot, cfg))
+    plan = replicas.plan_warmup
+    monkeypatch.setattr(replicas, "plan_warmup", lambda hot, cfg: configs.append(cfg) or plan(hot, cfg))
     done = Simulator._warm_step_done
     monkeypatch.setattr(Simulator, "_warm_step_done", lambda self, rep, t: steps.append((rep.idx, t)) or done(self, rep, t))
     sim = Simulator(Prepared(tr), c, attrs.evolve(policy_set("kvpolicy"), publish="all"), events=(ScaleOut(t_s=40.0, replicas=2),))

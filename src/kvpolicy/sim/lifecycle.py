@@ -1,0 +1,284 @@
+"""A request's life, from arrival to its last decoded token (issue #48's rooms).
+
+ARRIVE: route, match the local cache then the pool, ask the load rule (the admission controller, a preset rule, the
+oracle, or a :class:`~kvpolicy.protocols.LoadRule` of your own) how many remote blocks to load, and start that load.
+LOAD_DONE: install what arrived (or retry, or recompute). PREFILL_DONE: the first token — record the TTFT and the
+ledger's record, cache the computed blocks, publish. DECODE_DONE: unpin.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ..admission import AdmissionContext
+from ..errors import ConfigError
+from ..ledger import RequestRecord
+from ..matching import match
+from .events import ARRIVE, DECODE_DONE, LOAD_DONE, LOAD_TIMEOUT, READY, SWITCH
+from .replicas import Replicas
+from .world import MAX_RETRIES, _Load, _Replica, _Req, _unit
+
+
+class RequestLifecycle(Replicas):
+    """What happens to each request, event by event."""
+
+    load_rule: Any
+    ttft: np.ndarray
+    queue: np.ndarray
+    completed: np.ndarray
+    routes: np.ndarray
+    loads: int
+    retries: int
+    t_last: float
+
+    def _arrive(self, req: _Req, t: float) -> None:
+        p = self.p
+        i = req.i
+        if i > self.n_arrived:
+            self.n_arrived = i
+            if self._oracle is not None:
+                self._oracle.now = i
+        rep = self._route(req, t)
+        req.replica = rep
+        self.routes[i] = rep.idx
+        keys = p.keys[i]
+        m = p.matchable[i]
+        T = p.input_tokens[i]
+        ps = self.ps
+        if ps.uses_pool:
+            pm = match(keys[:m], T, rep.index, self.pool_index, block_size_tokens=self.B)
+            R = pm.remote_total_blocks
+        else:
+            pm = match(keys[:m], T, rep.index, block_size_tokens=self.B)
+            R = 0
+        L = pm.local_blocks
+        cache = rep.cache
+        for k in keys[:L]:
+            cache.on_access(k)
+            cache.pin(k)
+        req.pinned = keys[:L]
+        req.local = L
+        req.found = R
+        req.load = 0
+        req.split = 0
+        req.cake = False
+        req.waiting = False
+        req.rechecked = False
+        req.xfer = None
+        req.not_loaded = 0
+        req.not_loaded_reason = None
+        req.predicted_s = None
+        req.load_s = None
+        req.decision = None
+        t0 = t + (self.c.lookup_s if ps.uses_pool else 0.0)
+        k = 0
+        s_ = 0
+        if R:
+            load = ps.load
+            if load == "always":
+                k = R
+            elif load == "min-tokens":
+                k = R if R * self.B >= ps.min_load_tokens else 0
+            elif load == "admission":
+                ctl = self._ctl(rep)
+                assert ctl is not None
+                d = ctl.decide(pm, self._load_ctx(rep, keys[L], R, t))
+                req.decision = d
+                k = d.load_blocks
+                s_ = d.split_blocks
+                if k:
+                    req.predicted_s = d.t_recompute_p50_s
+            elif load == "oracle":
+                k = self._oracle_k(rep, keys, L, R, req)
+            else:  # a rule of your own (kvpolicy.protocols.LoadRule), on what the admission controller is told
+                k = self.load_rule.blocks_to_load(pm, self._load_ctx(rep, keys[L], R, t))
+                if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= R:
+                    raise ConfigError("load", f"{load!r}.blocks_to_load answered {k!r} for {R} remote blocks: it must be an int in [0, {R}]")
+                k = int(k)
+        if k < R:
+            req.not_loaded = R - k
+            req.not_loaded_reason = "declined"
+        if k == 0:
+            if ps.uses_pool and t0 > t:  # the directory lookup happens before the prefill is queued
+                req.reused = L
+                self._push(t0, READY, req)
+            else:
+                self._enqueue(rep, req, t, L)
+            return
+        # start the load of blocks [L+s, L+k)
+        req.load = k
+        req.split = s_
+        req.load_attempted = True
+        req.load_start_s = t0
+        # computing while loading, the whole range is requested from the back and cut where the GPU's
+        # front meets it (s is only the controller's prediction of that point)
+        groups = self._groups(keys[L:L + k])
+        req.load_groups = groups
+        for node, gk in groups:
+            pol = node.policy
+            for key in gk:
+                pol.on_access(key)
+                pol.pin(key)  # a lease: not evicted under the reader
+        if req.predicted_s is None:
+            req.predicted_s = self.c.dispatch_s + self.c.prefill_s(L * self.B, (L + k) * self.B) - self.c.prefill_a_s
+        self.loads += i >= self.judge_k
+        if ps.compute_while_loading:
+            # the load runs from the back; a split plan queues for its prefill slot now (the GPU computes
+            # the front meanwhile), a plain load waits for its bytes until its p95 prediction has passed
+            req.cake = True
+            req.xfer = self._begin_read(rep, groups, t0, i, req.attempt, reverse=True, on_end=self._cake_load_end, payload=req)
+            req.reused = L
+            after = req.decision.compute_after_s if req.decision is not None else 0.0
+            if not after:
+                self._push(t0, READY, req)
+            else:
+                req.waiting = True
+                self._push(t0 + after, SWITCH, req)
+            return
+        req.xfer = self._begin_read(rep, groups, t0, i, req.attempt, reverse=False, on_end=self._req_load_end, payload=req)
+        limit = math.inf
+        if ps.timeout == "admission" and req.decision is not None and req.decision.soft_timeout_s is not None:
+            limit = req.decision.soft_timeout_s
+        elif ps.timeout == "sglang":
+            limit = 1.0 + 0.25 * k * self.B / 1024
+        if limit < self.c.transport_timeout_s:
+            self._push(t + limit, LOAD_TIMEOUT, req.xfer)
+
+    def _load_ctx(self, rep: _Replica, first_key: int, R: int, t: float) -> AdmissionContext:
+        """What a load rule is told of a request's R remote blocks starting at ``first_key``: the replica, the node that
+        holds them, the path's flows, the replica's queue and utilisation — the same for the admission controller and
+        a rule of your own."""
+        src = self.where[first_key]
+        return AdmissionContext(block_bytes=self.block_bytes, replica=rep.name, source=src.name, active_decodes=rep.active,
+                                warming=t < rep.warming_until_s, path_flows_bytes=self._path_flows(rep, src, R * self.block_bytes),
+                                queue_wait_s=self._queue_wait_s(rep, t), prefill_queue_requests=len(rep.queue),
+                                prefill_utilisation=rep.utilisation(t))
+
+    def _oracle_k(self, rep: _Replica, keys: list[int], L: int, R: int, req: _Req) -> int:
+        """Hindsight on its own draws (failure, hang), foresight of the links as they are now:
+        the k whose load beats recomputing most."""
+        c = self.c
+        for node, _ in self._groups(keys[L:L + R]):
+            _, fail = node.state(self.clock.t, c.failure_rate)
+            if (c.timeout_rate and _unit(self.seed, req.i, req.attempt, node.idx, 2) < c.timeout_rate) or \
+                    _unit(self.seed, req.i, req.attempt, node.idx, 1) < fail:
+                return 0  # it knows this load would not deliver
+        best_k, best = 0, 0.0
+        k = 1
+        while True:
+            kk = min(k, R)
+            took = c.lookup_s + self._predict_read_s(rep, self._groups(keys[L:L + kk])) + c.install_s_per_block * kk
+            gain = c.prefill_s(L * self.B, (L + kk) * self.B) - c.prefill_a_s - took
+            if gain > best:
+                best_k, best = kk, gain
+            if kk == R:
+                return best_k
+            k *= 2
+
+    def _req_load_end(self, load: _Load, t: float) -> None:
+        req: _Req = load.payload
+        end = t + (self.c.install_s_per_block * req.load if load.status == "ok" else 0.0)
+        self._push(end, LOAD_DONE, req)
+
+    def _load_done(self, req: _Req, t: float) -> None:
+        rep: _Replica = req.replica
+        load = req.xfer
+        assert load is not None
+        status = load.status
+        self._release_leases(req)
+        arrived = load.arrived_blocks(self.block_bytes)
+        k = req.load
+        usable = self._record_outcome(req, load, status, arrived, t)
+        if self.controller is None or req.decision is None:
+            usable = k if status == "ok" else 0  # the baselines use a load whole or not at all
+        self.bytes_unused += max(load.delivered_bytes() - usable * self.block_bytes, 0)
+        keys = self.p.keys[req.i]
+        L = req.local
+        if usable:
+            req.load_s = t - req.load_start_s
+            if req.i >= self.judge_k:
+                self.bytes_read += usable * self.block_bytes
+            for key in keys[L:L + usable]:
+                self.ledger.record_read(key)
+            if usable < k:
+                req.not_loaded += k - usable
+                req.not_loaded_reason = "timeout" if status == "timeout" else "transfer_error"
+                req.load = usable
+            self._install(rep, req, keys, L, L + usable)
+            self._enqueue(rep, req, t, L + usable)
+            return
+        if self.ps.failure == "fail" and req.attempt < MAX_RETRIES:
+            # the error surfaces to the client, which resubmits at once
+            self.retries += req.i >= self.judge_k
+            self._unpin(rep, req)
+            req.attempt += 1
+            self._push(t, ARRIVE, req)
+            return
+        req.not_loaded += req.load
+        req.not_loaded_reason = "timeout" if status == "timeout" else "transfer_error"
+        req.load = 0
+        self._enqueue(rep, req, t, L)
+
+    def _ready(self, req: _Req, t: float) -> None:
+        self._enqueue(req.replica, req, t, req.reused)
+
+    def _prefill_done(self, req: _Req, t: float) -> None:
+        p = self.p
+        rep: _Replica = req.replica
+        i = req.i
+        rep.utilisation(t)
+        rep.free_slots += 1
+        rep.running.discard(req)
+        T = p.input_tokens[i]
+        rep.load_tokens -= req.queued_tokens
+        self.ttft[i] = t - req.first_arrival_s
+        ctl = self._ctl(rep)
+        if ctl is not None:  # the engine reports every request's TTFT: the controller's derived p95 target
+            ctl.observe_ttft(t - req.first_arrival_s)
+        self.queue[i] = req.slot_s - req.queue_enter_s
+        self.completed[i] += 1
+        self.t_last = max(self.t_last, t)
+        keys = p.keys[i]
+        self._install(rep, req, keys, req.reused, len(keys))
+        m = p.matchable[i]
+        used = req.local + req.split + req.load + req.not_loaded
+        cls = p.request_class[i] if p.request_class else "default"
+        rec = RequestRecord(
+            prompt_tokens=T, block_size_tokens=self.B, local_blocks=req.local, remote_loaded_blocks=req.load,
+            remote_not_loaded_blocks=req.not_loaded, not_loaded_reason=req.not_loaded_reason if req.not_loaded else None,
+            missing_keys=tuple(keys[used:m]), request_class=cls, arrival_s=req.first_arrival_s, ttft_s=t - req.first_arrival_s,
+            prefill_s=req.prefill_s, load_s=req.load_s, queue_s=self.queue[i], predicted_recompute_s=req.predicted_s if req.load else None,
+            load_attempted=req.load_attempted, stall_s=req.stall_s if self.ps.uses_pool else None, split_blocks=req.split,
+        )
+        self.ledger.record(rec)
+        self._publish(rep, req, keys, t)
+        rep.active += 1
+        out = p.output_tokens[i]
+        rep.decode_tokens += T + out
+        self._push(t + out / self.c.decode_tokens_per_s, DECODE_DONE, req)
+        self._start(rep, t)
+
+    def _decode_done(self, req: _Req, t: float) -> None:
+        rep: _Replica = req.replica
+        rep.active -= 1
+        rep.decode_tokens -= self.p.input_tokens[req.i] + self.p.output_tokens[req.i]
+        self._unpin(rep, req)
+
+    def _switch(self, req: _Req, t: float) -> None:
+        """A plain load (compute while loading) ran past its p95 prediction: wait on while the controller's rule says its
+        bytes still come in time (checked once more at its limit), else compute from the front while it goes on."""
+        if req.waiting and not req.rechecked and req.decision is not None and req.xfer is not None:
+            ctl = self._ctl(req.replica)
+            assert ctl is not None
+            self.net.sync(t)
+            elapsed = t - req.load_start_s
+            if ctl.keep_waiting(req.decision, elapsed, self._arrival_s(req.xfer, req.load, t) - t):
+                req.rechecked = True
+                self._push(req.load_start_s + ctl.wait_limit_s(req.decision), SWITCH, req)
+                return
+        if req.waiting:
+            req.waiting = False
+            self._enqueue(req.replica, req, t, req.local)
