@@ -496,7 +496,8 @@ class StructureAwarePublish:
         # key -> [decayed count of distinct requests, last seen s], least recently seen first: exact, unlike a
         # Count-Min sketch whose overcount (e/width x the decayed total of sightings) reaches whole requests on a busy
         # pool and makes unique blocks look shared
-        self._seen: OrderedDict[Hashable, list[float]] = OrderedDict()
+        # (tuples of numbers, which the garbage collector stops tracking: a long trace keeps capacity_keys of them)
+        self._seen: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()
         n = self.REUSE_BUCKETS * (len(self.DEPTH_EDGES) + 1)
         self.reused = [0] * n
         self.dead = [0] * n
@@ -504,7 +505,7 @@ class StructureAwarePublish:
         # new blocks awaiting a verdict (key -> [class, first seen s]), oldest first: reused when seen again within the
         # window, dead when it closes; and new blocks watched for the delay to their second sighting (key -> first
         # seen s) for lifetime_s whatever the verdict — the window is learned from these, so it must not censor them
-        self._origin: OrderedDict[Hashable, list[Any]] = OrderedDict()
+        self._origin: OrderedDict[Hashable, tuple[int, float]] = OrderedDict()
         self._watch: OrderedDict[Hashable, float] = OrderedDict()
         self._capacity = capacity_keys
         self._mean_delay_s = 0.0
@@ -518,9 +519,19 @@ class StructureAwarePublish:
 
     def block_class(self, request: PublishRequest, new_index: int) -> int:
         """The class of the ``new_index``-th block after the request's reused prefix."""
+        return self._reuse_class(request) + self._depth(new_index)
+
+    def _reuse_class(self, request: PublishRequest) -> int:
+        """The first class of the request's reuse quarter (its blocks' classes follow by depth)."""
         q = min(int(self.REUSE_BUCKETS * request.reused_blocks / max(request.full_blocks, 1)), self.REUSE_BUCKETS - 1)
-        d = sum(1 for edge in self.DEPTH_EDGES if new_index >= edge)
-        return q * (len(self.DEPTH_EDGES) + 1) + d
+        return q * (len(self.DEPTH_EDGES) + 1)
+
+    def _depth(self, new_index: int) -> int:
+        d = 0
+        for edge in self.DEPTH_EDGES:
+            if new_index >= edge:
+                d += 1
+        return d
 
     def first_sighting_probability(self, cls: int) -> float:
         return (self.reused[cls] + 1) / (self.reused[cls] + self.dead[cls] + 2)
@@ -537,30 +548,32 @@ class StructureAwarePublish:
             while self._watch and t - next(iter(self._watch.values())) >= self.lifetime_s:
                 self._watch.popitem(last=False)
         fresh = set(self._dedup.new_keys(request.request_id, keys))
+        seen = self._seen
+        base = self._reuse_class(request)
+        reused_blocks = request.reused_blocks
         for j, key in enumerate(keys):
             if key not in fresh:
                 continue
-            rec = self._seen.get(key)
+            rec = seen.get(key)
             if rec is None:
-                self._seen[key] = [1.0, t]
-                if len(self._seen) > self._capacity:
-                    self._seen.popitem(last=False)
+                seen[key] = (1.0, t)
+                if len(seen) > self._capacity:
+                    seen.popitem(last=False)
                 o = origin.pop(key, None)
                 if o is not None:  # the counts forgot it (capacity) inside its open window: this is its second sighting
                     self.reused[o[0]] += 1
                     self._watch.pop(key, None)
                     continue
                 # first sighting: remember its class and when
-                origin[key] = [self.block_class(request, max(j - request.reused_blocks, 0)), t]
+                origin[key] = (base + self._depth(max(j - reused_blocks, 0)), t)
                 self._watch[key] = t
                 if len(origin) > self._capacity:
                     self.dead[origin.popitem(last=False)[1][0]] += 1
                 if len(self._watch) > self._capacity:
                     self._watch.popitem(last=False)
             else:
-                rec[0] = rec[0] * math.exp(-self._lam * max(t - rec[1], 0.0)) + 1.0
-                rec[1] = t
-                self._seen.move_to_end(key)
+                seen[key] = (rec[0] * math.exp(-self._lam * max(t - rec[1], 0.0)) + 1.0, t)
+                seen.move_to_end(key)
                 t_first = self._watch.pop(key, None)
                 if t_first is not None:  # its second sighting: the delay teaches the window
                     self._n_delay += 1
@@ -573,13 +586,17 @@ class StructureAwarePublish:
         """Per leading block: P(another replica reads it) − write_weight (observe the request first)."""
         t = _timed(request, keys, "structure-aware")
         out = []
+        seen = self._seen
+        lam = self._lam
+        base = self._reuse_class(request)
+        reused_blocks = request.reused_blocks
         for j, key in enumerate(keys):
-            rec = self._seen.get(key)
-            c = rec[0] * math.exp(-self._lam * max(t - rec[1], 0.0)) if rec is not None else 0.0
+            rec = seen.get(key)
+            c = rec[0] * math.exp(-lam * max(t - rec[1], 0.0)) if rec is not None else 0.0
             if c > 1.5:
                 p = 1.0 - math.exp(-(c - 1.0) / self.half_life_s * self.lifetime_s)
             else:
-                p = self.first_sighting_probability(self.block_class(request, max(j - request.reused_blocks, 0)))
+                p = self.first_sighting_probability(base + self._depth(max(j - reused_blocks, 0)))
             out.append(p * self.cross - self.write_weight)
         return out
 

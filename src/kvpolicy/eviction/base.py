@@ -91,9 +91,20 @@ class EvictionPolicy:
 
     def on_insert(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         """A block became resident. Its parent must be resident; capacity must suffice."""
+        self._candidate(self._new_node(key, size, parent), True)
+
+    def insert_pinned(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        """A block became resident already pinned (an engine allocating it for a running request): what
+        ``on_insert(key, size, parent)`` then ``pin(key)`` leave, which is what this does unless a faster path is
+        known to leave the same (:class:`PriorityPolicy`)."""
+        self.on_insert(key, size, parent)
+        self.pin(key)
+
+    def _new_node(self, key: Hashable, size: int, parent: Hashable | None) -> Node:
+        """Check and add a resident block (not yet a candidate); its parent stops being one."""
         if key in self.nodes:
             raise ConfigError("key", f"{key!r} is already resident")
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        if type(size) is not int and (isinstance(size, bool) or not isinstance(size, int)) or size <= 0:  # a plain int skips the slow test
             raise ConfigError("size", f"must be a positive int (bytes), got {size!r}")
         p = None
         if parent is not None:
@@ -111,7 +122,7 @@ class EvictionPolicy:
                 self._candidate(p, False)
             p.children += 1
         self._admit(node)
-        self._candidate(node, True)
+        return node
 
     def on_access(self, key: Hashable) -> None:
         node = self.nodes.get(key)
@@ -154,7 +165,7 @@ class EvictionPolicy:
         (ARC's ghost lists). Raises CapacityError, evicting nothing, when pinned
         blocks make it impossible.
         """
-        if isinstance(need_bytes, bool) or not isinstance(need_bytes, int) or need_bytes < 0:
+        if type(need_bytes) is not int and (isinstance(need_bytes, bool) or not isinstance(need_bytes, int)) or need_bytes < 0:
             raise ConfigError("need_bytes", f"must be a non-negative int, got {need_bytes!r}")
         self._incoming = incoming
         short = self.used_bytes + need_bytes - self.capacity_bytes
@@ -166,9 +177,10 @@ class EvictionPolicy:
                 f"({self.protected_bytes} bytes pinned or under pinned blocks)"
             )
         out = []
-        while self.used_bytes + need_bytes > self.capacity_bytes:
+        limit = self.capacity_bytes - need_bytes
+        while self.used_bytes > limit:
             node = self._choose()
-            assert node.is_candidate, f"{type(self).__name__} chose a non-candidate {node.key!r}"
+            assert node.children == 0 and node.prot == 0, f"{type(self).__name__} chose a non-candidate {node.key!r}"
             out.append(node.key)
             self._remove(node)
             self.evictions += 1
@@ -295,6 +307,22 @@ class PriorityPolicy(EvictionPolicy):
         super().__init__(capacity_bytes, clock=clock)
         self._heap: list[tuple[Any, int, int, Node]] = []
         self._n_candidates = 0
+        # a block inserted pinned skips being a candidate for an instant (a push, then its invalidation: nothing but a
+        # stale heap entry) — exact only while on_insert, pin and _candidate are this base's own
+        cls = type(self)
+        self._fused_pinned_insert = (cls.on_insert is EvictionPolicy.on_insert and cls.pin is EvictionPolicy.pin
+                                     and cls._candidate is PriorityPolicy._candidate)
+
+    def insert_pinned(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
+        if not self._fused_pinned_insert:
+            super().insert_pinned(key, size, parent)
+            return
+        node = self._new_node(key, size, parent)
+        node.pins = 1
+        node.prot = 1
+        self.protected_bytes += size
+        if node.parent is not None:
+            self._prot_up(node.parent)
 
     def priority(self, node: Node) -> tuple:
         raise NotImplementedError(f"{type(self).__name__} must define priority(node) -> tuple (lowest is evicted first)")
@@ -320,9 +348,10 @@ class PriorityPolicy(EvictionPolicy):
 
     def _choose(self) -> Node:
         heap = self._heap
+        nodes = self.nodes
         while heap:
             _, _, version, node = heap[0]
-            if version == node.version and node.is_candidate and self.nodes.get(node.key) is node:
+            if version == node.version and node.children == 0 and node.prot == 0 and nodes.get(node.key) is node:
                 return node
             heapq.heappop(heap)
         raise CapacityError("no eviction candidate")  # unreachable: victims() checks freeable bytes first

@@ -60,28 +60,26 @@ class ReuseDistancePolicy(PriorityPolicy):
         self.V = 0.0
         self._log_w = 0.0
         self._n_w = 0
+        self._w = 0.0  # exp(_log_w) once learned: every priority reads it
 
     @property
     def first_reuse_interval_s(self) -> float:
         """W: the learned typical wait between a block's first use and its first reuse."""
-        return math.exp(self._log_w) if self._n_w else 0.0
+        return self._w
 
     def _admit(self, node: Node) -> None:
-        node.data = [self.V, None]  # V at last use, EWMA reuse distance (bytes)
-
-    def on_insert(self, key, size, parent=None):  # type: ignore[no-untyped-def]
-        super().on_insert(key, size, parent)
-        self.V += size
+        node.data = (self.V, None)  # V at last use, EWMA reuse distance (bytes): a tuple of numbers, which the collector untracks
+        self.V += node.size
 
     def _hit(self, node: Node) -> None:
-        d = max(self.V - node.data[0], 1.0)
-        est = node.data[1]
-        node.data[1] = d if est is None else (1 - self.ewma) * est + self.ewma * d
-        node.data[0] = self.V
+        v_last, est = node.data
+        d = max(self.V - v_last, 1.0)
+        node.data = (self.V, d if est is None else (1 - self.ewma) * est + self.ewma * d)
         if node.hits == 1:  # first reuse: learn W from how long it waited
             wait = max(node.t_access - node.t_insert, 1e-6)
             self._n_w += 1
             self._log_w += (math.log(wait) - self._log_w) / self._n_w
+            self._w = math.exp(self._log_w)
         super()._hit(node)
 
     def doomed(self, node: Node) -> bool:
@@ -89,6 +87,8 @@ class ReuseDistancePolicy(PriorityPolicy):
         return est is not None and est > self.c_eff
 
     def priority(self, node: Node) -> tuple:
-        w = self.first_reuse_interval_s
-        shift = self.aging * w if node.hits == 0 else (-self.boost * w if node.hits >= 2 else 0.0)
-        return (0 if self.doomed(node) else 1, node.t_access - shift, -node.depth)
+        w = self._w  # first_reuse_interval_s
+        hits = node.hits
+        shift = self.aging * w if hits == 0 else (-self.boost * w if hits >= 2 else 0.0)
+        est = node.data[1]  # doomed(node), inline: this runs on every push
+        return (0 if est is not None and est > self.c_eff else 1, node.t_access - shift, -node.depth)

@@ -64,7 +64,7 @@ from ..eviction.policies import TraceOracle
 from ..ledger import Ledger, PublicationLog
 from ..write_admission import WriteAdmission
 from .config import ClusterConfig, Degrade, ScaleOut
-from .events import ARRIVE, CAPACITY, SAMPLE, SCALE_OUT, _Clock
+from .events import CAPACITY, NEW_REQUEST, SAMPLE, SCALE_OUT, _Clock
 from .lifecycle import RequestLifecycle
 from .network import FlowNetwork
 from .policysets import PolicySet, load_own_rule
@@ -197,7 +197,7 @@ class Simulator(RequestLifecycle):
     def run(self) -> SimResult:
         p = self.p
         for i, t in enumerate(p.arrival_s):
-            self._push(t, ARRIVE, _Req(i, t))
+            self._push(t, NEW_REQUEST, i)  # its state is made when it arrives: a long trace holds only the live ones
         for e in self.events:
             if isinstance(e, ScaleOut):
                 self._push(e.t_s, SCALE_OUT, e)
@@ -226,4 +226,5 @@ class Simulator(RequestLifecycle):
     def _handlers(self) -> tuple[Callable[[Any, float], None], ...]:
         """Each event kind's handler, in the order of the kinds in :mod:`.events`."""
         return (self._arrive, self._load_done, self._prefill_done, self._decode_done, self._write_done, self._warm_done, self._scale_out,
-                self._ready, self._net_event, self._load_timeout, self._meet, self._capacity, self._sample, self._switch, self._write_timeout)
+                self._ready, self._net_event, self._load_timeout, self._meet, self._capacity, self._sample, self._switch, self._write_timeout,
+                self._new_request)

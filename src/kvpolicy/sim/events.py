@@ -14,7 +14,7 @@ from typing import Any
 
 #: the event kinds, in the order of :meth:`kvpolicy.sim.engine.Simulator._handlers`
 (ARRIVE, LOAD_DONE, PREFILL_DONE, DECODE_DONE, WRITE_DONE, WARM_DONE, SCALE_OUT, READY, NET, LOAD_TIMEOUT, MEET, CAPACITY, SAMPLE,
- SWITCH, WRITE_TIMEOUT) = range(15)
+ SWITCH, WRITE_TIMEOUT, NEW_REQUEST) = range(16)
 
 
 class _Clock:

@@ -34,6 +34,10 @@ class RequestLifecycle(Replicas):
     retries: int
     t_last: float
 
+    def _new_request(self, i: int, t: float) -> None:
+        """Request ``i`` arrives for the first time: its state begins here (a retry arrives again as ARRIVE)."""
+        self._arrive(_Req(i, t), t)
+
     def _arrive(self, req: _Req, t: float) -> None:
         p = self.p
         i = req.i

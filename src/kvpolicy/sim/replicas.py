@@ -129,8 +129,7 @@ class Replicas(ComputeWhileLoading):
                 return
             if not cache.admit(key, bb, parent):
                 return
-            cache.on_insert(key, bb, parent)
-            cache.pin(key)
+            cache.insert_pinned(key, bb, parent)
             req.pinned.append(key)
 
     def _unpin(self, rep: _Replica, req: _Req) -> None:

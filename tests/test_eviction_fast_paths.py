@@ -1,0 +1,85 @@
+"""The eviction base's fast paths leave what the plain calls leave (issue #48: the simulator made faster with every
+decision unchanged). ``insert_pinned(k, s, p)`` is, by definition, ``on_insert(k, s, p)`` then ``pin(k)``; a
+PriorityPolicy skips the instant in which the new block is a candidate. Differential: the same operations on a policy
+taking the fast path and on one made to take the plain calls give the same victims, the same pins and the same bytes."""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvpolicy.clock import ManualClock
+from kvpolicy.errors import CapacityError
+from kvpolicy.eviction import ALL_POLICIES, make_policy
+from kvpolicy.eviction.base import EvictionPolicy, PriorityPolicy
+
+NEEDS_ORACLE = ("belady", "belady-bypass")
+POLICIES = [p for p in ALL_POLICIES if p not in NEEDS_ORACLE]
+
+# ops over 4 chains of up to 6 blocks: key = chain * 10 + depth, parent = the key one shallower
+OPS = st.lists(st.tuples(st.sampled_from(["insert", "access", "unpin", "tick"]), st.integers(0, 3), st.integers(0, 5)), max_size=80)
+
+
+class _Plain:
+    """Forces the plain path: on_insert then pin."""
+
+    def __init__(self, policy):
+        self.p = policy
+
+    def insert_pinned(self, key, size, parent):
+        self.p.on_insert(key, size, parent)
+        self.p.pin(key)
+
+
+def _drive(policy, ops, plain):
+    clock = policy.clock
+    out = []
+    ins = _Plain(policy).insert_pinned if plain else policy.insert_pinned
+    for op, chain, depth in ops:
+        key = chain * 10 + depth
+        parent = key - 1 if depth else None
+        clock.advance(0.25)
+        if op == "insert" and key not in policy.nodes and (parent is None or parent in policy.nodes):
+            try:
+                out.append(("evict", tuple(policy.victims(8, key))))
+            except CapacityError:
+                out.append(("full",))
+                continue
+            if policy.admit(key, 8, parent):
+                ins(key, 8, parent)
+                out.append(("in", key))
+        elif op == "access" and key in policy.nodes:
+            policy.on_access(key)
+        elif op == "unpin" and key in policy.nodes and policy.nodes[key].pins:
+            policy.unpin(key)
+    policy.check()
+    state = sorted((k, n.pins, n.prot, n.children) for k, n in policy.nodes.items())
+    return out, state, policy.used_bytes, policy.protected_bytes, policy.evictions
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@settings(max_examples=150, deadline=None)
+@given(ops=OPS, cap_blocks=st.integers(2, 9))
+def test_insert_pinned_leaves_what_insert_then_pin_leaves(name, ops, cap_blocks):
+    fast = make_policy(name, cap_blocks * 8, clock=ManualClock())
+    plain = make_policy(name, cap_blocks * 8, clock=ManualClock())
+    assert _drive(fast, ops, plain=False) == _drive(plain, ops, plain=True)
+
+
+def test_the_fast_path_is_taken_only_where_it_is_exact():
+    """A PriorityPolicy of the library's takes it; a subclass that overrides on_insert, pin or _candidate does not (its
+    override would be skipped)."""
+    assert make_policy("lru", 64)._fused_pinned_insert and make_policy("reuse-distance", 64)._fused_pinned_insert
+    seen = []
+
+    class Counting(PriorityPolicy):
+        def priority(self, node):
+            return (node.t_access,)
+
+        def _candidate(self, node, yes):
+            seen.append((node.key, yes))
+            super()._candidate(node, yes)
+
+    c = Counting(64)
+    assert not c._fused_pinned_insert
+    c.insert_pinned("a", 8)
+    assert seen == [("a", True), ("a", False)] and c.nodes["a"].pins == 1
+    assert EvictionPolicy.insert_pinned is not PriorityPolicy.insert_pinned
