@@ -565,3 +565,34 @@ def test_an_own_filter_must_observe_and_answer(tmp_path):
     assert good.block_bytes == 7 and good.publishable(req(1, 2), ["a", "b"]) == 2
     with pytest.raises(ConfigError, match="lacks observe/publishable"):
         make_filter(f"{tmp_path / 'myfilters.py'}:Mute")
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6), st.integers(0, 3)), min_size=1, max_size=40))
+def test_dueling_shares_one_count_between_its_thresholds_and_decides_as_separate_ones_would(reqs):
+    """Differential (issue #48's speed-up): threshold-2 and threshold-3 inside dueling share one count, observed once;
+    each still answers what a ThresholdPublish of its own, fed the same requests, answers; recompute_s is asked once
+    per depth."""
+    from kvpolicy.publish import DuelingPublish
+
+    calls = []
+
+    def rs(depth):
+        calls.append(depth)
+        return 0.001 * (depth + 1)
+
+    d = DuelingPublish(block_bytes=1 << 20, recompute_s=rs, write_bytes_per_s=1e9, pool_capacity_blocks=6,
+                       candidates=("threshold-3", "all", "threshold-2"))
+    t3, t2 = d.rules[0], d.rules[2]
+    assert t2._count is t3._count and len(d._observers) == 2, "one count, observed once"
+    alone = {3: ThresholdPublish(3), 2: ThresholdPublish(2)}
+    for i, (chain, n, local) in enumerate(reqs):
+        keys = [(chain, j) for j in range(n)]
+        r = req(i, n, t=float(i), reused_blocks=min(local, n), local_blocks=min(local, n))
+        d.observe(r, keys)
+        for f in alone.values():
+            f.observe(r, keys)
+        assert t3.publishable(r, keys) == alone[3].publishable(r, keys)
+        assert t2.publishable(r, keys) == alone[2].publishable(r, keys)
+        d.publishable(r, keys)
+    assert sorted(set(calls)) == sorted(calls), "recompute_s asked once per depth"

@@ -67,3 +67,54 @@ def test_every_request_of_a_slice_is_decided_as_it_was_pinned():
     want = json.loads(GOLDEN.read_text())
     assert len(want["requests"]) == 8 and all(len(v["ttft_s"]) >= 600 for v in want["requests"].values())
     _close(got, want, "")
+
+
+def test_a_run_gives_the_garbage_collector_back_as_it_found_it():
+    """run() holds the cyclic collector while its events run (pause_gc, default True) and restores its state however the
+    run ends; pause_gc=False never touches it; the figures are the same either way."""
+    import gc
+
+    from kvpolicy.errors import ConfigError
+    from kvpolicy.sim import Prepared, Simulator, policy_set
+
+    trace = generate(preset("chat", block_size_tokens=256, seed=3)).head(60)
+    cl = default_cluster(trace, bytes_per_token=BPT, prefill=DEFAULT_PREFILL)
+    states = []
+
+    class Watch(Simulator):
+        def _handlers(self):
+            hs = list(super()._handlers())
+            first = hs[-1]  # NEW_REQUEST
+
+            def new(i, t):
+                states.append(gc.isenabled())
+                first(i, t)
+
+            hs[-1] = new
+            return tuple(hs)
+
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        a = Watch(Prepared(trace), cl, policy_set("kvpolicy")).run()
+        assert gc.isenabled() and states and not any(states), "paused during the run, enabled after"
+        states.clear()
+        b = Watch(Prepared(trace), cl, policy_set("kvpolicy"), pause_gc=False).run()
+        assert gc.isenabled() and all(states) and len(states) == len(trace)
+        assert (a.ttft_s == b.ttft_s).all() and a.row() == b.row()
+        gc.disable()
+        Watch(Prepared(trace), cl, policy_set("kvpolicy")).run()
+        assert not gc.isenabled(), "a collector the caller had disabled stays disabled"
+        gc.enable()
+
+        class Boom(Watch):
+            def _prefill_done(self, req, t):
+                raise RuntimeError("boom")
+
+        with pytest.raises(RuntimeError, match="boom"):
+            Boom(Prepared(trace), cl, policy_set("kvpolicy")).run()
+        assert gc.isenabled(), "restored when a run fails"
+        with pytest.raises(ConfigError, match="pause_gc"):
+            Simulator(Prepared(trace), cl, policy_set("kvpolicy"), pause_gc=1)
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -635,6 +635,9 @@ class DuelingPublish:
     —, ``threshold-3``, ``threshold-2``, ``all``) are any publish specs; ties go to the earlier one. Every candidate
     observes every request, so the one that takes over has learned all along.
 
+    ``recompute_s`` is a pure function of the depth: its values are remembered. Count thresholds among the candidates
+    share one count (it does not depend on k).
+
     Costs: one LRU walk per candidate per request over the blocks it reads and writes; memory ≈ candidates ×
     ``pool_capacity_blocks`` keys.
     """
@@ -661,7 +664,19 @@ class DuelingPublish:
               "cross_replica_share": cross_replica_share}
         self.candidates = tuple(candidates)
         self.rules = [make_filter(spec, **kw) for spec in self.candidates]
+        # count thresholds of the same capacity see the same requests and keep the same counts whatever their k: one
+        # count serves them all, observed once (a threshold's state does not depend on its k)
+        self._observers: list[Any] = []
+        counts: dict[int, ThresholdPublish] = {}
+        for rule in self.rules:
+            if type(rule) is ThresholdPublish:
+                first = counts.setdefault(rule._capacity, rule)
+                if first is not rule:
+                    rule._count, rule._dedup = first._count, first._dedup
+                    continue
+            self._observers.append(rule)
         self.recompute_s = recompute_s
+        self._rs_memo: list[float] = []  # recompute_s(j) by depth j, as asked: a pure function of the depth
         self.write_cost_s = block_bytes / write_bytes_per_s  # per block written: the ledger's P_write price
         self.capacity = pool_capacity_blocks
         self.half_life_s = half_life_s
@@ -697,7 +712,9 @@ class DuelingPublish:
         if self._read.first(request.request_id):
             self._decay_to(t)
             L = request.local_blocks or 0
-            rs = self.recompute_s
+            rs = self._rs_memo
+            while len(rs) < len(keys):
+                rs.append(self.recompute_s(len(rs)))
             for c, ghost in enumerate(self.ghosts):
                 served = 0.0
                 for j in range(L, len(keys)):
@@ -705,10 +722,10 @@ class DuelingPublish:
                     if key not in ghost:
                         break
                     ghost.move_to_end(key)
-                    served += rs(j)
+                    served += rs[j]
                 self.scores[c] += served
                 self.served_s[c] += served
-        for rule in self.rules:
+        for rule in self._observers:
             rule.observe(request, keys)
 
     def publishable(self, request: PublishRequest, keys: Sequence[Hashable]) -> int:

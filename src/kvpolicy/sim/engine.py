@@ -76,7 +76,8 @@ __all__ = ["MAX_RETRIES", "STATIC_ROUTERS", "UTIL_WINDOW_S", "Prepared", "SimRes
 
 class Simulator(RequestLifecycle):
     def __init__(self, prepared: Prepared | Any, cluster: ClusterConfig, policy_set: PolicySet, *,
-                 events: tuple[ScaleOut | Degrade, ...] = (), seed: int = 0, compute_scale: Any = None, judge_from_request: int = 0) -> None:
+                 events: tuple[ScaleOut | Degrade, ...] = (), seed: int = 0, compute_scale: Any = None, judge_from_request: int = 0,
+                 pause_gc: bool = True) -> None:
         """``compute_scale``: optional, one positive number per request (trace order) multiplying ``compute_factor``
         for that request's own prefill — the compute a real run measured, replayed (e.g. each request's measured
         forward pass over the profile's). The router's and the oracles' predictions keep the cluster's model: an
@@ -84,7 +85,15 @@ class Simulator(RequestLifecycle):
 
         ``judge_from_request`` = k > 0 is a held-out split: every policy runs (and learns) over the whole trace, but the
         result counts only requests k onwards — their TTFTs, prefill seconds, loads and reads — and the bytes written or
-        replicated from request k's arrival on (the ledger likewise). Bytes sent and unused stay whole-run figures."""
+        replicated from request k's arrival on (the ledger likewise). Bytes sent and unused stay whole-run figures.
+
+        ``pause_gc`` (default True): :meth:`run` holds Python's cyclic garbage collector while its events run and gives
+        it back as it found it (a sixth of a run's time went to the collector's passes over short-lived objects). The
+        few reference cycles a run makes are collected afterwards. False leaves the collector alone (a host that must
+        never see it paused, even for a run)."""
+        if not isinstance(pause_gc, bool):
+            raise ConfigError("pause_gc", f"must be True or False, got {pause_gc!r}")
+        self.pause_gc = pause_gc
         self.p = prepared if isinstance(prepared, Prepared) else Prepared(prepared)
         self._scale: np.ndarray | None = None
         if compute_scale is not None:
@@ -207,7 +216,7 @@ class Simulator(RequestLifecycle):
         t_first, t_end = p.arrival_s[0], p.arrival_s[-1]
         self._sample_s = max((t_end - t_first) / 200.0, 1e-3)
         self._push(t_first, SAMPLE, None)
-        self._loop(self._handlers())
+        self._loop(self._handlers(), pause_gc=self.pause_gc)
         if any(ctl.loads_in_flight() for ctl in (self.controller, *self.controllers.values()) if ctl is not None):
             raise AssertionError("loads still in flight at the end of the run")  # pragma: no cover - conservation
         t0 = p.arrival_s[0]
