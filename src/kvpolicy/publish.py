@@ -547,12 +547,16 @@ class StructureAwarePublish:
                 self.dead[origin.popitem(last=False)[1][0]] += 1
             while self._watch and t - next(iter(self._watch.values())) >= self.lifetime_s:
                 self._watch.popitem(last=False)
-        fresh = set(self._dedup.new_keys(request.request_id, keys))
+        new = self._dedup.new_keys(request.request_id, keys)
+        if not new:
+            return
+        # every key new (the common first look at a request): no membership test needed
+        fresh = None if len(new) == len(keys) else set(new)
         seen = self._seen
         base = self._reuse_class(request)
         reused_blocks = request.reused_blocks
         for j, key in enumerate(keys):
-            if key not in fresh:
+            if fresh is not None and key not in fresh:
                 continue
             rec = seen.get(key)
             if rec is None:

@@ -10,6 +10,8 @@ until the next record.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -34,7 +36,7 @@ class LogHistogram:
         self.sum = 0.0
         self.min = math.inf
         self.max = -math.inf
-        self._sorted: tuple[np.ndarray, np.ndarray] | None = None
+        self._sorted: tuple[list[int], list[int]] | None = None
         self._qcache: dict[float, float | None] = {}
 
     def record(self, x: float, n: int = 1) -> None:
@@ -111,17 +113,19 @@ class LogHistogram:
         if self.count == 0:
             return None
         if self._sorted is None:
-            keys = np.asarray(sorted(self._counts), dtype=np.int64)
-            cum = np.cumsum([self._counts[k] for k in keys.tolist()], dtype=np.int64) + self._zero
+            # plain lists: a histogram holds tens of buckets, where numpy's per-call overhead is most of the cost
+            keys = sorted(self._counts)
+            counts = self._counts
+            cum = list(itertools.accumulate((counts[k] for k in keys), initial=self._zero))[1:]
             self._sorted = (keys, cum)
         keys, cum = self._sorted
         rank = q * (self.count - 1)
         if rank < self._zero:
             return 0.0
-        i = int(np.searchsorted(cum, rank, side="right"))
-        if i >= keys.size:
+        i = bisect.bisect_right(cum, rank)  # ints against a float: compared exactly, as numpy's float64 cast does below 2**53
+        if i >= len(keys):
             return self.max
-        k = int(keys[i])
+        k = keys[i]
         # bucket k holds (γ^(k−1), γ^k]; its representative 2γ^k/(γ+1) has relative error ≤ α
         gamma = math.exp(self._gamma_log)
         value = 2 * math.exp(k * self._gamma_log) / (gamma + 1)
@@ -174,7 +178,8 @@ class WindowedHistogram:
     def record(self, x: float, n: int = 1) -> None:
         self._rotate()
         self.cur.record(x, n)
-        self._merged = None
+        if self._merged is not None:  # kept whole: the same buckets, count, min and max as merging again would give
+            self._merged.record(x, n)
 
     @property
     def count(self) -> int:

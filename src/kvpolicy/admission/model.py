@@ -107,6 +107,9 @@ class TransferModel:
         self._make = make_hist
         self.buckets: dict[int, tuple[Any, Any]] = {}  # log2 size → (times, sizes)
         self._fit: dict[float, tuple[tuple[int, ...], tuple[float, float]]] = {}
+        # the last fit per quantile by the points it was fitted to: a new observation that moves no bucket's quantile
+        # (most of them: the quantiles are bucketed) refits nothing
+        self._by_points: dict[float, tuple[list[tuple[Any, Any]], tuple[float, float]]] = {}
 
     def observe(self, size_bytes: float, seconds: float) -> None:
         """One transfer of ``size_bytes`` (its own bytes plus the backlog ahead of it) in ``seconds``."""
@@ -129,6 +132,10 @@ class TransferModel:
         if hit is not None and hit[0] == sig:
             return hit[1]
         pts = [(s.quantile(0.5), t.quantile(q)) for t, s in self.buckets.values() if t.count >= self.min_samples]
+        last = self._by_points.get(q)
+        if last is not None and last[0] == pts:
+            self._fit[q] = (sig, last[1])
+            return last[1]
         factor = self.prior.prior_p95_factor if q > 0.5 else 1.0
         alpha0 = self.prior.transfer_overhead_s * factor
         beta0 = factor / self.prior.bandwidth_bytes_per_s
@@ -144,6 +151,7 @@ class TransferModel:
             y = np.asarray([p[1] for p in pts], dtype=np.float64)
             fit = _nnls_line(x, y)
         self._fit[q] = (sig, fit)
+        self._by_points[q] = (pts, fit)
         return fit
 
     def seconds(self, size_bytes: float, q: float) -> float:
