@@ -1,6 +1,7 @@
 """The eviction base's fast paths leave what the plain calls leave (issue #48: the simulator made faster with every
 decision unchanged). ``insert_pinned(k, s, p)`` is, by definition, ``on_insert(k, s, p)`` then ``pin(k)``; a
-PriorityPolicy skips the instant in which the new block is a candidate. Differential: the same operations on a policy
+PriorityPolicy skips the instant in which the new block is a candidate. ``place_pinned`` is ``victims``, ``admit``,
+``insert_pinned``, and a PriorityPolicy runs its eviction loop inline. Differential: the same operations on a policy
 taking the fast path and on one made to take the plain calls give the same victims, the same pins and the same bytes."""
 
 import pytest
@@ -29,7 +30,7 @@ class _Plain:
         self.p.pin(key)
 
 
-def _drive(policy, ops, plain):
+def _drive(policy, ops, plain, place=False):
     clock = policy.clock
     out = []
     ins = _Plain(policy).insert_pinned if plain else policy.insert_pinned
@@ -38,8 +39,16 @@ def _drive(policy, ops, plain):
         parent = key - 1 if depth else None
         clock.advance(0.25)
         if op == "insert" and key not in policy.nodes and (parent is None or parent in policy.nodes):
+            if place:  # the fused path: room, admission and the pinned insert in one call
+                before = set(policy.nodes)
+                ok = policy.place_pinned(key, 8, parent)
+                gone = tuple(sorted(k for k in before if k not in policy.nodes))
+                out.append(("evict", gone) if ok or gone else ("full",))
+                if ok:
+                    out.append(("in", key))
+                continue
             try:
-                out.append(("evict", tuple(policy.victims(8, key))))
+                out.append(("evict", tuple(sorted(policy.victims(8, key)))))
             except CapacityError:
                 out.append(("full",))
                 continue
@@ -83,3 +92,26 @@ def test_the_fast_path_is_taken_only_where_it_is_exact():
     c.insert_pinned("a", 8)
     assert seen == [("a", True), ("a", False)] and c.nodes["a"].pins == 1
     assert EvictionPolicy.insert_pinned is not PriorityPolicy.insert_pinned
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@settings(max_examples=150, deadline=None)
+@given(ops=OPS, cap_blocks=st.integers(2, 9))
+def test_place_pinned_leaves_what_victims_admit_insert_then_pin_leave(name, ops, cap_blocks):
+    fast = make_policy(name, cap_blocks * 8, clock=ManualClock())
+    plain = make_policy(name, cap_blocks * 8, clock=ManualClock())
+    assert _drive(fast, ops, plain=False, place=True) == _drive(plain, ops, plain=True)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_place_pinned_uses_every_freeable_byte_when_that_is_exactly_enough(name):
+    """The edge the general test rarely draws: the room needed equals the unpinned bytes exactly — it is made."""
+    p = make_policy(name, 16, clock=ManualClock())
+    assert p.place_pinned("a", 8) and p.place_pinned("b", 8)
+    p.unpin("b")
+    assert p.freeable_bytes == 8
+    assert p.place_pinned("c", 8), "8 bytes needed, 8 freeable"
+    assert "b" not in p.nodes and "c" in p.nodes and p.nodes["c"].pins == 1
+    assert not p.place_pinned("d", 8), "all pinned: no room, nothing evicted"
+    assert set(p.nodes) == {"a", "c"}
+    p.check()

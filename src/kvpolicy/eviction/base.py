@@ -100,6 +100,19 @@ class EvictionPolicy:
         self.on_insert(key, size, parent)
         self.pin(key)
 
+    def place_pinned(self, key: Hashable, size: int, parent: Hashable | None = None) -> bool:
+        """Make room for a block, ask :meth:`admit`, and insert it pinned — an engine caching a block it just computed
+        for a running request. False, with nothing changed, when pinned blocks leave no room or the policy refuses it;
+        True when it is resident and pinned. Exactly ``victims(size, key)``, ``admit``, ``insert_pinned``."""
+        try:
+            self.victims(size, key)
+        except CapacityError:
+            return False
+        if not self.admit(key, size, parent):
+            return False
+        self.insert_pinned(key, size, parent)
+        return True
+
     def _new_node(self, key: Hashable, size: int, parent: Hashable | None) -> Node:
         """Check and add a resident block (not yet a candidate); its parent stops being one."""
         if key in self.nodes:
@@ -312,6 +325,24 @@ class PriorityPolicy(EvictionPolicy):
         cls = type(self)
         self._fused_pinned_insert = (cls.on_insert is EvictionPolicy.on_insert and cls.pin is EvictionPolicy.pin
                                      and cls._candidate is PriorityPolicy._candidate)
+        # place_pinned's eviction loop inline, while victims, admit and the pinned insert are this base's own
+        self._fused_place = (self._fused_pinned_insert and cls.victims is EvictionPolicy.victims and cls.admit is EvictionPolicy.admit
+                             and cls.insert_pinned is PriorityPolicy.insert_pinned)
+
+    def place_pinned(self, key: Hashable, size: int, parent: Hashable | None = None) -> bool:
+        if not self._fused_place or type(size) is not int or size < 0:
+            return super().place_pinned(key, size, parent)
+        self._incoming = key
+        limit = self.capacity_bytes - size
+        if self.used_bytes > limit:  # victims(size, key), inline
+            if self.used_bytes - limit > self.used_bytes - self.protected_bytes:
+                return False  # pinned blocks leave no room: nothing evicted
+            while self.used_bytes > limit:
+                node = self._choose()
+                self._remove(node)
+                self.evictions += 1
+        self.insert_pinned(key, size, parent)
+        return True
 
     def insert_pinned(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         if not self._fused_pinned_insert:

@@ -123,13 +123,8 @@ class Replicas(ComputeWhileLoading):
             parent = keys[j - 1] if j else None
             if parent is not None and parent not in nodes:
                 return
-            try:
-                cache.victims(bb, key)
-            except CapacityError:
+            if not cache.place_pinned(key, bb, parent):  # room made, admitted, inserted pinned
                 return
-            if not cache.admit(key, bb, parent):
-                return
-            cache.insert_pinned(key, bb, parent)
             req.pinned.append(key)
 
     def _unpin(self, rep: _Replica, req: _Req) -> None:
