@@ -553,6 +553,11 @@ class StructureAwarePublish:
         # every key new (the common first look at a request): no membership test needed
         fresh = None if len(new) == len(keys) else set(new)
         seen = self._seen
+        watch = self._watch
+        reused = self.reused
+        capacity = self._capacity
+        neg_lam = -self._lam
+        exp = math.exp
         base = self._reuse_class(request)
         reused_blocks = request.reused_blocks
         for j, key in enumerate(keys):
@@ -561,47 +566,56 @@ class StructureAwarePublish:
             rec = seen.get(key)
             if rec is None:
                 seen[key] = (1.0, t)
-                if len(seen) > self._capacity:
+                if len(seen) > capacity:
                     seen.popitem(last=False)
                 o = origin.pop(key, None)
                 if o is not None:  # the counts forgot it (capacity) inside its open window: this is its second sighting
-                    self.reused[o[0]] += 1
-                    self._watch.pop(key, None)
+                    reused[o[0]] += 1
+                    watch.pop(key, None)
                     continue
                 # first sighting: remember its class and when
-                origin[key] = (base + self._depth(max(j - reused_blocks, 0)), t)
-                self._watch[key] = t
-                if len(origin) > self._capacity:
+                origin[key] = (base + self._depth(j - reused_blocks if j > reused_blocks else 0), t)
+                watch[key] = t
+                if len(origin) > capacity:
                     self.dead[origin.popitem(last=False)[1][0]] += 1
-                if len(self._watch) > self._capacity:
-                    self._watch.popitem(last=False)
+                if len(watch) > capacity:
+                    watch.popitem(last=False)
             else:
-                seen[key] = (rec[0] * math.exp(-self._lam * max(t - rec[1], 0.0)) + 1.0, t)
+                dt = t - rec[1]
+                seen[key] = (rec[0] * exp(neg_lam * (dt if dt > 0.0 else 0.0)) + 1.0, t)
                 seen.move_to_end(key)
-                t_first = self._watch.pop(key, None)
+                t_first = watch.pop(key, None)
                 if t_first is not None:  # its second sighting: the delay teaches the window
                     self._n_delay += 1
                     self._mean_delay_s += (t - t_first - self._mean_delay_s) / self._n_delay
                 o = origin.pop(key, None)
                 if o is not None:
-                    self.reused[o[0]] += 1  # seen again within its window: counts at once, it cannot be taken back
+                    reused[o[0]] += 1  # seen again within its window: counts at once, it cannot be taken back
 
     def values(self, request: PublishRequest, keys: Sequence[Hashable]) -> list[float]:
         """Per leading block: P(another replica reads it) − write_weight (observe the request first)."""
         t = _timed(request, keys, "structure-aware")
         out = []
+        append = out.append
         seen = self._seen
-        lam = self._lam
+        neg_lam = -self._lam
+        exp = math.exp
+        half_life_s, lifetime_s, cross, write_weight = self.half_life_s, self.lifetime_s, self.cross, self.write_weight
+        first = self.first_sighting_probability
         base = self._reuse_class(request)
         reused_blocks = request.reused_blocks
         for j, key in enumerate(keys):
             rec = seen.get(key)
-            c = rec[0] * math.exp(-lam * max(t - rec[1], 0.0)) if rec is not None else 0.0
-            if c > 1.5:
-                p = 1.0 - math.exp(-(c - 1.0) / self.half_life_s * self.lifetime_s)
+            if rec is not None:
+                dt = t - rec[1]
+                c = rec[0] * exp(neg_lam * (dt if dt > 0.0 else 0.0))
             else:
-                p = self.first_sighting_probability(base + self._depth(max(j - reused_blocks, 0)))
-            out.append(p * self.cross - self.write_weight)
+                c = 0.0
+            if c > 1.5:
+                p = 1.0 - exp(-(c - 1.0) / half_life_s * lifetime_s)
+            else:
+                p = first(base + self._depth(j - reused_blocks if j > reused_blocks else 0))
+            append(p * cross - write_weight)
         return out
 
     def publishable(self, request: PublishRequest, keys: Sequence[Hashable]) -> int:

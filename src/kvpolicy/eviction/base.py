@@ -115,19 +115,20 @@ class EvictionPolicy:
 
     def _new_node(self, key: Hashable, size: int, parent: Hashable | None) -> Node:
         """Check and add a resident block (not yet a candidate); its parent stops being one."""
-        if key in self.nodes:
+        nodes = self.nodes
+        if key in nodes:
             raise ConfigError("key", f"{key!r} is already resident")
         if type(size) is not int and (isinstance(size, bool) or not isinstance(size, int)) or size <= 0:  # a plain int skips the slow test
             raise ConfigError("size", f"must be a positive int (bytes), got {size!r}")
         p = None
         if parent is not None:
-            p = self.nodes.get(parent)
+            p = nodes.get(parent)
             if p is None:
                 raise ConfigError("parent", f"{parent!r} is not resident: the resident set must stay prefix-closed")
         if self.used_bytes + size > self.capacity_bytes:
             raise CapacityError(f"inserting {size} bytes would exceed capacity ({self.used_bytes} of {self.capacity_bytes} used); call victims() first")
         node = Node(key, size, p, next(self._seq), self.clock.now_s())
-        self.nodes[key] = node
+        nodes[key] = node
         self.used_bytes += size
         self.inserts += 1
         if p is not None:
@@ -327,7 +328,7 @@ class PriorityPolicy(EvictionPolicy):
                                      and cls._candidate is PriorityPolicy._candidate)
         # place_pinned's eviction loop inline, while victims, admit and the pinned insert are this base's own
         self._fused_place = (self._fused_pinned_insert and cls.victims is EvictionPolicy.victims and cls.admit is EvictionPolicy.admit
-                             and cls.insert_pinned is PriorityPolicy.insert_pinned)
+                             and cls.insert_pinned is PriorityPolicy.insert_pinned and cls._remove is EvictionPolicy._remove)
 
     def place_pinned(self, key: Hashable, size: int, parent: Hashable | None = None) -> bool:
         if not self._fused_place or type(size) is not int or size < 0:
@@ -337,9 +338,21 @@ class PriorityPolicy(EvictionPolicy):
         if self.used_bytes > limit:  # victims(size, key), inline
             if self.used_bytes - limit > self.used_bytes - self.protected_bytes:
                 return False  # pinned blocks leave no room: nothing evicted
+            nodes = self.nodes
             while self.used_bytes > limit:
                 node = self._choose()
-                self._remove(node)
+                # _remove(node), inline: _candidate(node, False), then its parent may become a candidate
+                self._n_candidates -= 1
+                node.version += 1
+                del nodes[node.key]
+                self.used_bytes -= node.size
+                p = node.parent
+                if p is not None:
+                    p.children -= 1
+                    if p.children == 0 and p.prot == 0:
+                        self._n_candidates += 1
+                        self._push(p)
+                self._forget(node)
                 self.evictions += 1
         self.insert_pinned(key, size, parent)
         return True
