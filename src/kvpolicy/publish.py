@@ -595,7 +595,7 @@ class StructureAwarePublish:
     def values(self, request: PublishRequest, keys: Sequence[Hashable]) -> list[float]:
         """Per leading block: P(another replica reads it) − write_weight (observe the request first)."""
         t = _timed(request, keys, "structure-aware")
-        out = []
+        out: list[float] = []
         append = out.append
         seen = self._seen
         neg_lam = -self._lam
