@@ -322,9 +322,15 @@ class _Sides:
         # without an engine-reported path, the bytes ahead do not depend on the load's size: look them up once
         self._own_queue = None if ctx.knows_path else ctl.queued_bytes(ctx.source)
         self._remote: dict[int, float] = {}
+        self._front: dict[int, float] = {}
 
     def front(self, s: int) -> float:
-        return self.c50.recompute(self.start, self.start + s * self.Bt) if s > 0 else 0.0
+        if s <= 0:
+            return 0.0
+        t = self._front.get(s)
+        if t is None:  # one decision asks for the same fronts many times (the plans, their searches, the ranking)
+            t = self._front[s] = self.c50.recompute(self.start, self.start + s * self.Bt)
+        return t
 
     def remote(self, n: int) -> float:
         if n <= 0:

@@ -40,16 +40,23 @@ class LogHistogram:
         self._qcache: dict[float, float | None] = {}
 
     def record(self, x: float, n: int = 1) -> None:
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        self._add(self._bucket(x, n), x, n)
+
+    def _bucket(self, x: float, n: int) -> int | None:
+        """The bucket ``x`` lands in (None: the zero bucket), after checking the observation."""
+        if type(n) is not int and (isinstance(n, bool) or not isinstance(n, int)) or n <= 0:
             raise ConfigError("n", f"a count of observations must be a positive int, got {n!r}")
         if not x == x or x in (math.inf, -math.inf):  # NaN or inf
             raise ConfigError("value", f"must be finite, got {x!r}")
         if x < 0:
             raise ConfigError("value", f"latencies and sizes are non-negative, got {x!r}")
-        if x <= self.min_value:
+        return None if x <= self.min_value else math.ceil(math.log(x) / self._gamma_log)
+
+    def _add(self, k: int | None, x: float, n: int) -> None:
+        """Count ``n`` observations of ``x`` in bucket ``k`` (None: the zero bucket)."""
+        if k is None:
             self._zero += n
         else:
-            k = math.ceil(math.log(x) / self._gamma_log)
             self._counts[k] = self._counts.get(k, 0) + n
         self.count += n
         self.sum += x * n
@@ -177,9 +184,10 @@ class WindowedHistogram:
 
     def record(self, x: float, n: int = 1) -> None:
         self._rotate()
-        self.cur.record(x, n)
+        k = self.cur._bucket(x, n)
+        self.cur._add(k, x, n)
         if self._merged is not None:  # kept whole: the same buckets, count, min and max as merging again would give
-            self._merged.record(x, n)
+            self._merged._add(k, x, n)
 
     @property
     def count(self) -> int:
