@@ -64,7 +64,7 @@ from ..eviction.policies import TraceOracle
 from ..ledger import Ledger, PublicationLog
 from ..write_admission import WriteAdmission
 from .config import ClusterConfig, Degrade, ScaleOut
-from .events import CAPACITY, NEW_REQUEST, SAMPLE, SCALE_OUT, _Clock
+from .events import CAPACITY, SAMPLE, SCALE_OUT, _Clock
 from .lifecycle import RequestLifecycle
 from .network import FlowNetwork
 from .policysets import PolicySet, load_own_rule
@@ -205,8 +205,7 @@ class Simulator(RequestLifecycle):
 
     def run(self) -> SimResult:
         p = self.p
-        for i, t in enumerate(p.arrival_s):
-            self._push(t, NEW_REQUEST, i)  # its state is made when it arrives: a long trace holds only the live ones
+        self._arrivals_from(p.arrival_s)  # a stream beside the heap; a request's state is made when it arrives
         for e in self.events:
             if isinstance(e, ScaleOut):
                 self._push(e.t_s, SCALE_OUT, e)

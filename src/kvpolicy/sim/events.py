@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import heapq
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,15 +32,40 @@ class _Clock:
 
 
 class EventLoop:
-    """One heap of (time, sequence, kind, object) and the clock it drives."""
+    """One heap of (time, sequence, kind, object) and the clock it drives.
+
+    A trace's arrivals are a stream beside the heap (:meth:`_arrivals_from`), not pushed into it: arrival ``i`` is the
+    event (``times[i]``, sequence ``first_seq + i``) of kind NEW_REQUEST, merged with the heap by the same order, so
+    the heap holds only what is in flight — its pushes and pops cost log(in flight), not log(trace length)."""
 
     heap: list[tuple[float, int, int, Any]]
     clock: _Clock
     _seq: int
+    _arr_times: Sequence[float] = ()
+    _arr_next: int = 0
+    _arr_seq0: int = 0
 
     def _push(self, t: float, kind: int, obj: Any) -> None:
         self._seq += 1
         heapq.heappush(self.heap, (t, self._seq, kind, obj))
+
+    def _arrivals_from(self, times: Sequence[float]) -> None:
+        """Arrival i happens at ``times[i]`` (non-decreasing) with the sequence numbers it would have had if each had
+        been pushed now, in order."""
+        self._arr_times = times
+        self._arr_next = 0
+        self._arr_seq0 = self._seq + 1
+        self._seq += len(times)
+
+    def _arrivals_left(self) -> int:
+        return len(self._arr_times) - self._arr_next
+
+    def _next_event_s(self) -> float:
+        """When the next event happens (inf when none is left)."""
+        t = self.heap[0][0] if self.heap else math.inf
+        if self._arr_next < len(self._arr_times):
+            t = min(t, self._arr_times[self._arr_next])
+        return t
 
     def _loop(self, handlers: Sequence[Callable[[Any, float], None]], *, pause_gc: bool = False) -> None:
         """Run every event, in time order (ties in the order pushed), until none is left.
@@ -50,11 +76,24 @@ class EventLoop:
         heap = self.heap
         clock = self.clock
         pop = heapq.heappop
+        times = self._arr_times
+        n = len(times)
+        new_request = handlers[NEW_REQUEST]
         paused = pause_gc and gc.isenabled()
         if paused:
             gc.disable()
         try:
-            while heap:
+            while True:
+                i = self._arr_next
+                if i < n:
+                    ta = times[i]
+                    if not heap or ta < heap[0][0] or (ta == heap[0][0] and self._arr_seq0 + i < heap[0][1]):
+                        self._arr_next = i + 1
+                        clock.t = ta
+                        new_request(i, ta)
+                        continue
+                elif not heap:
+                    break
                 t, _, kind, obj = pop(heap)
                 clock.t = t
                 handlers[kind](obj, t)

@@ -134,13 +134,13 @@ class Transfers(EventLoop):
             series[2].append(nflows)
             recent = series[1][-4:]  # what an engine's NIC counters give: the recent mean
             self._util[name] = sum(recent) / len(recent)
-        if t < self.p.arrival_s[-1] or self.heap:
+        if t < self.p.arrival_s[-1] or self.heap or self._arrivals_left():
             step = self._sample_s
-            if t >= self.p.arrival_s[-1] and self.heap and not self.net.active_flows():
+            if t >= self.p.arrival_s[-1] and (self.heap or self._arrivals_left()) and not self.net.active_flows():
                 # past the last arrival with the network idle: until the next event every sample would record zeros.
                 # Skip them, keeping the last 4 before it (what _util averages), so a long tail of decodes costs a few
                 # samples, not (tail / step) of them — at --decode-tokens-per-s 1e-10, billions.
-                idle = int((self.heap[0][0] - t) / step) - 4
+                idle = int((self._next_event_s() - t) / step) - 4
                 if idle > 1:
                     step *= idle
             self._push(t + step, SAMPLE, None)
