@@ -136,9 +136,9 @@ class PublishFilter(Protocol):
 
 
 def _check(request: PublishRequest, keys: Sequence[Hashable], *, timed: str | None = None) -> None:
-    if not isinstance(request, PublishRequest):
+    if type(request) is not PublishRequest and not isinstance(request, PublishRequest):
         raise ConfigError("request", f"must be a PublishRequest, got {type(request).__name__}")
-    if isinstance(keys, (str, bytes, bytearray)) or not hasattr(keys, "__len__") or not hasattr(keys, "__getitem__"):
+    if type(keys) is not list and (isinstance(keys, (str, bytes, bytearray)) or not hasattr(keys, "__len__") or not hasattr(keys, "__getitem__")):
         raise ConfigError("keys", f"must be a sequence of block keys, got {type(keys).__name__}")
     if len(keys) > request.full_blocks:
         raise ConfigError("keys", f"{len(keys)} keys for {request.num_tokens} tokens: only full blocks ({request.full_blocks}) may be published — never a partial one")

@@ -137,13 +137,20 @@ class Pool(Transfers):
         batches: dict[_Node, list[int]] = {}
         order: list[tuple[int, _Node]] = []  # (chain position, node) of each block to write, in chain order
         target: _Node | None = None
+        healthy: dict[_Node, bool] = {}  # per node, asked once: nothing in this loop opens or closes a breaker
         for j, key in enumerate(keys[:n]):
             if j % chunk == 0:
                 target = None
             node = where.get(key)
-            if node is not None and not (moving and not self._healthy(node, rep)):
-                node.policy.on_access(key)
-                continue
+            if node is not None:
+                ok = True
+                if moving:
+                    ok = healthy.get(node)  # type: ignore[assignment]
+                    if ok is None:
+                        ok = healthy[node] = self._healthy(node, rep)
+                if ok:
+                    node.policy.on_access(key)
+                    continue
             if key in writing:
                 continue
             if target is None:
