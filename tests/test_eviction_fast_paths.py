@@ -115,3 +115,57 @@ def test_place_pinned_uses_every_freeable_byte_when_that_is_exactly_enough(name)
     assert not p.place_pinned("d", 8), "all pinned: no room, nothing evicted"
     assert set(p.nodes) == {"a", "c"}
     p.check()
+
+
+def _drive_in_order(policy, ops):
+    """The victims in the order they are chosen; the clock moves only on "tick", so blocks inserted in one instant tie
+    on time and their depth decides."""
+    out = []
+    for op, chain, depth in ops:
+        key = chain * 10 + depth
+        parent = key - 1 if depth else None
+        if op == "tick":
+            policy.clock.advance(0.25)
+        elif op == "insert" and key not in policy.nodes and (parent is None or parent in policy.nodes):
+            try:
+                out.append(tuple(policy.victims(8, key)))
+            except CapacityError:
+                out.append(("full",))
+                continue
+            policy.insert_pinned(key, 8, parent)
+        elif op == "access" and key in policy.nodes:
+            policy.on_access(key)
+        elif op == "unpin" and key in policy.nodes and policy.nodes[key].pins:
+            policy.unpin(key)
+    policy.check()
+    return out, sorted(policy.nodes)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=OPS, cap_blocks=st.integers(2, 9))
+def test_reuse_distance_flat_heap_entries_evict_what_nested_ones_evict(ops, cap_blocks):
+    """reuse-distance flattens its priority into the heap entry; a subclass with the same priority (which takes the
+    base's nested entries) must evict the same blocks in the same order."""
+    from kvpolicy.eviction.reuse_distance import ReuseDistancePolicy
+
+    class Nested(ReuseDistancePolicy):
+        def priority(self, node):
+            return super().priority(node)
+
+    flat = ReuseDistancePolicy(cap_blocks * 8, clock=ManualClock())
+    nested = Nested(cap_blocks * 8, clock=ManualClock())
+    assert _drive_in_order(flat, ops) == _drive_in_order(nested, ops)
+    assert all(len(e) == 6 for e in flat._heap) and all(len(e) == 4 for e in nested._heap)
+
+
+def test_reuse_distance_breaks_a_tie_in_time_by_depth_deepest_first():
+    """Two chains inserted in one instant and released: the deeper block goes first (the edge the property draws
+    only now and then)."""
+    from kvpolicy.eviction.reuse_distance import ReuseDistancePolicy
+
+    p = ReuseDistancePolicy(3 * 8, clock=ManualClock())
+    for key, parent in (("a", None), ("b", None), ("b1", "b")):
+        p.insert_pinned(key, 8, parent)
+    for key in ("a", "b", "b1"):
+        p.unpin(key)
+    assert p.victims(16) == ["b1", "a"]

@@ -319,7 +319,7 @@ class PriorityPolicy(EvictionPolicy):
 
     def __init__(self, capacity_bytes: int, *, clock: Clock | None = None) -> None:
         super().__init__(capacity_bytes, clock=clock)
-        self._heap: list[tuple[Any, int, int, Node]] = []
+        self._heap: list[tuple[Any, ...]] = []  # entries end (..., seq, version, node)
         self._n_candidates = 0
         # a block inserted pinned skips being a candidate for an instant (a push, then its invalidation: nothing but a
         # stale heap entry) — exact only while on_insert, pin and _candidate are this base's own
@@ -375,8 +375,12 @@ class PriorityPolicy(EvictionPolicy):
         node.version += 1
         heapq.heappush(self._heap, (self.priority(node), node.seq, node.version, node))
         if len(self._heap) > 4 * self._n_candidates + 64:
-            self._heap = [e for e in self._heap if e[2] == e[3].version and e[3].key in self.nodes and e[3].is_candidate]
-            heapq.heapify(self._heap)
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the stale entries (a node re-pushed, no longer a candidate, or gone) once they outnumber the live ones."""
+        self._heap = [e for e in self._heap if e[-2] == e[-1].version and e[-1].key in self.nodes and e[-1].is_candidate]
+        heapq.heapify(self._heap)
 
     def _candidate(self, node: Node, yes: bool) -> None:
         if yes:
@@ -394,7 +398,9 @@ class PriorityPolicy(EvictionPolicy):
         heap = self._heap
         nodes = self.nodes
         while heap:
-            _, _, version, node = heap[0]
+            entry = heap[0]
+            version: int = entry[-2]  # an entry ends (..., seq, version, node): see _push
+            node: Node = entry[-1]
             if version == node.version and node.children == 0 and node.prot == 0 and nodes.get(node.key) is node:
                 return node
             heapq.heappop(heap)
@@ -405,7 +411,9 @@ class PriorityPolicy(EvictionPolicy):
         heap = self._heap
         frontier = [(heap[0], 0)] if heap else []
         while frontier:
-            (_, _, version, node), i = heapq.heappop(frontier)
+            entry, i = heapq.heappop(frontier)
+            version: int = entry[-2]
+            node: Node = entry[-1]
             if version == node.version and node.is_candidate and self.nodes.get(node.key) is node:
                 yield node
             for c in (2 * i + 1, 2 * i + 2):
