@@ -169,3 +169,75 @@ def test_reuse_distance_breaks_a_tie_in_time_by_depth_deepest_first():
     for key in ("a", "b", "b1"):
         p.unpin(key)
     assert p.victims(16) == ["b1", "a"]
+
+
+# chain ops: ("chain", c, d) places chain c's blocks d .. 5 in one call; the others as above
+CHAIN_OPS = st.lists(st.tuples(st.sampled_from(["chain", "access", "unpin", "tick"]), st.integers(0, 3), st.integers(0, 5)), max_size=60)
+
+
+def _drive_chains(policy, ops, one_by_one):
+    out = []
+    for op, chain, depth in ops:
+        keys = [chain * 10 + d for d in range(6)]
+        if op == "tick":
+            policy.clock.advance(0.25)
+        elif op == "chain":
+            before = set(policy.nodes)
+            if one_by_one:  # what place_pinned_chain stands for
+                j = depth
+                while j < 6 and keys[j] not in policy.nodes and (j == 0 or keys[j - 1] in policy.nodes) \
+                        and policy.place_pinned(keys[j], 8, keys[j - 1] if j else None):
+                    j += 1
+            else:
+                j = policy.place_pinned_chain(keys, depth, 6, 8)
+            out.append((j, tuple(sorted(k for k in before if k not in policy.nodes))))
+        elif op == "access" and keys[depth] in policy.nodes:
+            policy.on_access(keys[depth])
+        elif op == "unpin" and keys[depth] in policy.nodes and policy.nodes[keys[depth]].pins:
+            policy.unpin(keys[depth])
+    policy.check()
+    state = sorted((k, n.pins, n.prot, n.children, n.seq) for k, n in policy.nodes.items())
+    numbers = {k: v for k, v in vars(policy).items() if type(v) in (int, float)}  # counts, GDSF's L, reuse-distance's V and W
+    return out, state, numbers
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@settings(max_examples=150, deadline=None)
+@given(ops=CHAIN_OPS, cap_blocks=st.integers(2, 9))
+def test_place_pinned_chain_leaves_what_place_pinned_block_by_block_leaves(name, ops, cap_blocks):
+    """place_pinned_chain(keys, start, end, size) is place_pinned of each block under the one before it, stopping at a
+    resident key, a missing parent, no room or a refusal; a PriorityPolicy runs it inline (every victim, pin, count and
+    insertion order the same)."""
+    chained = make_policy(name, cap_blocks * 8, clock=ManualClock())
+    plain = make_policy(name, cap_blocks * 8, clock=ManualClock())
+    assert _drive_chains(chained, ops, one_by_one=False) == _drive_chains(plain, ops, one_by_one=True)
+
+
+def test_place_pinned_chain_stops_where_it_must():
+    for name in ("lru", "reuse-distance", "sieve"):
+        p = make_policy(name, 3 * 8, clock=ManualClock())
+        assert p.place_pinned_chain(["a", "b", "c", "d"], 0, 4, 8) == 3, "room for 3, all pinned"
+        assert set(p.nodes) == {"a", "b", "c"} and all(n.pins == 1 for n in p.nodes.values())
+        assert p.place_pinned_chain(["a", "b"], 1, 2, 8) == 1, "b is resident"
+        assert p.place_pinned_chain(["x", "y"], 1, 2, 8) == 1, "y's parent x is not resident"
+        for k in ("c", "b"):
+            p.unpin(k)
+        assert p.place_pinned_chain(["a", "e", "f"], 1, 3, 8) == 3, "c and b make room for e and f under a"
+        assert set(p.nodes) == {"a", "e", "f"} and p.nodes["f"].parent is p.nodes["e"]
+        p.check()
+
+
+def test_a_subclass_overriding_a_step_of_the_chain_takes_the_plain_path():
+    calls = []
+
+    class Counting(PriorityPolicy):
+        def priority(self, node):
+            return (node.t_access,)
+
+        def place_pinned(self, key, size, parent=None):
+            calls.append(key)
+            return super().place_pinned(key, size, parent)
+
+    c = Counting(64)
+    assert not c._fused_chain and make_policy("reuse-distance", 64)._fused_chain
+    assert c.place_pinned_chain(["a", "b"], 0, 2, 8) == 2 and calls == ["a", "b"]

@@ -111,21 +111,22 @@ class Replicas(ComputeWhileLoading):
         """Insert keys[start:end] into the local cache (pinned for this request); stop at the first that does not fit
         (its parent missing, no room, refused)."""
         cache = rep.cache
-        bb = self.block_bytes
         nodes = cache.nodes
-        for j in range(start, end):
+        pinned = req.pinned
+        j = start
+        while j < end:
             key = keys[j]
             if key in nodes:
-                if j >= len(req.pinned):
+                if j >= len(pinned):
                     cache.pin(key)
-                    req.pinned.append(key)
+                    pinned.append(key)
+                j += 1
                 continue
-            parent = keys[j - 1] if j else None
-            if parent is not None and parent not in nodes:
+            stop = cache.place_pinned_chain(keys, j, end, self.block_bytes)  # room made, admitted, inserted pinned
+            pinned.extend(keys[j:stop])
+            if stop == end or keys[stop] not in nodes:  # its parent missing, no room, or refused
                 return
-            if not cache.place_pinned(key, bb, parent):  # room made, admitted, inserted pinned
-                return
-            req.pinned.append(key)
+            j = stop
 
     def _unpin(self, rep: _Replica, req: _Req) -> None:
         cache = rep.cache
