@@ -596,3 +596,51 @@ def test_dueling_shares_one_count_between_its_thresholds_and_decides_as_separate
         assert t2.publishable(r, keys) == alone[2].publishable(r, keys)
         d.publishable(r, keys)
     assert sorted(set(calls)) == sorted(calls), "recompute_s asked once per depth"
+
+
+def test_structure_aware_depth_classes_are_the_edges_reached():
+    f = StructureAwarePublish()
+    for i in range(64):
+        assert f._depth(i) == sum(i >= e for e in StructureAwarePublish.DEPTH_EDGES), i
+
+
+@settings(max_examples=100, deadline=None)
+@given(reqs=st.lists(st.tuples(st.lists(st.integers(0, 40), min_size=1, max_size=24, unique=True), st.floats(0, 900),
+                               st.integers(0, 10), st.booleans()), min_size=1, max_size=25))
+def test_structure_aware_values_are_the_documented_formula(reqs):
+    """values(): per block, P(reuse) × cross − write_weight with P = 1 − exp(−(ĉ − 1) / half_life × lifetime) when ĉ (the
+    decayed count) > 1.5, else the first-sighting probability of the block's class — written out here from the
+    docstring, beside the filter's fast loop (its depth table, its per-request class probabilities, no exp when no time
+    has passed)."""
+    f = StructureAwarePublish(capacity_keys=16)  # small: keys are forgotten too
+    t = 0.0
+    for i, (keys, dt, reused, look_first) in enumerate(reqs):
+        t += dt
+        r = req(i, len(keys), t, reused_blocks=min(reused, len(keys)))
+        if look_first:
+            f.observe(r, keys)
+        want = []
+        for j, key in enumerate(keys):
+            rec = f._seen.get(key)
+            c = rec[0] * math.exp(-f._lam * max(t - rec[1], 0.0)) if rec is not None else 0.0
+            if c > 1.5:
+                p = 1.0 - math.exp(-(c - 1.0) / f.half_life_s * f.lifetime_s)
+            else:
+                p = f.first_sighting_probability(f.block_class(r, max(j - r.reused_blocks, 0)))
+            want.append(p * f.cross - f.write_weight)
+        assert f.values(r, keys) == want
+        new = [k for k in keys if k not in f._seen and k not in f._origin]
+        f.observe(r, keys)
+        for j, key in enumerate(keys):  # a first sighting is remembered in its class
+            if key in new and key in f._origin:
+                assert f._origin[key][0] == f.block_class(r, max(j - r.reused_blocks, 0))
+
+
+def test_dedup_counts_each_request_block_pair_once():
+    from kvpolicy.publish import _Dedup
+
+    d = _Dedup(size=2)
+    assert d.new_keys("r1", [3, 1, 3, 2]) == [3, 1, 2], "a first look: every key once, in order"
+    assert d.new_keys("r1", [1, 4, 2, 5, 4]) == [4, 5], "a second look: only what it had not seen"
+    assert d.new_keys("r2", []) == [] and d.new_keys("r3", [1]) == [1]
+    assert d.new_keys("r1", [1]) == [1], "r1 is forgotten: only the newest 2 requests are kept"

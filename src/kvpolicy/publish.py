@@ -164,13 +164,15 @@ class _Dedup:
         self._size = size
 
     def new_keys(self, request_id: Hashable, keys: Sequence[Hashable]) -> list[Hashable]:
-        done = self._seen.get(request_id)
-        if done is None:
-            done = self._seen[request_id] = set()
-            if len(self._seen) > self._size:
-                self._seen.popitem(last=False)
-        else:
-            self._seen.move_to_end(request_id)
+        seen = self._seen
+        done = seen.get(request_id)
+        if done is None:  # a request's first look: every key is new
+            fresh = list(dict.fromkeys(keys))
+            seen[request_id] = set(fresh)
+            if len(seen) > self._size:
+                seen.popitem(last=False)
+            return fresh
+        seen.move_to_end(request_id)
         fresh = [k for k in dict.fromkeys(keys) if k not in done]
         done.update(fresh)
         return fresh
@@ -510,6 +512,8 @@ class StructureAwarePublish:
         self._capacity = capacity_keys
         self._mean_delay_s = 0.0
         self._n_delay = 0
+        #: _depth(i) for every index below the last edge: the edges it has reached
+        self._depth_table = tuple(sum(i >= e for e in self.DEPTH_EDGES) for i in range(self.DEPTH_EDGES[-1]))
 
     @property
     def window_s(self) -> float:
@@ -527,11 +531,10 @@ class StructureAwarePublish:
         return q * (len(self.DEPTH_EDGES) + 1)
 
     def _depth(self, new_index: int) -> int:
-        d = 0
-        for edge in self.DEPTH_EDGES:
-            if new_index >= edge:
-                d += 1
-        return d
+        """How many of ``DEPTH_EDGES`` the new-part index has reached (0 for the first new block, … len(edges) for the
+        rest): a table lookup below the last edge."""
+        table = self._depth_table
+        return table[new_index] if new_index < len(table) else len(self.DEPTH_EDGES)
 
     def first_sighting_probability(self, cls: int) -> float:
         return (self.reused[cls] + 1) / (self.reused[cls] + self.dead[cls] + 2)
@@ -560,6 +563,8 @@ class StructureAwarePublish:
         exp = math.exp
         base = self._reuse_class(request)
         reused_blocks = request.reused_blocks
+        depths = self._depth_table
+        n_depths, deepest = len(depths), len(self.DEPTH_EDGES)
         for j, key in enumerate(keys):
             if fresh is not None and key not in fresh:
                 continue
@@ -573,8 +578,9 @@ class StructureAwarePublish:
                     reused[o[0]] += 1
                     watch.pop(key, None)
                     continue
-                # first sighting: remember its class and when
-                origin[key] = (base + self._depth(j - reused_blocks if j > reused_blocks else 0), t)
+                # first sighting: remember its class and when (_depth, inline)
+                n = j - reused_blocks if j > reused_blocks else 0
+                origin[key] = (base + (depths[n] if n < n_depths else deepest), t)
                 watch[key] = t
                 if len(origin) > capacity:
                     self.dead[origin.popitem(last=False)[1][0]] += 1
@@ -601,20 +607,24 @@ class StructureAwarePublish:
         neg_lam = -self._lam
         exp = math.exp
         half_life_s, lifetime_s, cross, write_weight = self.half_life_s, self.lifetime_s, self.cross, self.write_weight
-        first = self.first_sighting_probability
         base = self._reuse_class(request)
+        # first_sighting_probability of each depth class of this request (the counts do not move while it is valued)
+        first = [self.first_sighting_probability(base + d) for d in range(len(self.DEPTH_EDGES) + 1)]
+        depths = self._depth_table
+        n_depths, p_deepest = len(depths), first[-1]
         reused_blocks = request.reused_blocks
         for j, key in enumerate(keys):
             rec = seen.get(key)
             if rec is not None:
                 dt = t - rec[1]
-                c = rec[0] * exp(neg_lam * (dt if dt > 0.0 else 0.0))
+                c = rec[0] * exp(neg_lam * dt) if dt > 0.0 else rec[0]  # exp(-0) is 1: seen at this instant, as after observe
             else:
                 c = 0.0
             if c > 1.5:
                 p = 1.0 - exp(-(c - 1.0) / half_life_s * lifetime_s)
             else:
-                p = first(base + self._depth(j - reused_blocks if j > reused_blocks else 0))
+                n = j - reused_blocks if j > reused_blocks else 0
+                p = first[depths[n]] if n < n_depths else p_deepest
             append(p * cross - write_weight)
         return out
 
@@ -712,7 +722,11 @@ class DuelingPublish:
     def leader(self) -> int:
         """The index of the candidate that decides now (the highest score; the earliest on a tie)."""
         sc = self.scores
-        return max(range(len(sc)), key=lambda i: (sc[i], -i))
+        best = 0
+        for i in range(1, len(sc)):
+            if sc[i] > sc[best]:  # strictly: a tie stays with the earlier
+                best = i
+        return best
 
     @property
     def leader_name(self) -> str:
