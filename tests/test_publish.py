@@ -622,7 +622,7 @@ def test_structure_aware_values_are_the_documented_formula(reqs):
         want = []
         for j, key in enumerate(keys):
             rec = f._seen.get(key)
-            c = rec[0] * math.exp(-f._lam * max(t - rec[1], 0.0)) if rec is not None else 0.0
+            c = rec.real * math.exp(-f._lam * max(t - rec.imag, 0.0)) if rec is not None else 0.0
             if c > 1.5:
                 p = 1.0 - math.exp(-(c - 1.0) / f.half_life_s * f.lifetime_s)
             else:
