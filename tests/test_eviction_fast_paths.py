@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvpolicy.clock import ManualClock
-from kvpolicy.errors import CapacityError
+from kvpolicy.errors import CapacityError, ConfigError
 from kvpolicy.eviction import ALL_POLICIES, make_policy
 from kvpolicy.eviction.base import EvictionPolicy, PriorityPolicy
 
@@ -241,3 +241,78 @@ def test_a_subclass_overriding_a_step_of_the_chain_takes_the_plain_path():
     c = Counting(64)
     assert not c._fused_chain and make_policy("reuse-distance", 64)._fused_chain
     assert c.place_pinned_chain(["a", "b"], 0, 2, 8) == 2 and calls == ["a", "b"]
+
+
+def _drive_releases(policy, ops, one_by_one):
+    """Chains placed and released: "release" unpins chain c's blocks from depth d on, root first (as a request lets go
+    of what it held), with unpin_all or unpin by unpin."""
+    out = []
+    for op, chain, depth in ops:
+        keys = [chain * 10 + d for d in range(6)]
+        if op == "tick":
+            policy.clock.advance(0.25)
+        elif op == "chain":
+            j = policy.place_pinned_chain(keys, depth, 6, 8)
+            out.append(("placed", j))
+        elif op == "access" and keys[depth] in policy.nodes:
+            policy.on_access(keys[depth])
+        elif op == "unpin":  # release
+            held = [k for k in keys[depth:] if k in policy.nodes and policy.nodes[k].pins]
+            if one_by_one:
+                for k in held:
+                    policy.unpin(k)
+            else:
+                policy.unpin_all(held)
+            out.append(("released", len(held), tuple(n.key for n, _ in zip(policy._peek_order() or (), range(4)))))
+    policy.check()
+    state = sorted((k, n.pins, n.prot, n.children) for k, n in policy.nodes.items())
+    numbers = {k: v for k, v in vars(policy).items() if type(v) in (int, float)}
+    return out, state, numbers
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@settings(max_examples=100, deadline=None)
+@given(ops=CHAIN_OPS, cap_blocks=st.integers(2, 9))
+def test_unpin_all_leaves_what_unpin_by_unpin_leaves(name, ops, cap_blocks):
+    fused = make_policy(name, cap_blocks * 8, clock=ManualClock())
+    plain = make_policy(name, cap_blocks * 8, clock=ManualClock())
+    assert _drive_releases(fused, ops, one_by_one=False) == _drive_releases(plain, ops, one_by_one=True)
+
+
+@pytest.mark.parametrize("name", ["lru", "reuse-distance", "sieve"])
+def test_unpin_all_stops_at_a_key_that_is_not_pinned(name):
+    p = make_policy(name, 64, clock=ManualClock())
+    p.place_pinned_chain(["a", "b"], 0, 2, 8)
+    with pytest.raises(ConfigError, match="'zz' is not pinned"):
+        p.unpin_all(["a", "zz", "b"])
+    assert p.nodes["a"].pins == 0 and p.nodes["b"].pins == 1, "the keys before it are released, the ones after are not"
+    p.check()
+    p.pin("b")
+    p.unpin_all(["b"])
+    assert p.nodes["b"].pins == 1 and p.freeable_bytes == 0, "pinned twice, released once: still held, and its parent"
+    p.check()
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("chained", [False, True])
+def test_a_parent_is_never_evicted_to_make_room_for_its_own_child(name, chained):
+    """Placing c under an unpinned b: b (and a above it) are held while room is made, so room comes from elsewhere or
+    not at all — never a ConfigError after evicting the parent, never a dangling child."""
+    def place(p, keys, start):
+        if chained:
+            return p.place_pinned_chain(keys, start, len(keys), 8) == len(keys)
+        return p.place_pinned(keys[start], 8, keys[start - 1])
+
+    p = make_policy(name, 2 * 8, clock=ManualClock())
+    assert p.place_pinned_chain(["a", "b"], 0, 2, 8) == 2
+    p.unpin_all(["a", "b"])
+    assert not place(p, ["a", "b", "c"], 2), "the only room is the parent's chain"
+    assert set(p.nodes) == {"a", "b"} and p.freeable_bytes == 16, "nothing changed, nothing left held"
+    p.check()
+
+    p = make_policy(name, 3 * 8, clock=ManualClock())
+    assert p.place_pinned_chain(["x"], 0, 1, 8) == 1 and p.place_pinned_chain(["a", "b"], 0, 2, 8) == 2
+    p.unpin_all(["x", "a", "b"])
+    if place(p, ["a", "b", "c"], 2):  # a policy may also refuse (admit)
+        assert set(p.nodes) == {"a", "b", "c"} and p.nodes["c"].pins == 1 and p.nodes["b"].pins == 0
+    p.check()

@@ -139,6 +139,8 @@ class RequestRecord:
 
 
 def _check_flow(t_s: float, size_bytes: float) -> None:
+    if type(t_s) is float and type(size_bytes) in (int, float) and 0.0 <= t_s < math.inf and 0 <= size_bytes < math.inf:
+        return  # plain finite non-negative numbers (a NaN fails both comparisons): the common case, without the loop
     for name, v in (("t_s", t_s), ("size_bytes", size_bytes)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise ConfigError(name, f"must be a finite non-negative number, got {v!r}")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
 from ..clock import ManualClock
@@ -103,15 +103,25 @@ class EvictionPolicy:
     def place_pinned(self, key: Hashable, size: int, parent: Hashable | None = None) -> bool:
         """Make room for a block, ask :meth:`admit`, and insert it pinned — an engine caching a block it just computed
         for a running request. False, with nothing changed, when pinned blocks leave no room or the policy refuses it;
-        True when it is resident and pinned. Exactly ``victims(size, key)``, ``admit``, ``insert_pinned``."""
+        True when it is resident and pinned. Exactly ``victims(size, key)``, ``admit``, ``insert_pinned``, with the
+        parent held (pinned) while room is made when nothing else protects it: a block is never evicted to make room
+        for its own child (which could then not be inserted)."""
+        p = self.nodes.get(parent) if parent is not None else None
+        hold = p is not None and p.prot == 0
+        if hold:
+            self.pin(parent)
         try:
-            self.victims(size, key)
-        except CapacityError:
-            return False
-        if not self.admit(key, size, parent):
-            return False
-        self.insert_pinned(key, size, parent)
-        return True
+            try:
+                self.victims(size, key)
+            except CapacityError:
+                return False
+            if not self.admit(key, size, parent):
+                return False
+            self.insert_pinned(key, size, parent)
+            return True
+        finally:
+            if hold:
+                self.unpin(parent)
 
     def place_pinned_chain(self, keys: Sequence[Hashable], start: int, end: int, size: int) -> int:
         """Place a run of one chain: ``place_pinned(keys[j], size, keys[j - 1])`` for j = start, start + 1, … — each block
@@ -188,6 +198,11 @@ class EvictionPolicy:
         node.pins -= 1
         if node.pins == 0:
             self._prot_down(node)
+
+    def unpin_all(self, keys: Iterable[Hashable]) -> None:
+        """``unpin(key)`` for each key, in order (a request releasing the blocks it held)."""
+        for key in keys:
+            self.unpin(key)
 
     def victims(self, need_bytes: int, incoming: Hashable | None = None) -> list[Hashable]:
         """Evict until ``need_bytes`` more fit; return the evicted keys (leaves first).
@@ -346,12 +361,18 @@ class PriorityPolicy(EvictionPolicy):
         # place_pinned's eviction loop inline, while victims, admit and the pinned insert are this base's own
         self._fused_place = (self._fused_pinned_insert and cls.victims is EvictionPolicy.victims and cls.admit is EvictionPolicy.admit
                              and cls.insert_pinned is PriorityPolicy.insert_pinned and cls._remove is EvictionPolicy._remove)
+        self._fused_unpin = (cls.unpin is EvictionPolicy.unpin and cls._prot_down is EvictionPolicy._prot_down
+                             and cls._candidate is PriorityPolicy._candidate)
         # place_pinned_chain with every call inline, while the calls it stands for are this base's own
         self._fused_chain = (self._fused_place and cls.place_pinned is PriorityPolicy.place_pinned and cls._new_node is EvictionPolicy._new_node)
 
     def place_pinned(self, key: Hashable, size: int, parent: Hashable | None = None) -> bool:
         if not self._fused_place or type(size) is not int or size < 0:
             return super().place_pinned(key, size, parent)
+        if parent is not None:
+            p = self.nodes.get(parent)
+            if p is not None and p.prot == 0:  # an unprotected parent is held while room is made: the base does that
+                return super().place_pinned(key, size, parent)
         self._incoming = key
         limit = self.capacity_bytes - size
         if self.used_bytes > limit:  # victims(size, key), inline
@@ -391,8 +412,14 @@ class PriorityPolicy(EvictionPolicy):
             if key in nodes:
                 return j
             parent = keys[j - 1] if j else None
-            if parent is not None and parent not in nodes:
-                return j
+            if parent is not None:
+                p = nodes.get(parent)
+                if p is None:
+                    return j
+                if p.prot == 0:  # the run's first parent, unprotected: held while room is made, by the base's place_pinned
+                    if not EvictionPolicy.place_pinned(self, key, size, parent):
+                        return j
+                    continue
             self._incoming = key
             if self.used_bytes > limit:  # victims(size, key), inline
                 if self.used_bytes - limit > self.used_bytes - self.protected_bytes:
@@ -411,12 +438,8 @@ class PriorityPolicy(EvictionPolicy):
                             push(p)
                     forget(node)
                     self.evictions += 1
-            # insert_pinned(key, size, parent), with _new_node inline
-            p = None
-            if parent is not None:
-                p = nodes.get(parent)
-                if p is None:  # evicted just now to make room for its child
-                    raise ConfigError("parent", f"{parent!r} is not resident: the resident set must stay prefix-closed")
+            # insert_pinned(key, size, parent), with _new_node inline (a protected parent is never a victim)
+            p = nodes[parent] if parent is not None else None
             node = Node(key, size, p, next(seq), now_s())
             nodes[key] = node
             self.used_bytes += size
@@ -433,6 +456,31 @@ class PriorityPolicy(EvictionPolicy):
             if p is not None:
                 prot_up(p)
         return end
+
+    def unpin_all(self, keys: Iterable[Hashable]) -> None:
+        """The base's ``unpin`` of each key with ``_prot_down`` and ``_candidate`` inline, while all three are the base's."""
+        if not self._fused_unpin:
+            super().unpin_all(keys)
+            return
+        nodes = self.nodes
+        push = self._push
+        for key in keys:
+            node = nodes.get(key)
+            if node is None or node.pins == 0:
+                raise ConfigError("key", f"{key!r} is not pinned")
+            node.pins -= 1
+            if node.pins:
+                continue
+            n: Node | None = node
+            while n is not None:  # _prot_down(node)
+                n.prot -= 1
+                if n.prot != 0:
+                    break
+                self.protected_bytes -= n.size
+                if n.children == 0:
+                    self._n_candidates += 1  # _candidate(n, True)
+                    push(n)
+                n = n.parent
 
     def insert_pinned(self, key: Hashable, size: int, parent: Hashable | None = None) -> None:
         if not self._fused_pinned_insert:

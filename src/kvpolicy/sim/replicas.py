@@ -129,9 +129,7 @@ class Replicas(ComputeWhileLoading):
             j = stop
 
     def _unpin(self, rep: _Replica, req: _Req) -> None:
-        cache = rep.cache
-        for key in req.pinned:
-            cache.unpin(key)
+        rep.cache.unpin_all(req.pinned)
         req.pinned = []
 
     def _enqueue(self, rep: _Replica, req: _Req, t: float, reused_blocks: int) -> None:
