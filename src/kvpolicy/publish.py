@@ -107,13 +107,13 @@ class PublishRequest:
             raise ConfigError("write_path_utilisation", f"must be in [0, 1] or None, got {u!r}")
         for name, least in (("num_tokens", 0), ("block_size_tokens", 1), ("reused_blocks", 0)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < least:  # numpy ints from an engine are ints
+            if type(v) is not int and (isinstance(v, bool) or not isinstance(v, numbers.Integral)) or v < least:  # numpy ints are ints
                 raise ConfigError(name, f"must be an int >= {least}, got {v!r}")
         lb = self.local_blocks
-        if lb is not None and (isinstance(lb, bool) or not isinstance(lb, numbers.Integral) or not 0 <= lb <= self.reused_blocks):
+        if lb is not None and (type(lb) is not int and (isinstance(lb, bool) or not isinstance(lb, numbers.Integral)) or not 0 <= lb <= self.reused_blocks):
             raise ConfigError("local_blocks", f"must be an int in [0, reused_blocks={self.reused_blocks}] or None, got {lb!r}")
         t = self.time_s
-        if t is not None and (isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t)):
+        if t is not None and (type(t) is not float and (isinstance(t, bool) or not isinstance(t, numbers.Real)) or not math.isfinite(t)):
             raise ConfigError("time_s", f"must be a finite number of seconds or None, got {t!r}")
         if self.data_class not in DATA_CLASSES:
             raise ConfigError("data_class", f"must be one of {DATA_CLASSES}, got {self.data_class!r}")
