@@ -361,6 +361,9 @@ class PriorityPolicy(EvictionPolicy):
         # place_pinned's eviction loop inline, while victims, admit and the pinned insert are this base's own
         self._fused_place = (self._fused_pinned_insert and cls.victims is EvictionPolicy.victims and cls.admit is EvictionPolicy.admit
                              and cls.insert_pinned is PriorityPolicy.insert_pinned and cls._remove is EvictionPolicy._remove)
+        # the base's _choose returns the node whose entry tops the heap: an inline eviction loop that removes it can
+        # pop that entry at once instead of meeting it again as a stale one
+        self._pop_chosen = cls._choose is PriorityPolicy._choose
         self._fused_unpin = (cls.unpin is EvictionPolicy.unpin and cls._prot_down is EvictionPolicy._prot_down
                              and cls._candidate is PriorityPolicy._candidate)
         # place_pinned_chain with every call inline, while the calls it stands for are this base's own
@@ -381,6 +384,8 @@ class PriorityPolicy(EvictionPolicy):
             nodes = self.nodes
             while self.used_bytes > limit:
                 node = self._choose()
+                if self._pop_chosen:  # its heap entry is on top, and goes stale now: drop it at once
+                    heapq.heappop(self._heap)
                 # _remove(node), inline: _candidate(node, False), then its parent may become a candidate
                 self._n_candidates -= 1
                 node.version += 1
@@ -406,6 +411,7 @@ class PriorityPolicy(EvictionPolicy):
         nodes = self.nodes
         limit = self.capacity_bytes - size
         choose, push, forget, admit, prot_up = self._choose, self._push, self._forget, self._admit, self._prot_up
+        pop_chosen, heappop = self._pop_chosen, heapq.heappop
         seq, now_s = self._seq, self.clock.now_s
         for j in range(start, end):
             key = keys[j]
@@ -426,6 +432,8 @@ class PriorityPolicy(EvictionPolicy):
                     return j  # pinned blocks leave no room: nothing evicted
                 while self.used_bytes > limit:
                     node = choose()
+                    if pop_chosen:  # as in place_pinned
+                        heappop(self._heap)  # (not a local: _push may compact it into a new list)
                     self._n_candidates -= 1  # _remove(node), inline, as in place_pinned
                     node.version += 1
                     del nodes[node.key]
