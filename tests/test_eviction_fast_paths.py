@@ -316,3 +316,36 @@ def test_a_parent_is_never_evicted_to_make_room_for_its_own_child(name, chained)
     if place(p, ["a", "b", "c"], 2):  # a policy may also refuse (admit)
         assert set(p.nodes) == {"a", "b", "c"} and p.nodes["c"].pins == 1 and p.nodes["b"].pins == 0
     p.check()
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("how", ["place_pinned", "place_pinned_chain"])
+def test_the_fast_paths_evict_a_full_cache_of_candidates_in_the_plain_order(name, how):
+    """Many candidates at once, the case random ops rarely build: six unpinned blocks (two chains and two roots, used
+    at different times), then six placements — each evicts one, in the order victims() would take them."""
+    def fill(p):
+        for keys in (["a", "a1"], ["b"], ["c", "c1"], ["d"]):
+            p.clock.advance(1.0)
+            assert p.place_pinned_chain(keys, 0, len(keys), 8) == len(keys)
+        for k in ("c", "a", "b", "a1", "d", "c1"):
+            p.unpin(k)
+        p.clock.advance(1.0)
+        p.on_access("b")
+
+    fast, plain = (make_policy(name, 6 * 8, clock=ManualClock()) for _ in range(2))
+    fill(fast)
+    fill(plain)
+    got, want = [], []
+    for i in range(6):
+        fast.clock.advance(1.0)
+        plain.clock.advance(1.0)
+        before = set(fast.nodes)
+        if how == "place_pinned":
+            assert fast.place_pinned(f"n{i}", 8)
+        else:
+            assert fast.place_pinned_chain([f"n{i}"], 0, 1, 8) == 1
+        got.append(tuple(sorted(before - set(fast.nodes))))
+        want.append(tuple(plain.victims(8, f"n{i}")))
+        plain.insert_pinned(f"n{i}", 8)
+    assert got == want
+    fast.check()
