@@ -300,6 +300,7 @@ def test_shipped_trace_is_the_mooncake_conversation_trace():
     ("seed", "x"), ("seed", -1),  # numpy refused it later, inside generate()
     ("n_requests", 2.5), ("rate_per_s", float("nan")), ("rate_per_s", float("inf")),
     ("user_tokens", (20.5, 400)), ("turns_mean", {"chat": 0.5}), ("turns_mean", {"chats": 4.0}),  # a misspelt kind was ignored
+    ("doc_zipf", 0.8), ("doc_zipf", 1.0), ("doc_zipf", float("inf")),  # numpy's zipf refused it inside generate(), a RAG request later
 ])
 def test_synthetic_spec_refuses_bad_fields_by_name(field, bad):
     from kvpolicy.traces.synthetic import SyntheticSpec
@@ -307,6 +308,11 @@ def test_synthetic_spec_refuses_bad_fields_by_name(field, bad):
     with pytest.raises(ConfigError) as e:
         SyntheticSpec(**{field: bad})
     assert e.value.field == field
+
+
+def test_a_zipf_exponent_just_above_one_still_generates():
+    tr = generate(preset("rag", n_requests=30, doc_zipf=1.01, seed=2))
+    assert len(tr) == 30
 
 
 def test_turns_mean_overrides_only_the_kinds_it_names():

@@ -49,6 +49,12 @@ def _turns(v: Any) -> Any:
 DECODE_S_PER_TOKEN = 0.02
 
 
+def _zipf_exponent(inst: Any, a: attrs.Attribute, v: Any) -> None:
+    """A Zipf law over documents needs an exponent above 1 (at 1 or below its sum diverges: numpy refuses to draw it)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 1:
+        raise ConfigError(a.name, f"must be a finite number > 1 (a Zipf exponent), got {v!r}")
+
+
 def _range(inst: Any, a: attrs.Attribute, v: Any) -> None:
     if not (isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in v) and 0 <= v[0] <= v[1]):
         raise ConfigError(a.name, f"must be a (min, max) pair of ints with 0 <= min <= max, got {v!r}")
@@ -68,7 +74,7 @@ class SyntheticSpec:
     system_prompt_tokens: tuple[int, int] = attrs.field(default=(500, 3000), validator=_range)
     tool_tokens: tuple[int, int] = attrs.field(default=(2000, 6000), validator=_range)
     n_docs: int = attrs.field(default=2000, validator=_pos_int)
-    doc_zipf: float = attrs.field(default=1.1, validator=_pos)
+    doc_zipf: float = attrs.field(default=1.1, validator=_zipf_exponent)
     doc_tokens: tuple[int, int] = attrs.field(default=(300, 2500), validator=_range)
     docs_per_request: tuple[int, int] = attrs.field(default=(1, 4), validator=_range)
     turns_mean: dict[str, float] = attrs.field(factory=lambda: dict(TURNS_MEAN), converter=_turns)
