@@ -150,21 +150,71 @@ def _duel(cands, cap, **kw):
                           pool_capacity_blocks=cap, candidates=cands, **kw)
 
 
-def test_the_ghost_scores_are_the_served_recompute_seconds_less_the_writes_worked_by_hand():
-    """Each block served from a ghost earns recompute_s (0.01 s here); each block written costs its link time (0.004 s)."""
+def test_the_ghost_scores_are_the_briefs_e_benefit_worked_by_hand():
+    """The brief's terms, by default: a block served from a ghost saves its recompute less its load (0.01 − 0.004 s
+    here: the read path runs at the write's rate); a block written costs its link time (0.004 s) until its first read
+    pays that back — P_write is publishing blocks nobody read."""
     f = _duel(("all", "threshold-2"), cap=10)
+    keys = ["a", "b", "c"]
+    for i, t in ((1, 0.0), (2, 1.0), (3, 2.0)):
+        r = _req(i, 3, t)
+        f.observe(r, keys)
+        f.publishable(r, keys)
+    d = math.exp(-math.log(2) / 600.0)  # one second of the 600 s half-life
+    # all: wrote 3 at request 1 (-0.012); served 3 at request 2 (+0.018) and their first reads paid their writes back
+    # (+0.012); served 3 again at request 3 (+0.018), nothing more paid back
+    assert f.scores[0] == pytest.approx(((-0.012 * d) + 0.018 + 0.012) * d + 0.018)
+    # threshold-2: request 2 writes 3 (its count reached 2); request 3 reads them: +0.018, and 0.012 back
+    assert f.scores[1] == pytest.approx(-0.012 * d + 0.018 + 0.012)
+    assert f.written_blocks == [3, 3] and f.served_s == pytest.approx([0.036, 0.018])
+    assert f.leader_name == "all"
+    assert list(f.ghosts[0].values()) == [True, True, True], "read since written"
+
+
+def test_the_gpu_seconds_score_worked_by_hand():
+    """score="gpu_s" (the spec dueling-gpu-s): a hit earns its whole recompute_s (0.01 s), every write costs 0.004 s,
+    read or not."""
+    f = _duel(("all", "threshold-2"), cap=10, score="gpu_s")
     keys = ["a", "b", "c"]
     for i, t in ((1, 0.0), (2, 1.0)):
         r = _req(i, 3, t)
         f.observe(r, keys)
         f.publishable(r, keys)
-    decay = math.exp(-math.log(2) / 600.0)  # one second of the 600 s half-life
-    # all: wrote 3 at request 1 (-0.012), decayed, then served 3 at request 2 (+0.03)
+    decay = math.exp(-math.log(2) / 600.0)
     assert f.scores[0] == pytest.approx(-0.012 * decay + 0.03)
-    # threshold-2: nothing at request 1; request 2 finds nothing, then writes 3 (its count reached 2)
     assert f.scores[1] == pytest.approx(-0.012)
     assert f.written_blocks == [3, 3] and f.served_s == pytest.approx([0.03, 0.0])
-    assert f.leader_name == "all"
+    g = make_filter("dueling-gpu-s", block_bytes=BLOCK_BYTES, recompute_s=lambda d: 0.01)
+    assert g.score == "gpu_s" and make_filter("dueling", block_bytes=BLOCK_BYTES, recompute_s=lambda d: 0.01).score == "e_benefit"
+
+
+def test_a_hit_is_worth_nothing_when_its_load_is_slower_than_its_recompute():
+    """read_bytes_per_s slow enough that a block loads in 0.02 s, slower than its 0.01 s recompute: a ghost hit saves
+    nothing (the admission controller would recompute it), and its write is still paid back by the read."""
+    f = _duel(("all",), cap=10, read_bytes_per_s=BLOCK_BYTES / 0.02)
+    for i in (1, 2):
+        r = _req(i, 2, float(i))
+        f.observe(r, ["a", "b"])
+        f.publishable(r, ["a", "b"])
+    assert f.served_s == [0.0]
+    assert f.scores[0] == pytest.approx(-0.008 * math.exp(-math.log(2) / 600.0) + 0.008)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 12), min_size=1, max_size=6, unique=True), st.integers(0, 3)), min_size=1, max_size=40))
+def test_every_written_block_is_paid_back_at_most_once(reqs):
+    """Undecayed (a half-life far longer than the stream), score = served − write cost × written + write cost × first
+    reads: every block the ghost holds as read was paid back, none it holds as unread was, and none twice."""
+    f = _duel(("all", "threshold-2"), cap=5, half_life_s=1e12)
+    for i, (keys, local) in enumerate(reqs):
+        r = _req(i, len(keys), float(i), local=min(local, len(keys)))
+        f.observe(r, keys)
+        f.publishable(r, keys)
+    for c, ghost in enumerate(f.ghosts):
+        paid_back = (f.scores[c] - f.served_s[c] + f.written_blocks[c] * f.write_cost_s) / f.write_cost_s  # first reads
+        read = sum(1 for v in ghost.values() if v)
+        unread = len(ghost) - read
+        assert read - 1e-6 <= paid_back <= f.written_blocks[c] - unread + 1e-6, (read, paid_back, f.written_blocks[c], unread)
 
 
 def test_a_ghost_is_an_lru_of_the_pools_size_that_reads_refresh():
@@ -176,7 +226,7 @@ def test_a_ghost_is_an_lru_of_the_pools_size_that_reads_refresh():
         if i != 2:  # the read alone refreshes a (request 2 publishes nothing: an engine that observes and stops there)
             f.publishable(r, keys)
     assert list(f.ghosts[0]) == ["a", "c"]
-    assert f.written_blocks == [3] and f.served_s == [pytest.approx(0.01)]
+    assert f.written_blocks == [3] and f.served_s == [pytest.approx(0.01 - f.load_s)]
 
 
 def test_a_local_run_is_not_a_pool_read_in_the_ghosts():
@@ -186,7 +236,7 @@ def test_a_local_run_is_not_a_pool_read_in_the_ghosts():
     f.publishable(r, ["a", "b", "c"])
     r2 = _req(2, 3, 0.0, local=2)  # the replica held a, b itself: only c came from the pool
     f.observe(r2, ["a", "b", "c"])
-    assert f.served_s == [pytest.approx(0.01)]
+    assert f.served_s == [pytest.approx(0.01 - f.load_s)]
 
 
 def _continuation_stream(n):
@@ -224,7 +274,8 @@ def test_the_dueling_selector_converges_to_the_rule_that_wins_each_stream(stream
 def test_dueling_is_built_by_name_and_refuses_what_cannot_be():
     f = make_filter("dueling", block_bytes=BLOCK_BYTES, recompute_s=lambda d: 0.01, pool_capacity_blocks=100, write_bytes_per_s=5e9)
     assert isinstance(f, DuelingPublish) and f.capacity == 100 and f.candidates == DuelingPublish.CANDIDATES
-    for kw, field in ((dict(candidates=()), "candidates"), (dict(candidates=("dueling",)), "candidates"), (dict(candidates="all"), "candidates"),
+    for kw, field in ((dict(candidates=()), "candidates"), (dict(candidates=("dueling",)), "candidates"), (dict(candidates=("dueling-gpu-s",)), "candidates"),
+                      (dict(candidates="all"), "candidates"), (dict(score="latency"), "score"), (dict(read_bytes_per_s=0), "read_bytes_per_s"),
                       (dict(pool_capacity_blocks=0), "pool_capacity_blocks"), (dict(half_life_s=float("nan")), "half_life_s")):
         with pytest.raises(ConfigError, match=field):
             DuelingPublish(block_bytes=BLOCK_BYTES, recompute_s=lambda d: 0.01, **kw)

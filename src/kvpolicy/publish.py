@@ -652,17 +652,24 @@ class DuelingPublish:
 
     Each ghost holds keys only, as many as the real pool holds blocks (``pool_capacity_blocks``; None: unbounded),
     least recently used first — the same shape as the pool, so a rule that writes too much evicts its own re-reads.
-    Per request, in each ghost::
+    Per request, in each ghost, the brief's E[benefit] terms as the ledger counts them::
 
-        served_s  = Σ recompute_s(j) over the leading run of keys[L:] the ghost holds   (L: the replica's own blocks)
-        written   = the blocks the rule publishes that the ghost did not hold
-        score    += served_s − written × block_bytes × write_cost_s_per_byte
+        served_s  = Σ max(recompute_s(j) − load_s, 0) over the leading run of keys[L:] the ghost holds
+                    (L: the replica's own blocks; load_s = block_bytes / read_bytes_per_s: a hit saves
+                    T_recompute − T_remote, not the whole recompute)
+        unread    = the blocks the rule published that no request has read yet (P_write: publishing blocks nobody
+                    read — a written block is charged ``block_bytes / write_bytes_per_s`` when it is written, and
+                    that charge is taken back at its first read)
+        score    += served_s − new writes × write cost + first reads × write cost
 
-    the brief's E[benefit] per rule, with P_write priced as the ledger prices it (a written byte costs its link
-    time, ``1 / write_bytes_per_s``) and P_eviction paid in the ghost's lost re-reads. Scores decay with half-life
-    ``half_life_s`` (what is true now counts). The candidates (default: ``structure-aware`` — kvpolicy's value rule
-    —, ``threshold-3``, ``threshold-2``, ``all``) are any publish specs; ties go to the earlier one. Every candidate
-    observes every request, so the one that takes over has learned all along.
+    P_eviction is paid in the ghost's lost re-reads. Scores decay with half-life ``half_life_s`` (what is true now
+    counts). The candidates (default: ``structure-aware`` — kvpolicy's value rule —, ``threshold-3``, ``threshold-2``,
+    ``all``) are any publish specs; ties go to the earlier one. Every candidate observes every request, so the one
+    that takes over has learned all along. ``read_bytes_per_s``: the read path's rate (default: the write's).
+
+    ``score="gpu_s"`` scores in GPU seconds instead (the rule before issue #44's second round): a hit is worth its
+    whole ``recompute_s(j)`` and every written block is charged, read or not. Where a load costs a sizeable share of a
+    recompute it ranks a rule that writes more higher (measured: docs/publish.md).
 
     ``recompute_s`` is a pure function of the depth: its values are remembered. Count thresholds among the candidates
     share one count (it does not depend on k).
@@ -673,21 +680,29 @@ class DuelingPublish:
 
     name = "dueling"
     CANDIDATES = ("structure-aware", "threshold-3", "threshold-2", "all")
+    #: "e_benefit": the brief's terms (a hit saves recompute − load; unread writes are charged); "gpu_s": hits at their
+    #: whole recompute seconds, every write charged
+    SCORES = ("e_benefit", "gpu_s")
 
     def __init__(self, *, block_bytes: int, recompute_s: Callable[[int], float], write_bytes_per_s: float = 12.5e9,
                  pool_capacity_blocks: int | None = None, candidates: Sequence[str] = CANDIDATES, half_life_s: float = 600.0,
-                 cross_replica_share: float = 0.875) -> None:
+                 cross_replica_share: float = 0.875, read_bytes_per_s: float | None = None, score: str = "e_benefit") -> None:
         check_positive_int("block_bytes", block_bytes)
         if not callable(recompute_s):
             raise ConfigError("recompute_s", f"must be a callable depth -> seconds, got {recompute_s!r}")
         check_positive_number("write_bytes_per_s", write_bytes_per_s)
+        if read_bytes_per_s is not None:
+            check_positive_number("read_bytes_per_s", read_bytes_per_s)
+        if score not in self.SCORES:
+            raise ConfigError("score", f"must be one of {', '.join(self.SCORES)}, got {score!r}")
+        self.score = score
         if pool_capacity_blocks is not None:
             check_positive_int("pool_capacity_blocks", pool_capacity_blocks)
         check_positive_number("half_life_s", half_life_s)
         if isinstance(candidates, str) or not candidates:
             raise ConfigError("candidates", f"must be a non-empty list of publish specs, got {candidates!r}")
         for spec in candidates:
-            if not isinstance(spec, str) or "dueling" in check_spec(spec):
+            if not isinstance(spec, str) or any(p in ("dueling", "dueling-gpu-s") for p in check_spec(spec)):
                 raise ConfigError("candidates", f"{spec!r}: a candidate is a publish spec other than dueling")
         kw = {"block_bytes": block_bytes, "recompute_s": recompute_s, "write_bytes_per_s": write_bytes_per_s,
               "cross_replica_share": cross_replica_share}
@@ -705,12 +720,17 @@ class DuelingPublish:
                     continue
             self._observers.append(rule)
         self.recompute_s = recompute_s
-        self._rs_memo: list[float] = []  # recompute_s(j) by depth j, as asked: a pure function of the depth
-        self.write_cost_s = block_bytes / write_bytes_per_s  # per block written: the ledger's P_write price
+        #: what a hit at depth j saves, max(recompute_s(j) − load_s, 0), by depth as asked (recompute_s is pure)
+        self._rs_memo: list[float] = []
+        self.write_cost_s = block_bytes / write_bytes_per_s  # per block written and never read: the ledger's P_write price
+        self.load_s = block_bytes / (read_bytes_per_s if read_bytes_per_s is not None else write_bytes_per_s)  # per block read
+        if score == "gpu_s":
+            self.load_s = 0.0
         self.capacity = pool_capacity_blocks
         self.half_life_s = half_life_s
         self._lam = math.log(2) / half_life_s
-        self.ghosts: list[OrderedDict[Hashable, None]] = [OrderedDict() for _ in self.candidates]
+        #: per candidate: key -> read since it was written, least recently used first
+        self.ghosts: list[OrderedDict[Hashable, bool]] = [OrderedDict() for _ in self.candidates]
         self.scores = [0.0] * len(self.candidates)
         self.served_s = [0.0] * len(self.candidates)  # undecayed totals, for reports
         self.written_blocks = [0] * len(self.candidates)
@@ -747,16 +767,22 @@ class DuelingPublish:
             L = request.local_blocks or 0
             rs = self._rs_memo
             while len(rs) < len(keys):
-                rs.append(self.recompute_s(len(rs)))
+                rs.append(max(self.recompute_s(len(rs)) - self.load_s, 0.0))
+            cost = self.write_cost_s if self.score == "e_benefit" else 0.0  # what a first read pays back
             for c, ghost in enumerate(self.ghosts):
                 served = 0.0
+                first_reads = 0
                 for j in range(L, len(keys)):
                     key = keys[j]
-                    if key not in ghost:
+                    was_read = ghost.get(key)
+                    if was_read is None:
                         break
+                    if not was_read:
+                        ghost[key] = True  # its write is paid back: it was read
+                        first_reads += 1
                     ghost.move_to_end(key)
                     served += rs[j]
-                self.scores[c] += served
+                self.scores[c] += served + first_reads * cost
                 self.served_s[c] += served
         for rule in self._observers:
             rule.observe(request, keys)
@@ -772,7 +798,7 @@ class DuelingPublish:
                     if key in ghost:
                         ghost.move_to_end(key)
                         continue
-                    ghost[key] = None
+                    ghost[key] = False  # written, not read yet
                     wrote += 1
                     if cap is not None and len(ghost) > cap:
                         ghost.popitem(last=False)
@@ -854,7 +880,7 @@ def _find_values(f: Any, request: PublishRequest, keys: Sequence[Hashable]) -> l
     return None
 
 
-_NAMES = ("all", "never", "boundary", "reuse-aware", "structure-aware", "dueling")
+_NAMES = ("all", "never", "boundary", "reuse-aware", "structure-aware", "dueling", "dueling-gpu-s")
 _OWN_USAGE = "a PublishFilter class (or factory), built with the keywords it takes of block_bytes, recompute_s, ..."
 
 
@@ -903,8 +929,8 @@ def make_filter(spec: str, **kw: Any) -> Any:
         return ThresholdPublish(int(name.split("-", 1)[1]))
     if name == "reuse-aware":
         return ReuseAwarePublish(**_taken(ReuseAwarePublish, kw))
-    if name == "dueling":
-        return DuelingPublish(**_taken(DuelingPublish, kw))
+    if name in ("dueling", "dueling-gpu-s"):
+        return DuelingPublish(**{**_taken(DuelingPublish, kw), "score": "gpu_s" if name == "dueling-gpu-s" else "e_benefit"})
     return StructureAwarePublish(**_taken(StructureAwarePublish, kw))
 
 

@@ -8,6 +8,7 @@ beat its victim, and the rest travel as write flows; a write that lands evicts w
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..errors import CapacityError
@@ -59,9 +60,11 @@ class Pool(Transfers):
         n = len(self.replicas)
         cross = (n - 1) / n if self.c.router not in ("prefix-affinity", "kv-overlap") else 0.1
         pool_blocks = self.c.storage_nodes * (self.c.pool_capacity_bytes_per_node // self.block_bytes)
-        return make_filter(spec, block_bytes=self.block_bytes, recompute_s=block_recompute_s(self.c.prefill, self.B),
-                           write_bytes_per_s=max(self.c.node_bandwidth_bytes_per_s, 1e-3), cross_replica_share=cross,
-                           pool_capacity_blocks=max(pool_blocks, 1))
+        c = self.c
+        read_bw = min(c.node_bandwidth_bytes_per_s, c.replica_bandwidth_bytes_per_s, c.stage_bytes_per_s or math.inf)  # the read path's slowest link
+        return make_filter(spec, block_bytes=self.block_bytes, recompute_s=block_recompute_s(c.prefill, self.B),
+                           write_bytes_per_s=max(c.node_bandwidth_bytes_per_s, 1e-3), read_bytes_per_s=max(read_bw, 1e-3),
+                           cross_replica_share=cross, pool_capacity_blocks=max(pool_blocks, 1))
 
     def seed_pool(self, chains: Any) -> int:
         """Start with the pool already holding these key chains (a shared cache filled earlier,
