@@ -12,7 +12,7 @@ from kvpolicy.errors import ConfigError
 from kvpolicy.eviction.replay import make_policy
 from kvpolicy.matching import PrefixMatch
 from kvpolicy.profile import PrefillModel
-from kvpolicy.publish import DuelingPublish, PublishRequest, make_filter
+from kvpolicy.publish import DuelingPublish, PublishRequest, StructureAwarePublish, make_filter
 from kvpolicy.write_admission import FrequencySketch, WriteAdmission, gate
 
 B = 16
@@ -215,6 +215,32 @@ def test_every_written_block_is_paid_back_at_most_once(reqs):
         read = sum(1 for v in ghost.values() if v)
         unread = len(ghost) - read
         assert read - 1e-6 <= paid_back <= f.written_blocks[c] - unread + 1e-6, (read, paid_back, f.written_blocks[c], unread)
+
+
+def test_scores_decay_with_their_half_life_and_every_request_is_decided_once():
+    """Two seconds apart, a score decays by 2^(-2/600); each request counts once for the candidate that decided it."""
+    f = _duel(("all", "threshold-2"), cap=10)
+    for i, t in ((1, 0.0), (2, 2.0)):
+        r = _req(i, 3, t)
+        f.observe(r, ["a", "b", "c"])
+        f.publishable(r, ["a", "b", "c"])
+    # all: -0.012 at t=0 (its three writes), decayed over 2 s, then three hits (+0.018) and their writes paid back
+    assert f.scores[0] == pytest.approx(-0.012 * 2 ** (-2 / 600) + 0.018 + 0.012, rel=1e-12)
+    # request 1: all has just paid for its writes, threshold-2 leads; request 2: all leads
+    assert f.decided == [1, 1] and sum(f.report()[c]["decided_requests"] for c in f.candidates) == 2
+
+
+def test_a_shared_threshold_count_leaves_every_later_candidate_observing():
+    """threshold-3 and threshold-2 share one count; a candidate after them (structure-aware here) still observes every
+    request — it publishes at the second sighting, as one built alone does."""
+    f = _duel(("threshold-3", "threshold-2", "structure-aware"), cap=10)
+    alone = StructureAwarePublish()
+    for i in range(3):
+        r = _req(i, 2, float(i))
+        f.observe(r, ["a", "b"])
+        alone.observe(r, ["a", "b"])
+        assert f.rules[2].publishable(r, ["a", "b"]) == alone.publishable(r, ["a", "b"])
+    assert f.rules[2]._seen.keys() == alone._seen.keys() == {"a", "b"}
 
 
 def test_a_ghost_is_an_lru_of_the_pools_size_that_reads_refresh():

@@ -644,3 +644,42 @@ def test_dedup_counts_each_request_block_pair_once():
     assert d.new_keys("r1", [1, 4, 2, 5, 4]) == [4, 5], "a second look: only what it had not seen"
     assert d.new_keys("r2", []) == [] and d.new_keys("r3", [1]) == [1]
     assert d.new_keys("r1", [1]) == [1], "r1 is forgotten: only the newest 2 requests are kept"
+
+
+def test_write_budget_refills_at_its_rate():
+    """Emptied at t=0, a 10 B/s bucket of 5-byte blocks holds two blocks' worth 1 s later, and never more than its burst."""
+    wb = WriteBudget(PublishAll(), bytes_per_s=10.0, burst_bytes=20.0, block_bytes=5)
+    assert wb.publishable(req(0, 8, t=0.0), list(range(8))) == 4, "the burst: 20 bytes"
+    assert wb.publishable(req(1, 8, t=1.0), list(range(8))) == 2, "10 bytes refilled in a second"
+    assert wb.publishable(req(2, 8, t=100.0), list(range(8))) == 4, "never past the burst"
+
+
+def test_two_requests_at_one_instant_count_a_shared_block_twice_exactly():
+    """A block seen by two requests at the same time has ĉ = 2 exactly (no decay over no time)."""
+    f = StructureAwarePublish()
+    for i in (1, 2):
+        f.observe(req(i, 2, 5.0), ["a", "b"])
+    assert f._seen["a"].real == 2.0 and f._seen["a"].imag == 5.0
+    f.observe(req(3, 2, 5.5), ["a", "b"])  # half a second later: decayed over that half second, then one more
+    assert f._seen["a"].real == 2.0 * math.exp(-f._lam * 0.5) + 1.0
+
+
+@pytest.mark.parametrize("build, field", [
+    (lambda: ThresholdPublish(0), "k"), (lambda: ThresholdPublish(True), "k"), (lambda: ThresholdPublish("2"), "k"),
+    (lambda: reuse_aware(eviction_s=-1.0), "eviction_s"),
+])
+def test_filters_refuse_bad_knobs_by_name(build, field):
+    with pytest.raises(ConfigError) as e:
+        build()
+    assert e.value.field == field
+
+
+def test_keys_must_be_a_sequence():
+    class IndexOnly:  # indexable, but no length
+        def __getitem__(self, i):
+            return "abc"[i]
+
+    for bad in ((k for k in "abc"), IndexOnly(), "abc"):
+        with pytest.raises(ConfigError, match="keys"):
+            PublishAll().publishable(req(1, 3), bad)
+    assert PublishAll().publishable(req(1, 3), ("a", "b", "c")) == 3, "a tuple is a sequence"
