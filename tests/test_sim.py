@@ -54,6 +54,25 @@ def check_conservation(res, trace):
     assert led.flows["read"].total + res.warmup_bytes == res.bytes_read
 
 
+def check_released(sim):
+    """Once every request has finished, nothing is held: no local block pinned, no pool block leased."""
+    for rep in sim.replicas:
+        assert rep.cache.protected_bytes == 0 and not any(n.pins for n in rep.cache.nodes.values()), f"{rep.name} still pins blocks"
+        rep.cache.check()
+    for node in sim.nodes:
+        assert node.policy.protected_bytes == 0, f"{node.name} still leases blocks"
+
+
+@pytest.mark.parametrize("name", ["kvpolicy", "vllm-like", "sglang-like", "oracle"])
+def test_every_pin_and_lease_is_released_when_the_requests_are_done(trace, prepared, name):
+    """Busy replicas (one prefill slot, a small local cache, requests arriving together) so that a request finds some of
+    the blocks it computed already cached by another in flight — each of those is pinned once and released once."""
+    c = cluster(trace, prefill_slots=1, local_kv_gib=16 * 64 * BPT / 2**30)
+    sim = Simulator(prepared, c, policy_set(name), seed=1)
+    check_conservation(sim.run(), trace)
+    check_released(sim)
+
+
 @pytest.mark.parametrize("name", POLICY_SETS)
 def test_deterministic_for_a_seed(trace, prepared, name):
     c = cluster(trace, router="random")
@@ -210,8 +229,10 @@ def test_every_scenario_builds_on_any_trace(trace, scenario):
        slots=st.integers(1, 3), failure=st.sampled_from([0.0, 0.3]), hang=st.sampled_from([0.0, 0.2]), nodes=st.integers(1, 3))
 def test_conservation_property(trace, prepared, seed, router, name, slots, failure, hang, nodes):
     c = cluster(trace, router=router, prefill_slots=slots, failure_rate=failure, timeout_rate=hang, storage_nodes=nodes, transport_timeout_s=2.0)
-    res = run(prepared, c, name, seed=seed)
+    sim = Simulator(prepared, c, policy_set(name), seed=seed)
+    res = sim.run()
     check_conservation(res, trace)
+    check_released(sim)
     # the pool never holds more than its capacity, local caches never more than theirs
     assert res.ledger.tokens["remote_hit"] * BPT <= res.bytes_read
 

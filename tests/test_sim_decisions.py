@@ -621,3 +621,30 @@ def test_a_late_load_that_slows_after_the_check_is_raced_at_the_recompute_deadli
     whole = c.lookup_s + 0.032 + (K * BLOCK_BYTES - R * 0.0315) / (0.05 * R)  # waiting for every byte at 5 %
     deadline = c.dispatch_s + P.a_s + P.b_s_per_token * K * B  # t_recompute_only: the range recomputed on an idle replica
     assert deadline < res.ttft_s[3] < whole - 0.05, (res.ttft_s[3], deadline, whole)
+
+
+@pytest.mark.parametrize("name", ["lmcache-like", "kvpolicy"])
+def test_a_block_another_request_cached_meanwhile_is_pinned_by_both(name):
+    """Two requests for the same 4 blocks at the same instant on one replica with one prefill slot: the second found
+    nothing cached when it arrived, and by the end of its prefill the first has cached all four. It pins each of them
+    for its decode (a block in use is never evicted under it), once, and releases them when it is done."""
+    tr = tiny([[1, 2, 3, 4], [1, 2, 3, 4]], [0.0, 0.0], out=64)
+    c = cluster(tr, replicas=1, prefill_slots=1)
+    sim = Simulator(Prepared(tr), c, policy_set(name), seed=0)
+    held = []
+    decode_done = sim._decode_done
+
+    def at_decode_end(req, t):
+        cache = sim.replicas[0].cache
+        held.append((req.i, list(req.pinned), {k: cache.nodes[k].pins for k in (1, 2, 3, 4)}))
+        decode_done(req, t)
+
+    sim._decode_done = at_decode_end
+    handlers = sim._handlers
+    sim._handlers = lambda: tuple(at_decode_end if h == decode_done else h for h in handlers())
+    sim.run()
+    first, second = sorted(held)
+    assert first[1] == second[1] == [1, 2, 3, 4], "each request holds its four blocks, in chain order"
+    assert max(first[2].values()) <= 2 and min(second[2].values()) >= 1
+    cache = sim.replicas[0].cache
+    assert cache.protected_bytes == 0 and all(n.pins == 0 for n in cache.nodes.values())
