@@ -377,29 +377,38 @@ class PriorityPolicy(EvictionPolicy):
             if p is not None and p.prot == 0:  # an unprotected parent is held while room is made: the base does that
                 return super().place_pinned(key, size, parent)
         self._incoming = key
-        limit = self.capacity_bytes - size
-        if self.used_bytes > limit:  # victims(size, key), inline
-            if self.used_bytes - limit > self.used_bytes - self.protected_bytes:
-                return False  # pinned blocks leave no room: nothing evicted
-            nodes = self.nodes
-            while self.used_bytes > limit:
-                node = self._choose()
-                if self._pop_chosen:  # its heap entry is on top, and goes stale now: drop it at once
-                    heapq.heappop(self._heap)
-                # _remove(node), inline: _candidate(node, False), then its parent may become a candidate
-                self._n_candidates -= 1
-                node.version += 1
-                del nodes[node.key]
-                self.used_bytes -= node.size
-                p = node.parent
-                if p is not None:
-                    p.children -= 1
-                    if p.children == 0 and p.prot == 0:
-                        self._n_candidates += 1
-                        self._push(p)
-                self._forget(node)
-                self.evictions += 1
+        if not self._evict_to(self.capacity_bytes - size):
+            return False  # pinned blocks leave no room: nothing evicted
         self.insert_pinned(key, size, parent)
+        return True
+
+    def _evict_to(self, limit: int) -> bool:
+        """``victims``' loop, inline for the fused paths: evict until at most ``limit`` bytes are used; False, evicting
+        nothing, when pinned blocks make that impossible."""
+        used = self.used_bytes
+        if used <= limit:
+            return True
+        if used - limit > used - self.protected_bytes:
+            return False
+        nodes = self.nodes
+        heap_pop = self._pop_chosen
+        while self.used_bytes > limit:
+            node = self._choose()
+            if heap_pop:  # its heap entry is on top, and goes stale now: drop it at once
+                heapq.heappop(self._heap)
+            # _remove(node), inline: _candidate(node, False), then its parent may become a candidate
+            self._n_candidates -= 1
+            node.version += 1
+            del nodes[node.key]
+            self.used_bytes -= node.size
+            p = node.parent
+            if p is not None:
+                p.children -= 1
+                if p.children == 0 and p.prot == 0:
+                    self._n_candidates += 1
+                    self._push(p)
+            self._forget(node)
+            self.evictions += 1
         return True
 
     def place_pinned_chain(self, keys: Sequence[Hashable], start: int, end: int, size: int) -> int:
@@ -410,8 +419,7 @@ class PriorityPolicy(EvictionPolicy):
             return super().place_pinned_chain(keys, start, end, size)
         nodes = self.nodes
         limit = self.capacity_bytes - size
-        choose, push, forget, admit, prot_up = self._choose, self._push, self._forget, self._admit, self._prot_up
-        pop_chosen, heappop = self._pop_chosen, heapq.heappop
+        evict_to, admit, prot_up = self._evict_to, self._admit, self._prot_up
         seq, now_s = self._seq, self.clock.now_s
         for j in range(start, end):
             key = keys[j]
@@ -427,25 +435,8 @@ class PriorityPolicy(EvictionPolicy):
                         return j
                     continue
             self._incoming = key
-            if self.used_bytes > limit:  # victims(size, key), inline
-                if self.used_bytes - limit > self.used_bytes - self.protected_bytes:
-                    return j  # pinned blocks leave no room: nothing evicted
-                while self.used_bytes > limit:
-                    node = choose()
-                    if pop_chosen:  # as in place_pinned
-                        heappop(self._heap)  # (not a local: _push may compact it into a new list)
-                    self._n_candidates -= 1  # _remove(node), inline, as in place_pinned
-                    node.version += 1
-                    del nodes[node.key]
-                    self.used_bytes -= node.size
-                    p = node.parent
-                    if p is not None:
-                        p.children -= 1
-                        if p.children == 0 and p.prot == 0:
-                            self._n_candidates += 1
-                            push(p)
-                    forget(node)
-                    self.evictions += 1
+            if self.used_bytes > limit and not evict_to(limit):  # victims(size, key)
+                return j  # pinned blocks leave no room: nothing evicted
             # insert_pinned(key, size, parent), with _new_node inline (a protected parent is never a victim)
             p = nodes[parent] if parent is not None else None
             node = Node(key, size, p, next(seq), now_s())
