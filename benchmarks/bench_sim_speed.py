@@ -6,10 +6,10 @@ with every decision compared, and the cost curve over 1x, 4x and 16x the trace.
    code before the simulator was split into rooms and made faster). Each timed run is a fresh process (the trace read,
    one warm-up run on its first 500 requests, then the run), the versions alternating for ``--rounds`` rounds: the
    best of each version's runs is its speed (this machine's other tenants only ever slow a run down). This checkout
-   runs twice a round: with the publish selector the baseline had (``dueling-gpu-s``), whose reports (every figure of
+   runs twice a round: with the publish selector the baseline had (``dueling-gpu-s``) and no pulls, whose reports (every figure of
    the row, every request's TTFT, prefill seconds, queueing and route) must be identical to the baseline's — the same
-   decisions, faster — and with today's kvpolicy set (``dueling``, issue #44's second round), the speed the target is
-   judged on.
+   decisions, faster — and with today's kvpolicy set (``dueling``, issue #44's second round, and pulls from peers, its
+   third), the speed the target is judged on.
 2. The cost curve: the same run on time-shifted copies of the trace (copy k arrives k trace-spans later, its block ids
    renumbered so each copy is new traffic, as a longer day would be), at 1x, 4x and 16x, on the same cluster, each
    point a fresh process, ``--curve-rounds`` rounds, the best of each. Linear means wall = a + b x copies: the seconds
@@ -56,9 +56,9 @@ trace_path, copies, out, publish = sys.argv[1], int(sys.argv[2]), sys.argv[3], s
 tr = read_mooncake(trace_path)
 cl = default_cluster(tr, bytes_per_token=%d, prefill=DEFAULT_PREFILL)
 ps = policy_set("kvpolicy")
-if publish:
+if publish:  # the baseline's set: its publish selector, and no pulls from peers (issue #44's third round)
     import attrs
-    ps = attrs.evolve(ps, publish=publish)
+    ps = attrs.evolve(ps, publish=publish, pull_from_peers=False)
 Simulator(Prepared(tr.head(500)), cl, ps, seed=0).run()
 if copies > 1:  # the baseline's children run only the trace itself
     from bench_sim_speed import shifted_copies

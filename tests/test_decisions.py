@@ -3,6 +3,8 @@ or by an exhaustive reference written here, and fails when the decision changes.
 
 import math
 
+import attrs
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -295,6 +297,59 @@ def test_the_dueling_selector_converges_to_the_rule_that_wins_each_stream(stream
         decided.append(f.leader_name)
     assert f.leader_name == winner
     assert decided[-len(decided) // 4:].count(winner) == len(decided) // 4, "it stays with the winner once it has learned"
+
+
+def test_a_block_a_pull_serves_is_credited_to_no_rule_and_kept_as_read():
+    """peer_blocks = 2: after the replica's own blocks, the first 2 were held by a peer — a pull serves them whatever is
+    published. No ghost earns them; each ghost keeps them as the pull leaves them (written and read: no charge), so a
+    later read from the pool is credited as usual. The block after them is served from the ghost as before."""
+    f = _duel(("all", "threshold-2"), cap=10, half_life_s=1e12)
+    r1 = _req(1, 3, 0.0)
+    f.observe(r1, ["a", "b", "c"])
+    f.publishable(r1, ["a", "b", "c"])  # all writes a, b, c (−0.012); threshold-2 nothing
+    r2 = attrs.evolve(_req(2, 3, 1.0), peer_blocks=2)
+    f.observe(r2, ["a", "b", "c"])
+    hit = 0.01 - f.load_s
+    # all: a, b came by a pull (no credit; their writes are paid back: read), c from its ghost (+hit, paid back)
+    assert f.scores[0] == pytest.approx(-0.012 + 3 * 0.004 + hit)
+    assert f.served_s == pytest.approx([hit, 0.0])
+    # threshold-2: a, b kept as read, c (no peer had it, the rule had not written it) not served
+    assert dict(f.ghosts[1]) == {"a": True, "b": True} and f.scores[1] == 0.0
+    r3 = _req(3, 2, 2.0)
+    f.observe(r3, ["a", "b"])  # a pool read of what the pull left: credited to every ghost that kept it
+    assert f.served_s == pytest.approx([3 * hit, 2 * hit])
+
+
+def _second_sighting_stream(n, peer):
+    """Each request's 4 leading blocks are read exactly once more, by the next request on another replica, while the
+    first replica still holds them (``peer``: the directory says so, as PublishRequest.peer_blocks); its 2 tail blocks
+    never are. Without pulls only a rule that publishes at first sighting serves the re-read (and pays for the tails);
+    with them every rule is served, and writing at first sighting buys nothing but the tails' cost."""
+    out = []
+    for i in range(n):
+        keys = [f"s{i}-{j}" for j in range(4)]
+        out.append((_req(2 * i, 6, 2.0 * i), keys + [f"t{i}-0", f"t{i}-1"]))
+        r = _req(2 * i + 1, 4, 2.0 * i + 1)
+        out.append((attrs.evolve(r, peer_blocks=4) if peer else r, keys))
+    return out
+
+
+@pytest.mark.parametrize("peer,winner", [(False, "all"), (True, "threshold-2")])
+def test_dueling_follows_the_rule_that_wins_once_pulls_serve_the_second_sighting(peer, winner):
+    f = _duel(("all", "threshold-2"), cap=64)
+    for r, keys in _second_sighting_stream(200, peer):
+        f.observe(r, keys)
+        f.publishable(r, keys)
+    assert f.leader_name == winner
+    if peer:
+        assert f.served_s == [0.0, 0.0], "every re-read came by a pull: no rule earned it"
+
+
+def test_peer_blocks_must_be_a_count_of_blocks():
+    for bad in (-1, 1.5, True, None):
+        with pytest.raises(ConfigError) as e:
+            attrs.evolve(_req(1, 3, 0.0), peer_blocks=bad)
+        assert e.value.field == "peer_blocks"
 
 
 def test_dueling_is_built_by_name_and_refuses_what_cannot_be():

@@ -61,14 +61,27 @@ def check_released(sim):
         rep.cache.check()
     for node in sim.nodes:
         assert node.policy.protected_bytes == 0, f"{node.name} still leases blocks"
+        assert node.policy.used_bytes <= node.policy.capacity_bytes, f"{node.name} holds more than it can"
+    assert not sim.writing, "a write or a pull still marked in flight"
+    assert all(k in node.policy.nodes for k, node in sim.where.items()), "the directory names a node that does not hold the block"
 
 
-@pytest.mark.parametrize("name", ["kvpolicy", "vllm-like", "sglang-like", "oracle"])
+#: pulls from peers with the plainest load rule (every match loaded, a failure retried by the client) and nothing
+#: published: every block shared moves by a pull — under failures, hangs and retries, without the admission controller
+PULL_ALWAYS = attrs.evolve(policy_set("vllm-like"), name="pull-always", publish="never", pull_from_peers=True)
+
+
+def by_name(name):
+    return PULL_ALWAYS if name == "pull-always" else policy_set(name)
+
+
+@pytest.mark.parametrize("name", ["kvpolicy", "vllm-like", "sglang-like", "oracle", "pull-always"])
 def test_every_pin_and_lease_is_released_when_the_requests_are_done(trace, prepared, name):
     """Busy replicas (one prefill slot, a small local cache, requests arriving together) so that a request finds some of
-    the blocks it computed already cached by another in flight — each of those is pinned once and released once."""
+    the blocks it computed already cached by another in flight — each of those is pinned once and released once (a
+    peer's copy a pull held, too)."""
     c = cluster(trace, prefill_slots=1, local_kv_gib=16 * 64 * BPT / 2**30)
-    sim = Simulator(prepared, c, policy_set(name), seed=1)
+    sim = Simulator(prepared, c, by_name(name), seed=1)
     check_conservation(sim.run(), trace)
     check_released(sim)
 
@@ -225,11 +238,11 @@ def test_every_scenario_builds_on_any_trace(trace, scenario):
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**16), router=st.sampled_from(ROUTERS), name=st.sampled_from(POLICY_SETS),
+@given(seed=st.integers(0, 2**16), router=st.sampled_from(ROUTERS), name=st.sampled_from(POLICY_SETS + ("pull-always",)),
        slots=st.integers(1, 3), failure=st.sampled_from([0.0, 0.3]), hang=st.sampled_from([0.0, 0.2]), nodes=st.integers(1, 3))
 def test_conservation_property(trace, prepared, seed, router, name, slots, failure, hang, nodes):
     c = cluster(trace, router=router, prefill_slots=slots, failure_rate=failure, timeout_rate=hang, storage_nodes=nodes, transport_timeout_s=2.0)
-    sim = Simulator(prepared, c, policy_set(name), seed=seed)
+    sim = Simulator(prepared, c, by_name(name), seed=seed)
     res = sim.run()
     check_conservation(res, trace)
     check_released(sim)

@@ -648,3 +648,87 @@ def test_a_block_another_request_cached_meanwhile_is_pinned_by_both(name):
     assert max(first[2].values()) <= 2 and min(second[2].values()) >= 1
     cache = sim.replicas[0].cache
     assert cache.protected_bytes == 0 and all(n.pins == 0 for n in cache.nodes.values())
+
+
+PULL = attrs.evolve(policy_set("lmcache-like"), name="pull/never", publish="never", pull_from_peers=True)
+
+
+def test_a_block_only_a_peer_holds_is_pulled_through_the_node_and_kept_there():
+    """Nothing is published (``never``); r0 computes the 4 blocks on replica 0. r1 lands on replica 1: the pool holds
+    nothing, replica 0's cache holds all 4, so it pulls them — one directory round trip more than a pool load (the peer
+    is asked to send), then one relay flow over the peer's egress, the node's ingress and egress and its own ingress,
+    at the slowest of them. The node keeps them: 4 blocks written (on demand), 4 read. r2 and r3 hit their own cache.
+    Without the pull r1 recomputes and nothing crosses the network."""
+    tr = tiny(*SAME)
+    c = cluster(tr)
+    sim, res = simulate(tr, c, PULL)
+    T = 4 * B + 1
+    want = [cold_ttft(c, T), load_ttft(c, 4, T) + c.lookup_s, local_ttft(c, 4, T), local_ttft(c, 4, T)]
+    assert res.ttft_s == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert res.loads == 1 and res.bytes_read == res.bytes_written == 4 * BLOCK_BYTES
+    assert res.bytes_sent == 4 * BLOCK_BYTES and res.node_bytes_out == (4 * BLOCK_BYTES,)
+    assert sorted(sim.where) == [1, 2, 3, 4] and not sim.writing
+    assert res.ledger.tokens["remote_hit"] == 4 * B and res.ledger.tokens["local_hit"] == 2 * 4 * B
+    _, plain = simulate(tr, c, attrs.evolve(PULL, name="never", pull_from_peers=False))
+    assert plain.ttft_s[1] == pytest.approx(cold_ttft(c, T)) and plain.bytes_sent == plain.bytes_written == 0
+
+
+def test_a_pull_follows_the_pools_run_in_parallel_with_it():
+    """Three replicas, round-robin, nothing published but what pulls leave in the pool. r1 (replica 1) pulls [1, 2]
+    from replica 0, so the pool holds [1, 2]; r3 (replica 0) computes [3, 4] behind its own [1, 2]. r5 (replica 2,
+    which holds none of them) finds [1, 2] in the pool and [3, 4] only in replica 0's cache: it loads the first two
+    from the node and pulls the other two through it, two flows at once — the pool's ends first (the pull starts one
+    directory round trip later), so the load lasts as long as the pull of 2 blocks; it installs 4 and pays the
+    interference of 4."""
+    tr = tiny([[1, 2], [1, 2], [9], [1, 2, 3, 4], [8], [1, 2, 3, 4]], [0.0, 100.0, 200.0, 300.0, 400.0, 500.0])
+    c = cluster(tr, replicas=3)
+    sim, res = simulate(tr, c, PULL)
+    assert list(res.routes) == [0, 1, 2, 0, 1, 2]
+    T = 4 * B + 1
+    link = min(c.node_bandwidth_bytes_per_s, c.replica_bandwidth_bytes_per_s)
+    assert c.transfer_overhead_s + 2 * BLOCK_BYTES / link < c.lookup_s, "the pool's flow is done before the pull moves"
+    want = (2 * c.lookup_s + c.transfer_overhead_s + 2 * BLOCK_BYTES / link + 4 * c.install_s_per_block
+            + c.dispatch_s + P.a_s + P.b_s_per_token * (T - 4 * B) + c.interference_s_per_byte * 4 * BLOCK_BYTES)
+    assert res.ttft_s[5] == pytest.approx(want, rel=1e-9)
+    assert res.ttft_s[3] == pytest.approx(local_ttft(c, 2, T), rel=1e-9), "replica 0 computes [3, 4] behind its own [1, 2]"
+    assert res.bytes_written == 4 * BLOCK_BYTES and res.bytes_read == 6 * BLOCK_BYTES
+    assert sorted(sim.where) == [1, 2, 3, 4] and not sim.writing
+
+
+def test_a_peer_copy_with_a_write_in_flight_is_not_pulled():
+    """r0 computes [1, 2, 3, 4] on replica 0 and publishes them (``all``); their write moves for a fraction of a
+    millisecond. r1 arrives on replica 1 while it moves: the pool holds nothing yet, and pulling the peer's copy would
+    write the same blocks a second time — so r1 computes. r2 (replica 2), once the write has landed, loads the 4."""
+    T = 4 * B + 1
+    c = cluster(tiny([[1, 2, 3, 4]], [0.0]), replicas=3)
+    t1 = cold_ttft(c, T) + 1e-5  # r0's first token (its write starts then) and 10 µs
+    tr = tiny([[1, 2, 3, 4]] * 3, [0.0, t1, 100.0])
+    c = cluster(tr, replicas=3)
+    link = min(c.node_bandwidth_bytes_per_s, c.replica_bandwidth_bytes_per_s)
+    assert 1e-5 < c.transfer_overhead_s + 4 * BLOCK_BYTES / link, "r1 arrives before the write lands"
+    sim, res = simulate(tr, c, attrs.evolve(PULL, name="pull/all", publish="all"))
+    assert list(res.routes) == [0, 1, 2]
+    assert res.ttft_s[1] == pytest.approx(cold_ttft(c, T), rel=1e-9), "computed: its blocks were being written"
+    assert res.ttft_s[2] == pytest.approx(load_ttft(c, 4, T), rel=1e-9)
+    assert res.bytes_written == 4 * BLOCK_BYTES and res.loads == 1
+
+
+def test_a_pulled_copy_is_held_until_it_has_passed_and_released_after():
+    """While a pull moves, the peer's blocks are pinned in its cache (its engine may not evict them under the
+    transfer) and marked as being written (no second writer); when the pull lands both are released."""
+    tr = tiny(*SAME)
+    c = cluster(tr)
+    sim = Simulator(Prepared(tr), c, PULL)
+    seen = []
+    begin = sim._begin_read
+
+    def spy(rep, groups, t0, req_i, attempt, **kw):
+        load = begin(rep, groups, t0, req_i, attempt, **kw)
+        peer = sim.replicas[0].cache
+        seen.append(([peer.nodes[k].pins for k in (1, 2, 3, 4)], sorted(sim.writing)))
+        return load
+
+    sim._begin_read = spy
+    sim.run()
+    assert seen == [([1, 1, 1, 1], [1, 2, 3, 4])], "held and marked while it moves"
+    assert all(n.pins == 0 for n in sim.replicas[0].cache.nodes.values()) and not sim.writing

@@ -4,8 +4,8 @@ prefill time, queueing and route, and every figure of the report, as they were w
 The golden file was written by the code of d197e89, before the simulator was split into rooms and made faster, so this
 test is the side-by-side comparison of the old code's JSON with the new code's on a slice (``agent`` at seed 5, 600
 requests, every view, the kvpolicy set and vllm-like). The kvpolicy set runs with the publish selector d197e89 had,
-``dueling-gpu-s`` (issue #44's second round moved the default to the brief's E[benefit] on purpose; that default is
-pinned by tests/test_sim_load_rules.py's short run). Regenerate only on purpose (KVPOLICY_WRITE_GOLDEN=1) and say why
+``dueling-gpu-s``, and without pulls from peers (issue #44's second and third rounds moved the defaults to the brief's
+E[benefit] and turned pulls on, on purpose; the defaults are pinned by tests/test_sim_load_rules.py's short run). Regenerate only on purpose (KVPOLICY_WRITE_GOLDEN=1) and say why
 in the commit: a missing golden file is a failure."""
 
 import json
@@ -45,7 +45,8 @@ def _close(a, b, where=""):
 def _decisions():
     trace = generate(preset("agent", block_size_tokens=256, seed=5)).head(600)
     cl = default_cluster(trace, bytes_per_token=BPT, prefill=DEFAULT_PREFILL)
-    as_pinned = attrs.evolve(PRESETS["kvpolicy"], publish="dueling-gpu-s")  # still named "kvpolicy"
+    # still named "kvpolicy"; d197e89's set had no pulls from peers (issue #44's third round turned them on)
+    as_pinned = attrs.evolve(PRESETS["kvpolicy"], publish="dueling-gpu-s", pull_from_peers=False)
     rep, raw = compare(trace, cl, seed=5, policies=[as_pinned, "vllm-like"])
     out = {"runs": rep["runs"], "requests": {}}
     for (scenario, policy), res in sorted(raw.items()):

@@ -100,12 +100,17 @@ class PublishRequest:
     #: recent utilisation (0..1) of the links a write would cross (the replica's egress, the pool's
     #: ingress), as the engine measures it; None: unknown (a write then costs its full link time)
     write_path_utilisation: float | None = None
+    #: after the replica's own blocks (``local_blocks``), the leading ones another replica held in its local cache when
+    #: the request arrived — blocks a pull from that peer serves whatever was published (the directory knows them from
+    #: the engines' KV events). The dueling selector credits no rule with them and lets every ghost keep them as a pull
+    #: would; 0 (default): no pulls, or none possible
+    peer_blocks: int = 0
 
     def __attrs_post_init__(self) -> None:
         u = self.write_path_utilisation
         if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 <= u <= 1):
             raise ConfigError("write_path_utilisation", f"must be in [0, 1] or None, got {u!r}")
-        for name, least in (("num_tokens", 0), ("block_size_tokens", 1), ("reused_blocks", 0)):
+        for name, least in (("num_tokens", 0), ("block_size_tokens", 1), ("reused_blocks", 0), ("peer_blocks", 0)):
             v = getattr(self, name)
             if type(v) is not int and (isinstance(v, bool) or not isinstance(v, numbers.Integral)) or v < least:  # numpy ints are ints
                 raise ConfigError(name, f"must be an int >= {least}, got {v!r}")
@@ -769,10 +774,23 @@ class DuelingPublish:
             while len(rs) < len(keys):
                 rs.append(max(self.recompute_s(len(rs)) - self.load_s, 0.0))
             cost = self.write_cost_s if self.score == "e_benefit" else 0.0  # what a first read pays back
+            P = min(request.peer_blocks, len(keys) - L) if L < len(keys) else 0
+            cap = self.capacity
             for c, ghost in enumerate(self.ghosts):
                 served = 0.0
                 first_reads = 0
-                for j in range(L, len(keys)):
+                for j in range(L, L + P):  # served by a pull whatever the rule: no credit; the pool keeps them, read
+                    key = keys[j]
+                    if key in ghost:
+                        if not ghost[key]:
+                            ghost[key] = True  # a pull read it: its write is paid back
+                            first_reads += 1
+                        ghost.move_to_end(key)
+                    else:
+                        ghost[key] = True
+                        if cap is not None and len(ghost) > cap:
+                            ghost.popitem(last=False)
+                for j in range(L + P, len(keys)):
                     key = keys[j]
                     was_read = ghost.get(key)
                     if was_read is None:

@@ -155,6 +155,8 @@ class Simulator(RequestLifecycle):
         self.where: dict[int, _Node] = {}
         self.pool_index = _DictIndex(self.where, "pool")
         self.writing: set[int] = set()
+        #: pulls from peers: they write into the pool, so a pool that can hold no block has none
+        self.pulls = ps.pull_from_peers and cluster.pool_capacity_bytes_per_node >= self.block_bytes
         trace = self.p.trace
         self.ledger = Ledger(cluster.bytes_per_token, publication_log=PublicationLog(max_exact_keys=max(trace.num_block_ids + 1, 1024)),
                              judge_from_s=self.t_judge if self.judge_k else None,

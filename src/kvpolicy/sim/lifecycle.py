@@ -19,7 +19,7 @@ from ..ledger import RequestRecord
 from ..matching import match
 from .events import ARRIVE, DECODE_DONE, LOAD_DONE, LOAD_TIMEOUT, READY, SWITCH
 from .replicas import Replicas
-from .world import MAX_RETRIES, _Load, _Replica, _Req, _unit
+from .world import MAX_RETRIES, _Load, _Node, _PeerIndex, _Replica, _Req, _unit
 
 
 class RequestLifecycle(Replicas):
@@ -33,6 +33,8 @@ class RequestLifecycle(Replicas):
     loads: int
     retries: int
     t_last: float
+    #: pulls from peers (``PolicySet.pull_from_peers``, and a pool that can hold a block)
+    pulls: bool
 
     def _new_request(self, i: int, t: float) -> None:
         """Request ``i`` arrives for the first time: its state begins here (a retry arrives again as ARRIVE)."""
@@ -52,7 +54,16 @@ class RequestLifecycle(Replicas):
         m = p.matchable[i]
         T = p.input_tokens[i]
         ps = self.ps
-        if ps.uses_pool:
+        holder = None
+        if self.pulls:  # the pool's run, then what one peer holds after it
+            peers = _PeerIndex(self.replicas, rep, self.writing, self.net.flow_count)
+            pm = match(keys[:m], T, rep.index, self.pool_index, peers, block_size_tokens=self.B)
+            R = pm.remote_total_blocks
+            if pm.remote_blocks[1]:
+                holder = peers.holder
+            L = pm.local_blocks
+            req.peer_run = peers.held_run(keys[L:m]) if L < m else 0  # for the publish filter: what pulls serve anyway
+        elif ps.uses_pool:
             pm = match(keys[:m], T, rep.index, self.pool_index, block_size_tokens=self.B)
             R = pm.remote_total_blocks
         else:
@@ -77,6 +88,8 @@ class RequestLifecycle(Replicas):
         req.predicted_s = None
         req.load_s = None
         req.decision = None
+        req.holder = holder
+        req.pool_found = pm.remote_blocks[0] if R else 0
         t0 = t + (self.c.lookup_s if ps.uses_pool else 0.0)
         k = 0
         s_ = 0
@@ -89,7 +102,7 @@ class RequestLifecycle(Replicas):
             elif load == "admission":
                 ctl = self._ctl(rep)
                 assert ctl is not None
-                d = ctl.decide(pm, self._load_ctx(rep, keys[L], R, t))
+                d = ctl.decide(pm, self._load_ctx(rep, keys, L, R, t, holder))
                 req.decision = d
                 k = d.load_blocks
                 s_ = d.split_blocks
@@ -98,7 +111,7 @@ class RequestLifecycle(Replicas):
             elif load == "oracle":
                 k = self._oracle_k(rep, keys, L, R, req)
             else:  # a rule of your own (kvpolicy.protocols.LoadRule), on what the admission controller is told
-                k = self.load_rule.blocks_to_load(pm, self._load_ctx(rep, keys[L], R, t))
+                k = self.load_rule.blocks_to_load(pm, self._load_ctx(rep, keys, L, R, t, holder))
                 if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= R:
                     raise ConfigError("load", f"{load!r}.blocks_to_load answered {k!r} for {R} remote blocks: it must be an int in [0, {R}]")
                 k = int(k)
@@ -119,13 +132,20 @@ class RequestLifecycle(Replicas):
         req.load_start_s = t0
         # computing while loading, the whole range is requested from the back and cut where the GPU's
         # front meets it (s is only the controller's prediction of that point)
-        groups = self._groups(keys[L:L + k])
+        groups, vias = self._load_groups(rep, keys, L, k, req.pool_found, holder)
         req.load_groups = groups
-        for node, gk in groups:
-            pol = node.policy
-            for key in gk:
-                pol.on_access(key)
-                pol.pin(key)  # a lease: not evicted under the reader
+        req.load_vias = vias
+        for (node, gk), via in zip(groups, vias):
+            if via is None:
+                pol = node.policy
+                for key in gk:
+                    pol.on_access(key)
+                    pol.pin(key)  # a lease: not evicted under the reader
+            else:  # a pull: the peer's copy is held until it has passed, and nobody else writes these blocks meanwhile
+                held = via.cache
+                for key in gk:
+                    held.pin(key)
+                self.writing.update(gk)
         if req.predicted_s is None:
             req.predicted_s = self.c.dispatch_s + self.c.prefill_s(L * self.B, (L + k) * self.B) - self.c.prefill_a_s
         self.loads += i >= self.judge_k
@@ -133,7 +153,8 @@ class RequestLifecycle(Replicas):
             # the load runs from the back; a split plan queues for its prefill slot now (the GPU computes
             # the front meanwhile), a plain load waits for its bytes until its p95 prediction has passed
             req.cake = True
-            req.xfer = self._begin_read(rep, groups, t0, i, req.attempt, reverse=True, on_end=self._cake_load_end, payload=req)
+            req.xfer = self._begin_read(rep, groups, t0, i, req.attempt, reverse=True, on_end=self._cake_load_end, payload=req,
+                                        vias=vias)
             req.reused = L
             after = req.decision.compute_after_s if req.decision is not None else 0.0
             if not after:
@@ -142,7 +163,7 @@ class RequestLifecycle(Replicas):
                 req.waiting = True
                 self._push(t0 + after, SWITCH, req)
             return
-        req.xfer = self._begin_read(rep, groups, t0, i, req.attempt, reverse=False, on_end=self._req_load_end, payload=req)
+        req.xfer = self._begin_read(rep, groups, t0, i, req.attempt, reverse=False, on_end=self._req_load_end, payload=req, vias=vias)
         limit = math.inf
         if ps.timeout == "admission" and req.decision is not None and req.decision.soft_timeout_s is not None:
             limit = req.decision.soft_timeout_s
@@ -151,15 +172,41 @@ class RequestLifecycle(Replicas):
         if limit < self.c.transport_timeout_s:
             self._push(t + limit, LOAD_TIMEOUT, req.xfer)
 
-    def _load_ctx(self, rep: _Replica, first_key: int, R: int, t: float) -> AdmissionContext:
-        """What a load rule is told of a request's R remote blocks starting at ``first_key``: the replica, the node that
-        holds them, the path's flows, the replica's queue and utilisation — the same for the admission controller and
-        a rule of your own."""
-        src = self.where[first_key]
+    def _load_ctx(self, rep: _Replica, keys: list[int], L: int, R: int, t: float, holder: _Replica | None = None) -> AdmissionContext:
+        """What a load rule is told of a request's R remote blocks starting at ``keys[L]``: the replica, the node that
+        holds them (or, for blocks only a peer holds, the node they would pass through), the path's flows, the replica's
+        queue and utilisation — the same for the admission controller and a rule of your own."""
+        src = self.where.get(keys[L])
+        via = None
+        if src is None:  # the run starts with blocks a peer holds: the node the pull passes through
+            chunk = self.c.placement_chunk_blocks
+            src = self._place(keys[L - L % chunk], rep)
+            via = holder
         return AdmissionContext(block_bytes=self.block_bytes, replica=rep.name, source=src.name, active_decodes=rep.active,
-                                warming=t < rep.warming_until_s, path_flows_bytes=self._path_flows(rep, src, R * self.block_bytes),
+                                warming=t < rep.warming_until_s, path_flows_bytes=self._path_flows(rep, src, R * self.block_bytes, via),
                                 queue_wait_s=self._queue_wait_s(rep, t), prefill_queue_requests=len(rep.queue),
                                 prefill_utilisation=rep.utilisation(t))
+
+    def _load_groups(self, rep: _Replica, keys: list[int], L: int, k: int, pool_blocks: int,
+                     holder: _Replica | None) -> tuple[list[tuple[_Node, list[int]]], list[_Replica | None]]:
+        """The groups of a load of keys[L:L+k]: the pool's blocks by the node holding them, then the blocks pulled from
+        ``holder`` by the node each placement chunk would be written to (as a publish places it)."""
+        n_pool = min(k, pool_blocks)
+        groups = self._groups(keys[L:L + n_pool])
+        vias: list[_Replica | None] = [None] * len(groups)
+        if k > n_pool:
+            assert holder is not None
+            chunk = self.c.placement_chunk_blocks
+            node = None
+            for j in range(L + n_pool, L + k):
+                if node is None or j % chunk == 0:
+                    nxt = self._place(keys[j - j % chunk], rep)
+                    if nxt is not node or vias[-1] is None:
+                        groups.append((nxt, []))
+                        vias.append(holder)
+                    node = nxt
+                groups[-1][1].append(keys[j])
+        return groups, vias
 
     def _oracle_k(self, rep: _Replica, keys: list[int], L: int, R: int, req: _Req) -> int:
         """Hindsight on its own draws (failure, hang), foresight of the links as they are now:

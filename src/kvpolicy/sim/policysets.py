@@ -2,7 +2,7 @@
 
 | preset | local eviction | publish | remote load | timeout | on failure |
 |---|---|---|---|---|---|
-| ``kvpolicy`` | reuse-distance (the pool: LRU) | dueling (all / threshold-2 / threshold-3 / structure-aware, each in a ghost pool of the pool's size; the one with the best E[benefit] decides) | admission controller (p95 remote < margin × p50 recompute, or within the measured p95 TTFT; the plan that saves the most GPU seconds; path-aware, caps, breaker); compute while loading as the fallback | none needed: a late load turns into compute-while-loading at its p95 | recompute (partial use) |
+| ``kvpolicy`` | reuse-distance (the pool: LRU) | dueling (all / threshold-2 / threshold-3 / structure-aware, each in a ghost pool of the pool's size; the one with the best E[benefit] decides), and on demand: a block a peer holds is pulled through the pool when another replica asks for it | admission controller (p95 remote < margin × p50 recompute, or within the measured p95 TTFT; the plan that saves the most GPU seconds; path-aware, caps, breaker); compute while loading as the fallback | none needed: a late load turns into compute-while-loading at its p95 | recompute (partial use) |
 | ``vllm-like`` | LRU, tail block first | every finished full block | always when present | none (transport only) | fail: the client retries |
 | ``sglang-like`` | LRU over radix leaves | hit count ≥ 2 (write_through_selective) | prefetch if ≥ 256 tokens | 1 s + 0.25 s per 1024 tokens | recompute |
 | ``lmcache-like`` | LRU | everything | always (``min_retrieve_tokens=0``) | none (transport only) | recompute |
@@ -33,7 +33,11 @@ follows, in the engines' current releases:
 
 kvpolicy alone warms new replicas (the warmup planner), routes repeating
 requests away from a replica that is still warming, moves writes off a storage
-node whose breaker is open, and computes while it loads.
+node whose breaker is open, computes while it loads, and pulls blocks that only
+a peer's local cache holds through the pool (``pull_from_peers``: published on
+demand, when a second replica asks; the engines' defaults have no such path —
+LMCache's P2P sharing is off by default, vLLM's offloading connector and SGLang's
+HiCache have none).
 """
 
 from __future__ import annotations
@@ -87,6 +91,11 @@ class PolicySet:
     #: ``load="admission"``: a published block held by a storage node whose breaker is open is written again elsewhere
     #: (its traffic shifts to the others); False: it stays where it is
     republish_unhealthy: bool = True
+    #: a request whose chain goes on past the pool's run in another replica's local cache (what the directory learns from
+    #: the engines' KV events) may pull those blocks from that peer *through the pool*: one relay flow (the peer's egress,
+    #: the node's ingress and egress, this replica's ingress), the node keeping what passes — a block published on demand,
+    #: when a second replica asks for it. The load rule sees them as remote blocks after the pool's
+    pull_from_peers: bool = False
 
     def __attrs_post_init__(self) -> None:
         for field in ("local_eviction", "pool_eviction"):
@@ -121,6 +130,10 @@ class PolicySet:
             raise ConfigError("gpu_s_price", f"must be a number >= 0 (seconds of TTFT per GPU second), got {p!r}")
         if not isinstance(self.republish_unhealthy, bool):
             raise ConfigError("republish_unhealthy", f"must be True or False, got {self.republish_unhealthy!r}")
+        if not isinstance(self.pull_from_peers, bool):
+            raise ConfigError("pull_from_peers", f"must be True or False, got {self.pull_from_peers!r}")
+        if self.pull_from_peers and not self.uses_pool:
+            raise ConfigError("pull_from_peers", "needs uses_pool: a pulled block passes through (and is kept by) a storage node")
         if self.write_admission not in ("none", "tinylfu"):
             raise ConfigError("write_admission", f"must be 'none' or 'tinylfu', got {self.write_admission!r}")
         if self.compute_while_loading and self.load != "admission":
@@ -130,7 +143,8 @@ class PolicySet:
 PRESETS: dict[str, PolicySet] = {
     # every rule below: see the module docstring for the upstream file or option it follows
     "kvpolicy": PolicySet("kvpolicy", local_eviction="reuse-distance", pool_eviction="lru", publish="dueling",
-                          load="admission", timeout="admission", failure="recompute", warmup=True, compute_while_loading=True),
+                          load="admission", timeout="admission", failure="recompute", warmup=True, compute_while_loading=True,
+                          pull_from_peers=True),
     "vllm-like": PolicySet("vllm-like", publish="all", load="always", timeout="none", failure="fail"),
     "sglang-like": PolicySet("sglang-like", publish="threshold-2", load="min-tokens", min_load_tokens=256, timeout="sglang", failure="recompute"),
     "lmcache-like": PolicySet("lmcache-like", publish="all", load="always", timeout="none", failure="recompute"),
@@ -176,4 +190,4 @@ def policy_set(name: Any) -> PolicySet:
 def recompute_twin(ps: PolicySet) -> PolicySet:
     """The same local eviction with no pool at all (for the empty-pool equivalence)."""
     return attrs.evolve(ps, name=f"{ps.name}/recompute", publish="never", load="never", uses_pool=False, warmup=False,
-                        compute_while_loading=False)
+                        compute_while_loading=False, pull_from_peers=False)

@@ -125,7 +125,7 @@ class Pool(Transfers):
             pool_in = sum(util.get(n.inn.name, 0.0) for n in self.nodes) / len(self.nodes)
             preq = PublishRequest(request_id=(i, req.attempt), num_tokens=p.input_tokens[i], block_size_tokens=self.B, time_s=t,
                                   tenant=p.tenant[i] if p.tenant else "default", boundary_tokens=p.boundary[i] if p.boundary else None,
-                                  replica=rep.name, reused_blocks=req.local + req.load, local_blocks=req.local,
+                                  replica=rep.name, reused_blocks=req.local + req.load, local_blocks=req.local, peer_blocks=req.peer_run,
                                   write_path_utilisation=max(util.get(rep.out.name, 0.0), pool_in))
             f.observe(preq, keys)
             n = f.publishable(preq, keys)
@@ -202,6 +202,21 @@ class Pool(Transfers):
         node = f.payload[0]
         node.bytes_in += int(f.size_bytes)
         self._push(t, WRITE_DONE, f.payload)
+
+    def _land_pull(self, load: Any, j: int, moved_bytes: float, t: float) -> None:
+        """A pull's relay flow through its node ended: the node keeps the whole blocks that passed (in transfer order:
+        the group's leading blocks, or its trailing ones for a load from the back) — written as a publish would write
+        them, counted as bytes written; the rest are free to be written again."""
+        node, ks = load.groups[j]
+        moved = int(round(moved_bytes))
+        node.bytes_in += moved
+        n = min(int((moved_bytes + 1.0) // self.block_bytes), len(ks))
+        landed = ks[len(ks) - n:] if load.reverse else ks[:n]
+        self.writing.difference_update(ks)
+        if landed:
+            req = load.payload
+            p = self.p
+            self._write_done((node, landed, p.keys[req.i], p.request_class[req.i] if p.request_class else "default"), t)
 
     def _write_done(self, item: tuple[_Node, list[int], list[int], str], t: float) -> None:
         node, todo, chain, cls = item

@@ -47,17 +47,19 @@ class Transfers(EventLoop):
     stall_s: float
 
     def _begin_read(self, rep: _Replica, groups: list[tuple[_Node, list[int]]], t0: float, req_i: int, attempt: int, *,
-                    reverse: bool, on_end: Any, payload: Any, priority: int = 0) -> _Load:
+                    reverse: bool, on_end: Any, payload: Any, priority: int = 0, vias: list[_Replica | None] | None = None) -> _Load:
         """Start reading ``groups`` into ``rep`` at t0: one flow per storage node, in parallel.
 
         Each node's draw (seed, request, attempt, node) decides whether its transfer
         hangs (delivers nothing until a timeout) or fails after a drawn share of its
         blocks arrived intact. ``on_end(load, t)`` runs once when every flow has ended
-        or a timeout (transport or policy) gives up on the rest."""
+        or a timeout (transport or policy) gives up on the rest. ``vias[j]``, a replica: group j is pulled from that
+        peer through its node — one relay flow over the peer's egress, the node's ingress and egress and ``rep``'s
+        ingress, issued one directory round trip later (the peer is asked to send); the node keeps what passes."""
         c = self.c
         bb = self.block_bytes
-        load = _Load(rep, groups, t0, reverse, on_end, payload)
-        for node, ks in groups:
+        load = _Load(rep, groups, t0, reverse, on_end, payload, vias)
+        for j, ((node, ks), via) in enumerate(zip(groups, load.vias)):
             _, fail = node.state(t0, c.failure_rate)
             if c.timeout_rate and _unit(self.seed, req_i, attempt, node.idx, 2) < c.timeout_rate:
                 load.flows.append(None)
@@ -68,16 +70,29 @@ class Transfers(EventLoop):
             n = len(ks)
             if failed:  # blocks before the failure arrive intact
                 n = int(_unit(self.seed, req_i, attempt, node.idx, 3) * len(ks))
-            path = (node.out, rep.inn) if rep.stage is None else (node.out, rep.inn, rep.stage)
+            path = self._read_path(node, rep, via)
             now = self.clock.t  # issued at t0 (after the directory lookup): it moves bytes from t0 + overhead
-            f = self.net.start(now, path, n * bb, latency_s=max(t0 - now, 0.0) + c.transfer_overhead_s, payload=(load, node),
-                               on_done=self._read_flow_end, priority=priority)
+            latency = max(t0 - now, 0.0) + c.transfer_overhead_s + (c.lookup_s if via is not None else 0.0)
+            f = self.net.start(now, path, n * bb, latency_s=latency, payload=(load, node, j), on_done=self._read_flow_end, priority=priority)
             load.flows.append(f)
             load.fails.append(failed)
             load.left += 1
         self._push(t0 + c.transport_timeout_s, LOAD_TIMEOUT, load)
         self._net_changed()
         return load
+
+    @staticmethod
+    def _read_path(node: _Node, rep: _Replica, via: _Replica | None = None) -> tuple[Any, ...]:
+        """The links a read crosses: the node's egress and the replica's ingress (and its staging copy); a pull from
+        ``via`` first crosses the peer's staging copy and egress and the node's ingress."""
+        path: tuple[Any, ...] = (node.out, rep.inn) if rep.stage is None else (node.out, rep.inn, rep.stage)
+        if via is not None:
+            path = ((via.out, node.inn) if via.stage is None else (via.stage, via.out, node.inn)) + path
+        return path
+
+    def _land_pull(self, load: _Load, j: int, moved_bytes: float, t: float) -> None:
+        """Hook: group j of ``load`` was pulled from a peer and its flow ended having moved ``moved_bytes``; the node keeps
+        the whole blocks that passed (:mod:`.pool` writes them). Nothing here stores blocks."""
 
     def _account_read(self, node: _Node, rep: _Replica, nbytes: float) -> None:
         nb = int(round(nbytes))
@@ -86,8 +101,10 @@ class Transfers(EventLoop):
         self.bytes_sent += nb
 
     def _read_flow_end(self, f: Flow, t: float) -> None:
-        load, node = f.payload
+        load, node, j = f.payload
         self._account_read(node, load.rep, f.size_bytes)
+        if load.vias[j] is not None:
+            self._land_pull(load, j, f.size_bytes, t)
         load.left -= 1
         if load.left == 0 and not load.hung and not load.ended:
             self._end_load(load, t, "failed" if any(load.fails) else "ok")
@@ -97,9 +114,14 @@ class Transfers(EventLoop):
         load.ended = True
         load.end_s = t
         load.status = status
-        for f, (node, _) in zip(load.flows, load.groups):
+        for j, (f, (node, _)) in enumerate(zip(load.flows, load.groups)):
             if f is not None and f.alive:
-                self._account_read(node, load.rep, self.net.cancel(t, f))
+                moved = self.net.cancel(t, f)
+                self._account_read(node, load.rep, moved)
+                if load.vias[j] is not None:
+                    self._land_pull(load, j, moved, t)
+            elif f is None and load.vias[j] is not None:  # hung: nothing passed
+                self._land_pull(load, j, 0.0, t)
         self._net_changed()
         load.on_end(load, t)
 
@@ -158,14 +180,14 @@ class Transfers(EventLoop):
             worst = max(worst, c.transfer_overhead_s + len(ks) * self.block_bytes / rate)
         return worst
 
-    def _path_flows(self, rep: _Replica, node: _Node, size_bytes: float) -> tuple[float, ...]:
+    def _path_flows(self, rep: _Replica, node: _Node, size_bytes: float, via: _Replica | None = None) -> tuple[float, ...]:
         """What a transport reports of the path: the remaining bytes of the flows on its busiest
-        link (the source's egress, this replica's ingress, or its staging copy, which write-backs share) that a load
-        would share with."""
+        link (the source's egress, this replica's ingress, or its staging copy, which write-backs share; a pull's
+        peer egress and node ingress too) that a load would share with."""
         best: list[float] = []
         best_q = -1.0
         self.net.sync(self.clock.t)  # the flows as they stand now, not at the network's last event
-        for link in ((node.out, rep.inn) if rep.stage is None else (node.out, rep.inn, rep.stage)):
+        for link in self._read_path(node, rep, via):
             flows = self.net.flows_on(link, 0)  # a load is foreground: background flows (warmup, background writes) never delay it
             q = sum(r if r < size_bytes else size_bytes for r in flows)
             if q > best_q:
@@ -206,11 +228,12 @@ class Transfers(EventLoop):
         return ctl
 
     def _release_leases(self, req: _Req) -> None:
-        for node, gk in req.load_groups:
-            pol = node.policy
+        for (node, gk), via in zip(req.load_groups, req.load_vias or [None] * len(req.load_groups)):
+            pol = node.policy if via is None else via.cache  # a pull held the peer's copy
             for key in gk:
                 pol.unpin(key)
         req.load_groups = []
+        req.load_vias = []
 
     def _charge_interference(self, rep: _Replica, req: _Req, nbytes: float) -> float:
         stall = self.c.interference_s_per_byte * nbytes

@@ -70,6 +70,62 @@ class _DictIndex:
         return n
 
 
+class _PeerIndex:
+    """The blocks other replicas hold in their local caches, as one remote tier (what the directory learns from the
+    engines' KV events): the longest run one peer holds, a block with a write or pull in flight ending it. ``holder``
+    is the peer of the last match (None when the run is empty); ties go to the peer with the fewest flows leaving it,
+    then the lowest index."""
+
+    __slots__ = ("replicas", "exclude", "writing", "flow_count", "holder", "name")
+
+    def __init__(self, replicas: list[Any], exclude: Any, writing: set[int], flow_count: Any) -> None:
+        self.replicas = replicas
+        self.exclude = exclude
+        self.writing = writing
+        self.flow_count = flow_count
+        self.holder: Any = None
+        self.name = "peers"
+
+    def match_prefix(self, keys: Any) -> int:
+        self.holder = None
+        if not keys or keys[0] in self.writing:
+            return 0
+        best = 0
+        best_key: tuple[int, int] | None = None
+        writing = self.writing
+        for r in self.replicas:
+            if r is self.exclude:
+                continue
+            held = r.cache.nodes
+            n = 0
+            for k in keys:
+                if k not in held or k in writing:
+                    break
+                n += 1
+            if n == 0 or n < best:
+                continue
+            key = (self.flow_count(r.out), r.idx)
+            if n > best or best_key is None or key < best_key:
+                best, best_key, self.holder = n, key, r
+        return best
+
+    def held_run(self, keys: Any) -> int:
+        """The longest leading run of ``keys`` one peer holds, writes in flight or not (what pulls could serve)."""
+        best = 0
+        for r in self.replicas:
+            if r is self.exclude:
+                continue
+            held = r.cache.nodes
+            n = 0
+            for k in keys:
+                if k not in held:
+                    break
+                n += 1
+            if n > best:
+                best = n
+        return best
+
+
 class _ReplicaOracle:
     """Next use of a block on one replica (request index; inf if never), given the routes."""
 
@@ -156,7 +212,7 @@ class _Req:
     __slots__ = ("i", "attempt", "first_arrival_s", "replica", "local", "found", "load", "load_id", "load_start_s", "load_groups",
                  "status", "reused", "not_loaded", "not_loaded_reason", "predicted_s", "load_s", "queue_enter_s", "prefill_s",
                  "pinned", "stall_s", "load_attempted", "decision", "xfer", "split", "cake", "slot_s", "meet_ver", "queued_tokens",
-                 "queued_pred_s", "job_end_s", "waiting", "rechecked")
+                 "queued_pred_s", "job_end_s", "waiting", "rechecked", "load_vias", "holder", "pool_found", "peer_run")
     replica: Any  # the _Replica serving it
     local: int  # leading blocks found in the local cache
     found: int  # remote blocks found after them
@@ -164,6 +220,11 @@ class _Req:
     load_id: int | None
     load_start_s: float
     load_groups: list[tuple[Any, list[int]]]
+    #: per load group: the replica its blocks are pulled from through the group's node (None: read from the node)
+    load_vias: list[Any]
+    holder: Any  # the peer (a _Replica) whose blocks follow the pool's run, None when none does
+    pool_found: int  # of ``found``, the blocks the pool holds (the rest a peer holds)
+    peer_run: int  # after the local run, the leading blocks one peer held on arrival (what a pull could serve; 0 without pulls)
     status: tuple[str, float, float]  # (load status, transfer seconds, stage seconds)
     reused: int  # blocks not prefilled (local + loaded)
     not_loaded: int
@@ -187,6 +248,9 @@ class _Req:
         self.attempt = 0
         self.first_arrival_s = t
         self.pinned: list[int] = []
+        self.load_groups = []
+        self.load_vias = []
+        self.peer_run = 0
         self.load_attempted = False
         self.stall_s = 0.0
         self.xfer = None
@@ -198,14 +262,18 @@ class _Req:
 
 
 class _Load:
-    """One multi-node read in flight: a flow per storage node holding a part of the range."""
+    """One multi-node read in flight: a flow per storage node holding a part of the range. A group pulled from a peer
+    (``vias[j]`` a replica) is one relay flow through its node: the peer's egress, the node's ingress and egress, this
+    replica's ingress — the node keeps what passes (published on demand)."""
 
-    __slots__ = ("groups", "flows", "fails", "hung", "left", "t0", "reverse", "status", "ended", "end_s", "on_end", "payload", "rep",
-                 "recorded")
+    __slots__ = ("groups", "vias", "flows", "fails", "hung", "left", "t0", "reverse", "status", "ended", "end_s", "on_end", "payload",
+                 "rep", "recorded")
 
-    def __init__(self, rep: Any, groups: list[tuple[Any, list[int]]], t0: float, reverse: bool, on_end: Any, payload: Any) -> None:
+    def __init__(self, rep: Any, groups: list[tuple[Any, list[int]]], t0: float, reverse: bool, on_end: Any, payload: Any,
+                 vias: list[Any] | None = None) -> None:
         self.rep = rep
         self.groups = groups
+        self.vias: list[Any] = vias if vias is not None else [None] * len(groups)
         self.flows: list[Flow | None] = []
         self.fails: list[bool] = []
         self.hung = False
