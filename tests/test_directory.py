@@ -796,3 +796,48 @@ def test_a_tenant_scoped_directory_with_a_namespace_never_returns_anothers_entri
 def test_redis_refuses_a_key_bound_that_is_not_a_positive_int(redis_url, bad):
     with pytest.raises(ConfigError, match="max_keys_per_tenant"):
         redis_dir(redis_url, max_keys_per_tenant=bad)
+
+
+def test_a_peer_index_finds_the_longest_run_one_other_engine_holds_from_its_kv_events(directory):
+    """Two engines' KV events (vLLM's wire format, through the ingestor) and the pool's own entry: pod-1 holds blocks
+    0..3 on GPU, pod-2 holds 0..1 on GPU and 2 on CPU; the pool ("node-0") holds block 0. Asked by pod-3, the run one
+    peer holds is pod-1's 4 blocks; asked by pod-1 itself, pod-2's 3 (its GPU run going on into its CPU tier); a pool
+    holder is never a peer; and only the tiers asked for count."""
+    from kvpolicy.directory import PeerIndex
+    from kvpolicy.integrations.vllm_events import BlockStored, KVEventIngestor, encode_batch
+    from kvpolicy.keys import BlockHasher, Namespace, vllm_block_hashes
+    from kvpolicy.matching import InMemoryBlockIndex, match
+
+    B = 16
+    hasher = BlockHasher(Namespace(model_id="m", model_revision="r", tokenizer_version="t", kv_dtype="bf16", block_size_tokens=B), "fast")
+    prompt = list(range(2000, 2000 + 4 * B + 5))
+    raw = vllm_block_hashes(prompt, B, "sha256")
+
+    def feed(holder, spans):
+        ing = KVEventIngestor(directory, "acme", hasher, holder=holder, bytes_per_token=2048, verify_algo="sha256")
+        for lo, hi, medium in spans:
+            parent = raw[lo - 1] if lo else None
+            ing.ingest(encode_batch(1.0, [BlockStored(tuple(raw[lo:hi]), parent, tuple(prompt[lo * B:hi * B]), B, None, medium)]))
+
+    feed("pod-1", [(0, 4, "GPU")])
+    feed("pod-2", [(0, 2, "GPU"), (2, 3, "CPU")])
+    keys = list(hasher.hash_blocks(prompt))
+    directory.publish("acme", [Entry(keys[0], "node-0", 1, "pool")])
+    for asker, want, holder in (("pod-3", 4, "pod-1"), ("pod-1", 3, "pod-2"), ("pod-2", 4, "pod-1")):
+        peers = PeerIndex(directory, "acme", exclude=asker)
+        assert (peers.match_prefix(keys), peers.holder) == (want, holder), asker
+    gpu_only = PeerIndex(directory, "acme", exclude="pod-1", tiers=("gpu",))
+    assert (gpu_only.match_prefix(keys), gpu_only.holder) == (2, "pod-2")
+    both = PeerIndex(directory, "acme", exclude="pod-9")
+    assert (both.match_prefix(keys[:2]), both.holder) == (2, "pod-1"), "a tie goes to the first engine by name"
+    assert PeerIndex(directory, "acme", exclude="pod-1", tiers=("disk",)).match_prefix(keys) == 0
+    # as a remote tier of match(): pod-3's own cache holds block 0, the pool nothing more, a peer the next 3
+    m = match(keys, len(prompt), InMemoryBlockIndex([keys[0]]), InMemoryBlockIndex([], name="pool"),
+              PeerIndex(directory, "acme", exclude="pod-3"), block_size_tokens=B)
+    assert (m.local_blocks, m.remote_blocks) == (1, (0, 3))
+    with pytest.raises(ConfigError) as e:
+        PeerIndex(directory, "acme", exclude="pod-3", tiers="gpu")
+    assert e.value.field == "tiers"
+    with pytest.raises(ConfigError) as e:
+        PeerIndex(directory, "acme", exclude="")
+    assert e.value.field == "holder"

@@ -1,6 +1,6 @@
 """The shared directory of published blocks: a protocol, an in-memory default, a Redis backend."""
 
-from .base import Entry, Lease, TenantIndex, TenantScopedDirectory
+from .base import Entry, Lease, PeerIndex, TenantIndex, TenantScopedDirectory
 from .memory import InMemoryDirectory
 
 
@@ -12,4 +12,4 @@ def __getattr__(name: str):  # RedisDirectory imports redis-py lazily
     raise AttributeError(name)
 
 
-__all__ = ["Entry", "InMemoryDirectory", "Lease", "RedisDirectory", "TenantIndex", "TenantScopedDirectory"]
+__all__ = ["Entry", "InMemoryDirectory", "Lease", "PeerIndex", "RedisDirectory", "TenantIndex", "TenantScopedDirectory"]

@@ -163,6 +163,46 @@ class TenantIndex:
         return int(self.directory.match_prefix(self.tenant, keys))
 
 
+class PeerIndex:
+    """The blocks *other engines* hold in their own caches, as one remote tier of :func:`kvpolicy.matching.match` —
+    the source of a pull (issue #44: publish on demand, ``kvpolicy.sim.PolicySet.pull_from_peers``).
+
+    The directory knows what each engine holds from its KV events (:mod:`kvpolicy.integrations.vllm_events` publishes
+    them as holder ``"{engine}/{tier}/g{group}"`` in ``tier``). :meth:`match_prefix` is the longest leading run of
+    ``keys`` that **one** peer engine holds, each block in any of ``tiers`` (a run may go on from its GPU into its CPU
+    tier), not counting the engine named ``exclude`` (the asking engine's own name: its own blocks are its local run),
+    and :attr:`holder` names that engine (the first by name on a tie; None for an empty run) — the engine then asks
+    that peer to send the run through the pool, which keeps it. One directory ``lookup`` per match."""
+
+    def __init__(self, directory: Any, tenant: str, *, exclude: str, tiers: Sequence[str] = ("gpu", "cpu"), name: str = "peers") -> None:
+        self.directory = directory
+        self.tenant = check_tenant(tenant)
+        self.exclude = check_holder(exclude)
+        if isinstance(tiers, str) or not tiers or not all(_is_name(t) for t in tiers):
+            raise ConfigError("tiers", f"must be a non-empty list of tier names, got {tiers!r}")
+        self.tiers = frozenset(tiers)
+        self.name = name
+        self.holder: str | None = None
+
+    def match_prefix(self, keys: Sequence[bytes]) -> int:
+        self.holder = None
+        if not keys:
+            return 0
+        held: set[str] | None = None
+        n = 0
+        tiers, me = self.tiers, self.exclude
+        for entries in self.directory.lookup(self.tenant, keys):
+            here = {engine for e in entries if e.tier in tiers and (engine := e.holder.split("/", 1)[0]) != me}
+            both = here if held is None else held & here
+            if not both:
+                break
+            held = both
+            n += 1
+        if held is not None and n:
+            self.holder = min(held)
+        return n
+
+
 class TenantScopedDirectory:
     """One tenant's directory: the tenant is bound at construction, so code holding this object
     cannot name another tenant — list, match, evict or clear its entries. With ``namespace_digest``,
