@@ -2,12 +2,18 @@
 
     python benchmarks/bench_policy_goals.py                 # conversation trace (2nd half) + 4 presets x seeds 515,626, 4 views
     python benchmarks/bench_policy_goals.py --seeds 515 --presets chat --skip-mooncake --jobs 2
+    python benchmarks/bench_policy_goals.py --families 1001-1008 --presets "" --skip-mooncake   # random trace families
 
 Traces: the Mooncake conversation trace, judged on its second half after learning on the first (every policy set
 runs the whole trace; only requests from the midpoint on are counted), and the ``chat``, ``rag``, ``agent`` and
 ``mixed`` presets (256-token blocks) at seeds no default was chosen on (exploration used seed 1 and the conversation
 trace's first half). Physics: Llama-3-8B geometry (131,072 bytes/token), the order-of-magnitude prefill model, the
 default cluster of docs/sim.md. Every view of ``kvpolicy compare`` (steady, scale-out, spike, degraded).
+
+``--families A-B``: trace families nothing was tuned on — for each seed, a :class:`SyntheticSpec` whose knobs are
+drawn from that seed (:func:`family_spec`: block size, arrival rate and bursts, documents and their Zipf exponent,
+tenants, apps, system-prompt and tool lengths, the mix of chat / rag / agent and their turns, think time), 3,000
+requests each.
 
 The goals, per view (each printed with its margin):
   * no baseline (vllm-like, sglang-like, lmcache-like) dominates kvpolicy on (GPU s saved, bytes written);
@@ -21,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+import numpy as np
 import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
@@ -30,7 +38,7 @@ from bench_reuse import TRACE
 
 from kvpolicy.publish_sim import DEFAULT_PREFILL
 from kvpolicy.sim import compare, default_cluster
-from kvpolicy.traces import generate, preset, read_mooncake
+from kvpolicy.traces import SyntheticSpec, generate, preset, read_mooncake
 
 BPT = 131072
 BASELINES = ("vllm-like", "sglang-like", "lmcache-like")
@@ -68,9 +76,31 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def family_spec(seed: int, n_requests: int = 3000) -> SyntheticSpec:
+    """A random trace family: every knob of the generator drawn from ``seed`` (ranges around the presets', wide enough
+    that no preset is the one that comes out)."""
+    rng = np.random.default_rng([44, seed])
+    mix = rng.dirichlet(np.ones(3))
+    lo_sys = int(rng.integers(100, 2000))
+    lo_doc = int(rng.integers(100, 1500))
+    return SyntheticSpec(
+        n_requests=n_requests, block_size_tokens=int(rng.choice([64, 128, 256, 512])),
+        mix=tuple((k, float(w)) for k, w in zip(("chat", "rag", "agent"), mix)), rate_per_s=float(rng.uniform(0.5, 6.0)),
+        burst_every_s=float(rng.uniform(60, 900)), burst_factor=float(rng.uniform(1.5, 6.0)), n_tenants=int(rng.integers(1, 12)),
+        apps_per_kind=int(rng.integers(1, 12)), system_prompt_tokens=(lo_sys, lo_sys + int(rng.integers(100, 4000))),
+        n_docs=int(rng.integers(50, 5000)), doc_zipf=float(rng.uniform(1.05, 1.8)), doc_tokens=(lo_doc, lo_doc + int(rng.integers(100, 3000))),
+        turns_mean={"chat": float(rng.uniform(1, 8)), "rag": float(rng.uniform(1, 4)), "agent": float(rng.uniform(2, 14))},
+        think_time_s=float(rng.uniform(2, 120)), seed=seed)
+
+
 def _job(spec: tuple[str, str, int]) -> dict[str, Any]:
     kind, name, seed = spec
-    if kind == "mooncake":
+    if kind == "family":
+        fam = family_spec(seed)
+        trace = generate(fam)
+        k = 0
+        label = f"family {seed} (B={fam.block_size_tokens})"
+    elif kind == "mooncake":
         trace = read_mooncake(TRACE)
         k = len(trace) // 2
         label = "conversation, 2nd half"
@@ -90,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presets", default="chat,rag,agent,mixed")
     ap.add_argument("--seeds", default="515,626", help="seeds nothing was tuned on")
     ap.add_argument("--skip-mooncake", action="store_true")
+    ap.add_argument("--families", default="", help="seed range A-B of random trace families (family_spec), e.g. 1001-1008")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -101,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         specs.append(("mooncake", "conversation", 0))
     seeds = [int(x) for x in args.seeds.split(",") if x]
     specs += [("preset", p, s) for p in args.presets.split(",") if p for s in seeds]
+    if args.families:
+        a, _, b = args.families.partition("-")
+        specs += [("family", "family", s) for s in range(int(a), int(b or a) + 1)]
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=max(args.jobs, 1)) as ex:
         results = list(ex.map(_job, specs))
