@@ -316,8 +316,30 @@ def test_a_block_a_pull_serves_is_credited_to_no_rule_and_kept_as_read():
     # threshold-2: a, b kept as read, c (no peer had it, the rule had not written it) not served
     assert dict(f.ghosts[1]) == {"a": True, "b": True} and f.scores[1] == 0.0
     r3 = _req(3, 2, 2.0)
+    before = list(f.scores)
     f.observe(r3, ["a", "b"])  # a pool read of what the pull left: credited to every ghost that kept it
     assert f.served_s == pytest.approx([3 * hit, 2 * hit])
+    assert f.scores == pytest.approx([before[0] + 2 * hit, before[1] + 2 * hit]), "no write is paid back twice"
+
+
+def test_what_a_pull_leaves_is_the_ghosts_newest_and_the_ghost_keeps_its_size():
+    """Capacity 2: the rule wrote x (unread); a pull of a, b, c leaves them in every ghost as the most recently used,
+    evicting the least recently used first — x, then a. A pull of a block the ghost already holds refreshes it. A
+    peer_blocks past the request's blocks counts only its blocks."""
+    f = _duel(("all",), cap=2, half_life_s=1e12)
+    r0 = _req(0, 1, 0.0)
+    f.observe(r0, ["x"])
+    f.publishable(r0, ["x"])
+    f.observe(attrs.evolve(_req(1, 3, 1.0), peer_blocks=3), ["a", "b", "c"])
+    assert list(f.ghosts[0]) == ["b", "c"] and all(f.ghosts[0].values())
+    f.observe(attrs.evolve(_req(2, 1, 2.0), peer_blocks=1), ["b"])  # pulled again: refreshed, c is now the oldest
+    f.observe(attrs.evolve(_req(3, 1, 3.0), peer_blocks=5), ["d"])  # 5 said, 1 block: d alone
+    assert list(f.ghosts[0]) == ["b", "d"]
+    f.observe(attrs.evolve(_req(4, 2, 4.0, local=1), peer_blocks=5), ["e", "g"])  # after 1 local block, 1 left: g alone
+    assert list(f.ghosts[0]) == ["d", "g"]
+    f.observe(attrs.evolve(_req(5, 2, 5.0, local=2), peer_blocks=3), ["e", "g"])  # all local: nothing came from a peer
+    assert list(f.ghosts[0]) == ["d", "g"]
+    assert f.served_s == [0.0]
 
 
 def _second_sighting_stream(n, peer):

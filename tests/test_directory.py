@@ -830,6 +830,13 @@ def test_a_peer_index_finds_the_longest_run_one_other_engine_holds_from_its_kv_e
     assert (gpu_only.match_prefix(keys), gpu_only.holder) == (2, "pod-2")
     both = PeerIndex(directory, "acme", exclude="pod-9")
     assert (both.match_prefix(keys[:2]), both.holder) == (2, "pod-1"), "a tie goes to the first engine by name"
+    assert (both.match_prefix([]), both.holder) == (0, None)
+    # pod-4 holds blocks 0 and 2 but not 1: its run is 1 block, never 0, 2 counted past the gap
+    directory.publish("acme", [Entry(keys[0], "pod-4/gpu/g0", 1, "gpu"), Entry(keys[2], "pod-4/gpu/g0", 1, "gpu")])
+    only4 = PeerIndex(directory, "acme", exclude="pod-1")
+    directory.evict("acme", keys[:4], holder="pod-2/gpu/g0")
+    directory.evict("acme", keys[:4], holder="pod-2/cpu/g0")
+    assert (only4.match_prefix(keys), only4.holder) == (1, "pod-4")
     assert PeerIndex(directory, "acme", exclude="pod-1", tiers=("disk",)).match_prefix(keys) == 0
     # as a remote tier of match(): pod-3's own cache holds block 0, the pool nothing more, a peer the next 3
     m = match(keys, len(prompt), InMemoryBlockIndex([keys[0]]), InMemoryBlockIndex([], name="pool"),

@@ -732,3 +732,104 @@ def test_a_pulled_copy_is_held_until_it_has_passed_and_released_after():
     sim.run()
     assert seen == [([1, 1, 1, 1], [1, 2, 3, 4])], "held and marked while it moves"
     assert all(n.pins == 0 for n in sim.replicas[0].cache.nodes.values()) and not sim.writing
+
+
+class _FakeCache:
+    def __init__(self, keys):
+        self.nodes = dict.fromkeys(keys)
+
+
+class _FakeReplica:
+    def __init__(self, idx, keys, flows=0):
+        self.idx, self.cache, self.out, self.flows = idx, _FakeCache(keys), f"out-{idx}", flows
+
+
+def _peers(reps, exclude, writing=()):
+    from kvpolicy.sim.world import _PeerIndex
+    return _PeerIndex(reps, exclude, set(writing), lambda link: next(r.flows for r in reps if r.out == link))
+
+
+def test_the_peer_tier_is_the_longest_run_one_other_replica_holds():
+    """The run one peer holds from the first key: the longest wins; a key being written ends it (a second writer would
+    write it twice); the asking replica never counts; a tie goes to the peer with the fewest flows leaving it, then the
+    lowest index. ``held_run`` is the same run with writes in flight counted (what pulls could serve)."""
+    me = _FakeReplica(0, [1, 2, 3, 4, 5])
+    a = _FakeReplica(1, [1, 2])
+    b = _FakeReplica(2, [1, 2, 3, 4], flows=3)
+    c = _FakeReplica(3, [1, 2, 3, 4], flows=1)
+    d = _FakeReplica(4, [2, 3, 4, 5])  # holds the tail, not the head: no run
+    peers = _peers([me, a, b, c, d], me)
+    assert (peers.match_prefix([1, 2, 3, 4, 5]), peers.holder) == (4, c), "longest run; tie to the fewest flows"
+    c.flows = 3
+    assert (peers.match_prefix([1, 2, 3, 4, 5]), peers.holder) == (4, b), "then the lowest index"
+    assert (peers.match_prefix([9]), peers.holder) == (0, None)
+    assert (peers.match_prefix([]), peers.holder) == (0, None)
+    busy = _peers([me, a, b, c, d], me, writing=[3])
+    assert (busy.match_prefix([1, 2, 3, 4, 5]), busy.holder.idx) == (2, 1), "a key being written ends the run"
+    assert busy.held_run([1, 2, 3, 4, 5]) == 4, "what pulls could serve counts it"
+    assert busy.held_run([2, 3]) == 2 and busy.held_run([7]) == 0 and busy.held_run([]) == 0
+    alone = _peers([me], me)
+    assert alone.match_prefix([1, 2]) == 0 and alone.held_run([1, 2]) == 0, "the asking replica's own blocks are its local run"
+    tail_only = _peers([me, d], me)
+    assert tail_only.match_prefix([1, 2, 3]) == 0 and tail_only.held_run([1, 2, 3]) == 0, "a run starts at the first key"
+
+
+def test_a_pool_that_holds_one_block_a_node_still_takes_pulls_and_one_that_holds_none_does_not():
+    tr = tiny([[1], [1]], [0.0, 100.0])
+    one = cluster(tr)
+    one = attrs.evolve(one, pool_capacity_bytes_per_node=BLOCK_BYTES)
+    sim, res = simulate(tr, one, PULL)
+    assert res.bytes_written == BLOCK_BYTES and list(sim.where) == [1]
+    _, none = simulate(tr, attrs.evolve(one, pool_capacity_bytes_per_node=BLOCK_BYTES - 1), PULL)
+    assert none.bytes_written == none.bytes_sent == 0
+
+
+def test_a_pull_that_hangs_is_given_up_and_its_blocks_are_free_to_be_written_again():
+    """Every transfer hangs (``timeout_rate`` 1): r1's pull delivers nothing; lmcache-like has no timeout of its own, so
+    the transport gives up at ``transport_timeout_s`` and r1 recomputes from there. Nothing landed, nothing is left
+    marked as being written, the peer's copy is released."""
+    tr = tiny(*SAME)
+    c = cluster(tr, timeout_rate=1.0, transport_timeout_s=2.0)
+    sim, res = simulate(tr, c, PULL)
+    T = 4 * B + 1
+    assert res.ttft_s[1] == pytest.approx(c.lookup_s + c.transport_timeout_s + c.dispatch_s + P.a_s + P.b_s_per_token * T, rel=1e-9)
+    assert res.loads_timeout == 1 and res.bytes_written == 0 and not sim.where and not sim.writing
+    assert all(n.pins == 0 for n in sim.replicas[0].cache.nodes.values())
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_pull_that_fails_part_way_leaves_the_leading_blocks_in_the_pool(seed):
+    """Every transfer fails after a drawn share of its blocks (``failure_rate`` 1): a plain load moves front to back, so
+    what passed the node — and what it keeps — is the chain's leading blocks, the ones the request can use."""
+    tr = tiny([[1, 2, 3, 4, 5, 6, 7, 8]] * 2, [0.0, 100.0])
+    c = cluster(tr, failure_rate=1.0, placement_chunk_blocks=16)
+    sim, res = simulate(tr, c, PULL, seed=seed)
+    n = len(sim.where)
+    assert sorted(sim.where) == list(range(1, n + 1)), "a prefix of the chain"
+    assert res.bytes_written == n * BLOCK_BYTES and not sim.writing
+
+
+def test_some_failed_pull_delivers_part_of_its_blocks():
+    """The test above must see a pull that delivered some blocks but not all, or it shows nothing."""
+    tr = tiny([[1, 2, 3, 4, 5, 6, 7, 8]] * 2, [0.0, 100.0])
+    c = cluster(tr, failure_rate=1.0, placement_chunk_blocks=16)
+    assert any(0 < len(simulate(tr, c, PULL, seed=s)[0].where) < 8 for s in range(12))
+
+
+def test_the_publish_filter_hears_what_a_peer_held_only_when_pulls_are_on():
+    """r1 on replica 1 finds its 4 blocks in replica 0's cache: with pulls the filter is told peer_blocks = 4 (what a pull
+    serves whatever is published); a set without pulls always tells it 0."""
+    tr = tiny(*SAME)
+    c = cluster(tr)
+    for ps, want in ((attrs.evolve(PULL, publish="dueling"), 4), (attrs.evolve(PULL, publish="dueling", pull_from_peers=False), 0)):
+        sim = Simulator(Prepared(tr), c, ps)
+        seen = {}
+        observe = sim.filter.observe
+
+        def spy(request, keys, observe=observe):
+            seen[request.request_id[0]] = request.peer_blocks
+            observe(request, keys)
+
+        sim.filter.observe = spy
+        sim.run()
+        assert seen == {0: 0, 1: want, 2: 0, 3: 0}, ps.pull_from_peers

@@ -774,7 +774,7 @@ class DuelingPublish:
             while len(rs) < len(keys):
                 rs.append(max(self.recompute_s(len(rs)) - self.load_s, 0.0))
             cost = self.write_cost_s if self.score == "e_benefit" else 0.0  # what a first read pays back
-            P = min(request.peer_blocks, len(keys) - L) if L < len(keys) else 0
+            P = min(request.peer_blocks, max(len(keys) - L, 0))
             cap = self.capacity
             for c, ghost in enumerate(self.ghosts):
                 served = 0.0

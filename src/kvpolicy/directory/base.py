@@ -192,13 +192,13 @@ class PeerIndex:
         n = 0
         tiers, me = self.tiers, self.exclude
         for entries in self.directory.lookup(self.tenant, keys):
-            here = {engine for e in entries if e.tier in tiers and (engine := e.holder.split("/", 1)[0]) != me}
+            here = {engine for e in entries if e.tier in tiers and (engine := e.holder.partition("/")[0]) != me}
             both = here if held is None else held & here
             if not both:
                 break
             held = both
             n += 1
-        if held is not None and n:
+        if held is not None:  # n > 0: the first key had a peer
             self.holder = min(held)
         return n
 

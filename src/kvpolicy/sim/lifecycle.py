@@ -61,8 +61,7 @@ class RequestLifecycle(Replicas):
             R = pm.remote_total_blocks
             if pm.remote_blocks[1]:
                 holder = peers.holder
-            L = pm.local_blocks
-            req.peer_run = peers.held_run(keys[L:m]) if L < m else 0  # for the publish filter: what pulls serve anyway
+            req.peer_run = peers.held_run(keys[pm.local_blocks:m])  # for the publish filter: what pulls serve anyway
         elif ps.uses_pool:
             pm = match(keys[:m], T, rep.index, self.pool_index, block_size_tokens=self.B)
             R = pm.remote_total_blocks
@@ -88,8 +87,6 @@ class RequestLifecycle(Replicas):
         req.predicted_s = None
         req.load_s = None
         req.decision = None
-        req.holder = holder
-        req.pool_found = pm.remote_blocks[0] if R else 0
         t0 = t + (self.c.lookup_s if ps.uses_pool else 0.0)
         k = 0
         s_ = 0
@@ -132,7 +129,7 @@ class RequestLifecycle(Replicas):
         req.load_start_s = t0
         # computing while loading, the whole range is requested from the back and cut where the GPU's
         # front meets it (s is only the controller's prediction of that point)
-        groups, vias = self._load_groups(rep, keys, L, k, req.pool_found, holder)
+        groups, vias = self._load_groups(rep, keys, L, k, pm.remote_blocks[0], holder)
         req.load_groups = groups
         req.load_vias = vias
         for (node, gk), via in zip(groups, vias):

@@ -199,8 +199,6 @@ class Pool(Transfers):
         return {node: batches[node][:c] for node, c in count.items()}
 
     def _write_flow_end(self, f: Flow, t: float) -> None:
-        node = f.payload[0]
-        node.bytes_in += int(f.size_bytes)
         self._push(t, WRITE_DONE, f.payload)
 
     def _land_pull(self, load: Any, j: int, moved_bytes: float, t: float) -> None:
@@ -208,8 +206,6 @@ class Pool(Transfers):
         the group's leading blocks, or its trailing ones for a load from the back) — written as a publish would write
         them, counted as bytes written; the rest are free to be written again."""
         node, ks = load.groups[j]
-        moved = int(round(moved_bytes))
-        node.bytes_in += moved
         n = min(int((moved_bytes + 1.0) // self.block_bytes), len(ks))
         landed = ks[len(ks) - n:] if load.reverse else ks[:n]
         self.writing.difference_update(ks)

@@ -228,7 +228,7 @@ class Transfers(EventLoop):
         return ctl
 
     def _release_leases(self, req: _Req) -> None:
-        for (node, gk), via in zip(req.load_groups, req.load_vias or [None] * len(req.load_groups)):
+        for (node, gk), via in zip(req.load_groups, req.load_vias):
             pol = node.policy if via is None else via.cache  # a pull held the peer's copy
             for key in gk:
                 pol.unpin(key)

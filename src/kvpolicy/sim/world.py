@@ -88,8 +88,6 @@ class _PeerIndex:
 
     def match_prefix(self, keys: Any) -> int:
         self.holder = None
-        if not keys or keys[0] in self.writing:
-            return 0
         best = 0
         best_key: tuple[int, int] | None = None
         writing = self.writing
@@ -212,7 +210,7 @@ class _Req:
     __slots__ = ("i", "attempt", "first_arrival_s", "replica", "local", "found", "load", "load_id", "load_start_s", "load_groups",
                  "status", "reused", "not_loaded", "not_loaded_reason", "predicted_s", "load_s", "queue_enter_s", "prefill_s",
                  "pinned", "stall_s", "load_attempted", "decision", "xfer", "split", "cake", "slot_s", "meet_ver", "queued_tokens",
-                 "queued_pred_s", "job_end_s", "waiting", "rechecked", "load_vias", "holder", "pool_found", "peer_run")
+                 "queued_pred_s", "job_end_s", "waiting", "rechecked", "load_vias", "peer_run")
     replica: Any  # the _Replica serving it
     local: int  # leading blocks found in the local cache
     found: int  # remote blocks found after them
@@ -222,8 +220,6 @@ class _Req:
     load_groups: list[tuple[Any, list[int]]]
     #: per load group: the replica its blocks are pulled from through the group's node (None: read from the node)
     load_vias: list[Any]
-    holder: Any  # the peer (a _Replica) whose blocks follow the pool's run, None when none does
-    pool_found: int  # of ``found``, the blocks the pool holds (the rest a peer holds)
     peer_run: int  # after the local run, the leading blocks one peer held on arrival (what a pull could serve; 0 without pulls)
     status: tuple[str, float, float]  # (load status, transfer seconds, stage seconds)
     reused: int  # blocks not prefilled (local + loaded)
@@ -343,7 +339,7 @@ class _Replica:
 
 
 class _Node:
-    __slots__ = ("idx", "name", "policy", "out", "inn", "windows", "bytes_out", "bytes_in")
+    __slots__ = ("idx", "name", "policy", "out", "inn", "windows", "bytes_out")
 
     def __init__(self, idx: int, policy: Any, out: Link, inn: Link) -> None:
         self.idx = idx
@@ -353,7 +349,6 @@ class _Node:
         self.inn = inn
         self.windows: list[Degrade] = []
         self.bytes_out = 0
-        self.bytes_in = 0
 
     def state(self, t: float, base_failure: float) -> tuple[float, float]:
         for w in self.windows:
