@@ -533,7 +533,7 @@ def test_a_tenant_runs_exactly_the_scripts_the_operator_loaded_and_cannot_touch_
     k = [bytes([90 + i]) * 16 for i in range(2)]
     assert evil.publish("evil", [Entry(x, "r", 1) for x in k]) == 0 and evil.errors == 1  # nothing loaded yet: a counted miss
     shas = owner.load_scripts()
-    assert len(shas) == 7 and all(admin.script_exists(*shas))  # the spread layout's match-each among them
+    assert len(shas) == 8 and all(admin.script_exists(*shas))  # the spread layout's match-each and match-node among them
     assert evil.publish("evil", [Entry(x, "r", 1) for x in k]) == 2 and evil.match_prefix("evil", k) == 2
     raw = redis_lib.Redis.from_url(evil_url)
     spin = "while true do end"

@@ -133,6 +133,57 @@ def test_a_match_is_one_round_trip_per_node_in_parallel(redis_cluster, monkeypat
     monkeypatch.setattr(redis.client.Pipeline, "execute", counting)
     assert d.match_prefix("t", chain) == 40
     assert 1 < len(executed) <= 3, f"{executed}: one pipeline per master"
+    assert executed == [1] * len(executed), f"{executed}: each master's groups in one script (allow-cross-slot-keys)"
+    executed.clear()
+    d.node_scripts = False  # a script per group, as for a server without script flags
+    assert d.match_prefix("t", chain) == 40
+    assert 1 < len(executed) <= 3 and sum(executed) > len(executed), f"{executed}: one script per group"
+
+
+class _SpreadPerGroup(DirectoryContract):
+    """The spread layout's match with one script per group (what a server without script flags gets)."""
+
+    url = None
+    EXACT_BOUND = False
+
+    def make_directory(self, max_keys):
+        d = RedisDirectory(url=self.url, prefix=_prefix(), max_keys_per_tenant=max_keys, key_groups=4)
+        d.node_scripts = False
+        return d
+
+
+@pytest.fixture
+def _wire_per_group(redis_url):
+    _SpreadPerGroup.url = redis_url
+    yield
+
+
+@pytest.mark.usefixtures("_wire_per_group")
+class TestSpreadPerGroupOnOneServer(contract_test(_SpreadPerGroup, max_examples=10)):
+    pass
+
+
+def test_a_server_that_refuses_the_node_script_is_asked_per_group_from_then_on(redis_url, monkeypatch):
+    """Redis before 7.0 does not know script flags: it answers the per-node script with an error about its shebang.
+    The match is asked again one script per group, gives the right answer, and the directory stays on that path."""
+    import redis.exceptions
+
+    d = RedisDirectory(url=redis_url, prefix=_prefix(), key_groups=8)
+    chain = [uuid.UUID(int=9_000 + i).bytes for i in range(12)]
+    d.publish("t", [Entry(k, "h", 1) for k in chain[:9]])
+    batch = d._batch
+    calls = []
+
+    def old_server(cmds):
+        calls.append([c[2][0] for c in cmds])
+        if any(sha == d._match_node.sha for sha in calls[-1]):
+            return [redis.exceptions.ResponseError("Unexpected engine in script shebang: flags")] * len(cmds)
+        return batch(cmds)
+
+    monkeypatch.setattr(d, "_batch", old_server)
+    assert d.match_prefix("t", chain) == 9 and d.node_scripts is False
+    assert d.match_prefix("t", chain[:5]) == 5
+    assert [all(sha == d._match_each.sha for sha in c) for c in calls] == [False, True, True]
 
 
 def test_expiry_and_leases_on_the_cluster(redis_cluster):

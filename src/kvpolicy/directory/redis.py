@@ -24,7 +24,9 @@ the groups (and every tenant's keys, evenly) follow the cluster's own slot split
     {T_g}:p:t:b:<key hex>   {T_g}:p:t:lru   {T_g}:p:t:clock   {T_g}:p:t:lease:<key hex>
 
 Each group keeps its own LRU and clock and bounds itself to ``ceil(max_keys_per_tenant / G)`` keys. A match sends one
-script per group its keys fall in, all of a node's in one pipeline, the nodes in parallel: one round trip. Why not a
+script per node — every group of the match that node holds, in one call (Redis 7's ``allow-cross-slot-keys``: keys of
+several slots, all local) —, the nodes in parallel: one round trip, and as many script calls as nodes the chain's keys
+fall on, not as groups (a server without script flags is asked one script per group instead). Why not a
 tag per chain root: on the Mooncake conversation trace all 12,031 requests share their first block (a system
 prompt), so a root tag would put the whole tenant in one slot again; a key's own hash spreads any trace. The price:
 a match touches (in its group's LRU) every live key it asked about, also those past the first miss; the bound is
@@ -133,6 +135,38 @@ if n > 0 then
   end
 end
 return flags
+"""
+
+# the spread layout, every group a node holds in one call (Redis >= 7.0's script flag: keys of several slots, all on the
+# node that runs it; a cluster checks that the keys a call *declares* share a slot, so only the first group's LRU is
+# declared — it routes the call — and the script reads every name from ARGV): ARGV: the number of groups, each group's
+# key count, then per group its lru, its clock, and per key its hash's name and its hex. Answers 1/0 per key in that
+# order and touches the live ones in their group's LRU, as _MATCH_EACH does for one group
+_MATCH_NODE = "#!lua flags=allow-cross-slot-keys\n" + _HOLDERS + """
+local now = now_s()
+local groups = tonumber(ARGV[1])
+local out = {}
+local a = groups + 2
+for g = 1, groups do
+  local cnt = tonumber(ARGV[1 + g])
+  local lru, clock = ARGV[a], ARGV[a + 1]
+  a = a + 2
+  local flags = {}
+  local n = 0
+  for i = 1, cnt do
+    if live(ARGV[a + 2 * (i - 1)], now) then flags[i] = 1; n = n + 1 else flags[i] = 0 end
+  end
+  if n > 0 then
+    local tick = redis.call('INCRBY', clock, n)
+    local j = 0
+    for i = 1, cnt do
+      if flags[i] == 1 then redis.call('ZADD', lru, tick - j, ARGV[a + 2 * (i - 1) + 1]); j = j + 1 end
+    end
+  end
+  for i = 1, cnt do out[#out + 1] = flags[i] end
+  a = a + 2 * cnt
+end
+return out
 """
 
 # KEYS: lru, clock, then one hash per entry
@@ -362,7 +396,12 @@ class RedisDirectory:
         self._lease = client.register_script(_LEASE)
         self._release = client.register_script(_RELEASE)
         self._clear = client.register_script(_CLEAR_HOLDER)
-        self._scripts = (self._match, self._publish, self._evict, self._lease, self._release, self._clear, self._match_each)
+        self._match_node = client.register_script(_MATCH_NODE)
+        self._scripts = (self._match, self._publish, self._evict, self._lease, self._release, self._clear, self._match_each,
+                         self._match_node)
+        #: the spread layout's match sends one script per node (all its groups: Redis >= 7.0's allow-cross-slot-keys);
+        #: False after a server refused that script (an older Redis): one script per group from then on
+        self.node_scripts = True
         self.errors = 0
         #: the failures in ``errors`` by kind: the exception's class (``ConnectionError``, ``ReadOnlyError``, ...), or the
         #: reply's code for a generic error reply (``BUSY``, ``ERR``, ...)
@@ -496,8 +535,53 @@ class RedisDirectory:
             self.holders_refused += int(res[2])
         return written
 
+    def _node_of(self, route: str) -> Any:
+        """The node that serves ``route``'s slot (None on one server, or while no node owns it)."""
+        if not self._is_cluster:
+            return None
+        try:
+            return self.r.get_node_from_key(route).name
+        except self._errors_types:
+            return None
+
     def _spread_live(self, tenant: str, ks: list[bytes]) -> list[bool]:
-        """Per key: live (some holder unexpired) — the groups asked in one round trip; a failed group's keys are not."""
+        """Per key: live (some holder unexpired) — every node asked once, in one round trip (its groups in one script);
+        a failed call's keys are not."""
+        if self.node_scripts:
+            by_node: dict[Any, list[tuple[str, list[int]]]] = {}
+            for base, part in self._group_calls(tenant, ks):
+                by_node.setdefault(self._node_of(base + "lru"), []).append((base, part))
+            cmds, where = [], []
+            for calls in by_node.values():
+                start = 0
+                while start < len(calls):  # at most MAX_KEYS_PER_CALL keys a call (a group's part is within it)
+                    end, size = start, 0
+                    while end < len(calls) and (end == start or size + len(calls[end][1]) <= MAX_KEYS_PER_CALL):
+                        size += len(calls[end][1])
+                        end += 1
+                    names: list[str] = []
+                    counts: list[int] = []
+                    positions: list[int] = []
+                    for base, part in calls[start:end]:
+                        names += [base + "lru", base + "clock"]
+                        for i in part:
+                            h = ks[i].hex()
+                            names += [base + "b:" + h, h]
+                        counts.append(len(part))
+                        positions += part
+                    cmds.append(self._eval(self._match_node, [calls[start][0] + "lru"], [len(counts), *counts, *names]))
+                    where.append(positions)
+                    start = end
+            results = self._batch(cmds)
+            if not any(isinstance(r, Exception) and "shebang" in str(r).lower() for r in results):
+                live = [False] * len(ks)
+                for part, res in zip(where, results):
+                    if isinstance(res, Exception):
+                        continue
+                    for i, flag in zip(part, res):
+                        live[i] = int(flag) == 1
+                return live
+            self.node_scripts = False  # a server without script flags (Redis < 7.0): a script per group from now on
         cmds, where = [], []
         for base, part in self._group_calls(tenant, ks):
             hexes = [ks[i].hex() for i in part]
