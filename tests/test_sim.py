@@ -46,6 +46,7 @@ def check_conservation(res, trace):
     assert np.all(np.isfinite(res.queue_s)) and np.all(res.queue_s >= 0) and np.all(res.queue_s <= res.ttft_s + 1e-9)
     assert sum(res.node_bytes_out) == sum(res.replica_bytes_in) == res.bytes_sent
     assert res.bytes_read <= res.bytes_sent
+    assert 0 <= res.bytes_pulled <= res.bytes_written, "what pulls wrote is part of what was written"
     assert res.bytes_read + res.bytes_unused == res.bytes_sent, "every byte sent is either used or counted as unused"
     assert res.loads == res.loads_ok + res.loads_failed + res.loads_timeout
     led = res.ledger

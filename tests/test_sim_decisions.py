@@ -665,7 +665,7 @@ def test_a_block_only_a_peer_holds_is_pulled_through_the_node_and_kept_there():
     T = 4 * B + 1
     want = [cold_ttft(c, T), load_ttft(c, 4, T) + c.lookup_s, local_ttft(c, 4, T), local_ttft(c, 4, T)]
     assert res.ttft_s == pytest.approx(want, rel=1e-9, abs=1e-12)
-    assert res.loads == 1 and res.bytes_read == res.bytes_written == 4 * BLOCK_BYTES
+    assert res.loads == 1 and res.bytes_read == res.bytes_written == res.bytes_pulled == 4 * BLOCK_BYTES
     assert res.bytes_sent == 4 * BLOCK_BYTES and res.node_bytes_out == (4 * BLOCK_BYTES,)
     assert sorted(sim.where) == [1, 2, 3, 4] and not sim.writing
     assert res.ledger.tokens["remote_hit"] == 4 * B and res.ledger.tokens["local_hit"] == 2 * 4 * B
@@ -691,7 +691,7 @@ def test_a_pull_follows_the_pools_run_in_parallel_with_it():
             + c.dispatch_s + P.a_s + P.b_s_per_token * (T - 4 * B) + c.interference_s_per_byte * 4 * BLOCK_BYTES)
     assert res.ttft_s[5] == pytest.approx(want, rel=1e-9)
     assert res.ttft_s[3] == pytest.approx(local_ttft(c, 2, T), rel=1e-9), "replica 0 computes [3, 4] behind its own [1, 2]"
-    assert res.bytes_written == 4 * BLOCK_BYTES and res.bytes_read == 6 * BLOCK_BYTES
+    assert res.bytes_written == res.bytes_pulled == 4 * BLOCK_BYTES and res.bytes_read == 6 * BLOCK_BYTES
     assert sorted(sim.where) == [1, 2, 3, 4] and not sim.writing
 
 
@@ -710,7 +710,7 @@ def test_a_peer_copy_with_a_write_in_flight_is_not_pulled():
     assert list(res.routes) == [0, 1, 2]
     assert res.ttft_s[1] == pytest.approx(cold_ttft(c, T), rel=1e-9), "computed: its blocks were being written"
     assert res.ttft_s[2] == pytest.approx(load_ttft(c, 4, T), rel=1e-9)
-    assert res.bytes_written == 4 * BLOCK_BYTES and res.loads == 1
+    assert res.bytes_written == 4 * BLOCK_BYTES and res.loads == 1 and res.bytes_pulled == 0, "published, not pulled"
 
 
 def test_a_pulled_copy_is_held_until_it_has_passed_and_released_after():

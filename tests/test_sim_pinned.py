@@ -48,7 +48,8 @@ def _decisions():
     # still named "kvpolicy"; d197e89's set had no pulls from peers (issue #44's third round turned them on)
     as_pinned = attrs.evolve(PRESETS["kvpolicy"], publish="dueling-gpu-s", pull_from_peers=False)
     rep, raw = compare(trace, cl, seed=5, policies=[as_pinned, "vllm-like"])
-    out = {"runs": rep["runs"], "requests": {}}
+    # the rows as d197e89 wrote them: a field added since (bytes_pulled, 0 without pulls) is not in its file
+    out = {"runs": [{k: v for k, v in r.items() if k != "bytes_pulled"} for r in rep["runs"]], "requests": {}}
     for (scenario, policy), res in sorted(raw.items()):
         if policy == "recompute-only":
             continue

@@ -387,6 +387,9 @@ def render(report: dict[str, Any]) -> str:
                 f"{'-' if eb is None else f'{eb:.2f}':>10}  "
                 f"{tok['miss_never_published'] / tot:.0%} / {tok['miss_evicted'] / tot:.0%} / {tok['miss_declined'] / tot:.0%} / "
                 f"{(tok['miss_transfer_error'] + tok['miss_timeout']) / tot:.0%}")
+        for r in (x for x in report["runs"] if x["scenario"] == s and x.get("bytes_pulled")):
+            lines.append(f"{'':>15} {r['policy']}: {r['bytes_pulled'] / 2**30:,.0f} of its {r['bytes_written'] / 2**30:,.0f} GiB written "
+                         "were published on demand (pulled from a peer through the pool)")
     if report.get("checks"):
         lines += ["", "targets"]
         for ch in report["checks"]:
@@ -403,7 +406,8 @@ def render(report: dict[str, Any]) -> str:
         "  req/s           requests finished per second of simulated time",
         "  GPU s           GPU seconds spent in prefill (including what was recomputed while a load ran)",
         "  saved           GPU s saved against recompute-only on the same trace and physics (always run)",
-        "  read / written  GiB loaded from / published to the shared pool (warmup loads count as read)",
+        "  read / written  GiB loaded from / published to the shared pool (warmup loads count as read; a block pulled from a peer",
+        "                  through the pool is read and written once)",
         "  peak15 Gb/s     the worst 15-minute window of all bytes moved (reads + writes + warmup), in Gbit/s",
         "  loads ok/fail/tmo  requests' remote loads, and how they ended (a load cut where compute met it is ok; warmup loads: --json)",
         "  E[benefit]      the ledger's sum over request classes of h_remote x (T_recompute - T_remote) - P_stall - P_write",

@@ -192,7 +192,7 @@ class Simulator(RequestLifecycle):
         self.n_arrived = -1
         # counters
         self.gpu_prefill_s = 0.0
-        self.bytes_read = self.bytes_written = self.bytes_sent = 0
+        self.bytes_read = self.bytes_written = self.bytes_sent = self.bytes_pulled = 0
         self.loads = self.loads_ok = self.loads_failed = self.loads_timeout = self.retries = 0
         self.stall_s = 0.0
         self.warmup_bytes = 0
@@ -223,7 +223,8 @@ class Simulator(RequestLifecycle):
         t0 = p.arrival_s[0]
         return SimResult(
             policy=self.ps.name, n_requests=len(p.arrival_s), ttft_s=self.ttft.copy(), gpu_prefill_s=self.gpu_prefill_s,
-            bytes_read=self.bytes_read, bytes_written=self.bytes_written, bytes_sent=self.bytes_sent, loads=self.loads,
+            bytes_read=self.bytes_read, bytes_written=self.bytes_written, bytes_sent=self.bytes_sent, bytes_pulled=self.bytes_pulled,
+            loads=self.loads,
             loads_ok=self.loads_ok, loads_failed=self.loads_failed, loads_timeout=self.loads_timeout, retries=self.retries,
             warmup_bytes=self.warmup_bytes, stall_s=self.stall_s, makespan_s=self.t_last - t0, replicas_final=len(self.replicas), ledger=self.ledger,
             node_bytes_out=tuple(n.bytes_out for n in self.nodes), replica_bytes_in=tuple(r.bytes_in for r in self.replicas),

@@ -40,6 +40,8 @@ class Pool(Transfers):
     ledger: Ledger
     t_judge: float
     bytes_written: int
+    #: of bytes_written, what pulls from peers wrote (published on demand)
+    bytes_pulled: int
     _oracle: TraceOracle | None
     _oracle_pub: list[int] | None
 
@@ -212,9 +214,13 @@ class Pool(Transfers):
         if landed:
             req = load.payload
             p = self.p
-            self._write_done((node, landed, p.keys[req.i], p.request_class[req.i] if p.request_class else "default"), t)
+            n = self._write_done((node, landed, p.keys[req.i], p.request_class[req.i] if p.request_class else "default"), t)
+            if t >= self.t_judge:
+                self.bytes_pulled += n * self.block_bytes
 
-    def _write_done(self, item: tuple[_Node, list[int], list[int], str], t: float) -> None:
+    def _write_done(self, item: tuple[_Node, list[int], list[int], str], t: float) -> int:
+        """The blocks of a write (or a pull) land in their node: each not there already is inserted (evicting what the
+        node's policy names), counted and logged. Returns how many were inserted."""
         node, todo, chain, cls = item
         pol = node.policy
         where = self.where
@@ -222,6 +228,7 @@ class Pool(Transfers):
         pos = {k: j for j, k in enumerate(chain)}
         for key in todo:
             self.writing.discard(key)
+        n = 0
         for key in todo:
             old = where.get(key)
             if old is node or key in pol.nodes:
@@ -240,9 +247,11 @@ class Pool(Transfers):
                 parent = None  # the parent lives on another node, or was just evicted: a new root here
             pol.on_insert(key, bb, parent)
             where[key] = node
+            n += 1
             if t >= self.t_judge:
                 self.bytes_written += bb
             self.ledger.record_write(key, t, bb, tier=node.name, request_class=cls)
+        return n
 
     def _write_timeout(self, f: Flow, t: float) -> None:
         """A write still moving ``transport_timeout_s`` after it was issued never lands."""

@@ -393,6 +393,8 @@ class SimResult:
     judge_from_request: int = 0
     #: per request: GPU seconds of prefill it took, every attempt (``gpu_prefill_s`` is the sum over the judged ones)
     prefill_s: np.ndarray = attrs.field(factory=lambda: np.zeros(0))
+    #: of ``bytes_written``, what pulls from peers wrote (blocks published on demand, when a second replica asked)
+    bytes_pulled: int = 0
 
     @property
     def judged_ttft_s(self) -> np.ndarray:
@@ -416,6 +418,7 @@ class SimResult:
             "gpu_prefill_s": self.gpu_prefill_s,
             "bytes_read": self.bytes_read,
             "bytes_written": self.bytes_written,
+            "bytes_pulled": self.bytes_pulled,
             "bytes_sent": self.bytes_sent,
             "peak15_bytes_per_s": flows["total"]["peak_window_bytes_per_s"],
             "loads": self.loads, "loads_ok": self.loads_ok, "loads_failed": self.loads_failed, "loads_timeout": self.loads_timeout,
