@@ -214,11 +214,14 @@ class Pool(Transfers):
         if landed:
             req = load.payload
             p = self.p
-            n = self._write_done((node, landed, p.keys[req.i], p.request_class[req.i] if p.request_class else "default"), t)
+            n = self._land((node, landed, p.keys[req.i], p.request_class[req.i] if p.request_class else "default"), t)
             if t >= self.t_judge:
                 self.bytes_pulled += n * self.block_bytes
 
-    def _write_done(self, item: tuple[_Node, list[int], list[int], str], t: float) -> int:
+    def _write_done(self, item: tuple[_Node, list[int], list[int], str], t: float) -> None:
+        self._land(item, t)
+
+    def _land(self, item: tuple[_Node, list[int], list[int], str], t: float) -> int:
         """The blocks of a write (or a pull) land in their node: each not there already is inserted (evicting what the
         node's policy names), counted and logged. Returns how many were inserted."""
         node, todo, chain, cls = item
