@@ -656,14 +656,17 @@ PULL = attrs.evolve(policy_set("lmcache-like"), name="pull/never", publish="neve
 def test_a_block_only_a_peer_holds_is_pulled_through_the_node_and_kept_there():
     """Nothing is published (``never``); r0 computes the 4 blocks on replica 0. r1 lands on replica 1: the pool holds
     nothing, replica 0's cache holds all 4, so it pulls them — one directory round trip more than a pool load (the peer
-    is asked to send), then one relay flow over the peer's egress, the node's ingress and egress and its own ingress,
-    at the slowest of them. The node keeps them: 4 blocks written (on demand), 4 read. r2 and r3 hit their own cache.
-    Without the pull r1 recomputes and nothing crosses the network."""
+    is asked to send), one block's time more (the node stores a block before it forwards it), then one relay flow over
+    the peer's egress, the node's ingress and egress and its own ingress, at the slowest of them. The node keeps them:
+    4 blocks written (on demand), 4 read. r2 and r3 hit their own cache. Without the pull r1 recomputes and nothing
+    crosses the network."""
     tr = tiny(*SAME)
     c = cluster(tr)
     sim, res = simulate(tr, c, PULL)
     T = 4 * B + 1
-    want = [cold_ttft(c, T), load_ttft(c, 4, T) + c.lookup_s, local_ttft(c, 4, T), local_ttft(c, 4, T)]
+    link = min(c.node_bandwidth_bytes_per_s, c.replica_bandwidth_bytes_per_s)
+    relay = c.lookup_s + BLOCK_BYTES / link  # asking the peer, and the node's first block
+    want = [cold_ttft(c, T), load_ttft(c, 4, T) + relay, local_ttft(c, 4, T), local_ttft(c, 4, T)]
     assert res.ttft_s == pytest.approx(want, rel=1e-9, abs=1e-12)
     assert res.loads == 1 and res.bytes_read == res.bytes_written == res.bytes_pulled == 4 * BLOCK_BYTES
     assert res.bytes_sent == 4 * BLOCK_BYTES and res.node_bytes_out == (4 * BLOCK_BYTES,)
@@ -678,8 +681,8 @@ def test_a_pull_follows_the_pools_run_in_parallel_with_it():
     from replica 0, so the pool holds [1, 2]; r3 (replica 0) computes [3, 4] behind its own [1, 2]. r5 (replica 2,
     which holds none of them) finds [1, 2] in the pool and [3, 4] only in replica 0's cache: it loads the first two
     from the node and pulls the other two through it, two flows at once — the pool's ends first (the pull starts one
-    directory round trip later), so the load lasts as long as the pull of 2 blocks; it installs 4 and pays the
-    interference of 4."""
+    directory round trip and one block later, as the node stores a block before forwarding it), so the load lasts as long
+    as the pull of 2 blocks; it installs 4 and pays the interference of 4."""
     tr = tiny([[1, 2], [1, 2], [9], [1, 2, 3, 4], [8], [1, 2, 3, 4]], [0.0, 100.0, 200.0, 300.0, 400.0, 500.0])
     c = cluster(tr, replicas=3)
     sim, res = simulate(tr, c, PULL)
@@ -687,7 +690,7 @@ def test_a_pull_follows_the_pools_run_in_parallel_with_it():
     T = 4 * B + 1
     link = min(c.node_bandwidth_bytes_per_s, c.replica_bandwidth_bytes_per_s)
     assert c.transfer_overhead_s + 2 * BLOCK_BYTES / link < c.lookup_s, "the pool's flow is done before the pull moves"
-    want = (2 * c.lookup_s + c.transfer_overhead_s + 2 * BLOCK_BYTES / link + 4 * c.install_s_per_block
+    want = (2 * c.lookup_s + c.transfer_overhead_s + 3 * BLOCK_BYTES / link + 4 * c.install_s_per_block
             + c.dispatch_s + P.a_s + P.b_s_per_token * (T - 4 * B) + c.interference_s_per_byte * 4 * BLOCK_BYTES)
     assert res.ttft_s[5] == pytest.approx(want, rel=1e-9)
     assert res.ttft_s[3] == pytest.approx(local_ttft(c, 2, T), rel=1e-9), "replica 0 computes [3, 4] behind its own [1, 2]"

@@ -55,7 +55,8 @@ class Transfers(EventLoop):
         blocks arrived intact. ``on_end(load, t)`` runs once when every flow has ended
         or a timeout (transport or policy) gives up on the rest. ``vias[j]``, a replica: group j is pulled from that
         peer through its node — one relay flow over the peer's egress, the node's ingress and egress and ``rep``'s
-        ingress, issued one directory round trip later (the peer is asked to send); the node keeps what passes."""
+        ingress, issued one directory round trip later (the peer is asked to send) and one block later still (the node
+        stores a block before it forwards it: store and forward, pipelined by block); the node keeps what passes."""
         c = self.c
         bb = self.block_bytes
         load = _Load(rep, groups, t0, reverse, on_end, payload, vias)
@@ -72,7 +73,9 @@ class Transfers(EventLoop):
                 n = int(_unit(self.seed, req_i, attempt, node.idx, 3) * len(ks))
             path = self._read_path(node, rep, via)
             now = self.clock.t  # issued at t0 (after the directory lookup): it moves bytes from t0 + overhead
-            latency = max(t0 - now, 0.0) + c.transfer_overhead_s + (c.lookup_s if via is not None else 0.0)
+            latency = max(t0 - now, 0.0) + c.transfer_overhead_s
+            if via is not None:  # the peer is asked to send; the node has a whole block before it forwards the first
+                latency += c.lookup_s + bb / max(min(via.out.capacity_bytes_per_s, node.inn.capacity_bytes_per_s), 1e-9)
             f = self.net.start(now, path, n * bb, latency_s=latency, payload=(load, node, j), on_done=self._read_flow_end, priority=priority)
             load.flows.append(f)
             load.fails.append(failed)
