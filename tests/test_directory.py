@@ -848,3 +848,28 @@ def test_a_peer_index_finds_the_longest_run_one_other_engine_holds_from_its_kv_e
     with pytest.raises(ConfigError) as e:
         PeerIndex(directory, "acme", exclude="")
     assert e.value.field == "holder"
+
+
+def test_the_spread_layouts_match_is_split_per_node_at_the_call_bound(redis_url):
+    """One script per node carries every group of the match that node holds, at most MAX_KEYS_PER_CALL keys a call: a
+    2,005-key chain over 8 groups on one server is three calls of whole groups, none over the bound, every key asked
+    once; the answer is the truth at any length."""
+    from kvpolicy.directory import redis as redis_mod
+
+    d = redis_dir(redis_url, key_groups=8)
+    keys = [(10**6 + i).to_bytes(16, "big") for i in range(2 * redis_mod.MAX_KEYS_PER_CALL + 5)]
+    assert d.publish("t", [Entry(x, "r", 1) for x in keys]) == len(keys)
+    batch = d._batch
+    calls = []
+
+    def spy(cmds):
+        for _, _, args in cmds:
+            groups = int(args[3])  # sha, 1 declared key, the key; then ARGV: groups, its counts, names
+            calls.append([int(x) for x in args[4:4 + groups]])
+        return batch(cmds)
+
+    d._batch = spy
+    assert d.match_prefix("t", keys) == len(keys)
+    sizes = [sum(c) for c in calls]
+    assert len(calls) == 3 and max(sizes) <= redis_mod.MAX_KEYS_PER_CALL and sum(sizes) == len(keys), sizes
+    assert d.match_prefix("t", keys[:1500] + [b"\xff" * 16] + keys[1500:]) == 1500
