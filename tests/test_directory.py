@@ -873,3 +873,23 @@ def test_the_spread_layouts_match_is_split_per_node_at_the_call_bound(redis_url)
     sizes = [sum(c) for c in calls]
     assert len(calls) == 3 and max(sizes) <= redis_mod.MAX_KEYS_PER_CALL and sum(sizes) == len(keys), sizes
     assert d.match_prefix("t", keys[:1500] + [b"\xff" * 16] + keys[1500:]) == 1500
+
+
+def test_a_failed_node_call_costs_only_its_own_keys_and_keeps_the_per_node_scripts(redis_url):
+    """One of the per-node calls fails (a timeout, a node mid-failover): its keys answer "not held", every other call's
+    keys keep their answer — and it is not taken for a server without script flags: the next
+    match is one script per node again."""
+    import redis.exceptions
+
+    from kvpolicy.directory import redis as redis_mod
+
+    d = redis_dir(redis_url, key_groups=8)
+    keys = [(2 * 10**6 + i).to_bytes(16, "big") for i in range(2 * redis_mod.MAX_KEYS_PER_CALL + 5)]
+    d.publish("t", [Entry(x, "r", 1) for x in keys])
+    batch = d._batch
+    d._batch = lambda cmds: [redis.exceptions.TimeoutError("slow node")] + batch(cmds[1:])
+    live = d._spread_live("t", keys)
+    assert 0 < sum(live) < len(keys), "only the failed call's keys are lost"
+    assert d.node_scripts is True
+    d._batch = batch
+    assert d.match_prefix("t", keys) == len(keys) and d.node_scripts is True

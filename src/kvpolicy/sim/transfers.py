@@ -66,6 +66,8 @@ class Transfers(EventLoop):
                 load.flows.append(None)
                 load.fails.append(False)
                 load.hung = True
+                if via is not None:  # a hung pull will never write: its blocks are free to be written again now
+                    self._land_pull(load, j, 0.0, t0)
                 continue
             failed = _unit(self.seed, req_i, attempt, node.idx, 1) < fail
             n = len(ks)
@@ -123,8 +125,6 @@ class Transfers(EventLoop):
                 self._account_read(node, load.rep, moved)
                 if load.vias[j] is not None:
                     self._land_pull(load, j, moved, t)
-            elif f is None and load.vias[j] is not None:  # hung: nothing passed
-                self._land_pull(load, j, 0.0, t)
         self._net_changed()
         load.on_end(load, t)
 
