@@ -90,16 +90,10 @@ class _PeerIndex:
         self.holder = None
         best = 0
         best_key: tuple[int, int] | None = None
-        writing = self.writing
         for r in self.replicas:
             if r is self.exclude:
                 continue
-            held = r.cache.nodes
-            n = 0
-            for k in keys:
-                if k not in held or k in writing:
-                    break
-                n += 1
+            n = _leading_run(keys, r.cache.nodes, self.writing)
             if n == 0 or n < best:
                 continue
             key = (self.flow_count(r.out), r.idx)
@@ -109,19 +103,17 @@ class _PeerIndex:
 
     def held_run(self, keys: Any) -> int:
         """The longest leading run of ``keys`` one peer holds, writes in flight or not (what pulls could serve)."""
-        best = 0
-        for r in self.replicas:
-            if r is self.exclude:
-                continue
-            held = r.cache.nodes
-            n = 0
-            for k in keys:
-                if k not in held:
-                    break
-                n += 1
-            if n > best:
-                best = n
-        return best
+        return max((_leading_run(keys, r.cache.nodes, ()) for r in self.replicas if r is not self.exclude), default=0)
+
+
+def _leading_run(keys: Any, held: Any, skip: Any) -> int:
+    """How many of ``keys``, from the first, are in ``held`` and not in ``skip``."""
+    n = 0
+    for k in keys:
+        if k not in held or k in skip:
+            break
+        n += 1
+    return n
 
 
 class _ReplicaOracle:
