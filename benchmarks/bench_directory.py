@@ -10,7 +10,9 @@
 3. ``--cluster`` (issue #48): a Redis Cluster of 3 masters (+3 replicas) on loopback beside one redis-server: match
    latency (16-block chains), match throughput from ``--clients`` processes for ``--seconds`` each (1 node, default
    layout, against 3 shards, spread layout), and the share of keys on each master — one tenant of 30,000 keys and 100
-   tenants of 300 — for the default layout (a tenant in one slot) and the spread one (``--key-groups``, 256).
+   tenants of 300 — for the default layout (a tenant in one slot) and the spread one (``--key-groups``, 256). Each
+   server's CPU per match is what it spent less its idle rate; "serial" is the same with one client asking one match at
+   a time (``--calls`` of them), so that the servers' own cost is seen without the other processes on the cores.
 
 Uses KVPOLICY_REDIS_URL if set, else starts a private redis-server.
 
@@ -203,7 +205,17 @@ def _cluster_section(url: str, args: argparse.Namespace, res: dict) -> dict[str,
             # the busiest server's CPU per match, its background taken off
             busiest_us = max(max(_cpu_s(r) - a - rate * elapsed, 0.0) for r, a, rate in zip(servers, cpu0, idle_rate)) / n * 1e6
             rate = n / args.seconds
-            print(f"{name:>30} {lat:11.1f} {rate:24,.0f} {busiest_us:22.1f} {1e6 / busiest_us:22,.0f}")
+            # one client, one match at a time: each server's CPU per match with nothing else asking (its idle rate off)
+            chains = _chains(50, 0)
+            cpu0 = [_cpu_s(r) for r in servers]
+            t0 = time.perf_counter()
+            for i in range(args.calls):
+                d.match_prefix("bench", chains[i % 50])
+            elapsed = time.perf_counter() - t0
+            serial_us = [max(_cpu_s(r) - a - rate_ * elapsed, 0.0) / args.calls * 1e6 for r, a, rate_ in zip(servers, cpu0, idle_rate)]
+            print(f"{name:>30} {lat:11.1f} {rate:24,.0f} {busiest_us:22.1f} {1e6 / busiest_us:22,.0f}   serial, each server: "
+                  + " ".join(f"{x:.1f}" for x in serial_us))
+            res[f"cluster_{name}_serial_server_cpu_us_per_match"] = serial_us
             res[f"cluster_{name}_match16_us"] = lat
             res[f"cluster_{name}_matches_per_s"] = rate
             res[f"cluster_{name}_busiest_server_cpu_us_per_match"] = busiest_us
