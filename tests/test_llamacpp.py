@@ -553,3 +553,97 @@ def test_profile_over_http_against_llama_cpps_own_server_with_text_prompts(llama
     assert main(["profile", "--openai-url", llama_server, "--model", "smollm2", "--gguf", gguf_path, "--lengths", "256",
                  "--concurrency", "1", "--repeats", "2", "-q"]) == 2
     assert "--prompt-format text" in capsys.readouterr().err
+
+
+class _Peers:
+    """The in-process PeerSender: each replica by name, asked to send what it holds."""
+
+    def __init__(self):
+        self.replicas = {}
+
+    def send(self, engine, keys):
+        return self.replicas[engine].send_blocks(keys)
+
+
+def _on_demand(llamas, model, namespace, server, d, peers, names, idx):
+    from kvpolicy.directory import TenantScopedDirectory  # noqa: F401 - d is one
+
+    for name, i in zip(names, idx):
+        peers.replicas[name] = replica(llamas[i], model, namespace, store=client(server, namespace, model), directory=d,
+                                       publish_filter=_Never(), advertise=True, peers=peers, replica=name)
+    return [peers.replicas[n] for n in names]
+
+
+def test_a_block_only_a_peer_holds_is_pulled_through_the_store_and_gives_a_cold_prefills_logits(llamas, model, namespace, server):
+    """Publishing on demand with a real model: nothing is published by itself (``never``); replica a holds the prompt's
+    6 blocks in its context and says so in the directory. Replica b finds them there, asks a to send them into the store
+    (a's own export), loads them, and its logits are a cold prefill's. The store keeps them: a third replica that pulls
+    from nobody loads them from the store."""
+    from kvpolicy.directory import InMemoryDirectory, TenantScopedDirectory
+
+    d = TenantScopedDirectory(InMemoryDirectory(), "default", namespace_digest=namespace.digest)
+    peers = _Peers()
+    a, b = _on_demand(llamas, model, namespace, server, d, peers, ["a", "b"], [0, 1])
+    toks = prompt(llamas[0], 100, seed=11)
+    a.prefill(toks)
+    assert a.counts["published_blocks"] == 0 and [e[0].holder for e in d.lookup(list(a._held))] == ["a/gpu/g0"] * 6
+    tail = prompt(llamas[0], 9, seed=12)
+    want = cold_logits(llamas[2], toks + tail)
+    got = b.prefill(toks + tail)
+    assert (got.local_blocks, got.remote_found, got.loaded_blocks, got.pulled_blocks, got.load_status) == (0, 6, 6, 6, "ok")
+    assert a.counts["sent_blocks"] == 6 and b.counts["pulled_blocks"] == 6
+    assert np.abs(got.logits - want).max() == 0.0  # not close: the same numbers
+    c = replica(llamas[2], model, namespace, store=client(server, namespace, model), publish_filter=_Never())
+    later = c.prefill(toks + [5, 6, 7])
+    assert (later.loaded_blocks, later.pulled_blocks, later.load_status) == (6, 0, "ok"), "the store kept what the pull passed"
+
+
+def test_a_peer_that_no_longer_holds_the_blocks_sends_nothing_and_the_request_recomputes(llamas, model, namespace, server):
+    """Replica a's context moves on to another prompt: the blocks it held leave the directory with it, so b finds no
+    peer for them and computes; and asked directly for blocks it no longer holds, a sends nothing."""
+    from kvpolicy.directory import InMemoryDirectory, TenantScopedDirectory
+
+    d = TenantScopedDirectory(InMemoryDirectory(), "default", namespace_digest=namespace.digest)
+    peers = _Peers()
+    a, b = _on_demand(llamas, model, namespace, server, d, peers, ["a", "b"], [0, 1])
+    toks = prompt(llamas[0], 80, seed=21)
+    a.prefill(toks)
+    keys = list(a._held)
+    a.prefill(prompt(llamas[0], 80, seed=22))  # another prompt: a's context holds none of toks' blocks now
+    assert all(not es for es in d.lookup(keys)), "withdrawn from the directory"
+    got = b.prefill(toks + [1, 2])
+    assert (got.remote_found, got.loaded_blocks, got.pulled_blocks) == (0, 0, 0) and got.computed_tokens == 82
+    assert a.send_blocks(keys) == 0 and a.counts["sent_blocks"] == 0
+
+
+def test_publishing_on_demand_needs_a_store_a_directory_and_a_sender(llamas, model, namespace, server):
+    from kvpolicy.directory import InMemoryDirectory, TenantScopedDirectory
+
+    d = TenantScopedDirectory(InMemoryDirectory(), "default")
+    for kw, field in ((dict(advertise=True), "advertise"), (dict(peers=_Peers()), "peers"), (dict(advertise=1), "advertise")):
+        with pytest.raises(ConfigError) as e:
+            replica(llamas[0], model, namespace, **kw)
+        assert e.value.field == field
+    with pytest.raises(ConfigError) as e:
+        replica(llamas[0], model, namespace, store=client(server, namespace, model), directory=d, peers=object())
+    assert e.value.field == "peers"
+
+
+def test_a_pull_follows_the_stores_run_and_sends_blocks_from_the_middle_of_the_peers_context(llamas, model, namespace, server):
+    """The store holds the prompt's first 2 blocks (another replica published a shorter prompt); replica a holds all 6.
+    Replica b loads 2 from the store and has a send the other 4 — a's blocks 2..5, cut from the middle of its export —
+    in one load of 6; its logits are a cold prefill's."""
+    from kvpolicy.directory import InMemoryDirectory, TenantScopedDirectory
+
+    d = TenantScopedDirectory(InMemoryDirectory(), "default", namespace_digest=namespace.digest)
+    toks = prompt(llamas[0], 100, seed=31)
+    first = replica(llamas[2], model, namespace, store=client(server, namespace, model))
+    first.prefill(toks[:40])  # publishes 2 blocks of it (2 full blocks of 40 tokens)
+    peers = _Peers()
+    a, b = _on_demand(llamas, model, namespace, server, d, peers, ["a", "b"], [0, 1])
+    a.prefill(toks)
+    want = cold_logits(llamas[2], toks + [3, 4])
+    got = b.prefill(toks + [3, 4])
+    assert (got.remote_found, got.loaded_blocks, got.pulled_blocks, got.load_status) == (6, 6, 4, "ok")
+    assert a.counts["sent_blocks"] == 4
+    assert np.abs(got.logits - want).max() == 0.0

@@ -76,6 +76,14 @@ class ProfileTarget(Protocol):
 
 
 @runtime_checkable
+class PeerSender(Protocol):
+    """Asks another engine to send blocks it holds in its own cache into the shared store — the engine side of a pull
+    (issue #44: publish on demand; :class:`kvpolicy.directory.PeerIndex` says which engine holds the run). ``send``
+    answers how many of the leading ``keys`` that engine put into the store (0 when it no longer holds them)."""
+
+    def send(self, engine: str, keys: Sequence[bytes]) -> int: ...
+
+
 class LoadRule(Protocol):
     """How many of a request's remotely found blocks to load (the rest are recomputed): what the simulator asks a
     policy set's ``load`` of your own (``PolicySet(load="mine.py:MyRule")``, built once per run with no arguments), on

@@ -227,6 +227,10 @@ class TenantScopedDirectory:
     def match_prefix(self, keys: Sequence[bytes]) -> int:
         return int(self._d.match_prefix(self.tenant, keys))
 
+    def peers(self, *, exclude: str, tiers: Sequence[str] = ("gpu", "cpu")) -> PeerIndex:
+        """This tenant's :class:`PeerIndex`: the run one engine other than ``exclude`` holds in its own cache."""
+        return PeerIndex(self._d, self.tenant, exclude=exclude, tiers=tiers)
+
     def lookup(self, keys: Sequence[bytes]) -> list[list[Entry]]:
         rows = self._d.lookup(self.tenant, keys)
         if self.namespace_digest is None:

@@ -23,6 +23,13 @@ it) followed by the fetched ones, then prefills the rest: the logits equal a col
 block boundaries). Every fetched block carries a keyed MAC over (namespace, key, payload) checked by the
 transport; a forged, truncated or foreign block is refused and the request recomputes. llama.cpp refusing an
 import (a state of another geometry) also recomputes, from nothing if the context was cleared.
+
+**Publishing on demand** (issue #44). With ``advertise=True`` a replica tells the directory which blocks its context
+holds (holder ``"{replica}/gpu/g0"``, tier ``gpu``: what an engine's KV events say), and keeps it current as its
+context changes. With ``peers`` (a :class:`~kvpolicy.protocols.PeerSender`), a request whose chain goes on past the
+store's run in another replica's context asks that replica to send those blocks into the store (``send_blocks``),
+then loads them with the rest: the blocks are published when a second replica asks for them. The admission
+controller decides on the store's blocks and the peer's together.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from ..matching import match
 from ..publish import PublishAll, PublishRequest
 from ..reference.engine import PrefillResult  # one prefill's outcome, the same for every engine kvpolicy drives
 from ..reference.transport import CorruptBlockError, PeerClient
+from ..protocols import PeerSender
 
 #: what ``llama_state_seq_get_data`` writes first (llama.cpp's ``io_magic``), then the sequence id
 STATE_MAGIC = 0xAF143CD8
@@ -226,7 +234,8 @@ class LlamaCppReplica:
     def __init__(self, llm: Any, gguf: GGUFModel | str, *, block_size_tokens: int = 16, secret: bytes | None = None,
                  store: PeerClient | None = None, directory: Any = None, controller: AdmissionController | None = None,
                  publish_filter: Any = None, ledger: Ledger | None = None, replica: str = "llamacpp-0", tenant: str = "default",
-                 type_k: str = "f16", type_v: str = "f16", file_digest: str | None = None, load_timeout_s: float = 5.0) -> None:
+                 type_k: str = "f16", type_v: str = "f16", file_digest: str | None = None, load_timeout_s: float = 5.0,
+                 advertise: bool = False, peers: PeerSender | None = None) -> None:
         if isinstance(block_size_tokens, bool) or not isinstance(block_size_tokens, int) or block_size_tokens <= 0:
             raise ConfigError("block_size_tokens", f"must be a positive int, got {block_size_tokens!r}")
         self.llm = llm
@@ -246,8 +255,19 @@ class LlamaCppReplica:
         if store is not None and store.namespace_digest != self.namespace.digest:
             raise ConfigError("store", "the store client speaks for another namespace (model file, tokenizer, cache types, block size "
                                        "or tenant): make it with namespace_digest=replica.namespace.digest")
+        if not isinstance(advertise, bool):
+            raise ConfigError("advertise", f"must be True or False, got {advertise!r}")
+        if (advertise or peers is not None) and (store is None or directory is None):
+            raise ConfigError("peers" if peers is not None else "advertise",
+                              "publishing on demand needs a store (where a peer sends its blocks) and a directory (who holds what)")
+        if peers is not None and not callable(getattr(peers, "send", None)):
+            raise ConfigError("peers", "must have send(engine, keys) -> int (kvpolicy.protocols.PeerSender)")
         self.store = store
         self.directory = directory
+        self.advertise = advertise
+        self.peers = peers
+        #: the keys of the full blocks the context holds, in chain order, as last advertised (or seen)
+        self._held: list[bytes] = []
         self.controller = controller
         self.filter = publish_filter if publish_filter is not None else PublishAll()
         self.ledger = ledger
@@ -258,7 +278,7 @@ class LlamaCppReplica:
         #: the last load or publish error (they are counted, never raised): for logs and ``stats``
         self.last_error: str | None = None
         self.counts = {"loads_ok": 0, "loads_failed": 0, "loads_timeout": 0, "corrupt_refused": 0, "import_refused": 0,
-                       "published_blocks": 0, "publish_failed": 0}
+                       "published_blocks": 0, "publish_failed": 0, "pulled_blocks": 0, "sent_blocks": 0}
 
     # ------------------------------------------------------------------ the context
 
@@ -336,7 +356,64 @@ class LlamaCppReplica:
     def _remote_index(self) -> Any:
         if self.store is None:
             return None
-        return self.directory.index() if self.directory is not None else self.store
+        if self.directory is None or self.advertise or self.peers is not None:
+            return self.store  # a directory that also holds engines' own blocks cannot say what the store holds
+        return self.directory.index()
+
+    @property
+    def holder_name(self) -> str:
+        """This context's holder in the directory when it advertises (what an engine's KV events would name)."""
+        return f"{self.replica}/gpu/g0"
+
+    def _advertise(self, keys: list[bytes]) -> None:
+        """The context now holds the full blocks ``keys`` (chain order): record them, and tell the directory what
+        changed when advertising. Failures are counted in ``last_error``, never raised."""
+        old = self._held
+        keep = 0
+        while keep < min(len(old), len(keys)) and old[keep] == keys[keep]:
+            keep += 1
+        self._held = list(keys)
+        if not self.advertise or (keep == len(old) and keep == len(keys)):
+            return
+        from ..directory import Entry
+
+        try:
+            if len(old) > keep:
+                self.directory.evict(old[keep:], holder=self.holder_name, force=True)
+            if len(keys) > keep:
+                self.directory.publish([Entry(k, self.holder_name, self.block_bytes, "gpu", self.namespace.digest) for k in keys[keep:]])
+        except Exception as e:  # advertising is best effort: a peer then finds less
+            self.last_error = f"advertise: {e!r}"
+
+    def send_blocks(self, keys: Sequence[bytes]) -> int:
+        """A peer asks for blocks this context holds (its pull): the leading run of ``keys`` the context holds, in chain
+        order, goes into the store and the directory. Returns how many (0 when the context no longer holds the first)."""
+        if self.store is None or not keys:
+            return 0
+        held = self._held
+        try:
+            start = held.index(keys[0])
+        except ValueError:
+            return 0
+        n = 0
+        while n < len(keys) and start + n < len(held) and held[start + n] == keys[n]:
+            n += 1
+        n = min(n, max(int(self.llm.n_tokens) // self.B - start, 0))  # what the context still holds, token for token
+        if n <= 0:
+            return 0
+        try:
+            payloads = self.export_blocks(start + n)[start:]
+            stored = self.store.put(list(keys[:n]), payloads, 30.0)
+            if stored and self.directory is not None:
+                from ..directory import Entry
+
+                self.directory.publish([Entry(k, self.store.name, self.block_bytes, namespace_digest=self.namespace.digest) for k in keys[:stored]])
+        except Exception as e:  # a peer's request is best effort: counted, the asker recomputes
+            self.last_error = f"send: {e!r}"
+            return 0
+        self.published.update(keys[:stored])
+        self.counts["sent_blocks"] += stored
+        return int(stored)
 
     def prefill(self, tokens: Sequence[int] | np.ndarray, *, request_id: Any = None, publish: bool = True) -> PrefillResult:
         """Prefill one prompt, reusing what the context and the shared store hold; returns the last token's logits."""
@@ -357,22 +434,39 @@ class LlamaCppReplica:
         keys = list(self.hasher.hash_blocks(toks))
         B = self.B
         remote = self._remote_index()
+        tiers: list[Any] = [remote] if remote is not None else []
+        peer_index = None
+        if self.peers is not None:
+            peer_index = self.directory.peers(exclude=self.replica)
+            tiers.append(peer_index)
         try:
-            m = match(keys, T, _ContextIndex(self, toks), *([remote] if remote is not None else []), block_size_tokens=B)
+            m = match(keys, T, _ContextIndex(self, toks), *tiers, block_size_tokens=B)
         except OSError:  # the store or directory is unreachable: a miss
             m = match(keys, T, _ContextIndex(self, toks), block_size_tokens=B)
+            peer_index = None
         timings: dict[str, float] = {"match_s": time.perf_counter() - t_start}
         L, R = m.local_blocks, m.remote_total_blocks
+        in_store = m.remote_blocks[0] if m.remote_blocks else 0
         decision: Decision | None = None
         status: LoadStatus | None = None
-        loaded = 0
+        loaded = pulled = 0
         if R and self.store is not None:
             want_blocks = R
             if self.controller is not None:
                 decision = self.controller.decide(m, AdmissionContext(block_bytes=self.block_bytes, replica=self.replica, source=self.store.name))
                 want_blocks = decision.load_blocks if decision.loads else 0
+            if want_blocks > in_store and peer_index is not None and peer_index.holder is not None:
+                t_ask = time.perf_counter()
+                pulled = min(self._ask(peer_index.holder, keys[L + in_store:L + want_blocks]), want_blocks - in_store)
+                timings["pull_s"] = time.perf_counter() - t_ask
+                want_blocks = in_store + pulled
+                self.counts["pulled_blocks"] += pulled
+            elif want_blocks > in_store:
+                want_blocks = in_store
             if want_blocks:
                 loaded, status = self._load(keys, L, want_blocks, toks, decision, timings)
+            elif decision is not None and decision.load_id is not None and self.controller is not None:
+                self.controller.cancel(decision.load_id)  # the peer sent nothing: the admitted load never starts
         reused = min(L + loaded, self.cached_tokens(toks) // B)  # fewer only when a refused import emptied the context
         t0, c0 = time.perf_counter(), time.process_time()
         self.llm.n_tokens = reused * B  # eval drops every cell past it, then computes the rest
@@ -394,10 +488,24 @@ class LlamaCppReplica:
                                              prefill_s=timings["prefill_s"], load_s=timings.get("load_s") if loaded else None,
                                              predicted_recompute_s=decision.t_recompute_p50_s if decision is not None and loaded else None,
                                              load_attempted=status is not None, arrival_s=arrival_s))
-        res = PrefillResult(logits, L, R, loaded, T - reused * B, status, decision, timings, tuple(keys), T)
+        self._advertise(keys)  # the context now holds the prompt's full blocks
+        res = PrefillResult(logits, L, R, loaded, T - reused * B, status, decision, timings, tuple(keys), T, pulled_blocks=pulled)
         if publish:
             self.publish(res, request_id=request_id)
         return res
+
+    def _ask(self, engine: str, keys: list[bytes]) -> int:
+        """Ask ``engine`` to send ``keys`` into the store; how many it sent (0 on any error: counted, never raised)."""
+        assert self.peers is not None
+        try:
+            got = self.peers.send(engine, keys)
+        except Exception as e:  # the peer is gone, or refused: recompute
+            self.last_error = f"pull from {engine}: {e!r}"
+            return 0
+        if isinstance(got, bool) or not isinstance(got, int) or got < 0:
+            self.last_error = f"pull from {engine}: send answered {got!r}, not a count of blocks"
+            return 0
+        return got
 
     def _load(self, keys: list[bytes], L: int, n: int, toks: np.ndarray, decision: Decision | None,
               timings: dict[str, float]) -> tuple[int, LoadStatus]:
@@ -415,6 +523,7 @@ class LlamaCppReplica:
                            install_s=time.perf_counter() - t1, load_s=time.perf_counter() - t0)
             status, loaded = "ok", n
             self.counts["loads_ok"] += 1
+            self.published.update(keys[L:L + n])  # they are in the store: publishing them again would copy them for nothing
         except TimeoutError:
             status = "timeout"
             self.counts["loads_timeout"] += 1

@@ -59,6 +59,8 @@ class PrefillResult:
     #: the prompt's full-block keys, in order (what :meth:`ReferenceEngine.publish` offers the filter)
     keys: tuple[bytes, ...] = ()
     prompt_tokens: int = 0
+    #: of ``loaded_blocks``, those a peer sent into the store when asked (a pull, issue #44)
+    pulled_blocks: int = 0
 
 
 class _LocalIndex:
