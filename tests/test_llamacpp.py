@@ -647,3 +647,9 @@ def test_a_pull_follows_the_stores_run_and_sends_blocks_from_the_middle_of_the_p
     assert (got.remote_found, got.loaded_blocks, got.pulled_blocks, got.load_status) == (6, 6, 4, "ok")
     assert a.counts["sent_blocks"] == 4
     assert np.abs(got.logits - want).max() == 0.0
+
+
+def test_the_in_process_sender_is_a_peer_sender():
+    from kvpolicy.protocols import PeerSender
+
+    assert isinstance(_Peers(), PeerSender) and not isinstance(object(), PeerSender)

@@ -84,6 +84,7 @@ class PeerSender(Protocol):
     def send(self, engine: str, keys: Sequence[bytes]) -> int: ...
 
 
+@runtime_checkable
 class LoadRule(Protocol):
     """How many of a request's remotely found blocks to load (the rest are recomputed): what the simulator asks a
     policy set's ``load`` of your own (``PolicySet(load="mine.py:MyRule")``, built once per run with no arguments), on
