@@ -574,21 +574,21 @@ class RedisDirectory:
                     start = end
             results = self._batch(cmds)
             if not any(isinstance(r, Exception) and "shebang" in str(r).lower() for r in results):
-                live = [False] * len(ks)
-                for part, res in zip(where, results):
-                    if isinstance(res, Exception):
-                        continue
-                    for i, flag in zip(part, res):
-                        live[i] = int(flag) == 1
-                return live
+                return self._live_flags(len(ks), where, results)
             self.node_scripts = False  # a server without script flags (Redis < 7.0): a script per group from now on
         cmds, where = [], []
         for base, part in self._group_calls(tenant, ks):
             hexes = [ks[i].hex() for i in part]
             cmds.append(self._eval(self._match_each, [base + "lru", base + "clock"] + [base + "b:" + h for h in hexes], hexes))
             where.append(part)
-        live = [False] * len(ks)
-        for part, res in zip(where, self._batch(cmds)):
+        return self._live_flags(len(ks), where, self._batch(cmds))
+
+    @staticmethod
+    def _live_flags(n: int, where: list[list[int]], results: list[Any]) -> list[bool]:
+        """Per key of n: live, from each call's 1/0 replies for the key positions it asked about (a failed call's keys
+        are not)."""
+        live = [False] * n
+        for part, res in zip(where, results):
             if isinstance(res, Exception):
                 continue
             for i, flag in zip(part, res):

@@ -455,14 +455,13 @@ class LlamaCppReplica:
             if self.controller is not None:
                 decision = self.controller.decide(m, AdmissionContext(block_bytes=self.block_bytes, replica=self.replica, source=self.store.name))
                 want_blocks = decision.load_blocks if decision.loads else 0
-            if want_blocks > in_store and peer_index is not None and peer_index.holder is not None:
+            if want_blocks > in_store:  # blocks past the store's run: only the peer tier finds those
+                assert peer_index is not None and peer_index.holder is not None
                 t_ask = time.perf_counter()
                 pulled = min(self._ask(peer_index.holder, keys[L + in_store:L + want_blocks]), want_blocks - in_store)
                 timings["pull_s"] = time.perf_counter() - t_ask
                 want_blocks = in_store + pulled
                 self.counts["pulled_blocks"] += pulled
-            elif want_blocks > in_store:
-                want_blocks = in_store
             if want_blocks:
                 loaded, status = self._load(keys, L, want_blocks, toks, decision, timings)
             elif decision is not None and decision.load_id is not None and self.controller is not None:
