@@ -349,3 +349,35 @@ def test_the_fast_paths_evict_a_full_cache_of_candidates_in_the_plain_order(name
         plain.insert_pinned(f"n{i}", 8)
     assert got == want
     fast.check()
+
+
+def test_the_inline_chain_and_eviction_loop_keep_a_subclass_s_own_prot_up_and_forget():
+    """place_pinned_chain writes the parent's _prot_up inline (it stops at the parent's own count), so a subclass with
+    its own _prot_up takes the plain path; the inline eviction loop skips the base's no-op _forget but calls a
+    subclass's for every victim, in eviction order."""
+    ups, forgotten = [], []
+
+    class OwnProtUp(PriorityPolicy):
+        def priority(self, node):
+            return (node.t_access,)
+
+        def _prot_up(self, node):
+            ups.append(node.key)
+            super()._prot_up(node)
+
+    class OwnForget(PriorityPolicy):
+        def priority(self, node):
+            return (node.seq,)
+
+        def _forget(self, node):
+            forgotten.append(node.key)
+
+    p = OwnProtUp(64)
+    assert not p._fused_chain
+    assert p.place_pinned_chain(["a", "b", "c"], 0, 3, 8) == 3 and ups == ["a", "b"]
+    f = OwnForget(3 * 8)
+    assert f._fused_chain and f._forgets and not make_policy("reuse-distance", 64)._forgets
+    assert f.place_pinned_chain(["a", "b", "c"], 0, 3, 8) == 3
+    f.unpin_all(["a", "b", "c"])
+    assert f.place_pinned_chain(["x", "y"], 0, 2, 8) == 2 and forgotten == ["c", "b"]
+    f.check()

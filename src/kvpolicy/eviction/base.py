@@ -364,10 +364,12 @@ class PriorityPolicy(EvictionPolicy):
         # the base's _choose returns the node whose entry tops the heap: an inline eviction loop that removes it can
         # pop that entry at once instead of meeting it again as a stale one
         self._pop_chosen = cls._choose is PriorityPolicy._choose
+        self._forgets = cls._forget is not EvictionPolicy._forget  # the inline eviction loop skips the base's no-op
         self._fused_unpin = (cls.unpin is EvictionPolicy.unpin and cls._prot_down is EvictionPolicy._prot_down
                              and cls._candidate is PriorityPolicy._candidate)
         # place_pinned_chain with every call inline, while the calls it stands for are this base's own
-        self._fused_chain = (self._fused_place and cls.place_pinned is PriorityPolicy.place_pinned and cls._new_node is EvictionPolicy._new_node)
+        self._fused_chain = (self._fused_place and cls.place_pinned is PriorityPolicy.place_pinned and cls._new_node is EvictionPolicy._new_node
+                             and cls._prot_up is EvictionPolicy._prot_up)
 
     def place_pinned(self, key: Hashable, size: int, parent: Hashable | None = None) -> bool:
         if not self._fused_place or type(size) is not int or size < 0:
@@ -392,10 +394,22 @@ class PriorityPolicy(EvictionPolicy):
             return False
         nodes = self.nodes
         heap_pop = self._pop_chosen
+        pop = heapq.heappop
+        forget = self._forget if self._forgets else None
         while self.used_bytes > limit:
-            node = self._choose()
-            if heap_pop:  # its heap entry is on top, and goes stale now: drop it at once
-                heapq.heappop(self._heap)
+            if heap_pop:  # the base's _choose, inline: the top live entry, whose node is popped at once (it goes stale now)
+                heap = self._heap  # read again each time: a push below may compact it into a new list
+                while heap:
+                    entry = heap[0]
+                    node = entry[-1]
+                    if entry[-2] == node.version and node.children == 0 and node.prot == 0 and nodes.get(node.key) is node:
+                        break
+                    pop(heap)
+                else:
+                    raise CapacityError("no eviction candidate")  # unreachable: the freeable bytes were checked above
+                pop(heap)
+            else:
+                node = self._choose()
             # _remove(node), inline: _candidate(node, False), then its parent may become a candidate
             self._n_candidates -= 1
             node.version += 1
@@ -407,7 +421,8 @@ class PriorityPolicy(EvictionPolicy):
                 if p.children == 0 and p.prot == 0:
                     self._n_candidates += 1
                     self._push(p)
-            self._forget(node)
+            if forget is not None:
+                forget(node)
             self.evictions += 1
         return True
 
@@ -419,7 +434,7 @@ class PriorityPolicy(EvictionPolicy):
             return super().place_pinned_chain(keys, start, end, size)
         nodes = self.nodes
         limit = self.capacity_bytes - size
-        evict_to, admit, prot_up = self._evict_to, self._admit, self._prot_up
+        evict_to, admit = self._evict_to, self._admit
         seq, now_s = self._seq, self.clock.now_s
         for j in range(start, end):
             key = keys[j]
@@ -434,26 +449,25 @@ class PriorityPolicy(EvictionPolicy):
                     if not EvictionPolicy.place_pinned(self, key, size, parent):
                         return j
                     continue
+            else:
+                p = None
             self._incoming = key
             if self.used_bytes > limit and not evict_to(limit):  # victims(size, key)
                 return j  # pinned blocks leave no room: nothing evicted
-            # insert_pinned(key, size, parent), with _new_node inline (a protected parent is never a victim)
-            p = nodes[parent] if parent is not None else None
+            # insert_pinned(key, size, parent), with _new_node inline. The parent p is protected (prot ≥ 1): never a
+            # victim above, not a candidate now (nothing to invalidate), and its _prot_up stops at its own count
             node = Node(key, size, p, next(seq), now_s())
             nodes[key] = node
             self.used_bytes += size
             self.inserts += 1
             if p is not None:
-                if p.children == 0 and p.prot == 0:
-                    self._n_candidates -= 1  # _candidate(p, False)
-                    p.version += 1
                 p.children += 1
             admit(node)
             node.pins = 1
             node.prot = 1
             self.protected_bytes += size
             if p is not None:
-                prot_up(p)
+                p.prot += 1  # _prot_up(p): already ≥ 1, so it goes no further up
         return end
 
     def unpin_all(self, keys: Iterable[Hashable]) -> None:
