@@ -172,8 +172,10 @@ class _Dedup:
         seen = self._seen
         done = seen.get(request_id)
         if done is None:  # a request's first look: every key is new
-            fresh = list(dict.fromkeys(keys))
-            seen[request_id] = set(fresh)
+            keyset = set(keys)
+            # a chain's keys are distinct (nearly always): the keys as they are, else the first of each in order
+            fresh = list(keys) if len(keyset) == len(keys) else list(dict.fromkeys(keys))
+            seen[request_id] = keyset
             if len(seen) > self._size:
                 seen.popitem(last=False)
             return fresh
@@ -551,11 +553,25 @@ class StructureAwarePublish:
         if request.request_id not in self._dedup._seen:
             # windows close once per request, before its blocks are counted: an engine that observes a request
             # block by block must see the same closings as one that observes it whole
+            # (the closed ones counted in one walk from the oldest, then popped: no iterator per closing)
             window = self.window_s
-            while origin and t - next(iter(origin.values()))[1] >= window:
-                self.dead[origin.popitem(last=False)[1][0]] += 1
-            while self._watch and t - next(iter(self._watch.values())) >= self.lifetime_s:
-                self._watch.popitem(last=False)
+            dead = self.dead
+            n = 0
+            for cls, t_first in origin.values():
+                if not t - t_first >= window:
+                    break
+                dead[cls] += 1
+                n += 1
+            for _ in range(n):
+                origin.popitem(last=False)
+            watch, lifetime_s = self._watch, self.lifetime_s
+            n = 0
+            for t_first in watch.values():
+                if not t - t_first >= lifetime_s:
+                    break
+                n += 1
+            for _ in range(n):
+                watch.popitem(last=False)
         new = self._dedup.new_keys(request.request_id, keys)
         if not new:
             return
