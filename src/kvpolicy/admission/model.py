@@ -170,19 +170,22 @@ class TransferModel:
 def _nnls_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     """Least squares y ≈ a + b x with a, b ≥ 0, relative error weighting."""
     w = 1.0 / np.maximum(y, 1e-12)
+    # the weighted design once: a column of it is the same product whichever columns a fit takes
+    A2 = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
+    ones = np.ones_like(y)
+    lstsq = np.linalg.lstsq
     best = None
     for cols in ((0, 1), (1,), (0,)):
-        A = np.stack([np.ones_like(x), x], axis=1)[:, cols] * w[:, None]
-        coef, *_ = np.linalg.lstsq(A, np.ones_like(y), rcond=None)
-        if np.any(coef < 0):
+        coef = lstsq(A2 if len(cols) == 2 else A2[:, cols], ones, rcond=None)[0]
+        if (coef < 0).any():
             continue
-        full = np.zeros(2)
-        full[list(cols)] = coef
-        sse = float(np.sum(((full[0] + full[1] * x) * w - 1) ** 2))
+        a = float(coef[0]) if cols[0] == 0 else 0.0
+        b = float(coef[-1]) if cols[-1] == 1 else 0.0
+        sse = float(np.sum(((a + b * x) * w - 1) ** 2))
         if best is None or sse < best[0]:
-            best = (sse, full)
+            best = (sse, a, b)
     assert best is not None
-    return float(best[1][0]), float(best[1][1])
+    return best[1], best[2]
 
 
 @attrs.frozen
