@@ -105,11 +105,14 @@ class RequestRecord:
     split_blocks: int = 0
 
     def __attrs_post_init__(self) -> None:
-        # types first: a NaN count passed every comparison below and reached the ledger's token sums
-        for name in ("prompt_tokens", "block_size_tokens", "local_blocks", "remote_loaded_blocks", "remote_not_loaded_blocks", "split_blocks"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                raise ConfigError(name, f"must be an int, got {v!r}")
+        # types first: a NaN count passed every comparison below and reached the ledger's token sums (plain ints, the
+        # common case, pass in one test)
+        if not (type(self.prompt_tokens) is int and type(self.block_size_tokens) is int and type(self.local_blocks) is int
+                and type(self.remote_loaded_blocks) is int and type(self.remote_not_loaded_blocks) is int and type(self.split_blocks) is int):
+            for name in ("prompt_tokens", "block_size_tokens", "local_blocks", "remote_loaded_blocks", "remote_not_loaded_blocks", "split_blocks"):
+                v = getattr(self, name)
+                if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                    raise ConfigError(name, f"must be an int, got {v!r}")
         if not isinstance(self.request_class, str):
             raise ConfigError("request_class", f"must be a string, got {self.request_class!r}")
         a = self.arrival_s
@@ -134,7 +137,9 @@ class RequestRecord:
             raise ConfigError("not_loaded_reason", f"must be one of {NOT_LOADED_REASONS}, got {self.not_loaded_reason!r}")
         for name in ("ttft_s", "prefill_s", "load_s", "queue_s", "predicted_recompute_s", "stall_s"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+            if v is None or type(v) is float and 0.0 <= v < math.inf:  # (a NaN fails the comparison)
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ConfigError(name, f"must be a finite non-negative number of seconds or None, got {v!r}")
 
 

@@ -236,9 +236,14 @@ class ThresholdPublish:
         _check(request, keys)
         count = self._count
         for key in self._dedup.new_keys(request.request_id, keys):
-            count[key] = count.pop(key, 0) + 1  # re-inserted: now the most recently seen
-            if len(count) > self._capacity:
-                count.popitem(last=False)
+            c = count.get(key)
+            if c is None:
+                count[key] = 1
+                if len(count) > self._capacity:
+                    count.popitem(last=False)
+            else:
+                count[key] = c + 1
+                count.move_to_end(key)  # now the most recently seen
 
     @property
     def held_keys(self) -> int:
