@@ -381,3 +381,108 @@ def test_the_inline_chain_and_eviction_loop_keep_a_subclass_s_own_prot_up_and_fo
     f.unpin_all(["a", "b", "c"])
     assert f.place_pinned_chain(["x", "y"], 0, 2, 8) == 2 and forgotten == ["c", "b"]
     f.check()
+
+
+# chain ops over a cache that also holds lone blocks of other sizes: ("lone", size, i) makes room for and inserts lone
+# block 100 + i of 4, 8 or 12 bytes (unpinned), so the victims a chain needs are of mixed sizes; ("release", c, d) unpins
+# chain c's blocks from depth d on (a request done with them), so whole chains turn evictable, leaf first
+MIXED_OPS = st.lists(st.one_of(st.tuples(st.sampled_from(["chain", "access", "release", "tick"]), st.integers(0, 3), st.integers(0, 5)),
+                               st.tuples(st.just("lone"), st.sampled_from([4, 8, 12]), st.integers(0, 7))), max_size=60)
+
+
+@pytest.mark.parametrize("name", [n for n in POLICIES if isinstance(make_policy(n, 64), PriorityPolicy)])  # (the others: one size)
+@settings(max_examples=150, deadline=None)
+@given(ops=MIXED_OPS, cap_blocks=st.integers(2, 9), extra=st.integers(0, 7))
+def test_a_chain_placed_at_once_evicts_what_block_by_block_evicts_among_victims_of_mixed_sizes(name, ops, cap_blocks, extra):
+    """place_pinned_chain making room for the whole run in one eviction pass (a PriorityPolicy whose admission moves no
+    priority), taking a parent that turns candidate as the next victim without a push when it sorts first, evicts the
+    same victims, in the same order, as the plain path (the base's place_pinned: victims(), admit, insert_pinned) block
+    by block — also when the victims' sizes differ from the blocks' and a victim frees more than one block's room."""
+    runs = []
+    for one_by_one in (False, True):
+        policy = make_policy(name, cap_blocks * 8 + extra, clock=ManualClock())
+        order: list = []
+        forget = policy._forget
+
+        def watch(node, forget=forget, order=order):
+            order.append(node.key)
+            forget(node)
+
+        policy._forget = watch  # on the instance: the class's flags (fused paths) stay as they are
+        policy._forgets = True
+        out = []
+        for op, a, b in ops:
+            if op == "lone":
+                key = 100 + b
+                if key not in policy.nodes:
+                    try:
+                        policy.victims(a, key)
+                    except CapacityError:
+                        continue
+                    if policy.admit(key, a):
+                        policy.on_insert(key, a)
+                continue
+            keys = [a * 10 + d for d in range(6)]
+            if op == "tick":
+                policy.clock.advance(0.25)
+            elif op == "chain":  # from depth b, or from the chain's first block not resident when that is shallower
+                b = min(b, next((d for d, k in enumerate(keys) if k not in policy.nodes), 6))
+                if one_by_one:  # the plain path: the base's place_pinned (victims(), admit, insert_pinned) per block
+                    j = b
+                    while j < 6 and keys[j] not in policy.nodes and (j == 0 or keys[j - 1] in policy.nodes) \
+                            and EvictionPolicy.place_pinned(policy, keys[j], 8, keys[j - 1] if j else None):
+                        j += 1
+                else:
+                    j = policy.place_pinned_chain(keys, b, 6, 8)
+                out.append(j)
+            elif op == "access" and keys[b] in policy.nodes:
+                policy.on_access(keys[b])
+            elif op == "release":  # a request letting go of the chain's blocks from depth b on, root first
+                for k in keys[b:]:
+                    if k in policy.nodes and policy.nodes[k].pins:
+                        policy.unpin(k)
+        policy.check()
+        numbers = {k: v for k, v in vars(policy).items() if type(v) in (int, float)}
+        runs.append((out, order, sorted((k, n.pins, n.prot, n.children, n.seq) for k, n in policy.nodes.items()), numbers))
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("name", ["lru", "reuse-distance"])
+def test_a_parent_turning_candidate_is_taken_next_only_when_it_sorts_first_and_pushed_when_room_is_made(name):
+    """Two hand-worked cases of the eviction loop's direct parent, each against the plain path (the base's
+    place_pinned, block by block): a parent used after another candidate waits its turn behind it; a grandparent that
+    turns candidate as the last victim goes keeps its heap entry (evicted later, before a newer block)."""
+    for plain in (False, True):
+        p = make_policy(name, 4 * 8, clock=ManualClock())
+        order: list = []
+        p._forget = order.append  # on the instance: the class's flags stay
+        p._forgets = True
+
+        def place(keys):
+            if plain:
+                j = 0
+                while j < len(keys) and EvictionPolicy.place_pinned(p, keys[j], 8, keys[j - 1] if j else None):
+                    j += 1
+                return j
+            return p.place_pinned_chain(keys, 0, len(keys), 8)
+
+        assert place(["a0", "a1", "a2"]) == 3
+        p.unpin_all(["a0", "a1", "a2"])
+        p.clock.advance(1.0)
+        p.on_insert("x", 8)  # a lone block, used at t = 1
+        p.clock.advance(1.0)
+        p.on_access("a1")  # a1 used at t = 2: once a2 goes, a1 sorts after x
+        assert place(["b0", "b1"]) == 2
+        first = [n.key for n in order]
+        p.unpin_all(["b0", "b1"])
+        p.clock.advance(1.0)
+        assert place(["c0"]) == 1  # one victim: a1 (LRU), whose parent a0 turns candidate as the room is made
+        assert place(["d0"]) == 1  # a0 must still be found
+        p.check()
+        if plain:
+            want = (first, [n.key for n in order])
+        else:
+            got = (first, [n.key for n in order])
+    assert got == want
+    if name == "lru":
+        assert want == (["a2", "x"], ["a2", "x", "a1", "a0"]), "a1 (used at t = 2) waits behind x (t = 1); a0 kept its entry"

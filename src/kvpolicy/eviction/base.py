@@ -308,6 +308,8 @@ class EvictionPolicy:
     def _admit(self, node: Node) -> None:
         pass
 
+    _admit.moves_no_priority = True  # type: ignore[attr-defined]  # admitting a block moves no other block's priority
+
     def _hit(self, node: Node) -> None:
         pass
 
@@ -365,11 +367,17 @@ class PriorityPolicy(EvictionPolicy):
         # pop that entry at once instead of meeting it again as a stale one
         self._pop_chosen = cls._choose is PriorityPolicy._choose
         self._forgets = cls._forget is not EvictionPolicy._forget  # the inline eviction loop skips the base's no-op
+        # a parent that becomes a candidate while more room is still wanted, and whose entry sorts before the heap's
+        # top, is the very next victim: the loop takes it without the push and pop — while _push pushes _entry's entry
+        self._direct_parent = self._pop_chosen and getattr(cls._push, "pushes_its_entry", False)
         self._fused_unpin = (cls.unpin is EvictionPolicy.unpin and cls._prot_down is EvictionPolicy._prot_down
                              and cls._candidate is PriorityPolicy._candidate)
         # place_pinned_chain with every call inline, while the calls it stands for are this base's own
         self._fused_chain = (self._fused_place and cls.place_pinned is PriorityPolicy.place_pinned and cls._new_node is EvictionPolicy._new_node
                              and cls._prot_up is EvictionPolicy._prot_up)
+        # and it makes room for the rest of the run at once, while admitting a block moves no other block's priority
+        # (the victims are then the same, in the same order: see place_pinned_chain)
+        self._batch_chain = self._fused_chain and getattr(cls._admit, "moves_no_priority", False)
 
     def place_pinned(self, key: Hashable, size: int, parent: Hashable | None = None) -> bool:
         if not self._fused_place or type(size) is not int or size < 0:
@@ -396,8 +404,12 @@ class PriorityPolicy(EvictionPolicy):
         heap_pop = self._pop_chosen
         pop = heapq.heappop
         forget = self._forget if self._forgets else None
+        direct = self._direct_parent
+        nxt: Node | None = None
         while self.used_bytes > limit:
-            if heap_pop:  # the base's _choose, inline: the top live entry, whose node is popped at once (it goes stale now)
+            if nxt is not None:  # the parent taken directly below: it has no heap entry to pop
+                node, nxt = nxt, None
+            elif heap_pop:  # the base's _choose, inline: the top live entry, whose node is popped at once (it goes stale now)
                 heap = self._heap  # read again each time: a push below may compact it into a new list
                 while heap:
                     entry = heap[0]
@@ -420,7 +432,18 @@ class PriorityPolicy(EvictionPolicy):
                 p.children -= 1
                 if p.children == 0 and p.prot == 0:
                     self._n_candidates += 1
-                    self._push(p)
+                    if direct and self.used_bytes > limit:
+                        # pushed, it would be popped next if its entry sorts before the top one (live or stale): take it
+                        entry = self._entry(p)
+                        heap = self._heap
+                        if not heap or entry < heap[0]:
+                            nxt = p
+                        else:
+                            heapq.heappush(heap, entry)
+                            if len(heap) > 4 * self._n_candidates + 64:
+                                self._compact()
+                    else:
+                        self._push(p)
             if forget is not None:
                 forget(node)
             self.evictions += 1
@@ -436,6 +459,7 @@ class PriorityPolicy(EvictionPolicy):
         limit = self.capacity_bytes - size
         evict_to, admit = self._evict_to, self._admit
         seq, now_s = self._seq, self.clock.now_s
+        batch = self._batch_chain
         for j in range(start, end):
             key = keys[j]
             if key in nodes:
@@ -452,8 +476,18 @@ class PriorityPolicy(EvictionPolicy):
             else:
                 p = None
             self._incoming = key
-            if self.used_bytes > limit and not evict_to(limit):  # victims(size, key)
-                return j  # pinned blocks leave no room: nothing evicted
+            if self.used_bytes > limit:  # victims(size, key)
+                if batch:
+                    batch = False
+                    # Room for the m blocks that pins leave room for, at once: block by block, the i-th evicts the
+                    # shortest run of victims after which used + (i+1)·size fits, and the victims' order does not depend
+                    # on the pinned blocks inserted between (their parents are protected, their admission moves no
+                    # priority), so the m-th leaves exactly the victims used + m·size needs. Only over new, distinct keys
+                    m = min(end - j, (self.capacity_bytes - self.protected_bytes) // size)
+                    if m > 1 and len(set(keys[j:j + m])) == m and not any(k in nodes for k in keys[j + 1:j + m]):
+                        evict_to(self.capacity_bytes - m * size)
+                if self.used_bytes > limit and not evict_to(limit):
+                    return j  # pinned blocks leave no room: nothing evicted
             # insert_pinned(key, size, parent), with _new_node inline. The parent p is protected (prot ≥ 1): never a
             # victim above, not a candidate now (nothing to invalidate), and its _prot_up stops at its own count
             node = Node(key, size, p, next(seq), now_s())
@@ -514,6 +548,13 @@ class PriorityPolicy(EvictionPolicy):
         heapq.heappush(self._heap, (self.priority(node), node.seq, node.version, node))
         if len(self._heap) > 4 * self._n_candidates + 64:
             self._compact()
+
+    _push.pushes_its_entry = True  # type: ignore[attr-defined]  # what _entry returns: the eviction loop relies on it
+
+    def _entry(self, node: Node) -> tuple[Any, ...]:
+        """The heap entry :meth:`_push` would push for ``node`` now, its version bumped as a push bumps it."""
+        node.version += 1
+        return (self.priority(node), node.seq, node.version, node)
 
     def _compact(self) -> None:
         """Drop the stale entries (a node re-pushed, no longer a candidate, or gone) once they outnumber the live ones."""

@@ -72,6 +72,8 @@ class ReuseDistancePolicy(PriorityPolicy):
         node.data = (self.V, None)  # V at last use, EWMA reuse distance (bytes): a tuple of numbers, which the collector untracks
         self.V += node.size
 
+    _admit.moves_no_priority = True  # type: ignore[attr-defined]  # V moves, and no priority reads it
+
     def _hit(self, node: Node) -> None:
         v_last, est = node.data
         d = max(self.V - v_last, 1.0)
@@ -88,21 +90,26 @@ class ReuseDistancePolicy(PriorityPolicy):
         return est is not None and est > self.c_eff
 
     def _push(self, node: Node) -> None:
-        """The base's push with :meth:`priority`'s three fields flattened into the heap entry — (doomed, time, depth,
-        seq, version, node) orders exactly as ((doomed, time, depth), seq, version, node), one tuple and one call fewer
-        per push (the local cache's hottest line). A subclass with its own priority takes the base's push."""
+        """The base's push of :meth:`_entry`'s flattened entry."""
+        heap = self._heap
+        heapq.heappush(heap, self._entry(node))
+        if len(heap) > 4 * self._n_candidates + 64:
+            self._compact()
+
+    _push.pushes_its_entry = True  # type: ignore[attr-defined]
+
+    def _entry(self, node: Node) -> tuple:
+        """The base's entry with :meth:`priority`'s three fields flattened into it — (doomed, time, depth, seq, version,
+        node) orders exactly as ((doomed, time, depth), seq, version, node), one tuple and one call fewer per push (the
+        local cache's hottest line). A subclass with its own priority takes the base's entry."""
         if type(self).priority is not ReuseDistancePolicy.priority:
-            super()._push(node)
-            return
+            return super()._entry(node)
         node.version += 1
         w = self._w
         hits = node.hits
         shift = self.aging * w if hits == 0 else (-self.boost * w if hits >= 2 else 0.0)
         est = node.data[1]
-        heap = self._heap
-        heapq.heappush(heap, (0 if est is not None and est > self.c_eff else 1, node.t_access - shift, -node.depth, node.seq, node.version, node))
-        if len(heap) > 4 * self._n_candidates + 64:
-            self._compact()
+        return (0 if est is not None and est > self.c_eff else 1, node.t_access - shift, -node.depth, node.seq, node.version, node)
 
     def priority(self, node: Node) -> tuple:
         w = self._w  # first_reuse_interval_s
