@@ -165,21 +165,24 @@ class _Dedup:
     keys of the newest ``size`` requests (memory bound)."""
 
     def __init__(self, size: int = 4096) -> None:
-        self._seen: OrderedDict[Hashable, set] = OrderedDict()
+        # request -> the keys it showed: a tuple after its first look (a tenth of a set's memory, and most requests are
+        # looked at once), a set from its second on
+        self._seen: OrderedDict[Hashable, tuple | set] = OrderedDict()
         self._size = size
 
     def new_keys(self, request_id: Hashable, keys: Sequence[Hashable]) -> list[Hashable]:
         seen = self._seen
         done = seen.get(request_id)
         if done is None:  # a request's first look: every key is new
-            keyset = set(keys)
             # a chain's keys are distinct (nearly always): the keys as they are, else the first of each in order
-            fresh = list(keys) if len(keyset) == len(keys) else list(dict.fromkeys(keys))
-            seen[request_id] = keyset
+            fresh = list(keys) if len(set(keys)) == len(keys) else list(dict.fromkeys(keys))
+            seen[request_id] = tuple(fresh)
             if len(seen) > self._size:
                 seen.popitem(last=False)
             return fresh
         seen.move_to_end(request_id)
+        if type(done) is tuple:
+            done = seen[request_id] = set(done)
         fresh = [k for k in dict.fromkeys(keys) if k not in done]
         done.update(fresh)
         return fresh
