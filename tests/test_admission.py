@@ -894,3 +894,63 @@ def test_check_timeout_answers_against_the_decisions_soft_timeout_and_refuses_a_
             c.check_timeout(d.load_id, bad)
     with pytest.raises(ConfigError, match="load_id"):
         c.check_timeout(d.load_id + 99, 1.0)
+
+
+def _nnls_reference(x, y):
+    """The NNLS line by hand: minimise Σ((a + b·x)/y − 1)² over a, b ≥ 0 — the unconstrained normal equations when
+    both come out ≥ 0, else the better of the two one-term fits (b alone, a alone), each in closed form."""
+    w = [1.0 / max(v, 1e-12) for v in y]
+    u = [wi for wi in w]  # the intercept's column, weighted
+    v = [xi * wi for xi, wi in zip(x, w)]  # the slope's
+    suu, svv, suv = sum(a * a for a in u), sum(b * b for b in v), sum(a * b for a, b in zip(u, v))
+    su, sv = sum(u), sum(v)
+
+    def sse(a, b):
+        return sum(((a + b * xi) * wi - 1) ** 2 for xi, wi in zip(x, w))
+
+    fits = []
+    det = suu * svv - suv * suv
+    if det > 1e-12 * suu * svv:
+        a, b = (su * svv - sv * suv) / det, (sv * suu - su * suv) / det
+        if a >= 0 and b >= 0:
+            fits.append((sse(a, b), a, b))
+    fits.append((sse(0.0, sv / svv), 0.0, sv / svv))
+    fits.append((sse(su / suu, 0.0), su / suu, 0.0))
+    return min(fits)[1:]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(1e6, 1e10), st.floats(1e-4, 10.0)), min_size=2, max_size=8, unique_by=lambda p: round(p[0], -4)))
+def test_the_transfer_line_fit_is_the_nonnegative_least_squares_line(points):
+    """The fit behind α_q + β_q·S: relative-error least squares with α, β ≥ 0 (its cost, the weighted squared error,
+    no higher than the hand-worked reference's, and the same line where the reference's optimum is unique)."""
+    from kvpolicy.admission.model import _nnls_line
+
+    x = np.array([p[0] for p in points])
+    y = np.array([p[1] for p in points])
+    a, b = _nnls_line(x, y)
+    ra, rb = _nnls_reference(x.tolist(), y.tolist())
+    assert a >= 0 and b >= 0
+
+    def sse(a, b):
+        return float(np.sum(((a + b * x) / y - 1) ** 2))
+
+    assert sse(a, b) <= sse(ra, rb) * (1 + 1e-9) + 1e-12
+
+
+def test_the_transfer_line_fit_by_hand():
+    """Points on y = 0.01 + 2e-9·x give back (0.01, 2e-9); points whose best line would cross zero below x = 0 (a
+    negative intercept) take the slope alone; a falling line takes the intercept alone."""
+    from kvpolicy.admission.model import _nnls_line
+
+    x = np.array([1e8, 5e8, 2e9])
+    a, b = _nnls_line(x, 0.01 + 2e-9 * x)
+    assert a == pytest.approx(0.01, rel=1e-9) and b == pytest.approx(2e-9, rel=1e-9)
+    a, b = _nnls_line(x, -0.05 + 1e-9 * x + 0.1)  # y = 0.05 + 1e-9 x: both terms
+    assert a == pytest.approx(0.05, rel=1e-9) and b == pytest.approx(1e-9, rel=1e-9)
+    y = np.array([0.05, 0.45, 1.95])  # y = 1e-9 x − 0.05: the intercept would be negative
+    a, b = _nnls_line(x, y)
+    assert a == 0.0 and b > 0 and (a, b) == pytest.approx(_nnls_reference(x.tolist(), y.tolist()), rel=1e-9)
+    y = np.array([3.0, 2.0, 1.0])  # falling: the slope would be negative
+    a, b = _nnls_line(x, y)
+    assert b == 0.0 and a > 0 and (a, b) == pytest.approx(_nnls_reference(x.tolist(), y.tolist()), rel=1e-9)

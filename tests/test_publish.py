@@ -683,3 +683,25 @@ def test_keys_must_be_a_sequence():
         with pytest.raises(ConfigError, match="keys"):
             PublishAll().publishable(req(1, 3), bad)
     assert PublishAll().publishable(req(1, 3), ("a", "b", "c")) == 3, "a tuple is a sequence"
+
+
+def test_structure_aware_windows_close_at_their_boundary_once_and_a_late_sighting_teaches_nothing():
+    """Hand-worked: blocks a, b made at t = 0 (lifetime 100 s); a seen again at t = 50 (reused, a 50 s delay: the window
+    is min(100, 3 × 50) = 100 s). At t = 99.9 b's window is still open; at exactly t = 100 it closes — b counts dead
+    once, and leaves the watch. Seen at t = 120, b is neither reused nor a delay. c (made at 99.9) stays open at 120."""
+    f = StructureAwarePublish(lifetime_s=100.0, half_life_s=100.0)
+    cls = f.block_class(req(1, 2), 0)  # a fresh request's first new block (b, its second, is in the next depth class)
+    cls_b = f.block_class(req(1, 2), 1)
+    f.observe(req(1, 2, t=0.0), ["a", "b"])
+    f.observe(req(2, 1, t=50.0), ["a"])
+    assert f.reused[cls] == 1 and f._n_delay == 1 and f._mean_delay_s == 50.0 and f.window_s == 100.0
+    f.observe(req(3, 1, t=99.9), ["c"])
+    assert "b" in f._origin and "b" in f._watch and sum(f.dead) == 0, "99.9 s: b's window is open"
+    f.observe(req(4, 1, t=100.0), ["d"])
+    assert list(f._origin) == ["c", "d"] and list(f._watch) == ["c", "d"], "b's window closed at exactly 100 s"
+    assert f.dead[cls_b] == 1 and sum(f.dead) == 1, "b counted dead once"
+    f.observe(req(5, 1, t=120.0), ["b"])
+    f.observe(req(6, 1, t=120.0), ["e"])
+    assert f.dead[cls_b] == 1 and sum(f.dead) == 1 and f.reused[cls_b] == 0, "a sighting after the window is not reuse"
+    assert f._n_delay == 1 and f._mean_delay_s == 50.0, "nor a delay"
+    assert list(f._origin) == ["c", "d", "e"], "c (made at 99.9 s) is open at 120 s"

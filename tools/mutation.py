@@ -63,7 +63,7 @@ MODULES: dict[str, dict[str, Any]] = {
                       "kvpolicy/sim/pool.py", "kvpolicy/sim/overlap.py", "kvpolicy/sim/replicas.py", "kvpolicy/sim/lifecycle.py",
                       "kvpolicy/sim/network.py"],
             "tests": ["tests/test_sim.py", "tests/test_network.py", "tests/test_decisions.py", "tests/test_sim_decisions.py",
-                      "tests/test_sim_load_rules.py"]},
+                      "tests/test_sim_load_rules.py", "tests/test_sim_pinned.py"]},
     "publish": {"paths": ["kvpolicy/publish.py"],
                 "tests": ["tests/test_publish.py", "tests/test_sim.py", "tests/test_decisions.py", "tests/test_sim_decisions.py"]},
     "directory": {"paths": ["kvpolicy/directory/memory.py", "kvpolicy/directory/redis.py", "kvpolicy/directory/base.py"],
