@@ -40,6 +40,30 @@ def test_a_quantile_is_what_numpy_gave(xs):
             assert h.quantile(q) == _numpy_quantile(h, q)
 
 
+FEW = st.sampled_from([0.0, 1e-3, 2e-3, 0.5, 0.51, 7.0, 300.0])  # a handful of buckets, each hit again and again
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(st.tuples(st.just("record"), FEW, st.integers(1, 3)), st.tuples(st.just("many"), st.lists(FEW, max_size=4), st.just(0)),
+                          st.tuples(st.just("merge"), st.lists(FEW, max_size=4), st.just(0))), max_size=60))
+def test_the_buckets_order_kept_between_new_buckets_answers_what_sorting_afresh_answers(ops):
+    """The sorted bucket keys are kept while records land in buckets that exist, and dropped by a new bucket, by
+    record_many and by merge: every quantile after every step is the plain computation's."""
+    h = LogHistogram()
+    for op, x, n in ops:
+        if op == "record":
+            h.record(x, n)
+        elif op == "many":
+            h.record_many(x)
+        else:
+            other = LogHistogram()
+            for v in x:
+                other.record(v)
+            h.merge(other)
+        for q in QS:
+            assert h.quantile(q) == _numpy_quantile(h, q)
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 7), VALUES), max_size=60))
 def test_a_window_kept_merged_answers_what_merging_afresh_answers(steps):

@@ -22,7 +22,7 @@ from ..errors import ConfigError
 
 
 class LogHistogram:
-    __slots__ = ("alpha", "_gamma_log", "min_value", "_counts", "_zero", "count", "sum", "min", "max", "_sorted", "_qcache")
+    __slots__ = ("alpha", "_gamma_log", "min_value", "_counts", "_zero", "count", "sum", "min", "max", "_keys", "_sorted", "_qcache")
 
     def __init__(self, alpha: float = 0.01, min_value: float = 1e-9) -> None:
         if not 0 < alpha < 1:
@@ -36,6 +36,8 @@ class LogHistogram:
         self.sum = 0.0
         self.min = math.inf
         self.max = -math.inf
+        #: the buckets' keys in order, kept while records land in buckets that exist (a TTFT histogram holds hundreds)
+        self._keys: list[int] | None = None
         self._sorted: tuple[list[int], list[int]] | None = None
         self._qcache: dict[float, float | None] = {}
 
@@ -57,7 +59,12 @@ class LogHistogram:
         if k is None:
             self._zero += n
         else:
-            self._counts[k] = self._counts.get(k, 0) + n
+            c = self._counts.get(k)
+            if c is None:
+                self._counts[k] = n
+                self._keys = None  # a new bucket
+            else:
+                self._counts[k] = c + n
         self.count += n
         self.sum += x * n
         if x < self.min:
@@ -80,6 +87,7 @@ class LogHistogram:
             uk, cnt = np.unique(keys, return_counts=True)
             for k, c in zip(uk.tolist(), cnt.tolist()):
                 self._counts[k] = self._counts.get(k, 0) + c
+            self._keys = None
         self.count += int(v.size)
         self.sum += float(v.sum())
         self.min = min(self.min, float(v.min()))
@@ -92,6 +100,7 @@ class LogHistogram:
             raise ConfigError("alpha", f"cannot merge histograms of accuracy {self.alpha} and {other.alpha}")
         for k, c in other._counts.items():
             self._counts[k] = self._counts.get(k, 0) + c
+        self._keys = None
         self._zero += other._zero
         self.count += other.count
         self.sum += other.sum
@@ -120,10 +129,12 @@ class LogHistogram:
         if self.count == 0:
             return None
         if self._sorted is None:
-            # plain lists: a histogram holds tens of buckets, where numpy's per-call overhead is most of the cost
-            keys = sorted(self._counts)
-            counts = self._counts
-            cum = list(itertools.accumulate((counts[k] for k in keys), initial=self._zero))[1:]
+            # plain lists: a histogram holds tens to hundreds of buckets, where numpy's per-call overhead is most of the
+            # cost; the keys' order is kept until a new bucket appears, the running counts summed in C
+            keys = self._keys
+            if keys is None:
+                keys = self._keys = sorted(self._counts)
+            cum = list(itertools.accumulate(map(self._counts.__getitem__, keys), initial=self._zero))[1:]
             self._sorted = (keys, cum)
         keys, cum = self._sorted
         rank = q * (self.count - 1)
