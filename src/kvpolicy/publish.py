@@ -526,6 +526,7 @@ class StructureAwarePublish:
         self._origin: OrderedDict[Hashable, tuple[int, float]] = OrderedDict()
         self._watch: OrderedDict[Hashable, float] = OrderedDict()
         self._capacity = capacity_keys
+        self._forgot = False  # has the count dropped a key (capacity)? Until it has, no key outside it is in a window
         self._mean_delay_s = 0.0
         self._n_delay = 0
         #: _depth(i) for every index below the last edge: the edges it has reached
@@ -595,22 +596,27 @@ class StructureAwarePublish:
         reused_blocks = request.reused_blocks
         depths = self._depth_table
         n_depths, deepest = len(depths), len(self.DEPTH_EDGES)
+        # what every first sighting of this request stores (immutable, so shared): its count, and its origin per class
+        first = complex(1.0, t)
+        origins = [(base + d, t) for d in range(deepest + 1)]
         for j, key in enumerate(keys):
             if fresh is not None and key not in fresh:
                 continue
             rec = seen.get(key)
             if rec is None:
-                seen[key] = complex(1.0, t)
+                seen[key] = first
                 if len(seen) > capacity:
                     seen.popitem(last=False)
-                o = origin.pop(key, None)
-                if o is not None:  # the counts forgot it (capacity) inside its open window: this is its second sighting
+                    self._forgot = True
+                # a key the counts never held is in no window: only one they forgot (capacity) can be
+                o = origin.pop(key, None) if self._forgot else None
+                if o is not None:  # the counts forgot it inside its open window: this is its second sighting
                     reused[o[0]] += 1
                     watch.pop(key, None)
                     continue
                 # first sighting: remember its class and when (_depth, inline)
                 n = j - reused_blocks if j > reused_blocks else 0
-                origin[key] = (base + (depths[n] if n < n_depths else deepest), t)
+                origin[key] = origins[depths[n] if n < n_depths else deepest]
                 watch[key] = t
                 if len(origin) > capacity:
                     self.dead[origin.popitem(last=False)[1][0]] += 1
@@ -620,6 +626,11 @@ class StructureAwarePublish:
                 dt = t - rec.imag
                 seen[key] = complex(rec.real * exp(neg_lam * (dt if dt > 0.0 else 0.0)) + 1.0, t)
                 seen.move_to_end(key)
+                if rec.real != 1.0:
+                    # seen twice before: its second sighting took it out of the window and the watch, and only a first
+                    # sighting puts a key there — with a count of exactly 1.0 (a count of 1.0 after a long silence, the
+                    # decayed part lost to rounding, looks them up for nothing)
+                    continue
                 t_first = watch.pop(key, None)
                 if t_first is not None:  # its second sighting: the delay teaches the window
                     self._n_delay += 1
