@@ -814,26 +814,28 @@ class DuelingPublish:
             for c, ghost in enumerate(self.ghosts):
                 served = 0.0
                 first_reads = 0
+                get, to_end = ghost.get, ghost.move_to_end
                 for j in range(L, L + P):  # served by a pull whatever the rule: no credit; the pool keeps them, read
                     key = keys[j]
-                    if key in ghost:
-                        if not ghost[key]:
+                    was_read = get(key)
+                    if was_read is not None:
+                        if not was_read:
                             ghost[key] = True  # a pull read it: its write is paid back
                             first_reads += 1
-                        ghost.move_to_end(key)
+                        to_end(key)
                     else:
                         ghost[key] = True
                         if cap is not None and len(ghost) > cap:
                             ghost.popitem(last=False)
                 for j in range(L + P, len(keys)):
                     key = keys[j]
-                    was_read = ghost.get(key)
+                    was_read = get(key)
                     if was_read is None:
                         break
                     if not was_read:
                         ghost[key] = True  # its write is paid back: it was read
                         first_reads += 1
-                    ghost.move_to_end(key)
+                    to_end(key)
                     served += rs[j]
                 self.scores[c] += served + first_reads * cost
                 self.served_s[c] += served
@@ -847,9 +849,10 @@ class DuelingPublish:
             cap = self.capacity
             for c, ghost in enumerate(self.ghosts):
                 wrote = 0
+                to_end = ghost.move_to_end
                 for key in keys[:ns[c]]:
                     if key in ghost:
-                        ghost.move_to_end(key)
+                        to_end(key)
                         continue
                     ghost[key] = False  # written, not read yet
                     wrote += 1
