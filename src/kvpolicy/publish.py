@@ -181,7 +181,7 @@ class _Dedup:
                 seen.popitem(last=False)
             return fresh
         seen.move_to_end(request_id)
-        if type(done) is tuple:
+        if isinstance(done, tuple):
             done = seen[request_id] = set(done)
         fresh = [k for k in dict.fromkeys(keys) if k not in done]
         done.update(fresh)
@@ -566,8 +566,8 @@ class StructureAwarePublish:
             window = self.window_s
             dead = self.dead
             n = 0
-            for cls, t_first in origin.values():
-                if not t - t_first >= window:
+            for cls, opened_s in origin.values():
+                if not t - opened_s >= window:
                     break
                 dead[cls] += 1
                 n += 1
@@ -575,8 +575,8 @@ class StructureAwarePublish:
                 origin.popitem(last=False)
             watch, lifetime_s = self._watch, self.lifetime_s
             n = 0
-            for t_first in watch.values():
-                if not t - t_first >= lifetime_s:
+            for opened_s in watch.values():
+                if not t - opened_s >= lifetime_s:
                     break
                 n += 1
             for _ in range(n):
