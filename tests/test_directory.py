@@ -328,10 +328,11 @@ def test_reading_an_unknown_tenant_allocates_nothing():
 
 
 def test_active_leases_are_bounded_and_a_lease_past_the_bound_protects_nothing():
-    """200,000 unreleased leases grew memory by 64 MiB. At max_leases (default 100,000) a new lease is refused —
-    counted, and returned holding no key (the reader then loads unprotected) — until one is released or expires."""
+    """200,000 unreleased leases grew memory by 64 MiB. At max_leases_per_tenant (default 100,000) a new lease of that
+    tenant is refused — counted, and returned holding no key (the reader then loads unprotected) — until one is
+    released or expires."""
     clock = ManualClock()
-    d = InMemoryDirectory(max_leases=3, clock=clock)
+    d = InMemoryDirectory(max_leases_per_tenant=3, clock=clock)
     held = [d.lease("t", KEYS[i:i + 1], ttl_s=10.0) for i in range(3)]
     extra = d.lease("t", KEYS[5:6], ttl_s=10.0)
     assert extra.keys == () and d.leases_refused == 1 and not d.leased("t", KEYS[5])
@@ -340,9 +341,182 @@ def test_active_leases_are_bounded_and_a_lease_past_the_bound_protects_nothing()
     clock.advance(11.0)  # the rest expire: room again
     assert d.lease("t", KEYS[6:7], ttl_s=10.0).keys == (KEYS[6],)
     with pytest.raises(ConfigError) as e:
-        InMemoryDirectory(max_leases=0)
-    assert e.value.field == "max_leases"
-    assert InMemoryDirectory().max_leases == 100_000
+        InMemoryDirectory(max_leases_per_tenant=0)
+    assert e.value.field == "max_leases_per_tenant"
+    assert InMemoryDirectory().max_leases_per_tenant == 100_000
+
+
+def test_one_tenant_filling_its_leases_denies_no_other_tenant_a_lease():
+    """Round three: 100,000 leases of one tenant left every other tenant's lease empty (one global bound). The bound
+    is per tenant: the flooder's own next lease is refused, everyone else's is granted and protects its keys."""
+    clock = ManualClock()
+    d = InMemoryDirectory(max_leases_per_tenant=50, max_keys_per_tenant=2, clock=clock)
+    for i in range(60):
+        d.lease("flood", [bytes([i % 256]) * 16], ttl_s=30.0)
+    assert d.leases_refused == 10
+    d.publish("victim", [Entry(KEYS[0], "r", 1), Entry(KEYS[1], "r", 1)])
+    got = d.lease("victim", KEYS[:1], ttl_s=30.0)
+    assert got.keys == (KEYS[0],) and d.leased("victim", KEYS[0]) and d.leases_refused == 10
+    d.publish("victim", [Entry(KEYS[2], "r", 1), Entry(KEYS[3], "r", 1)])  # past the key bound: the leased key stays
+    assert KEYS[0] in d.keys("victim") and d.evict("victim", KEYS[:1]) == 0
+
+
+def test_lease_expiry_is_indexed_and_churn_keeps_it_small():
+    """Leases expire by their own deadline, earliest first, whatever order they were taken in; a tenant's released
+    leases do not pile up in the expiry index (it stays within twice the live leases plus a constant)."""
+    clock = ManualClock()
+    d = InMemoryDirectory(clock=clock)
+    late = d.lease("t", KEYS[:1], ttl_s=20.0)
+    early = d.lease("t", KEYS[1:2], ttl_s=5.0)
+    clock.advance(6.0)
+    assert not d.leased("t", KEYS[1]) and d.leased("t", KEYS[0])
+    assert early.lease_id not in d._active["t"] and late.lease_id in d._active["t"]
+    clock.advance(15.0)
+    assert not d.leased("t", KEYS[0]) and d._active["t"] == {}
+    for i in range(2000):
+        d.release(d.lease("t", KEYS[i % 12:i % 12 + 1], ttl_s=60.0))
+    assert len(d._expiry["t"]) <= 64 + 1 and d._leases["t"] == {}
+
+
+def test_a_tenant_scoped_publish_reads_its_argument_once(directory):
+    """A generator of 5 entries stored none (the namespace check used up its one pass); an iterable whose second pass
+    differed got another namespace's entry past the check. publish reads its argument once."""
+    from kvpolicy.directory import TenantScopedDirectory
+
+    ns, other = b"n" * 16, b"o" * 16
+    t = TenantScopedDirectory(directory, "gen", namespace_digest=ns)
+    assert t.publish(Entry(k, "r", 1, namespace_digest=ns) for k in KEYS[:5]) == 5
+    assert t.match_prefix(KEYS[:5]) == 5
+
+    class Shifty:
+        def __init__(self):
+            self.passes = 0
+
+        def __iter__(self):
+            self.passes += 1
+            digest = ns if self.passes == 1 else other
+            return iter([Entry(KEYS[6], "r", 1, namespace_digest=digest)])
+
+    shifty = Shifty()
+    t.publish(shifty)
+    assert shifty.passes == 1
+    assert [e.namespace_digest for e in directory.lookup("gen", [KEYS[6]])[0]] == [ns]
+
+
+def test_an_expiry_past_the_year_5000_is_refused_naming_the_field():
+    """expires_at_s of 1e14 stored entries on Redis, reported 0 and escaped max_keys_per_tenant (its PEXPIREAT failed
+    after the HSET). Entries carry expiries up to MAX_EXPIRES_AT_S (1e11 s) or None."""
+    from kvpolicy.directory.base import MAX_EXPIRES_AT_S
+
+    for bad in (1e14, MAX_EXPIRES_AT_S * 1.001, -1.0):
+        with pytest.raises(ConfigError) as e:
+            Entry(KEYS[0], "r", 1, expires_at_s=bad)
+        assert e.value.field == "expires_at_s"
+    assert Entry(KEYS[0], "r", 1, expires_at_s=MAX_EXPIRES_AT_S).expires_at_s == MAX_EXPIRES_AT_S
+
+
+def test_a_malformed_stored_value_is_a_counted_miss_never_an_exception(redis_url):
+    """A tenant's own ACL user can HSET anything into its hashes. A value of one field, an expiry that is no number,
+    a non-UTF-8 holder: lookup, match, PeerIndex and the CLI's lookup read them as misses (counted in ``malformed``);
+    the well-formed holder beside them is still found."""
+    import redis as redis_lib
+
+    from kvpolicy.directory import PeerIndex
+
+    d = redis_dir(redis_url)
+    raw = redis_lib.Redis.from_url(redis_url)
+    d.publish("t", [Entry(KEYS[0], "good/gpu/g0", 1, "gpu")])
+    name = d._name("t", KEYS[0], "b:")
+    raw.hset(name, b"\xff\xfe/gpu/g0", b"1|gpu||")  # a holder that is not UTF-8
+    raw.hset(name, "one-field/gpu/g0", b"garbage")
+    raw.hset(name, "bad-exp/gpu/g0", b"1|gpu||soon")
+    for k, v in ((KEYS[1], b"garbage"), (KEYS[2], b"1|gpu||1e+300"), (KEYS[3], b"\xff|\xfe||")):
+        raw.hset(d._name("t", k, "b:"), "x/gpu/g0", v)
+    rows = d.lookup("t", KEYS[:4])
+    assert [[e.holder for e in r] for r in rows] == [["good/gpu/g0"], [], [], []]
+    assert d.malformed == 6 and d.errors == 0
+    assert d.match_prefix("t", KEYS[:4]) == 1  # the script reads the same values as no live holder
+    assert d.match_prefix("t", KEYS[1:2]) == 0
+    peers = PeerIndex(d, "t", exclude="me")
+    assert peers.match_prefix(KEYS[:2]) == 1 and peers.holder == "good"
+
+
+def test_redis_scripts_bound_their_own_work_whoever_calls_them(redis_url):
+    """The split into 1,000-key calls lived only in kvpolicy's client: a tenant's own ACL user sent the publish script
+    200k keys in one call (2.6 s of server time). Every script refuses more than MAX_KEYS_PER_CALL keys before it
+    writes anything, checks every entry and expiry before its first write, caps holders per key whatever its caller
+    says, and evicts at most a bounded number of keys per call."""
+    import redis as redis_lib
+
+    from kvpolicy.directory.base import MAX_KEYS_PER_CALL
+
+    d = redis_dir(redis_url)
+    raw = redis_lib.Redis.from_url(redis_url)
+    base = d._base("t")
+    n = MAX_KEYS_PER_CALL + 1
+    hexes = [i.to_bytes(16, "big").hex() for i in range(n)]
+    args = [10**9, base + "lease:", 64]
+    for h in hexes:
+        args += [h, "r", b"1|pool||", ""]
+    for script, keys, argv in ((d._publish, [base + "lru", base + "clock"] + [base + "b:" + h for h in hexes], args),
+                               (d._match, [base + "lru", base + "clock"] + [base + "b:" + h for h in hexes], hexes),
+                               (d._match_each, [base + "lru", base + "clock"] + [base + "b:" + h for h in hexes], hexes),
+                               (d._evict, [base + "lru"] + [base + "b:" + h for h in hexes], ["1", "", base + "lease:"] + hexes),
+                               (d._lease, [base + "lease:" + h for h in hexes], [1000, "id"]),
+                               (d._release, [base + "lease:" + h for h in hexes], ["id"])):
+        with pytest.raises(redis_lib.exceptions.ResponseError, match="at most 1000 keys"):
+            script(keys=keys, args=argv)
+    assert raw.exists(base + "lru", base + "clock", *[base + "b:" + h for h in hexes[:5]]) == 0
+    # an expiry Redis cannot take, in the second entry: the first is not written either
+    two = [base + "lru", base + "clock", base + "b:" + hexes[0], base + "b:" + hexes[1]]
+    with pytest.raises(redis_lib.exceptions.ResponseError, match="malformed expiry 2"):
+        d._publish(keys=two, args=[10, base + "lease:", 64, hexes[0], "r", b"1|pool||", "", hexes[1], "r", b"1|pool||", str(10**17)])
+    with pytest.raises(redis_lib.exceptions.ResponseError, match="malformed entry 1"):
+        d._publish(keys=two[:3], args=[10, base + "lease:", 64, hexes[0], "r", b"1|pool||1e+300", ""])
+    assert raw.exists(*two) == 0
+    # holders per key: a caller naming 10^9 gets the scripts' own cap
+    from kvpolicy.directory.base import MAX_HOLDERS_LIMIT
+
+    key = [base + "lru", base + "clock", base + "b:" + hexes[0]]
+    stored = sum(int(d._publish(keys=key, args=[10, base + "lease:", 10**9, hexes[0], f"h{i}", b"1|pool||", ""])[0])
+                 for i in range(MAX_HOLDERS_LIMIT + 5))
+    assert stored == MAX_HOLDERS_LIMIT == raw.hlen(base + "b:" + hexes[0])
+    # the capacity walk: a caller's max_keys of 1 over 3,000 keys evicts a bounded number per call, and the bound holds
+    # after enough calls
+    d2 = redis_dir(redis_url, max_keys_per_tenant=10**6)
+    many = [i.to_bytes(16, "big") for i in range(3000)]
+    assert d2.publish("t", [Entry(k, "r", 1) for k in many]) == 3000
+    b2 = d2._base("t")
+    one = [b2 + "lru", b2 + "clock", b2 + "b:" + many[0].hex()]
+    ev = [int(d2._publish(keys=one, args=[1, b2 + "lease:", 64, many[0].hex(), "r", b"1|pool||", ""])[1]) for _ in range(3)]
+    assert ev[0] <= 2 * MAX_KEYS_PER_CALL + 64 and sum(ev) == 2999 and raw.zcard(b2 + "lru") == 1
+
+
+def test_clear_holder_pages_through_a_large_tenant_and_reports_what_it_removed(redis_url):
+    """clear_holder on a 300k-key tenant was one 6.1 s script: other tenants' matches failed BUSY meanwhile, and the
+    client's own call timed out, returning 0 while the server removed everything. It is now a page of at most
+    MAX_KEYS_PER_CALL keys per script call, walked by LRU score; the count is the whole removal, and a key touched
+    between pages is met again, not skipped."""
+    from kvpolicy.directory.base import MAX_KEYS_PER_CALL
+
+    d = redis_dir(redis_url)
+    many = [i.to_bytes(16, "big") for i in range(2 * MAX_KEYS_PER_CALL + 500)]
+    for lo in range(0, len(many), 1000):
+        d.publish("t", [Entry(k, "gone", 1) for k in many[lo:lo + 1000]] + [Entry(k, "stays", 1) for k in many[lo:lo + 1000:2]])
+    base = d._base("t")
+    first = d._clear(keys=[base + "lru"], args=["gone", ""])
+    assert int(first[0]) == MAX_KEYS_PER_CALL and first[1]  # one page, and where the next starts
+    d.match_prefix("t", many[:1])  # touched: moves to the newest end; the walk meets it again (removing twice is a no-op)
+    calls = []
+    real = d._clear
+    d._clear = lambda keys, args: calls.append(args[1]) or real(keys=keys, args=args)
+    # 2,000 keys left in the LRU: two full pages, and one that finds the end
+    assert d.clear_holder("t", "gone") == len(many) - MAX_KEYS_PER_CALL and len(calls) == 3 and d.errors == 0
+    assert sorted(d.keys("t")) == sorted(many[0::2])
+    assert all([e.holder for e in row] == ["stays"] for row in d.lookup("t", many[0::2][:50]))
+    g = redis_dir(redis_url, key_groups=4)
+    g.publish("t", [Entry(k, "gone", 1) for k in many[:1500]])
+    assert g.clear_holder("t", "gone") == 1500 and g.keys("t") == []
 
 
 # the testing kit's contract, run on both backends (a third-party directory subclasses it the same way)

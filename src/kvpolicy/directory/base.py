@@ -38,13 +38,20 @@ MAX_LEASE_TTL_S = 3600.0
 #: holders one key may have at once (replicas, tiers): past it a new holder's publish is refused (expired holders make
 #: room first) and counted — 200,000 holders on one key took 48 MiB in memory and a 6.5 s script on Redis
 MAX_HOLDERS_PER_KEY = 64
+#: the most ``max_holders_per_key`` may be (the Redis scripts enforce it too: a key's holders are read whole per match)
+MAX_HOLDERS_LIMIT = 1024
+#: the latest expiry an entry may carry (the year 5138): Redis keeps expiries in integer milliseconds, and a Lua number
+#: past 1e14 ms prints as ``1e+17`` — a PEXPIREAT that failed after its HSET (1e14 s stored entries past every bound)
+MAX_EXPIRES_AT_S = 1e11
+
+
 #: keys one Redis script call carries: larger calls are split, so no call holds the server for long
 MAX_KEYS_PER_CALL = 1000
 
 
 def check_max_holders(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ConfigError("max_holders_per_key", f"must be a positive int, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_HOLDERS_LIMIT:
+        raise ConfigError("max_holders_per_key", f"must be an int in [1, {MAX_HOLDERS_LIMIT}], got {v!r}")
     return v
 
 
@@ -117,6 +124,12 @@ def _tier(inst: Any, a: attrs.Attribute, v: Any) -> None:
 def _expiry(a: attrs.Attribute, v: Any) -> None:
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):  # NaN compares false: never expired
         raise ConfigError(a.name, f"must be a finite time in seconds or None, got {v!r}")
+    if v is not None and not 0 <= v <= MAX_EXPIRES_AT_S:
+        raise ConfigError(a.name, f"must be a Unix time in [0, {MAX_EXPIRES_AT_S:g}] seconds (None: no expiry), got {v!r}")
+
+
+class MalformedEntry(ConfigError):
+    """A stored value that is not an :class:`Entry`: readers skip it as a miss and count it, never raise it."""
 
 
 @attrs.frozen
@@ -134,12 +147,15 @@ class Entry:
         return f"{self.size_bytes}|{self.tier}|{self.namespace_digest.hex()}|{exp}".encode()
 
     @classmethod
-    def unpack(cls, key: bytes, holder: str, raw: bytes) -> Entry:
+    def unpack(cls, key: bytes, holder: str | bytes, raw: bytes) -> Entry:
+        """The entry a backend stored as ``raw`` (see :meth:`pack`) for ``holder``; a value or holder that is not one
+        (a tenant's own ACL user can write any bytes into its hashes) raises :class:`MalformedEntry`."""
         try:
+            name = holder.decode() if isinstance(holder, (bytes, bytearray)) else holder
             size, tier, digest, exp = raw.decode().split("|")
-            return cls(key, holder, int(size), tier, bytes.fromhex(digest), float(exp) if exp else None)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ConfigError("entry", f"malformed directory value {raw!r:.60} for holder {holder!r}: {e}") from None
+            return cls(key, name, int(size), tier, bytes.fromhex(digest), float(exp) if exp else None)
+        except (ValueError, UnicodeDecodeError, ConfigError) as e:
+            raise MalformedEntry("entry", f"malformed directory value {raw!r:.60} for holder {holder!r:.60}: {e}") from None
 
 
 @attrs.frozen
@@ -218,6 +234,7 @@ class TenantScopedDirectory:
         self.namespace_digest = namespace_digest
 
     def publish(self, entries: Sequence[Entry]) -> int:
+        entries = check_entries(entries)  # read once: a generator's second pass is empty, another iterable's may differ
         if self.namespace_digest is not None:
             for e in entries:
                 if e.namespace_digest != self.namespace_digest:

@@ -50,10 +50,13 @@ from typing import Any
 
 from ..errors import ConfigError
 from .base import (
+    MAX_EXPIRES_AT_S,
+    MAX_HOLDERS_LIMIT,
     MAX_HOLDERS_PER_KEY,
     MAX_KEYS_PER_CALL,
     Entry,
     Lease,
+    MalformedEntry,
     TenantIndex,
     check_entries,
     check_holder,
@@ -68,14 +71,26 @@ from .base import (
 # A hash lives as long as its longest-lived holder — persistent if any holder is, else until the latest expiry —
 # recomputed after every change to its holders, so removing the long-lived one never leaves expired ones behind.
 _HOLDERS = """
-local function expiry(v)
-  local e = string.match(v, '|([^|]*)$')
-  if e == nil or e == '' then return nil end
-  return tonumber(e)
+local MAXK = %(maxk)d
+local MAXH = %(maxh)d
+local MAXEXP = %(maxexp)d
+local function too_many(n)
+  if n > MAXK then return redis.error_reply('ERR kvpolicy: at most ' .. MAXK .. ' keys a call, got ' .. n) end
+  return nil
+end
+-- a stored value, size|tier|digest hex|expiry: (true, expiry or nil), or false for anything else (written past the
+-- scripts by a tenant's own ACL user): such a value is no live holder
+local function parse(v)
+  local size, tier, digest, e = string.match(v, '^(%%d+)|([^|]+)|(%%x*)|([^|]*)$')
+  if size == nil or #digest %% 2 == 1 then return false, nil end
+  if e == '' then return true, nil end
+  local n = tonumber(e)
+  if n == nil or n ~= n or n < 0 or n > MAXEXP then return false, nil end
+  return true, n
 end
 local function live_value(v, now)
-  local e = expiry(v)
-  return e == nil or e > now
+  local ok, e = parse(v)
+  return ok and (e == nil or e > now)
 end
 local function live(key, now)
   for _, v in ipairs(redis.call('HVALS', key)) do
@@ -92,19 +107,23 @@ local function reset_expiry(key)
   if #vals == 0 then return end
   local latest = 0
   for _, v in ipairs(vals) do
-    local e = expiry(v)
-    if e == nil then
-      redis.call('PERSIST', key)
-      return
+    local ok, e = parse(v)
+    if ok then
+      if e == nil then
+        redis.call('PERSIST', key)
+        return
+      end
+      local ms = math.floor(e * 1000)
+      if ms > latest then latest = ms end
     end
-    local ms = math.floor(e * 1000)
-    if ms > latest then latest = ms end
   end
-  redis.call('PEXPIREAT', key, latest)
+  if latest > 0 then redis.call('PEXPIREAT', key, string.format('%%d', latest)) end
 end
-"""
+""" % {"maxk": MAX_KEYS_PER_CALL, "maxh": MAX_HOLDERS_LIMIT, "maxexp": int(MAX_EXPIRES_AT_S)}
 
 _MATCH = _HOLDERS + """
+local bad = too_many(#KEYS - 2)
+if bad then return bad end
 local n = 0
 local now = now_s()
 for i = 3, #KEYS do
@@ -121,6 +140,8 @@ return n
 # the spread layout: KEYS: lru, clock, then one hash per key (a group's keys, in chain order); ARGV: hex per key.
 # Answers 1/0 per key (live or not) and touches the live ones, the earliest in the chain newest
 _MATCH_EACH = _HOLDERS + """
+local bad = too_many(#KEYS - 2)
+if bad then return bad end
 local now = now_s()
 local flags = {}
 local n = 0
@@ -145,6 +166,16 @@ return flags
 _MATCH_NODE = "#!lua flags=allow-cross-slot-keys\n" + _HOLDERS + """
 local now = now_s()
 local groups = tonumber(ARGV[1])
+if groups == nil or groups < 1 or groups > MAXK or #ARGV < 1 + groups then return redis.error_reply('ERR kvpolicy: bad group count') end
+local total = 0
+for g = 1, groups do
+  local c = tonumber(ARGV[1 + g])
+  if c == nil or c < 0 then return redis.error_reply('ERR kvpolicy: bad key count') end
+  total = total + c
+end
+local bad = too_many(total)
+if bad then return bad end
+if #ARGV ~= 1 + groups + 2 * groups + 2 * total then return redis.error_reply('ERR kvpolicy: bad argument count') end
 local out = {}
 local a = groups + 2
 for g = 1, groups do
@@ -172,10 +203,24 @@ return out
 # KEYS: lru, clock, then one hash per entry
 # ARGV: max_keys, lease_prefix, max_holders, then per entry: hex, holder, value, expire_at_ms ('' = none)
 _PUBLISH = _HOLDERS + """
+local bad = too_many(#KEYS - 2)
+if bad then return bad end
+if #ARGV ~= 3 + 4 * (#KEYS - 2) then return redis.error_reply('ERR kvpolicy: bad argument count') end
+-- every entry is checked before anything is written (a script is not undone by an error: a PEXPIREAT that failed
+-- after its HSET left entries stored past every bound)
+for i = 3, #KEYS do
+  local j = (i - 3) * 4 + 4
+  local ok, e = parse(ARGV[j + 2])
+  if not ok or ARGV[j + 1] == '' or #ARGV[j + 1] > 256 then return redis.error_reply('ERR kvpolicy: malformed entry ' .. (i - 2)) end
+  local exp = ARGV[j + 3]
+  if exp ~= '' and (string.match(exp, '^%d+$') == nil or tonumber(exp) > MAXEXP * 1000) then
+    return redis.error_reply('ERR kvpolicy: malformed expiry ' .. (i - 2))
+  end
+end
 local tick = redis.call('INCRBY', KEYS[2], #KEYS - 2)
 local n = 0
 local refused = 0
-local maxh = tonumber(ARGV[3])
+local maxh = math.min(tonumber(ARGV[3]) or 1, MAXH)
 local now = now_s()
 for i = 3, #KEYS do
   local j = (i - 3) * 4 + 4
@@ -202,10 +247,14 @@ local excess = redis.call('ZCARD', KEYS[1]) - maxk
 local evicted = 0
 if excess > 0 then
   -- walk the LRU from its oldest end in windows, past leased keys, until the bound holds or nothing is left
+  -- at most 2 * MAXK + 64 candidates a call (a tenant's own call with max_keys 0 cannot make one call evict the
+  -- tenant whole): what is left over, the next publish takes
   local base = string.sub(KEYS[1], 1, -4)
   local start = 0
-  while excess > 0 do
-    local cands = redis.call('ZRANGE', KEYS[1], start, start + excess + 63)
+  local budget = 2 * MAXK + 64
+  while excess > 0 and budget > 0 do
+    local cands = redis.call('ZRANGE', KEYS[1], start, start + math.min(excess + 63, budget - 1))
+    budget = budget - #cands
     if #cands == 0 then break end
     local kept = 0
     for _, hex in ipairs(cands) do
@@ -231,6 +280,8 @@ return {n, evicted, refused}
 
 # KEYS: lru, then one hash per key; ARGV: force ('1'/'0'), holder ('' = all), lease_prefix, then hex per key
 _EVICT = _HOLDERS + """
+local bad = too_many(#KEYS - 1)
+if bad then return bad end
 local n = 0
 local now = now_s()
 for i = 2, #KEYS do
@@ -255,7 +306,9 @@ return n
 """
 
 # a key's leases are a set of lease ids (expiring with the longest): releasing one twice is a no-op
-_LEASE = """
+_LEASE = _HOLDERS + """
+local bad = too_many(#KEYS)
+if bad then return bad end
 local t = redis.call('TIME')
 for i = 1, #KEYS do
   redis.call('SADD', KEYS[i], ARGV[2])
@@ -264,7 +317,9 @@ end
 return {#KEYS, t[1], t[2]}
 """
 
-_RELEASE = """
+_RELEASE = _HOLDERS + """
+local bad = too_many(#KEYS)
+if bad then return bad end
 for i = 1, #KEYS do
   redis.call('SREM', KEYS[i], ARGV[1])
   if redis.call('SCARD', KEYS[i]) == 0 then redis.call('DEL', KEYS[i]) end
@@ -272,27 +327,30 @@ end
 return #KEYS
 """
 
+# one page of a holder's removal: ARGV: holder, the LRU score the last page ended at ('' = from the start). At most MAXK
+# keys of the LRU a call (a 300k-key tenant in one script held the server 6.1 s: other tenants' calls failed BUSY).
+# Scores only grow (a touch moves a key to a new tick), so walking by score never skips a key that stays put; a key
+# touched meanwhile is met again, later, and removing a holder twice is a no-op. Answers {removed live, next cursor or ''}
 _CLEAR_HOLDER = _HOLDERS + """
 local n = 0
 local now = now_s()
-local cursor = '0'
 local base = string.sub(KEYS[1], 1, -4)
-repeat
-  local r = redis.call('ZSCAN', KEYS[1], cursor, 'COUNT', 512)
-  cursor = r[1]
-  local items = r[2]
-  for i = 1, #items, 2 do
-    local b = base .. 'b:' .. items[i]
-    local v = redis.call('HGET', b, ARGV[1])
-    if v then
-      if live_value(v, now) then n = n + 1 end
-      redis.call('HDEL', b, ARGV[1])
-      reset_expiry(b)
-    end
-    if redis.call('EXISTS', b) == 0 then redis.call('ZREM', KEYS[1], items[i]) end
+local from = '-inf'
+if ARGV[2] ~= '' then from = '(' .. ARGV[2] end
+local items = redis.call('ZRANGEBYSCORE', KEYS[1], from, '+inf', 'WITHSCORES', 'LIMIT', 0, MAXK)
+for i = 1, #items, 2 do
+  local b = base .. 'b:' .. items[i]
+  local v = redis.call('HGET', b, ARGV[1])
+  if v then
+    if live_value(v, now) then n = n + 1 end
+    redis.call('HDEL', b, ARGV[1])
+    reset_expiry(b)
   end
-until cursor == '0'
-return n
+  if redis.call('EXISTS', b) == 0 then redis.call('ZREM', KEYS[1], items[i]) end
+end
+local nxt = ''
+if #items == 2 * MAXK then nxt = items[#items] end
+return {n, nxt}
 """
 
 
@@ -409,6 +467,8 @@ class RedisDirectory:
         #: calls Redis refused for lack of permission (an ACL confining this connection to another tenant); also in ``errors``
         self.denied = 0
         self.evicted_by_capacity = 0
+        #: stored values that were not entries (written past kvpolicy's scripts), read as misses
+        self.malformed = 0
 
     # ------------------------------------------------------------------ names
 
@@ -615,9 +675,23 @@ class RedisDirectory:
             if isinstance(h, Exception) or isinstance(t, Exception):
                 out.append([])
                 continue
-            now = float(t[0]) + float(t[1]) / 1e6
-            entries = (Entry.unpack(k, holder.decode(), v) for holder, v in h.items())
-            out.append(sorted((e for e in entries if e.expires_at_s is None or e.expires_at_s > now), key=lambda e: e.holder))
+            out.append(self._live_entries(k, h, float(t[0]) + float(t[1]) / 1e6))
+        return out
+
+    def _live_entries(self, key: bytes, holders: dict[bytes, bytes], now: float) -> list[Entry]:
+        """A key's live entries by holder, from its hash. A value that is not an entry (a tenant's own ACL user can
+        write any bytes there: a non-UTF-8 holder, a value of one field) is a miss for that holder, counted in
+        :attr:`malformed` — never an exception out of a read."""
+        out = []
+        for holder, v in holders.items():
+            try:
+                e = Entry.unpack(key, holder, v)
+            except MalformedEntry:
+                self.malformed += 1
+                continue
+            if e.expires_at_s is None or e.expires_at_s > now:
+                out.append(e)
+        out.sort(key=lambda e: e.holder)
         return out
 
     def _spread_match(self, tenant: str, ks: list[bytes]) -> int:
@@ -716,8 +790,7 @@ class RedisDirectory:
         sec, usec = raw[-1]
         now = float(sec) + float(usec) / 1e6
         for k, h in zip(ks, raw[:-1]):
-            entries = (Entry.unpack(k, holder.decode(), v) for holder, v in h.items())
-            out.append(sorted((e for e in entries if e.expires_at_s is None or e.expires_at_s > now), key=lambda e: e.holder))
+            out.append(self._live_entries(k, h, now))
         return out
 
     def evict(self, tenant: str, keys: Sequence[bytes], holder: str | None = None, force: bool = False) -> int:
@@ -745,10 +818,27 @@ class RedisDirectory:
     def clear_holder(self, tenant: str, holder: str) -> int:
         check_holder(holder)
         base = self._base(tenant)
-        if self.key_groups > 1:  # every group's LRU, all in one round trip
-            cmds = [self._eval(self._clear, [self._gbase(tenant, g) + "lru"], [holder]) for g in range(self.key_groups)]
-            return sum(int(r) for r in self._batch(cmds) if not isinstance(r, Exception))
-        return int(self._call(lambda: self._clear(keys=[base + "lru"], args=[holder]), 0))
+        # a page of at most MAX_KEYS_PER_CALL keys a call, each LRU walked by score until its last page (every group's
+        # next page in one round trip); a failed call ends that LRU's walk (counted in errors)
+        lrus = {self._gbase(tenant, g) + "lru": "" for g in range(self.key_groups)} if self.key_groups > 1 else {base + "lru": ""}
+        n = 0
+        while lrus:
+            names = list(lrus)
+            if self.key_groups > 1:
+                got = self._batch([self._eval(self._clear, [lru], [holder, lrus[lru]]) for lru in names])
+            else:
+                got = [self._call(lambda: self._clear(keys=names, args=[holder, lrus[names[0]]]), None)]
+            for lru, r in zip(names, got):
+                if not isinstance(r, list) or len(r) != 2:
+                    del lrus[lru]
+                    continue
+                n += int(r[0])
+                cursor = r[1].decode() if isinstance(r[1], bytes) else str(r[1])
+                if cursor:
+                    lrus[lru] = cursor
+                else:
+                    del lrus[lru]
+        return n
 
     def lease(self, tenant: str, keys: Sequence[bytes], ttl_s: float) -> Lease:
         ks = check_keys(keys)
