@@ -121,6 +121,55 @@ def test_an_array_claiming_more_elements_than_the_file_holds_is_refused_before_a
         GGUFModel.read(f)
 
 
+def test_a_hostile_gguf_is_refused_quickly_in_bounded_memory_with_a_short_line(tmp_path, capsys):
+    """Round three: 303 bytes claiming 2^27 layers ran `size --gguf` 139 s at 10.4 GB and printed 128 TiB (exit 0);
+    a 200 MB file of one u8 array peaked at 3.4 GB; a 10 MB architecture name made a 10 MB error line. Layers and
+    heads are bounded as the CLI's --layers is (1,024), an array past MAX_ARRAY_ELEMENTS is refused before a list is
+    made, and a long name is refused in one short line."""
+    import time
+    import tracemalloc
+
+    from kvpolicy import gguf
+
+    f = tmp_path / "m.gguf"
+    write_gguf(f, {**LLAMA_META, "llama.block_count": 2**27})
+    assert f.stat().st_size < 500
+    t0 = time.perf_counter()
+    assert main(["size", "--gguf", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert time.perf_counter() - t0 < 5 and "llama.block_count" in err and "1,024" in err and len(err.splitlines()) == 1
+    for k, v in (("llama.attention.head_count_kv", 2**20), ("llama.attention.key_length", 2**30)):
+        write_gguf(f, {**LLAMA_META, k: v})
+        with pytest.raises(ConfigError) as e:
+            GGUFModel.read(f)
+        assert e.value.field == k
+    # one u8 array just past the bound: refused, and reading it held no list of its elements
+    n = gguf.MAX_ARRAY_ELEMENTS + 1
+    f.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _gguf_str("general.blob") + struct.pack("<IIQ", 9, 0, n) + b"\1" * n)
+    tracemalloc.start()
+    with pytest.raises(ConfigError, match="general.blob.*array of 4,194,305 elements"):
+        read_metadata(f)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 2**20
+    # arrays within the bound add up: the whole file's budget is MAX_TOTAL_ELEMENTS
+    half = gguf.MAX_TOTAL_ELEMENTS // 3 + 1
+    body = b"".join(_gguf_str(f"general.blob{i}") + struct.pack("<IIQ", 9, 0, half) + b"\1" * half for i in range(3))
+    f.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 3) + body)
+    with pytest.raises(ConfigError, match="general.blob2.*in all"):
+        read_metadata(f)
+    for meta, field in (({**LLAMA_META, "general.architecture": "x" * 10**6}, "general.architecture"),
+                        ({**LLAMA_META, "general.name": "n" * 10**6}, "general.name")):
+        write_gguf(f, meta)
+        assert main(["size", "--gguf", str(f)]) == 2
+        err = capsys.readouterr().err
+        assert field in err and len(err) < 400, err[:400]
+    f.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _gguf_str("k" * 10**6) + struct.pack("<II", 4, 1))
+    with pytest.raises(ConfigError, match="a key of 1,000,000 bytes") as e:
+        read_metadata(f)
+    assert len(str(e.value)) < 400
+
+
 def test_size_reads_a_gguf(tmp_path, capsys):
     f = tmp_path / "m.gguf"
     write_gguf(f, LLAMA_META)

@@ -44,6 +44,17 @@ NAMESPACE_DTYPE = {"f32": "fp32", "f16": "fp16", "bf16": "bf16", "q8_0": "int8",
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 MAX_METADATA_BYTES = 256 * 2**20  # a tokenizer of 10^6 entries fits many times over
+#: array elements held in memory, per array and over the whole file: the largest tokenizers have ~300k tokens and
+#: ~500k merges (a 200 MB file of one u8 array peaked at 3.4 GB as a Python list)
+MAX_ARRAY_ELEMENTS = 2**22
+MAX_TOTAL_ELEMENTS = 2**23
+#: a metadata key's bytes (llama.cpp's are under 64): a 10 MB key or architecture name made a 10 MB error line
+MAX_KEY_BYTES = 256
+#: layers and heads a model may have (the CLI's --layers/--heads bound): 2^27 layers ran 139 s and printed 128 TiB
+MAX_LAYERS = 1024
+MAX_HEADS = 1024
+#: a head's K or V dimension
+MAX_HEAD_DIM = 65536
 
 
 def row_bytes(kv_type: str, n_elements: int) -> int:
@@ -59,6 +70,7 @@ def row_bytes(kv_type: str, n_elements: int) -> int:
 class _Reader:
     def __init__(self, f: BinaryIO, path: str, size: int) -> None:
         self.f, self.path, self.left = f, path, size
+        self.elements_left = MAX_TOTAL_ELEMENTS
 
     def take(self, n: int, what: str) -> bytes:
         if n > self.left or n > MAX_METADATA_BYTES:
@@ -90,6 +102,10 @@ class _Reader:
             n = self.scalar("<Q", what)
             if n > self.left:  # every element takes at least a byte
                 raise ConfigError(what, f"{self.path}: an array of {n:,} elements in {self.left:,} bytes: truncated or not GGUF")
+            if n > MAX_ARRAY_ELEMENTS or n > self.elements_left:
+                raise ConfigError(what, f"{self.path}: an array of {n:,} elements; kvpolicy reads at most {MAX_ARRAY_ELEMENTS:,} per array "
+                                        f"and {MAX_TOTAL_ELEMENTS:,} in all (the largest tokenizers hold under 10^6)")
+            self.elements_left -= n
             if etype in _SCALARS:
                 fmt = _SCALARS[etype]
                 raw = self.take(n * struct.calcsize(fmt), what)
@@ -119,7 +135,10 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
             raise ConfigError("gguf.kv_count", f"{p}: {n_kv:,} metadata entries cannot fit in the file")
         meta: dict[str, Any] = {"gguf.version": version}
         for i in range(n_kv):
-            key = r.string(f"gguf metadata key #{i}")
+            n = r.scalar("<Q", f"gguf metadata key #{i}")
+            if n > MAX_KEY_BYTES:
+                raise ConfigError(f"gguf metadata key #{i}", f"{p}: a key of {n:,} bytes; GGUF keys here are at most {MAX_KEY_BYTES}")
+            key = r.take(n, f"gguf metadata key #{i}").decode("utf-8", "replace")
             meta[key] = r.value(r.scalar("<I", key), key)
     return meta
 
@@ -156,6 +175,9 @@ class GGUFModel:
         arch = meta.get("general.architecture")
         if not isinstance(arch, str) or not arch:
             raise ConfigError("general.architecture", f"{path}: missing; cannot find the model's hyperparameters")
+        if len(arch) > 64 or not all(c.isalnum() or c in "_-." for c in arch):
+            raise ConfigError("general.architecture", f"{path}: {arch[:40]!r}{'…' if len(arch) > 40 else ''} ({len(arch):,} characters) "
+                                                      "is no architecture name (at most 64 of [A-Za-z0-9_.-])")
 
         def need(name: str, default: Any = None) -> Any:
             v = meta.get(f"{arch}.{name}", default)
@@ -163,28 +185,30 @@ class GGUFModel:
                 raise ConfigError(f"{arch}.{name}", f"{path}: missing from the GGUF metadata")
             return v
 
-        def pos_int(name: str, v: Any) -> int:
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"{arch}.{name}", f"{path}: must be a positive integer, got {v!r}")
+        def pos_int(name: str, v: Any, most: int) -> int:
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= most:
+                raise ConfigError(f"{arch}.{name}", f"{path}: must be an integer in [1, {most:,}], got {v!r:.40}")
             return v
 
-        layers = pos_int("block_count", need("block_count"))
+        layers = pos_int("block_count", need("block_count"), MAX_LAYERS)
         heads = need("attention.head_count")
         kv = meta.get(f"{arch}.attention.head_count_kv", heads)
         per_layer = kv if isinstance(kv, list) else [kv] * layers
         if len(per_layer) != layers:
             raise ConfigError(f"{arch}.attention.head_count_kv", f"{path}: {len(per_layer)} values for {layers} layers")
-        kv_heads = tuple(pos_int("attention.head_count_kv", h) for h in per_layer)
+        kv_heads = tuple(pos_int("attention.head_count_kv", h, MAX_HEADS) for h in per_layer)
         head = heads[0] if isinstance(heads, list) and heads else heads
-        head = pos_int("attention.head_count", head)
-        embd = pos_int("embedding_length", need("embedding_length"))
-        k_len = pos_int("attention.key_length", meta.get(f"{arch}.attention.key_length", embd // head))
-        v_len = pos_int("attention.value_length", meta.get(f"{arch}.attention.value_length", embd // head))
+        head = pos_int("attention.head_count", head, MAX_HEADS)
+        embd = pos_int("embedding_length", need("embedding_length"), MAX_HEADS * MAX_HEAD_DIM)
+        k_len = pos_int("attention.key_length", meta.get(f"{arch}.attention.key_length", embd // head), MAX_HEAD_DIM)
+        v_len = pos_int("attention.value_length", meta.get(f"{arch}.attention.value_length", embd // head), MAX_HEAD_DIM)
         tok = hashlib.sha256()
         for key in sorted(k for k in meta if k.startswith("tokenizer.") and k != "tokenizer.chat_template"):
             tok.update(key.encode() + b"\0" + repr(meta[key]).encode() + b"\0")
         pos = {k.split(".", 1)[1]: meta[k] for k in sorted(meta) if k.startswith(f"{arch}.rope.")}
         name = meta.get("general.name")
+        if isinstance(name, str) and len(name) > 256:
+            raise ConfigError("general.name", f"{path}: a name of {len(name):,} characters (at most 256: it goes into every block's namespace)")
         return cls(path=str(path), architecture=arch, name=name if isinstance(name, str) and name else arch, num_layers=layers,
                    num_kv_heads=kv_heads, key_length=k_len, value_length=v_len, tokenizer_digest=tok.hexdigest()[:32],
                    position_encoding=pos, metadata_keys=len(meta))
