@@ -180,3 +180,97 @@ def test_a_server_that_answers_nonsense_is_named_not_a_traceback():
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_a_hostile_server_cannot_hold_the_profiler_for_ever_or_fill_its_memory():
+    """Round three: a server dripping one byte every 2 s kept `profile --openai-url` running for ever (the timeout was
+    per read); a 3 GiB body, a stream line that never ends and a small gzip body inflating to GiBs each took it past
+    6 GB; `"vocab_size": 10**30` was a traceback. Each exchange now has a deadline for the whole of it, every answer is
+    read at most MAX_RESPONSE_BYTES (after decompression), a streamed line at most MAX_STREAM_LINE_BYTES, and the
+    vocabulary is checked — each a ConfigError naming --openai-url."""
+    import gzip
+    import threading
+    import time
+    import tracemalloc
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kvpolicy import openai_profile
+    from kvpolicy.openai_profile import OpenAIProfileTarget
+
+    mode = {"models": '{"data": [{"id": "m"}]}', "completions": "drip"}
+    bomb = gzip.compress(b"\n" * (64 * 2**20), compresslevel=9)  # ~64 KiB inflating to 64 MiB of empty lines
+
+    class H(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):  # noqa: N802
+            body = mode["models"].encode() if self.path == "/v1/models" else b""
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            how = mode["completions"]
+            self.send_response(200)
+            try:
+                if how == "drip":
+                    self.send_header("Content-Length", "1000")
+                    self.end_headers()
+                    for _ in range(1000):
+                        self.wfile.write(b" ")
+                        self.wfile.flush()
+                        time.sleep(0.2)
+                elif how == "huge":
+                    self.send_header("Content-Length", str(3 * 2**30))
+                    self.end_headers()
+                    for _ in range(3 * 2**30 // 2**20):
+                        self.wfile.write(b"\n" * 2**20)  # empty lines: only the body's own bound stops it
+                elif how == "endless-line":
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.end_headers()
+                    for _ in range(64):  # (a megabyte at a time: this server's own memory is traced too)
+                        self.wfile.write(b"x" * 2**20)
+                elif how == "gzip":
+                    self.send_header("Content-Encoding", "gzip")
+                    self.send_header("Content-Length", str(len(bomb)))
+                    self.end_headers()
+                    self.wfile.write(bomb)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        t = OpenAIProfileTarget(url, "m", bytes_per_token=512, timeout_s=1.0)
+        t0 = time.perf_counter()
+        with pytest.raises(ConfigError) as e:
+            t.cold_prefill_s(16, 4)
+        assert e.value.field == "--openai-url" and "deadline" in str(e.value)
+        assert time.perf_counter() - t0 < 2 * t.timeout_s + 1.0
+        t.timeout_s = 60.0
+        for how, what in (("huge", "more than 16 MiB"), ("endless-line", "a line of more than 1 MiB"), ("gzip", "more than 16 MiB")):
+            mode["completions"] = how
+            tracemalloc.start()
+            with pytest.raises(ConfigError, match=what):
+                t.cold_prefill_s(16, 4)
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            assert peak < openai_profile.MAX_RESPONSE_BYTES * 4, (how, peak)
+        t.close()
+        for vocab in ("10" + "0" * 30, "-5", "true", "1.5"):
+            mode["models"] = '{"data": [{"id": "m", "vocab_size": %s}]}' % vocab
+            with pytest.raises(ConfigError, match="vocab_size") as e:
+                OpenAIProfileTarget(url, "m", bytes_per_token=512)
+            assert e.value.field == "--openai-url"
+        mode["models"] = '{"data": [{"id": "m", "vocab_size": 32000}]}'
+        assert OpenAIProfileTarget(url, "m", bytes_per_token=512).id_high == 32000
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -39,18 +39,40 @@ import math
 import re
 import threading
 import time
+import zlib
 
 import numpy as np
 
 from .errors import ConfigError
 
+#: the most bytes kvpolicy reads of one answer (after decompression): a model list, a tokenizer's answer, /metrics —
+#: a 3 GiB body, or a 4 MB gzip body inflating to 4 GiB, each took the profiler past 6 GB
+MAX_RESPONSE_BYTES = 16 * 2**20
+#: the longest line of a streamed completion (a line that never ends was read whole)
+MAX_STREAM_LINE_BYTES = 2**20
+#: the largest vocabulary an id prompt draws from (2^31: ids are int32 in every engine)
+MAX_VOCAB = 2**31
+
+
+class ResponseTooLarge(ConfigError):
+    """An answer past MAX_RESPONSE_BYTES or a stream line past MAX_STREAM_LINE_BYTES."""
+
 
 class OpenAIProfileTarget:
+    """``timeout_s`` is the deadline of each whole exchange — a request, its answer's headers and its whole body — not of
+    one read: a server dripping a byte every 2 s ran for ever under a per-read timeout. A read already waiting when the
+    deadline passes ends after at most what was left of the deadline when the exchange began, so an exchange ends
+    within twice ``timeout_s`` whatever the server does."""
+
     has_remote = False
 
     def __init__(self, url: str, model: str, *, bytes_per_token: int | None = None, seed: int = 0, timeout_s: float = 600.0,
                  api_key: str | None = None, prompt_format: str = "ids") -> None:
         import httpx
+
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 86400:
+            raise ConfigError("timeout_s", f"must be a number of seconds in (0, 86400], got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
 
         if not re.match(r"^https?://", url or ""):
             raise ConfigError("--openai-url", f"must start with http:// or https://, got {url!r}")
@@ -61,28 +83,26 @@ class OpenAIProfileTarget:
             self.base = self.base[:-3]
         self.model = model
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(timeout=timeout_s, headers=headers)
+        # identity: a compressed answer is not asked for (one still sent is inflated a chunk at a time and bounded all the same)
+        self.client = httpx.Client(timeout=timeout_s, headers={**headers, "Accept-Encoding": "identity"})
         self._seed = seed
         self._n = 0
         self._lock = threading.Lock()
         self._metrics_lock = threading.Lock()
-        try:
-            models = self.client.get(f"{self.base}/v1/models")
-        except httpx.HTTPError as exc:
-            raise ConfigError("--openai-url", f"cannot reach {self.base}/v1/models ({exc})") from None
-        if models.status_code != 200:
-            raise ConfigError("--openai-url", f"{self.base}/v1/models answered HTTP {models.status_code}")
-        try:
-            listing = models.json()
-        except ValueError:
-            listing = None
+        status, body = self._exchange("GET", f"{self.base}/v1/models")
+        if status != 200:
+            raise ConfigError("--openai-url", f"{self.base}/v1/models answered HTTP {status}")
+        listing = self._json(body)
         if not isinstance(listing, dict) or not isinstance(listing.get("data", []), list):
-            raise ConfigError("--openai-url", f"{self.base}/v1/models did not answer an OpenAI model list: {models.text[:200]!r}")
-        entries = {m.get("id"): m for m in listing.get("data", []) if isinstance(m, dict)}
+            raise ConfigError("--openai-url", f"{self.base}/v1/models did not answer an OpenAI model list: {body[:200]!r}")
+        entries = {m.get("id"): m for m in listing.get("data", []) if isinstance(m, dict) and isinstance(m.get("id"), str)}
         if model not in entries:
-            raise ConfigError("--model", f"{model!r} is not served at {self.base}; it serves {sorted(k for k in entries if k)}")
+            raise ConfigError("--model", f"{model!r} is not served at {self.base}; it serves {sorted(entries)[:20]}")
         vocab = entries[model].get("vocab_size")
-        self.id_low, self.id_high = (0, int(vocab)) if isinstance(vocab, int) and vocab > 0 else (1000, 30000)
+        if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or not 0 < vocab <= MAX_VOCAB):
+            raise ConfigError("--openai-url", f"{self.base}/v1/models says vocab_size {vocab!r:.40} for {model!r}: "
+                                              f"not a vocabulary size in [1, 2^31]")
+        self.id_low, self.id_high = (0, vocab) if vocab is not None else (1000, 30000)
         self.kv_bytes_source = "metrics" if self._allocated_bytes() is not None else ("computed" if bytes_per_token else None)
         if self.kv_bytes_source is None:
             raise ConfigError("--config", f"{self.base}/metrics exposes no KV bytes: pass --config or --bytes-per-token to compute them")
@@ -96,6 +116,69 @@ class OpenAIProfileTarget:
             self._find_words()
 
     # ------------------------------------------------------------------ HTTP
+
+    def _exchange(self, method: str, url: str, *, json: object = None, stream_lines: bool = False) -> tuple[int, bytes]:
+        """One bounded exchange: (status, body) — the body at most MAX_RESPONSE_BYTES decoded, all of it within the
+        deadline. With ``stream_lines``, the body ends at its first ``data:`` line that is not ``[DONE]`` (a streamed
+        first token), each line at most MAX_STREAM_LINE_BYTES."""
+        import httpx
+
+        try:
+            return self._bounded(method, url, json, stream_lines)
+        except httpx.HTTPError as exc:  # unreachable, refused, past the deadline: one line naming the server
+            raise ConfigError("--openai-url", f"cannot reach {url} or read its answer ({exc})") from None
+
+    def _bounded(self, method: str, url: str, json: object, stream_lines: bool) -> tuple[int, bytes]:
+        import httpx
+
+        deadline = time.monotonic() + self.timeout_s
+        with self.client.stream(method, url, json=json, timeout=httpx.Timeout(self.timeout_s)) as r:
+            got = bytearray()
+            scan = 0  # where the next "data:" may start (each byte is looked at a bounded number of times)
+            encoding = r.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("identity", "", "gzip", "deflate"):
+                raise ConfigError("--openai-url", f"{url} answered in content-encoding {encoding[:40]!r}, which was not asked for")
+            # decompressed here, at most the room left: one chunk of a gzip bomb inflates to no more than the bound
+            inflate = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS) if encoding in ("gzip", "deflate") else None
+            too_large = ResponseTooLarge("--openai-url", f"{url} answered more than {MAX_RESPONSE_BYTES // 2**20} MiB: refused")
+            for raw in r.iter_raw():
+                if inflate is not None:
+                    try:
+                        chunk = inflate.decompress(raw, MAX_RESPONSE_BYTES + 1 - len(got))
+                    except zlib.error as exc:
+                        raise ConfigError("--openai-url", f"{url} answered a corrupt {encoding} body ({exc})") from None
+                    if inflate.unconsumed_tail:
+                        raise too_large
+                else:
+                    chunk = raw
+                got += chunk
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout(f"{url}: the answer took longer than the {self.timeout_s:g} s deadline of one exchange")
+                if len(got) > MAX_RESPONSE_BYTES:
+                    raise too_large
+                if stream_lines and r.status_code == 200:
+                    while (i := got.find(b"data:", scan)) >= 0:
+                        nl = got.find(b"\n", i)
+                        if nl < 0:
+                            scan = i
+                            break
+                        if (i == 0 or got[i - 1] == 10) and bytes(got[i + 5:nl]).strip() != b"[DONE]":
+                            return r.status_code, bytes(got[:nl])
+                        scan = i + 1
+                    else:
+                        scan = max(scan, len(got) - 4)
+                    if len(got) - got.rfind(b"\n") - 1 > MAX_STREAM_LINE_BYTES:
+                        raise ResponseTooLarge("--openai-url", f"{url} streamed a line of more than {MAX_STREAM_LINE_BYTES // 2**20} MiB: refused")
+            return r.status_code, bytes(got)
+
+    @staticmethod
+    def _json(body: bytes) -> object:
+        try:
+            import json
+
+            return json.loads(body)
+        except (ValueError, RecursionError):
+            return None
 
     def _rng(self) -> np.random.Generator:
         with self._lock:
@@ -113,12 +196,10 @@ class OpenAIProfileTarget:
         """The server's own tokenizer: vLLM/SGLang ``/tokenize``, else llama-cpp-python's ``/extras/tokenize``."""
         for path, body, field in (("/tokenize", {"model": self.model, "prompt": text}, "tokens"),
                                   ("/extras/tokenize", {"input": text, "model": self.model}, "tokens")):
-            r = self.client.post(f"{self.base}{path}", json=body)
-            if r.status_code == 200:
-                try:
-                    toks = r.json().get(field)
-                except (ValueError, AttributeError):
-                    toks = None
+            status, got = self._exchange("POST", f"{self.base}{path}", json=body)
+            if status == 200:
+                answer = self._json(got)
+                toks = answer.get(field) if isinstance(answer, dict) else None
                 if isinstance(toks, list) and all(isinstance(t, int) for t in toks):
                     return toks
         raise ConfigError("--prompt-format", f"{self.base} has no tokenizer endpoint (/tokenize or /extras/tokenize): text prompts "
@@ -156,22 +237,24 @@ class OpenAIProfileTarget:
         body = {"model": self.model, "prompt": self._text(prompt) if self.prompt_format == "text" else prompt, "max_tokens": 1,
                 "stream": True, "temperature": 0}
         t0 = time.perf_counter()
-        with self.client.stream("POST", f"{self.base}/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                r.read()
-                text_only = r.status_code in (400, 422, 500) and self.prompt_format == "ids"  # llama-cpp-python's answers 500
-                hint = " (a server that takes text prompts only? try --prompt-format text)" if text_only else ""
-                raise ConfigError("--openai-url", f"/v1/completions answered HTTP {r.status_code}{hint}: {r.text[:300]}")
-            for line in r.iter_lines():
-                if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                    return time.perf_counter() - t0
+        status, got = self._exchange("POST", f"{self.base}/v1/completions", json=body, stream_lines=True)
+        if status != 200:
+            text_only = status in (400, 422, 500) and self.prompt_format == "ids"  # llama-cpp-python's answers 500
+            hint = " (a server that takes text prompts only? try --prompt-format text)" if text_only else ""
+            raise ConfigError("--openai-url", f"/v1/completions answered HTTP {status}{hint}: {got[:300].decode('utf-8', 'replace')}")
+        t = time.perf_counter() - t0
+        for line in got.splitlines():
+            line = line.strip()
+            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                return t
         raise ConfigError("--openai-url", "/v1/completions streamed no token")
 
     def _allocated_bytes(self) -> int | None:
         try:
-            text = self.client.get(f"{self.base}/metrics").text
-        except Exception:  # noqa: BLE001 - no metrics endpoint is an answer, not an error
+            status, body = self._exchange("GET", f"{self.base}/metrics")
+        except Exception:  # noqa: BLE001 - no metrics endpoint (or one too large or too slow) is an answer, not an error
             return None
+        text = body.decode("utf-8", "replace") if status == 200 else ""
         m = re.search(r"^kvpolicy_kv_allocated_bytes(?:\{[^}]*\})?\s+([0-9.eE+]+)\s*$", text, re.M)
         try:
             v = float(m.group(1)) if m else math.nan
