@@ -125,3 +125,113 @@ def test_a_ray_address_that_cannot_work_is_one_line_naming_ray(address, says, ca
     assert main(["compare", "--preset", "chat", "--scenario", "steady", "--policies", "sglang-like", "--ray", address, "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--ray" in err[0] and says in err[0]
+
+
+def _exit_on_two(shared, spec):
+    if spec == 2:
+        os._exit(0)  # a job (a load rule of the user's, say) that ends its process without a word
+    return spec
+
+
+def _sigkill_on_two(shared, spec):
+    if spec == 2:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)  # what the OOM killer does
+    return spec
+
+
+def test_a_worker_that_dies_is_one_clear_error_never_a_hang_or_a_raw_traceback(monkeypatch):
+    """Round three: a load rule calling os._exit hung a --jobs 2 sweep, and a worker killed by SIGKILL gave a raw
+    BrokenProcessPool traceback. Either is now a SweepWorkerDied naming --jobs, how the worker ended and the job, and
+    the other workers are ended at once."""
+    import time
+
+    from kvpolicy import sweep as sweep_mod
+    from kvpolicy.errors import KVPolicyError
+
+    monkeypatch.setattr(sweep_mod, "default_jobs", lambda: 4)
+    for fn, how in ((_exit_on_two, "exit code 0"), (_sigkill_on_two, "killed by SIGKILL")):
+        t0 = time.perf_counter()
+        with pytest.raises(sweep_mod.SweepWorkerDied) as e:
+            Sweep(jobs=2).map(fn, None, [1, 2, 3, 4])
+        assert isinstance(e.value, KVPolicyError) and str(e.value).startswith("--jobs: ") and how in str(e.value)
+        assert "--jobs 1" in str(e.value)
+        assert time.perf_counter() - t0 < 60
+
+
+def test_a_load_rule_that_exits_its_worker_is_one_line_from_compare(tmp_path, capsys, monkeypatch):
+    from kvpolicy import sweep as sweep_mod
+
+    monkeypatch.setattr(sweep_mod, "default_jobs", lambda: 4)
+    rule = tmp_path / "dying.py"
+    rule.write_text("import os\nimport attrs\nfrom kvpolicy.sim.policysets import policy_set\n\n"
+                    "class Die:\n    def blocks_to_load(self, match, ctx):\n        os._exit(0)\n\n"
+                    f"MINE = attrs.evolve(policy_set('vllm-like'), name='die', load={str(rule) + ':Die'!r})\n")
+    assert main(["compare", "--preset", "chat", "--scenario", "steady", "--policies", f"vllm-like,{rule}:MINE", "--jobs", "2",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--jobs" in err[0] and "died" in err[0], err
+
+
+def test_jobs_are_capped_by_the_cores_and_the_memory_there_are(monkeypatch):
+    """--jobs took up to 1,024 and started a worker per job whatever the machine: an evict-bench grid reached 51
+    workers and 8.1 GB on 2 cores. Workers are capped by the cores, by the memory available (512 MiB a worker) and by
+    the jobs there are; `where` says so."""
+    from kvpolicy import sweep as sweep_mod
+
+    monkeypatch.setattr(sweep_mod, "default_jobs", lambda: 2)
+    monkeypatch.setattr(sweep_mod, "memory_available_bytes", lambda: 64 * 2**30)
+    assert Sweep(jobs=1024).workers(51) == 2 and Sweep(jobs=1024).workers(1) == 1
+    assert "2 local processes" in Sweep(jobs=51).where and "capped" in Sweep(jobs=51).where
+    monkeypatch.setattr(sweep_mod, "default_jobs", lambda: 64)
+    monkeypatch.setattr(sweep_mod, "memory_available_bytes", lambda: 3 * sweep_mod.WORKER_MEMORY_BYTES + 1)
+    assert Sweep(jobs=51).workers(100) == 3
+    monkeypatch.setattr(sweep_mod, "memory_available_bytes", lambda: 0)
+    assert Sweep(jobs=51).workers(100) == 1 and Sweep(jobs=51).where == "this process (--jobs 51 capped by this machine's cores and memory)"
+    monkeypatch.setattr(sweep_mod, "memory_available_bytes", lambda: None)
+    assert Sweep(jobs=8).workers(100) == 8 and Sweep(jobs=8).where == "8 local processes"
+
+
+def test_a_port_that_accepts_tcp_but_is_not_ray_is_refused_in_seconds(capsys):
+    """--ray at a port that accepted TCP but was not Ray passed the reachability check and held ray.init 550 s and
+    more. The check now asks for the HTTP/2 answer Ray's gRPC servers give: a silent port and one that speaks
+    HTTP/1.1 are each one line naming --ray."""
+    import socket
+    import threading
+    import time
+
+    from kvpolicy.sweep import _check_reachable
+
+    for reply in (None, b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"):
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(8)
+        port = srv.getsockname()[1]
+        held = []
+
+        def serve():
+            while True:
+                try:
+                    c, _ = srv.accept()
+                except OSError:
+                    return
+                held.append(c)
+                if reply is not None:
+                    c.sendall(reply)
+
+        threading.Thread(target=serve, daemon=True).start()
+        try:
+            t0 = time.perf_counter()
+            with pytest.raises(ConfigError, match="not a Ray cluster") as e:
+                _check_reachable(f"127.0.0.1:{port}", timeout_s=1.0)
+            assert e.value.field == "--ray" and time.perf_counter() - t0 < 3
+            if reply is not None:
+                assert main(["compare", "--preset", "chat", "--scenario", "steady", "--policies", "sglang-like", "--ray",
+                             f"ray://127.0.0.1:{port}", "--no-progress"]) == 2
+                err = capsys.readouterr().err.strip().splitlines()
+                assert len(err) == 1 and "--ray" in err[0] and "not a Ray cluster" in err[0]
+        finally:
+            srv.close()
+            for c in held:
+                c.close()
