@@ -702,3 +702,111 @@ def test_the_in_process_sender_is_a_peer_sender():
     from kvpolicy.protocols import PeerSender
 
     assert isinstance(_Peers(), PeerSender) and not isinstance(object(), PeerSender)
+
+
+def test_a_context_that_moved_on_sends_nothing_under_the_keys_it_advertised(llamas, model, namespace, server):
+    """Round three, data corruption: send_blocks sent whatever the context held, labelled with the keys it last
+    advertised. Replica a prefills toks and advertises them; then its Llama is used outside prefill (another prompt
+    over the last 3 blocks). b finds a in the directory and asks: a's send computes the keys of what its context holds
+    now and sends only the 3 blocks still bound to them — b loads those, computes the rest, and its logits are a cold
+    prefill's; the store never gets the other blocks under toks' keys."""
+    from kvpolicy.directory import InMemoryDirectory, TenantScopedDirectory
+
+    d = TenantScopedDirectory(InMemoryDirectory(), "default", namespace_digest=namespace.digest)
+    peers = _Peers()
+    a, b = _on_demand(llamas, model, namespace, server, d, peers, ["a", "b"], [0, 1])
+    toks = prompt(llamas[0], 100, seed=41)
+    a.prefill(toks)
+    keys = list(a._held)
+    assert len(keys) == 6
+    a.llm.n_tokens = 3 * B  # used outside prefill: the context keeps 3 blocks, then holds another prompt's tokens
+    a.llm.eval(prompt(llamas[0], 60, seed=42))
+    assert [e[0].holder for e in d.lookup(keys)] == ["a/gpu/g0"] * 6, "the directory still says a holds all 6"
+    want = cold_logits(llamas[2], toks + [7, 8])
+    got = b.prefill(toks + [7, 8])
+    assert (got.remote_found, got.pulled_blocks, got.loaded_blocks, got.load_status) == (6, 3, 3, "ok")
+    assert a.counts["sent_blocks"] == 3
+    assert np.abs(got.logits - want).max() == 0.0
+    store = client(server, namespace, model)
+    assert store.match_prefix(keys) == 3, "blocks 3..5 never reached the store under toks' keys"
+    a.llm.reset()  # and a context holding none of them sends none
+    a.llm.eval(prompt(llamas[0], 50, seed=43))
+    assert a.send_blocks(keys) == 0 and a.counts["sent_blocks"] == 3
+
+
+def test_a_send_waits_for_the_holders_prefill_and_refuses_past_its_wait(llamas, model, namespace, server):
+    """A pull arriving while the holder prefills another prompt: the send takes the replica's lock (the prefill holds
+    it throughout), waits at most send_wait_s, and refuses — never exports a context mid-change."""
+    import threading
+
+    from kvpolicy.directory import InMemoryDirectory, TenantScopedDirectory
+
+    d = TenantScopedDirectory(InMemoryDirectory(), "default", namespace_digest=namespace.digest)
+    peers = _Peers()
+    (a,) = _on_demand(llamas, model, namespace, server, d, peers, ["a"], [0])
+    toks = prompt(llamas[0], 64, seed=51)
+    a.prefill(toks)
+    keys = list(a._held)
+    a.send_wait_s = 0.2
+    got = []
+    with a.lock:  # what a prefill in another thread holds
+        t = threading.Thread(target=lambda: got.append(a.send_blocks(keys)))
+        t.start()
+        t.join(timeout=5)
+    assert got == [0] and a.counts["sends_refused_busy"] == 1 and a.counts["sent_blocks"] == 0
+    assert a.send_blocks(keys) == 4  # free again: the context still holds them
+
+
+class _HungPeers:
+    def __init__(self, wait_s):
+        self.wait_s, self.release = wait_s, __import__("threading").Event()
+
+    def send(self, engine, keys):
+        self.release.wait(self.wait_s)
+        return len(keys)
+
+
+class _LyingPeers:
+    def send(self, engine, keys):
+        return 10**6  # claims it sent a million blocks, sends none
+
+
+def test_a_pull_has_a_deadline_and_a_peers_claim_is_checked_against_the_store(llamas, model, namespace, server):
+    """A sender that blocked 20 s made prefill take 20 s with load_timeout_s=5, the controller counting the load in
+    flight all along; one that claimed 10^6 blocks and sent none was reported as pulled_blocks=10. A pull now waits at
+    most the load's deadline (pulls_timeout, the controller told of a timeout, nothing left in flight), and what a
+    peer claims is confirmed with the store (pulls_short): b recomputes, with a cold prefill's logits."""
+    import time
+
+    from kvpolicy.admission import AdmissionController, LatencyModel, LinkPrior
+    from kvpolicy.directory import InMemoryDirectory, TenantScopedDirectory
+    from kvpolicy.integrations.llamacpp import LlamaCppReplica
+    from kvpolicy.profile import PrefillModel
+
+    d = TenantScopedDirectory(InMemoryDirectory(), "default", namespace_digest=namespace.digest)
+    toks = prompt(llamas[0], 100, seed=61)
+    holder = replica(llamas[0], model, namespace, store=client(server, namespace, model), directory=d, publish_filter=_Never(),
+                     advertise=True, peers=_Peers(), replica="a")
+    holder.prefill(toks)
+    want = cold_logits(llamas[2], toks + [9])
+    hung = _HungPeers(20.0)
+    prefill = PrefillModel(a_s=0.01, b_s_per_token=1e-3, c_s_per_token2=0.0, rms_rel_error=float("nan"), max_rel_error=float("nan"))
+    ctl = AdmissionController(LatencyModel(LinkPrior(bandwidth_bytes_per_s=1e12), prefill))
+    b = replica(llamas[1], model, namespace, store=client(server, namespace, model), directory=d, publish_filter=_Never(),
+                advertise=True, peers=hung, replica="b", controller=ctl)
+    b.load_timeout_s = 0.5
+    t0 = time.perf_counter()
+    got = b.prefill(toks + [9])
+    took = time.perf_counter() - t0
+    hung.release.set()
+    assert took < 5.0, took
+    assert (got.remote_found, got.pulled_blocks, got.loaded_blocks) == (6, 0, 0) and b.counts["pulls_timeout"] == 1
+    assert got.load_status == "timeout" and ctl.loads_in_flight() == 0
+    assert np.abs(got.logits - want).max() == 0.0
+    liar = replica(llamas[1], model, namespace, store=client(server, namespace, model), directory=d, publish_filter=_Never(),
+                   advertise=True, peers=_LyingPeers(), replica="c")
+    got = liar.prefill(toks + [9])
+    assert (got.pulled_blocks, got.loaded_blocks) == (0, 0) and liar.counts["pulled_blocks"] == 0
+    assert liar.counts["pulls_short"] == 1 and "claimed 1000000" in liar.last_error
+    assert np.abs(got.logits - want).max() == 0.0
+    assert isinstance(liar, LlamaCppReplica)

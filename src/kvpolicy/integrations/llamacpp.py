@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import struct
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -210,6 +211,10 @@ def build_seq_state(layout: StateLayout, payloads: Sequence[bytes], block_size_t
     return b"".join(parts)
 
 
+#: pulls one replica may have waiting on their senders at once (each in a thread of its own)
+MAX_PULLS_IN_FLIGHT = 8
+
+
 class _ContextIndex:
     """The context's own cached tokens as a BlockIndex: the leading blocks it holds, token for token."""
 
@@ -278,7 +283,16 @@ class LlamaCppReplica:
         #: the last load or publish error (they are counted, never raised): for logs and ``stats``
         self.last_error: str | None = None
         self.counts = {"loads_ok": 0, "loads_failed": 0, "loads_timeout": 0, "corrupt_refused": 0, "import_refused": 0,
-                       "published_blocks": 0, "publish_failed": 0, "pulled_blocks": 0, "sent_blocks": 0}
+                       "published_blocks": 0, "publish_failed": 0, "pulled_blocks": 0, "sent_blocks": 0, "pulls_timeout": 0,
+                       "pulls_short": 0, "sends_refused_busy": 0}
+        #: held while the context changes (a prefill) and while a peer's send reads it: a send exports only what the
+        #: context holds for the keys' own tokens. Use the Llama through this replica, or hold this lock around your own use
+        self.lock = threading.RLock()
+        #: how long a peer's send waits for this context's prefill to finish before refusing (the asker recomputes)
+        self.send_wait_s = 1.0
+        #: pulls whose sender has not answered yet (each waits in a thread of its own); past MAX_PULLS_IN_FLIGHT a pull is
+        #: not asked for (a hung peer cannot pile up threads)
+        self._pull_slots = threading.BoundedSemaphore(MAX_PULLS_IN_FLIGHT)
 
     # ------------------------------------------------------------------ the context
 
@@ -387,22 +401,35 @@ class LlamaCppReplica:
 
     def send_blocks(self, keys: Sequence[bytes]) -> int:
         """A peer asks for blocks this context holds (its pull): the leading run of ``keys`` the context holds, in chain
-        order, goes into the store and the directory. Returns how many (0 when the context no longer holds the first)."""
+        order, goes into the store and the directory. Returns how many (0 when the context no longer holds the first).
+
+        A block's bytes are bound to what its key names: under :attr:`lock`, the keys of the tokens the context holds
+        *now* are computed again and the run exported is the one they match, key for key — so a context that moved on
+        (another prompt, the Llama used outside :meth:`prefill`) sends nothing rather than other KV under these keys
+        (it sent whatever it held, labelled with the keys it last advertised). While a prefill holds the context, the
+        send waits up to :attr:`send_wait_s`, then refuses (``sends_refused_busy``)."""
         if self.store is None or not keys:
             return 0
-        held = self._held
-        try:
-            start = held.index(keys[0])
-        except ValueError:
-            return 0
-        n = 0
-        while n < len(keys) and start + n < len(held) and held[start + n] == keys[n]:
-            n += 1
-        n = min(n, max(int(self.llm.n_tokens) // self.B - start, 0))  # what the context still holds, token for token
-        if n <= 0:
+        if not self.lock.acquire(timeout=self.send_wait_s):
+            self.counts["sends_refused_busy"] += 1
             return 0
         try:
+            held_tokens = np.asarray(self.llm.input_ids[:int(self.llm.n_tokens)], dtype=np.int64)
+            held = list(self.hasher.hash_blocks(held_tokens)) if held_tokens.size >= self.B else []
+            try:
+                start = held.index(keys[0])
+            except ValueError:
+                return 0
+            n = 0
+            while n < len(keys) and start + n < len(held) and held[start + n] == keys[n]:
+                n += 1
             payloads = self.export_blocks(start + n)[start:]
+        except Exception as e:  # a peer's request is best effort: counted, the asker recomputes
+            self.last_error = f"send: {e!r}"
+            return 0
+        finally:
+            self.lock.release()
+        try:
             stored = self.store.put(list(keys[:n]), payloads, 30.0)
             if stored and self.directory is not None:
                 from ..directory import Entry
@@ -416,7 +443,12 @@ class LlamaCppReplica:
         return int(stored)
 
     def prefill(self, tokens: Sequence[int] | np.ndarray, *, request_id: Any = None, publish: bool = True) -> PrefillResult:
-        """Prefill one prompt, reusing what the context and the shared store hold; returns the last token's logits."""
+        """Prefill one prompt, reusing what the context and the shared store hold; returns the last token's logits.
+        Holds :attr:`lock` throughout: a peer's send reads the context only between prefills."""
+        with self.lock:
+            return self._prefill(tokens, request_id=request_id, publish=publish)
+
+    def _prefill(self, tokens: Sequence[int] | np.ndarray, *, request_id: Any, publish: bool) -> PrefillResult:
         t_start = time.perf_counter()
         arrival_s = self.controller.clock.now_s() if self.controller is not None else time.monotonic()
         raw = np.asarray(tokens)
@@ -455,17 +487,23 @@ class LlamaCppReplica:
             if self.controller is not None:
                 decision = self.controller.decide(m, AdmissionContext(block_bytes=self.block_bytes, replica=self.replica, source=self.store.name))
                 want_blocks = decision.load_blocks if decision.loads else 0
+            pull_timed_out = False
             if want_blocks > in_store:  # blocks past the store's run: only the peer tier finds those
                 assert peer_index is not None and peer_index.holder is not None
                 t_ask = time.perf_counter()
-                pulled = min(self._ask(peer_index.holder, keys[L + in_store:L + want_blocks]), want_blocks - in_store)
+                deadline_s = self.load_timeout_s if decision is None else (decision.soft_timeout_s or self.load_timeout_s)
+                pulled, pull_timed_out = self._ask(peer_index.holder, keys[L + in_store:L + want_blocks], deadline_s)
                 timings["pull_s"] = time.perf_counter() - t_ask
                 want_blocks = in_store + pulled
                 self.counts["pulled_blocks"] += pulled
             if want_blocks:
                 loaded, status = self._load(keys, L, want_blocks, toks, decision, timings)
             elif decision is not None and decision.load_id is not None and self.controller is not None:
-                self.controller.cancel(decision.load_id)  # the peer sent nothing: the admitted load never starts
+                if pull_timed_out:  # the admitted load spent its deadline waiting on the peer: the controller learns it
+                    status = "timeout"
+                    self.controller.record(LoadOutcome(decision.load_id, "timeout", 0))
+                else:
+                    self.controller.cancel(decision.load_id)  # the peer sent nothing: the admitted load never starts
         reused = min(L + loaded, self.cached_tokens(toks) // B)  # fewer only when a refused import emptied the context
         t0, c0 = time.perf_counter(), time.process_time()
         self.llm.n_tokens = reused * B  # eval drops every cell past it, then computes the rest
@@ -493,18 +531,51 @@ class LlamaCppReplica:
             self.publish(res, request_id=request_id)
         return res
 
-    def _ask(self, engine: str, keys: list[bytes]) -> int:
-        """Ask ``engine`` to send ``keys`` into the store; how many it sent (0 on any error: counted, never raised)."""
-        assert self.peers is not None
-        try:
-            got = self.peers.send(engine, keys)
-        except Exception as e:  # the peer is gone, or refused: recompute
-            self.last_error = f"pull from {engine}: {e!r}"
-            return 0
+    def _ask(self, engine: str, keys: list[bytes], deadline_s: float) -> tuple[int, bool]:
+        """Ask ``engine`` to send ``keys`` into the store, waiting at most ``deadline_s`` for the whole exchange; answers
+        (blocks the store now holds of ``keys``' leading run — what the peer claims is checked, never taken on its word
+        —, whether the deadline passed). Any error is 0, counted in ``last_error``, never raised."""
+        assert self.peers is not None and self.store is not None
+        if not self._pull_slots.acquire(blocking=False):  # hung senders hold that many threads already
+            self.last_error = f"pull from {engine}: {MAX_PULLS_IN_FLIGHT} pulls still unanswered; not asking"
+            return 0, False
+        answer: list[Any] = []
+        done = threading.Event()
+        peers = self.peers
+
+        def ask() -> None:
+            try:
+                answer.append(peers.send(engine, keys))
+            except Exception as e:  # the peer is gone, or refused: recompute
+                answer.append(e)
+            finally:
+                self._pull_slots.release()
+                done.set()
+
+        threading.Thread(target=ask, name=f"kvpolicy-pull-{engine}", daemon=True).start()
+        if not done.wait(deadline_s):
+            self.counts["pulls_timeout"] += 1
+            self.last_error = f"pull from {engine}: no answer within its {deadline_s:g} s deadline"
+            return 0, True
+        got = answer[0]
+        if isinstance(got, Exception):
+            self.last_error = f"pull from {engine}: {got!r}"
+            return 0, False
         if isinstance(got, bool) or not isinstance(got, int) or got < 0:
             self.last_error = f"pull from {engine}: send answered {got!r}, not a count of blocks"
-            return 0
-        return got
+            return 0, False
+        if got == 0:
+            return 0, False
+        claimed = min(got, len(keys))
+        try:
+            there = int(self.store.match_prefix(keys[:claimed]))
+        except Exception as e:  # the store cannot say: nothing is taken as pulled
+            self.last_error = f"pull from {engine}: the store could not confirm it ({e!r})"
+            return 0, False
+        if there < got:
+            self.counts["pulls_short"] += 1
+            self.last_error = f"pull from {engine}: it claimed {got} blocks; the store holds {there} of them"
+        return there, False
 
     def _load(self, keys: list[bytes], L: int, n: int, toks: np.ndarray, decision: Decision | None,
               timings: dict[str, float]) -> tuple[int, LoadStatus]:
