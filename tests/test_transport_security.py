@@ -116,13 +116,19 @@ def test_a_client_without_the_secret_learns_nothing_and_gets_nothing(victim):
     with pytest.raises(AuthError):
         intruder.fetch(keys[:2], 2.0)
     assert intruder.stats["auth_failed"] == 2
-    # the pre-authentication protocol of the old transport: a bare JSON request is never answered
+    # the pre-authentication protocol of the old transport: a bare JSON request is never answered — the server says
+    # nothing at all (not even its nonce) before the client's hello shows the secret
     s = raw(victim.server.address)
-    hello = s.recv(64)
-    assert hello[:4] == MAGIC
     h = b'{"op":"match","namespace":"%s","keys":["%s"]}' % (victim.namespace.digest.hex().encode(), keys[0].hex().encode())
     s.sendall(struct.pack(">I", len(h)) + h)
-    assert closed_by_peer(s, 5.0)
+    said = b""
+    s.settimeout(5.0)
+    try:
+        while chunk := s.recv(4096):
+            said += chunk
+    except ConnectionResetError:  # hung up with our request unread
+        pass
+    assert said == b"", "not even a nonce before the client's hello shows the secret"
     s.close()
     wait_until(lambda: victim.server.stats["auth_failed"] >= 3)
     assert victim.server.stats["auth_failed"] == 3
@@ -575,7 +581,7 @@ def test_a_peer_that_hangs_up_in_the_handshake_is_a_protocol_error():
     store, srv = one_block_server()
     try:
         s = raw(srv.address)
-        assert s.recv(4)[:4] == MAGIC
+        s.sendall(MAGIC + os.urandom(8))  # half a hello, then gone
         s.close()
         wait_until(lambda: srv.stats["protocol_errors"] >= 1)
         assert srv.stats["protocol_errors"] == 1 and srv.stats["auth_failed"] == 0
@@ -734,4 +740,151 @@ def test_a_client_checks_its_block_size_asks_nothing_for_no_keys_and_hangs_up_on
         wait_until(lambda: srv.open_connections == 0)
         assert srv.open_connections == 0, "close() hangs up at once, not at the server's idle limit"
     finally:
+        srv.close()
+
+
+_FLOOD = """
+import socket, sys, time
+host, port, keep, rate, run_s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
+open_ = []
+t_end = time.monotonic() + run_s
+opened = 0
+t0 = time.monotonic()
+while time.monotonic() < t_end:
+    if opened < (time.monotonic() - t0) * rate:
+        try:
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex((host, port))
+            open_.append(c)
+            opened += 1
+        except OSError:
+            pass
+        while len(open_) > keep:
+            open_.pop(0).close()
+    else:
+        time.sleep(0.0005)
+print(opened)
+"""
+
+
+class _DelayProxy:
+    """A TCP relay that holds every byte ``one_way_s`` in each direction and opens its upstream connection
+    ``one_way_s`` after the client's: a peer that far away, as the server sees it (round trip 2 x one_way_s)."""
+
+    def __init__(self, upstream, one_way_s):
+        self.upstream, self.d = upstream, one_way_s
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+        self.address = self.listener.getsockname()[:2]
+        self.socks = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.listener.accept()
+            except OSError:
+                return
+            self.socks.append(c)
+            threading.Thread(target=self._relay, args=(c,), daemon=True).start()
+
+    def _pump(self, src, get_dst):
+        """Relay src's bytes, each sent one_way_s after it arrived here (to whatever get_dst() answers once it can)."""
+        import queue
+
+        q = queue.Queue()
+
+        def send():
+            dst = get_dst()
+            while True:
+                due, data = q.get()
+                time.sleep(max(due - time.monotonic(), 0))
+                try:
+                    if dst is None:
+                        return
+                    if data is None:
+                        dst.shutdown(socket.SHUT_WR)
+                        return
+                    dst.sendall(data)
+                except OSError:
+                    return
+
+        threading.Thread(target=send, daemon=True).start()
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                data = b""
+            q.put((time.monotonic() + self.d, data or None))
+            if not data:
+                return
+
+    def _relay(self, c):
+        # the client's bytes are timed from when they reach the relay, as a network would carry them; the upstream
+        # connection opens one_way_s after the client's (the SYN's way there), and the first bytes go with it
+        up = {}
+        ready = threading.Event()
+
+        def upstream():
+            ready.wait()
+            return up.get("u")
+
+        threading.Thread(target=self._pump, args=(c, upstream), daemon=True).start()
+        time.sleep(self.d)
+        try:
+            up["u"] = socket.create_connection(self.upstream, timeout=10)
+            self.socks.append(up["u"])
+        except OSError:
+            c.close()
+            return
+        finally:
+            ready.set()
+        self._pump(up["u"], lambda: c)
+
+    def close(self):
+        self.listener.close()
+        for x in self.socks:
+            try:
+                x.close()
+            except OSError:
+                pass
+
+
+@pytest.mark.parametrize("rtt_s", [0.05, 0.2])
+def test_honest_peers_far_away_are_served_while_silent_connections_flood_in(rtt_s):
+    """Round three: with 600 silent connections reopened at ~1,000/s, honest clients 50 ms away got 10 of 25 served and
+    200 ms away 0 of 21 — the server spoke first and waited a round trip for each unproven connection, which the flood
+    shed first. The client now speaks first: its hello arrives with the connection, the server admits it at once, and
+    every honest client is served, with the default limits on both sides."""
+    import subprocess
+    import sys
+
+    store, srv = one_block_server()
+    proxy = _DelayProxy(srv.address, rtt_s / 2)
+    flood = subprocess.Popen([sys.executable, "-c", _FLOOD, *map(str, srv.address), "600", "1000", "12"], stdout=subprocess.PIPE)
+    try:
+        wait_until(lambda: srv.stats["shed_handshakes"] >= 200, timeout_s=10.0)
+        answers: list[int] = []
+        lock = threading.Lock()
+
+        def honest() -> None:
+            c = PeerClient(proxy.address, bytes(16), secret=SECRET, block_bytes=BB)
+            got = c.match_prefix([KEY])
+            c.close()
+            with lock:
+                answers.append(got)
+
+        for _ in range(4):  # 20 clients, 5 at a time, while the flood goes on
+            ts = [threading.Thread(target=honest, daemon=True) for _ in range(5)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(15)
+        assert flood.poll() is None, "the flood ran throughout"
+        assert answers.count(1) == 20, f"{answers.count(1)} of 20 honest clients {rtt_s * 1e3:.0f} ms away served"
+        assert srv.stats["shed_handshakes"] >= 600
+    finally:
+        flood.kill()
+        flood.wait()
+        proxy.close()
         srv.close()

@@ -2,15 +2,22 @@
 
 **Who may talk.** Every connection starts with a mutual handshake under the
 deployment secret (16–64 bytes, the same secret the ``keyed`` key scheme uses;
-the transport derives its own keys from it)::
+the transport derives its own keys from it). The client speaks first::
 
-    server -> client   "KVP2" · nonce_s (16 B)
-    client -> server   "KVP2" · nonce_c (16 B) · HMAC-SHA256(k_auth, "client" · nonce_s · nonce_c)
-    server -> client   HMAC-SHA256(k_auth, "server" · nonce_s · nonce_c)
+    client -> server   "KVP3" · nonce_c (16 B) · HMAC-SHA256(k_auth, "hello" · nonce_c)
+    server -> client   "KVP3" · nonce_s (16 B) · HMAC-SHA256(k_auth, "server" · nonce_s · nonce_c)
+    client -> server   HMAC-SHA256(k_auth, "client" · nonce_s · nonce_c)
 
 so a process without the secret can neither ask nor answer (a listener that
-took a restarted peer's port fails the client's check). Both sides then derive
-``k_session = HMAC(k_auth, "session" · nonce_s · nonce_c)``.
+took a restarted peer's port fails the client's check; a client without it is
+dropped on its first message, having learnt nothing). Both sides then derive
+``k_session = HMAC(k_auth, "session" · nonce_s · nonce_c)``. Why the client
+first: its hello reaches the server with the TCP handshake's last packet, so the
+server never waits a round trip on a connection that has not shown the secret —
+with the server speaking first, a peer 200 ms away needed its unproven connection
+kept 200 ms, and a flood of silent connections shed it first (0 of 21 served).
+A replayed hello (an on-path attacker's) gets only the server's nonce: the last
+message and every frame need the secret.
 
 **Frames.** ``4-byte big-endian length · JSON header · 16-byte tag`` where the
 tag is keyed BLAKE2b over (direction, sequence number, header) under
@@ -29,7 +36,7 @@ shared block server (a pool node); the server checks every MAC and refuses the
 whole message on a mismatch. A server answers only for its own namespace.
 
 **Bounds** (:class:`TransportLimits`). Nothing is read before the handshake but
-its fixed 52 bytes, under ``handshake_timeout_s``. Headers are capped at what
+its fixed 52 + 32 bytes, under ``handshake_timeout_s``. Headers are capped at what
 ``max_blocks_per_message`` keys need; every block's ``nbytes`` must equal the
 store's block size (the engine's geometry) *before* anything is allocated, so a
 peer claiming 100 GiB is refused, not allocated. Every read has a deadline
@@ -65,7 +72,7 @@ from .._io import json_loads
 from .._validate import non_negative_number, positive_int, positive_number
 from ..errors import ConfigError
 
-MAGIC = b"KVP2"
+MAGIC = b"KVP3"
 NONCE_BYTES = 16
 AUTH_TAG_BYTES = 32
 FRAME_TAG_BYTES = 16
@@ -162,36 +169,42 @@ def _tag(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
 
-def server_handshake(sock: socket.socket, keys: TransportKeys, timeout_s: float) -> bytes:
-    """The server's half of the handshake; returns the session key. Raises :class:`AuthError`."""
+def server_handshake(sock: socket.socket, keys: TransportKeys, timeout_s: float, admit: Any = None) -> bytes:
+    """The server's half of the handshake; returns the session key. Raises :class:`AuthError`. ``admit`` (if given)
+    is called once the client's hello has shown the secret, before the server answers: False aborts (the connection
+    was shed meanwhile)."""
     deadline = time.monotonic() + timeout_s
-    nonce_s = os.urandom(NONCE_BYTES)
-    sock.sendall(MAGIC + nonce_s)
     msg = bytes(_recv_exact(sock, len(MAGIC) + NONCE_BYTES + AUTH_TAG_BYTES, deadline))
     if msg[:4] != MAGIC:
         raise AuthError("not a kvpolicy peer")
     nonce_c, tag_c = msg[4:4 + NONCE_BYTES], msg[4 + NONCE_BYTES:]
-    if not hmac.compare_digest(tag_c, _tag(keys.auth, b"client", nonce_s, nonce_c)):
+    if not hmac.compare_digest(tag_c, _tag(keys.auth, b"hello", nonce_c)):
         raise AuthError("the client does not hold the deployment secret")
-    sock.sendall(_tag(keys.auth, b"server", nonce_s, nonce_c))
+    if admit is not None and not admit():
+        raise ConnectionError("shed while its hello was in flight")
+    nonce_s = os.urandom(NONCE_BYTES)
+    sock.sendall(MAGIC + nonce_s + _tag(keys.auth, b"server", nonce_s, nonce_c))
+    proof = bytes(_recv_exact(sock, AUTH_TAG_BYTES, deadline))
+    if not hmac.compare_digest(proof, _tag(keys.auth, b"client", nonce_s, nonce_c)):
+        raise AuthError("the client does not hold the deployment secret (its hello was replayed?)")
     return _tag(keys.auth, b"session", nonce_s, nonce_c)
 
 
 def client_handshake(sock: socket.socket, keys: TransportKeys, timeout_s: float) -> bytes:
-    """The client's half: the server must prove it holds the secret too. Returns the session key."""
+    """The client's half: it speaks first, and the server must prove it holds the secret too. Returns the session key."""
     deadline = time.monotonic() + timeout_s
-    hello = bytes(_recv_exact(sock, len(MAGIC) + NONCE_BYTES, deadline))
-    if hello[:4] != MAGIC:
-        raise AuthError("not a kvpolicy block server")
-    nonce_s = hello[4:]
     nonce_c = os.urandom(NONCE_BYTES)
-    sock.sendall(MAGIC + nonce_c + _tag(keys.auth, b"client", nonce_s, nonce_c))
+    sock.sendall(MAGIC + nonce_c + _tag(keys.auth, b"hello", nonce_c))
     try:
-        tag_s = bytes(_recv_exact(sock, AUTH_TAG_BYTES, deadline))
-    except ConnectionError:  # the server hung up on our proof: it does not take this deployment's secret
+        reply = bytes(_recv_exact(sock, len(MAGIC) + NONCE_BYTES + AUTH_TAG_BYTES, deadline))
+    except ConnectionError:  # the server hung up on our hello: it does not take this deployment's secret
         raise AuthError("the server refused this client's proof of the deployment secret") from None
+    if reply[:4] != MAGIC:
+        raise AuthError("not a kvpolicy block server")
+    nonce_s, tag_s = reply[4:4 + NONCE_BYTES], reply[4 + NONCE_BYTES:]
     if not hmac.compare_digest(tag_s, _tag(keys.auth, b"server", nonce_s, nonce_c)):
         raise AuthError("the server does not hold the deployment secret")
+    sock.sendall(_tag(keys.auth, b"client", nonce_s, nonce_c))
     return _tag(keys.auth, b"session", nonce_s, nonce_c)
 
 
@@ -378,18 +391,20 @@ class BlockServer:
         slot = False
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            def admit() -> bool:  # the hello showed the secret: out of the unproven connections' budget
+                with self._lock:
+                    if sock not in self._pending:  # shed while its hello was in flight: too late
+                        return False
+                    del self._pending[sock]
+                    return True
+
             try:
-                session = server_handshake(sock, self.keys, self.limits.handshake_timeout_s)
+                session = server_handshake(sock, self.keys, self.limits.handshake_timeout_s, admit)
             except AuthError:
                 self._count("auth_failed")
                 return
             except (OSError, ConnectionError):
                 self._count("protocol_errors")
-                return
-            with self._lock:
-                shed = sock not in self._pending  # shed while its proof was in flight: too late
-                self._pending.pop(sock, None)
-            if shed:
                 return
             while not self._closed.is_set() and not slot:  # proven: wait for one of max_connections served slots
                 slot = self._slots.acquire(timeout=0.2)
