@@ -1,32 +1,40 @@
-"""Issue #44's goals, every view, on traces nothing was tuned on: kvpolicy's decisions against the engines' own rules.
+"""Issue #58's goals, every view and router, on traces nothing was tuned on: kvpolicy against the engines' own rules
+given the same mechanisms (the ``-p2p-like`` sets pull from peers as kvpolicy does).
 
-    python benchmarks/bench_policy_goals.py                 # conversation trace (2nd half) + 4 presets x seeds 515,626, 4 views
-    python benchmarks/bench_policy_goals.py --seeds 515 --presets chat --skip-mooncake --jobs 2
+    python benchmarks/bench_policy_goals.py                 # conversation trace (2nd half) + 4 presets x seeds 515,626, 4 views, 2 routers
+    python benchmarks/bench_policy_goals.py --seeds 515 --presets chat --skip-mooncake --routers kv-overlap --jobs 2
     python benchmarks/bench_policy_goals.py --families 1001-1008 --presets "" --skip-mooncake   # random trace families
 
 Traces: the Mooncake conversation trace, judged on its second half after learning on the first (every policy set
 runs the whole trace; only requests from the midpoint on are counted), and the ``chat``, ``rag``, ``agent`` and
 ``mixed`` presets (256-token blocks) at seeds no default was chosen on (exploration used seed 1 and the conversation
 trace's first half). Physics: Llama-3-8B geometry (131,072 bytes/token), the order-of-magnitude prefill model, the
-default cluster of docs/sim.md. Every view of ``kvpolicy compare`` (steady, scale-out, spike, degraded).
+default cluster of docs/sim.md, with each router of ``--routers`` (round-robin; kv-overlap, what Dynamo's KV router
+and llm-d's precise prefix-cache scorer do; least-loaded). Every view of ``kvpolicy compare`` (steady, scale-out,
+spike, degraded).
 
 ``--families A-B``: trace families nothing was tuned on — for each seed, a :class:`SyntheticSpec` whose knobs are
 drawn from that seed (:func:`family_spec`: block size, arrival rate and bursts, documents and their Zipf exponent,
 tenants, apps, system-prompt and tool lengths, the mix of chat / rag / agent and their turns, think time), 3,000
 requests each.
 
-The goals, per view (each printed with its margin):
-  * no baseline (vllm-like, sglang-like, lmcache-like) dominates kvpolicy on (GPU s saved, bytes written);
-  * kvpolicy's p95 TTFT <= every baseline's;
-  * kvpolicy's E[benefit] >= 0;
-  * steady only: kvpolicy saves >= vllm-like's GPU seconds, writes <= sglang-like's bytes, and saves >= 80 % of the
-    oracle's GPU seconds.
+The goals, per trace x router x view (each printed with its margin), against the baselines vllm-like, sglang-like,
+lmcache-like, sglang-p2p-like and lmcache-p2p-like:
+  * kvpolicy's p95 TTFT <= 1.02 x the best baseline's;
+  * kvpolicy's GPU seconds saved >= the best baseline's - 1 point (of recompute-only's GPU seconds);
+  * kvpolicy writes no more bytes than sglang-p2p-like;
+  * the set the ledger ranks first by E[benefit] saves within 2 points of the most any set saves, with a p95 within
+    5 % of the best;
+  * steady only: kvpolicy saves >= 80 % of the (pulling) oracle's GPU seconds;
+and, for reference, issue #44's "no baseline dominates kvpolicy on (GPU s saved, bytes written)".
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+import attrs
 
 import numpy as np
 import time
@@ -41,7 +49,9 @@ from kvpolicy.sim import compare, default_cluster
 from kvpolicy.traces import SyntheticSpec, generate, preset, read_mooncake
 
 BPT = 131072
-BASELINES = ("vllm-like", "sglang-like", "lmcache-like")
+BASELINES = ("vllm-like", "sglang-like", "lmcache-like", "sglang-p2p-like", "lmcache-p2p-like")
+GOALS = ("p95 <= 1.02 best", "GPU >= best - 1 pt", "bytes <= sglang-p2p", "ledger's first is right", "not dominated",
+         ">= 80% of oracle GPU")
 
 
 def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -51,26 +61,37 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
     for s in report["scenarios"]:
         kv = by[(s, "kvpolicy")]
         base = [by[(s, b)] for b in BASELINES]
+        rows = [r for (ss, p), r in by.items() if ss == s and p != "oracle"]
 
         def add(goal: str, ok: bool | None, detail: str) -> None:
             out.append({"scenario": s, "goal": goal, "ok": ok, "detail": detail})
 
+        best = min(base, key=lambda r: r["ttft_p95_ms"])
+        add("p95 <= 1.02 best", kv["ttft_p95_ms"] <= 1.02 * best["ttft_p95_ms"],
+            f"{kv['ttft_p95_ms']:,.0f} vs {best['ttft_p95_ms']:,.0f} ms ({best['policy']}, "
+            f"{(kv['ttft_p95_ms'] / best['ttft_p95_ms'] - 1) * 100:+.1f} %)")
+        top = max(base, key=lambda r: r["gpu_saved_share"] or 0.0)
+        ks, ts = kv["gpu_saved_share"] or 0.0, top["gpu_saved_share"] or 0.0
+        add("GPU >= best - 1 pt", ks >= ts - 0.01, f"{ks:.1%} vs {ts:.1%} ({top['policy']}, {(ks - ts) * 100:+.1f} pts)")
+        sg = by[(s, "sglang-p2p-like")]
+        add("bytes <= sglang-p2p", kv["bytes_written"] <= sg["bytes_written"],
+            f"{kv['bytes_written'] / 2**30:,.0f} vs {sg['bytes_written'] / 2**30:,.0f} GiB")
+        ranked = [r for r in rows if r["e_benefit_s_per_s"] is not None]
+        if ranked:
+            first = max(ranked, key=lambda r: r["e_benefit_s_per_s"])
+            most = max(r["gpu_saved_share"] or 0.0 for r in rows)
+            fastest = min(r["ttft_p95_ms"] for r in rows)
+            fs = first["gpu_saved_share"] or 0.0
+            add("ledger's first is right", fs >= most - 0.02 and first["ttft_p95_ms"] <= 1.05 * fastest,
+                f"{first['policy']}: {fs:.1%} vs the most {most:.1%}, p95 {first['ttft_p95_ms'] / fastest - 1:+.1%} over the best")
+        else:
+            add("ledger's first is right", None, "no set's E[benefit] is known")
         dom = [b for b in base if b["gpu_saved_s"] >= kv["gpu_saved_s"] and b["bytes_written"] <= kv["bytes_written"]
                and (b["gpu_saved_s"] > kv["gpu_saved_s"] or b["bytes_written"] < kv["bytes_written"])]
         add("not dominated", not dom, ", ".join(f"{b['policy']} {b['gpu_saved_s'] - kv['gpu_saved_s']:+,.0f} GPU s, "
                                                  f"{(b['bytes_written'] - kv['bytes_written']) / 2**30:+,.0f} GiB" for b in dom) or "-")
-        best = min(base, key=lambda r: r["ttft_p95_ms"])
-        add("p95 <= baselines", kv["ttft_p95_ms"] <= best["ttft_p95_ms"],
-            f"{kv['ttft_p95_ms']:,.0f} vs {best['ttft_p95_ms']:,.0f} ms ({best['policy']}, "
-            f"{(kv['ttft_p95_ms'] / best['ttft_p95_ms'] - 1) * 100:+.1f} %)")
-        eb = kv["e_benefit_s_per_s"]
-        add("E[benefit] >= 0", None if eb is None else eb >= 0, "unknown" if eb is None else f"{eb:+.3f} GPU s/s")
         if s == "steady":
-            vl, sg, orc = by[(s, "vllm-like")], by[(s, "sglang-like")], by[(s, "oracle")]
-            add("GPU >= vllm-like", kv["gpu_saved_s"] >= vl["gpu_saved_s"],
-                f"{kv['gpu_saved_share']:.1%} vs {vl['gpu_saved_share']:.1%} of recompute-only's")
-            add("bytes <= sglang-like", kv["bytes_written"] <= sg["bytes_written"],
-                f"{kv['bytes_written'] / 2**30:,.0f} vs {sg['bytes_written'] / 2**30:,.0f} GiB")
+            orc = by[(s, "oracle")]
             share = kv["gpu_saved_s"] / orc["gpu_saved_s"] if orc["gpu_saved_s"] > 0 else None
             add(">= 80% of oracle GPU", None if share is None else share >= 0.8, "-" if share is None else f"{share:.0%}")
     return out
@@ -93,8 +114,8 @@ def family_spec(seed: int, n_requests: int = 3000) -> SyntheticSpec:
         think_time_s=float(rng.uniform(2, 120)), seed=seed)
 
 
-def _job(spec: tuple[str, str, int]) -> dict[str, Any]:
-    kind, name, seed = spec
+def _job(spec: tuple[str, str, int, str]) -> dict[str, Any]:
+    kind, name, seed, router = spec
     if kind == "family":
         fam = family_spec(seed)
         trace = generate(fam)
@@ -108,10 +129,10 @@ def _job(spec: tuple[str, str, int]) -> dict[str, Any]:
         trace = generate(preset(name, block_size_tokens=256, seed=seed))
         k = 0
         label = f"{name} seed {seed}"
-    cl = default_cluster(trace, bytes_per_token=BPT, prefill=DEFAULT_PREFILL)
+    cl = attrs.evolve(default_cluster(trace, bytes_per_token=BPT, prefill=DEFAULT_PREFILL), router=router)
     t0 = time.perf_counter()
     report, _ = compare(trace, cl, seed=seed, judge_from_request=k)
-    return {"trace": label, "wall_s": time.perf_counter() - t0, "goals": goals(report), "report": report}
+    return {"trace": label, "router": router, "wall_s": time.perf_counter() - t0, "goals": goals(report), "report": report}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,26 +142,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="515,626", help="seeds nothing was tuned on")
     ap.add_argument("--skip-mooncake", action="store_true")
     ap.add_argument("--families", default="", help="seed range A-B of random trace families (family_spec), e.g. 1001-1008")
+    ap.add_argument("--routers", default="round-robin,kv-overlap", help="comma-separated routers (round-robin, kv-overlap, least-loaded, ...)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    specs: list[tuple[str, str, int]] = []
+    traces: list[tuple[str, str, int]] = []
     if not args.skip_mooncake:
         if not TRACE.exists():
             print(f"the Mooncake trace is not at {TRACE}", file=sys.stderr)
             return 1
-        specs.append(("mooncake", "conversation", 0))
+        traces.append(("mooncake", "conversation", 0))
     seeds = [int(x) for x in args.seeds.split(",") if x]
-    specs += [("preset", p, s) for p in args.presets.split(",") if p for s in seeds]
+    traces += [("preset", p, s) for p in args.presets.split(",") if p for s in seeds]
     if args.families:
         a, _, b = args.families.partition("-")
-        specs += [("family", "family", s) for s in range(int(a), int(b or a) + 1)]
+        traces += [("family", "family", s) for s in range(int(a), int(b or a) + 1)]
+    specs = [(*t, r) for t in traces for r in args.routers.split(",") if r]
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=max(args.jobs, 1)) as ex:
         results = list(ex.map(_job, specs))
-    names = ["not dominated", "p95 <= baselines", "E[benefit] >= 0", "GPU >= vllm-like", "bytes <= sglang-like", ">= 80% of oracle GPU"]
-    print("| trace | view | " + " | ".join(names) + " |")
-    print("|---|---|" + "---|" * len(names))
+    names = list(GOALS)
+    print("| trace | router | view | " + " | ".join(names) + " |")
+    print("|---|---|---|" + "---|" * len(names))
     tally = {n: [0, 0] for n in names}
     targets = {}
     for res in results:
@@ -157,13 +180,13 @@ def main(argv: list[str] | None = None) -> int:
                 if g["ok"] is not None:
                     tally[n][0] += g["ok"]
                     tally[n][1] += 1
-                    targets[f"{res['trace']} / {v}: {n}"] = g["ok"]
-            print(f"| {res['trace']} | {v} | " + " | ".join(cells) + " |")
+                    targets[f"{res['trace']} / {res['router']} / {v}: {n}"] = g["ok"]
+            print(f"| {res['trace']} | {res['router']} | {v} | " + " | ".join(cells) + " |")
     print("\nmet / judged: " + "; ".join(f"{n} {a}/{b}" for n, (a, b) in tally.items()))
     print(f"{len(results)} traces in {time.perf_counter() - t0:.0f} s")
     for res in results:
         for d in res["report"].get("dominance", []):
-            print(f"  {res['trace']}: {d['line']}")
+            print(f"  {res['trace']} ({res['router']}): {d['line']}")
     rc = report_targets(targets, args.check)
     path = write_json("policy_goals", {"results": [{k: v for k, v in r.items() if k != "report"} for r in results],
                                        "tally": tally}, args.json)

@@ -336,6 +336,7 @@ def test_active_leases_are_bounded_and_a_lease_past_the_bound_protects_nothing()
     held = [d.lease("t", KEYS[i:i + 1], ttl_s=10.0) for i in range(3)]
     extra = d.lease("t", KEYS[5:6], ttl_s=10.0)
     assert extra.keys == () and d.leases_refused == 1 and not d.leased("t", KEYS[5])
+    assert extra.expires_at_s == clock.now_s() + 10.0  # a refused lease still says when it would have ended
     d.release(held[0])
     assert d.lease("t", KEYS[5:6], ttl_s=10.0).keys == (KEYS[5],)
     clock.advance(11.0)  # the rest expire: room again
@@ -1067,3 +1068,34 @@ def test_a_failed_node_call_costs_only_its_own_keys_and_keeps_the_per_node_scrip
     assert d.node_scripts is True
     d._batch = batch
     assert d.match_prefix("t", keys) == len(keys) and d.node_scripts is True
+
+
+def test_a_forced_evict_takes_leased_keys_in_the_spread_layout_too(redis_url):
+    """evict(force=True) ignores leases, without force a leased key stays — in the spread layout as in one slot."""
+    for groups in (1, 2, 4):
+        d = redis_dir(redis_url, key_groups=groups)
+        d.publish("t", [Entry(k, "r", 1) for k in KEYS[:6]])
+        lease = d.lease("t", KEYS[:6], ttl_s=30.0)
+        assert d.evict("t", KEYS[:6]) == 0 and d.match_prefix("t", KEYS[:6]) == 6, groups
+        assert d.evict("t", KEYS[:6], force=True) == 6 and d.match_prefix("t", KEYS[:6]) == 0, groups
+        d.release(lease)
+
+
+def test_a_failed_part_of_a_large_publish_costs_only_its_own_keys(redis_url):
+    """A publish split into 1,000-key calls: one call failing (counted in errors) loses its own keys only — the calls
+    after it still write, and the count reports what was written."""
+    import redis as redis_lib
+
+    d = redis_dir(redis_url)
+    many = [i.to_bytes(16, "big") for i in range(2500)]
+    real, calls = d._publish, []
+
+    def flaky(keys, args):
+        calls.append(len(keys))
+        if len(calls) == 2:
+            raise redis_lib.exceptions.ConnectionError("dropped")
+        return real(keys=keys, args=args)
+
+    d._publish = flaky
+    assert d.publish("t", [Entry(k, "r", 1) for k in many]) == 1500 and d.errors == 1 and len(calls) == 3
+    assert d.match_prefix("t", many[2000:]) == 500 and d.match_prefix("t", many[1000:1001]) == 0

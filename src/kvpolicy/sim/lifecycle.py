@@ -106,7 +106,7 @@ class RequestLifecycle(Replicas):
                 if k:
                     req.predicted_s = d.t_recompute_p50_s
             elif load == "oracle":
-                k = self._oracle_k(rep, keys, L, R, req)
+                k = self._oracle_k(rep, keys, L, R, req, pm.remote_blocks[0], holder)
             else:  # a rule of your own (kvpolicy.protocols.LoadRule), on what the admission controller is told
                 k = self.load_rule.blocks_to_load(pm, self._load_ctx(rep, keys, L, R, t, holder))
                 if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= R:
@@ -205,11 +205,11 @@ class RequestLifecycle(Replicas):
                 groups[-1][1].append(keys[j])
         return groups, vias
 
-    def _oracle_k(self, rep: _Replica, keys: list[int], L: int, R: int, req: _Req) -> int:
+    def _oracle_k(self, rep: _Replica, keys: list[int], L: int, R: int, req: _Req, pool_blocks: int, holder: _Replica | None) -> int:
         """Hindsight on its own draws (failure, hang), foresight of the links as they are now:
-        the k whose load beats recomputing most."""
+        the k whose load beats recomputing most (blocks past the pool's run pulled from ``holder``, as any set's pull)."""
         c = self.c
-        for node, _ in self._groups(keys[L:L + R]):
+        for node, _ in self._load_groups(rep, keys, L, R, pool_blocks, holder)[0]:
             _, fail = node.state(self.clock.t, c.failure_rate)
             if (c.timeout_rate and _unit(self.seed, req.i, req.attempt, node.idx, 2) < c.timeout_rate) or \
                     _unit(self.seed, req.i, req.attempt, node.idx, 1) < fail:
@@ -218,7 +218,8 @@ class RequestLifecycle(Replicas):
         k = 1
         while True:
             kk = min(k, R)
-            took = c.lookup_s + self._predict_read_s(rep, self._groups(keys[L:L + kk])) + c.install_s_per_block * kk
+            groups, vias = self._load_groups(rep, keys, L, kk, pool_blocks, holder)
+            took = c.lookup_s + self._predict_read_s(rep, groups, vias) + c.install_s_per_block * kk
             gain = c.prefill_s(L * self.B, (L + kk) * self.B) - c.prefill_a_s - took
             if gain > best:
                 best_k, best = kk, gain

@@ -7,7 +7,9 @@
 | ``sglang-like`` | LRU over radix leaves | hit count ≥ 2 (write_through_selective) | prefetch if ≥ 256 tokens | 1 s + 0.25 s per 1024 tokens | recompute |
 | ``lmcache-like`` | LRU | everything | always (``min_retrieve_tokens=0``) | none (transport only) | recompute |
 | ``recompute-only`` | LRU | nothing | never | — | — |
-| ``oracle`` | Belady (offline) | blocks used again later | iff it wins, with hindsight | — | — |
+| ``sglang-p2p-like`` | as ``sglang-like``, and pulls from peers as kvpolicy does | | | | |
+| ``lmcache-p2p-like`` | as ``lmcache-like``, and pulls from peers (LMCache's P2P sharing) | | | | |
+| ``oracle`` | Belady (offline) | blocks used again later, and pulls from peers | iff it wins, with hindsight | — | — |
 
 Baselines follow their documented behaviour, never their code. What each one
 follows, in the engines' current releases:
@@ -37,7 +39,9 @@ node whose breaker is open, computes while it loads, and pulls blocks that only
 a peer's local cache holds through the pool (``pull_from_peers``: published on
 demand, when a second replica asks; the engines' defaults have no such path —
 LMCache's P2P sharing is off by default, vLLM's offloading connector and SGLang's
-HiCache have none).
+HiCache have none). Deployments that turn such a path on are the ``-p2p-like``
+sets, which ``compare`` runs beside the defaults: kvpolicy is judged against them
+too, and the oracle pulls as well, so that it stays a bound on every set.
 """
 
 from __future__ import annotations
@@ -149,7 +153,15 @@ PRESETS: dict[str, PolicySet] = {
     "sglang-like": PolicySet("sglang-like", publish="threshold-2", load="min-tokens", min_load_tokens=256, timeout="sglang", failure="recompute"),
     "lmcache-like": PolicySet("lmcache-like", publish="all", load="always", timeout="none", failure="recompute"),
     "recompute-only": PolicySet("recompute-only", publish="never", load="never", uses_pool=False),
-    "oracle": PolicySet("oracle", local_eviction="belady", pool_eviction="belady", publish="oracle", load="oracle"),
+    # the engines' own rules given the peer path kvpolicy has (issue #58: a comparison that gives a mechanism to one set
+    # alone flatters it): LMCache's P2P sharing (publish all, load always, pull from the peer that holds a block) and
+    # SGLang's HiCache rules with the same pulls
+    "sglang-p2p-like": PolicySet("sglang-p2p-like", publish="threshold-2", load="min-tokens", min_load_tokens=256, timeout="sglang",
+                                 failure="recompute", pull_from_peers=True),
+    "lmcache-p2p-like": PolicySet("lmcache-p2p-like", publish="all", load="always", timeout="none", failure="recompute",
+                                  pull_from_peers=True),
+    # hindsight, with every mechanism any set has (pulls included)
+    "oracle": PolicySet("oracle", local_eviction="belady", pool_eviction="belady", publish="oracle", load="oracle", pull_from_peers=True),
 }
 POLICY_SETS = tuple(PRESETS)
 

@@ -170,13 +170,14 @@ class Transfers(EventLoop):
                     step *= idle
             self._push(t + step, SAMPLE, None)
 
-    def _predict_read_s(self, rep: _Replica, groups: list[tuple[_Node, list[int]]]) -> float:
-        """Seconds a read issued now would take if the flows now on its links stayed (the oracle's view)."""
+    def _predict_read_s(self, rep: _Replica, groups: list[tuple[_Node, list[int]]], vias: list[_Replica | None] | None = None) -> float:
+        """Seconds a read issued now would take if the flows now on its links stayed (the oracle's view); a group pulled
+        from a peer (its ``vias`` entry) crosses the peer's links and the node's ingress too."""
         c = self.c
         worst = 0.0
-        for node, ks in groups:
+        for j, (node, ks) in enumerate(groups):
             rate = math.inf
-            for link in ((node.out, rep.inn) if rep.stage is None else (node.out, rep.inn, rep.stage)):
+            for link in self._read_path(node, rep, vias[j] if vias is not None else None):
                 rate = min(rate, link.capacity_bytes_per_s / (self.net.flow_count(link) + 1))
             if rate <= 0:
                 return math.inf
