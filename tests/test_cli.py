@@ -792,3 +792,29 @@ def test_compare_judges_the_second_half_when_asked(capsys, tmp_path):
     rep = json.loads(out.read_text())
     assert rc == 0 and "judged on requests 30..59" in text and rep["judge_from_request"] == 30
     assert all(r["requests"] == 30 for r in rep["runs"]) and "frontier" in text
+
+
+def test_the_oracle_bound_and_the_ledgers_ranking_are_checked_with_their_margins():
+    """Issue #58's two new lines: the oracle's GPU seconds saved bound every set (a set past it is named), and the set
+    the ledger ranks first by E[benefit] saves within 2 points of the most any set saves with a p95 within 5 % of the
+    best (points of recompute-only's GPU seconds)."""
+    from kvpolicy.sim.compare import checks
+
+    def run_(p, saved, p95, eb):
+        return {"scenario": "steady", "policy": p, "ttft_p95_ms": p95, "gpu_saved_s": saved, "gpu_prefill_s": 100.0 - saved, "loads": 0,
+                "loads_timeout": 0, "bytes_written": 0, "e_benefit_s_per_s": eb}
+
+    base = [run_("recompute-only", 0.0, 20.0, 0.0), run_("kvpolicy", 40.0, 10.0, 0.5)]
+    got = {c["check"]: c for c in checks({"runs": base + [run_("oracle", 45.0, 12.0, 0.1), run_("vllm-like", 41.5, 10.4, 0.2)]})}
+    bound = got["the oracle's GPU seconds saved bound every set"]
+    assert bound["ok"] and bound["detail"] == "oracle 45.0 s"
+    led = got["the set the ledger ranks first saves within 2 points of the most, p95 within 5% of the best"]
+    assert led["ok"] and led["detail"].startswith("kvpolicy (E[benefit] +0.500 GPU s/s): 1.5 points below the most")
+    got = {c["check"]: c for c in checks({"runs": base + [run_("oracle", 39.0, 12.0, 0.1), run_("vllm-like", 43.0, 10.4, 0.9)]})}
+    assert not got["the oracle's GPU seconds saved bound every set"]["ok"]
+    assert "beaten by kvpolicy 40.0 s, vllm-like 43.0 s" in got["the oracle's GPU seconds saved bound every set"]["detail"]
+    led = got["the set the ledger ranks first saves within 2 points of the most, p95 within 5% of the best"]
+    assert led["ok"] and led["detail"].startswith("vllm-like")  # first by E[benefit], the most saved, p95 +4 %
+    got = {c["check"]: c for c in checks({"runs": base + [run_("vllm-like", 30.0, 10.0, 0.9)]})}
+    led = got["the set the ledger ranks first saves within 2 points of the most, p95 within 5% of the best"]
+    assert not led["ok"] and "10.0 points below the most" in led["detail"]

@@ -214,7 +214,7 @@ def test_every_written_block_is_paid_back_at_most_once(reqs):
         f.publishable(r, keys)
     for c, ghost in enumerate(f.ghosts):
         paid_back = (f.scores[c] - f.served_s[c] + f.written_blocks[c] * f.write_cost_s) / f.write_cost_s  # first reads
-        read = sum(1 for v in ghost.values() if v)
+        read = sum(1 for v in ghost.values() if v is True)  # an unread block holds the price it was charged
         unread = len(ghost) - read
         assert read - 1e-6 <= paid_back <= f.written_blocks[c] - unread + 1e-6, (read, paid_back, f.written_blocks[c], unread)
 
@@ -826,3 +826,63 @@ def test_breaker_and_ramp_bounds():
         CircuitBreaker(failure_threshold=0)
     r = RampController(1.0, 100.0, initial_share=0.5, max_share=0.5)  # starting at the cap is allowed
     assert r.share == pytest.approx(0.5)
+
+
+def _req_u(i, n_blocks, t, rho):
+    return PublishRequest(request_id=i, num_tokens=n_blocks * B + 1, block_size_tokens=B, time_s=t, write_path_utilisation=rho)
+
+
+@pytest.mark.parametrize("rho,price", [(0.0, 0.0), (0.5, 0.004), (0.8, 0.016), (1.0, 0.004 * 99), (None, 0.004)])
+def test_a_write_is_priced_by_the_utilisation_of_its_path(rho, price):
+    """Issue #58: a write costs the delay it imposes on the traffic sharing its path, t_write × ρ/(1 − ρ) — nothing on
+    an idle link (the pool space it takes is paid in the ghost's lost re-reads), 4x t_write at 80 % (capped at ρ = 0.99);
+    unknown ρ is the whole t_write. Its first read pays back exactly what it was charged, whatever ρ is then."""
+    f = _duel(("all",), cap=10, half_life_s=1e12)
+    assert f.write_price_s(_req_u(0, 3, 0.0, rho)) == pytest.approx(price)
+    r = _req_u(1, 3, 0.0, rho)
+    f.observe(r, ["a", "b", "c"])
+    f.publishable(r, ["a", "b", "c"])
+    assert f.scores[0] == pytest.approx(-3 * price)
+    r2 = _req_u(2, 3, 1.0, 0.3)  # read at another utilisation: the charge of the write comes back, not today's price
+    f.observe(r2, ["a", "b", "c"])
+    assert f.scores[0] == pytest.approx(3 * (0.01 - f.load_s))
+    gpu = _duel(("all",), cap=10, score="gpu_s")  # the GPU-seconds score keeps its flat charge
+    assert gpu.write_price_s(_req_u(0, 3, 0.0, 0.0)) == gpu.write_cost_s
+
+
+def test_on_an_idle_path_the_rule_that_serves_more_leads_however_much_it_writes():
+    """On an idle path writing is free: in the continuation stream (each chain read once more, by the next turn) `all`
+    serves what the count rule cannot and leads; in the scan stream (a hot document amid one-off prompts) `all`'s
+    one-off writes cost nothing and it serves the document one read sooner, so it leads. On a path at 95 % every write
+    costs 19 x t_write, and
+    in the scan stream the rule that writes the one-offs loses — the old flat charge judged every path as busy."""
+    for stream, rho, winner in ((_continuation_stream(60), 0.0, "all"), (_scan_stream(200), 0.0, "all"),
+                                (_scan_stream(200), 0.95, "threshold-2")):
+        f = _duel(("all", "threshold-2"), cap=100)
+        for t, (i, keys) in enumerate(stream):
+            r = _req_u(i, len(keys), float(t), rho)
+            f.observe(r, keys)
+            f.publishable(r, keys)
+        assert f.leader_name == winner, (rho, f.report())
+        if stream[0][1][0] == "doc-0" and rho == 0.0:
+            assert f.scores[0] > f.scores[1] and f.written_blocks[0] > 3 * f.written_blocks[1]
+
+
+def test_a_write_budget_keeps_every_leader_within_the_budget_rules_writes():
+    """write_budget_rule: a candidate leads only while its ghost has written (decayed) no more blocks than the budget
+    rule's — here `all` serves more on an idle path but writes more than threshold-2, so threshold-2 leads; without the
+    budget `all` leads. A budget that is not a candidate is refused by name."""
+    runs = {}
+    for budget in (None, "threshold-2"):
+        f = _duel(("all", "threshold-2"), cap=100, write_budget_rule=budget)
+        for t, (i, keys) in enumerate(_continuation_stream(60)):
+            r = _req_u(i, len(keys), float(t), 0.0)
+            f.observe(r, keys)
+            f.publishable(r, keys)
+        runs[budget] = f
+        assert f.written_decayed[0] > f.written_decayed[1] > 0
+    assert runs[None].leader_name == "all" and runs["threshold-2"].leader_name == "threshold-2"
+    assert runs["threshold-2"].scores[0] > runs["threshold-2"].scores[1], "it leads on the budget, not on the score"
+    with pytest.raises(ConfigError) as e:
+        _duel(("all", "structure-aware"), cap=10, write_budget_rule="threshold-2")
+    assert e.value.field == "write_budget_rule"

@@ -304,3 +304,25 @@ def test_the_publication_log_and_the_ledgers_costs_refuse_numbers_that_cannot_be
 def test_unknown_costs_stay_unknown():
     led = Ledger(1024, write_cost_s_per_byte=None, eviction_cost_s_per_token=0.0)
     assert led.write_cost_s_per_byte is None and led.eviction_cost_s_per_token == 0.0
+
+
+def test_p_write_prices_each_unread_write_at_its_paths_congestion():
+    """Issue #58: P_write charged every unread byte one fixed link-second rate, so the set that wrote most ranked last
+    even where its writes crossed idle links. Each write now carries its shadow price (ρ/(1 − ρ) of its path when
+    written; None: the whole link time): an unread write on an idle link costs nothing, one at 3x congestion three
+    times its link time, and a read takes its charge back."""
+    led = Ledger(bytes_per_token=1, write_cost_s_per_byte=1e-9, eviction_cost_s_per_token=0.0)
+    led.record_write("idle", 0.0, 1e9, congestion=0.0)
+    led.record_write("busy", 1.0, 1e9, congestion=3.0)
+    led.record_write("unknown", 2.0, 1e9)
+    led.record_write("read", 3.0, 1e9, congestion=5.0)
+    led.record_read("read")
+    assert led.pub.unread_write_bytes() == {"default": 3e9}
+    assert led.pub.unread_write_bytes(priced=True) == {"default": pytest.approx(4e9)}
+    for t in (0.0, 10.0):
+        led.record(RequestRecord(prompt_tokens=10 * B + 1, block_size_tokens=B, arrival_s=t))
+    c = led.expected_benefit()["per_class"]["default"]
+    assert c["p_write_s"] == pytest.approx(4e9 * 1e-9 / 2)
+    with pytest.raises(ConfigError) as e:
+        led.record_write("x", 4.0, 1.0, congestion=-1.0)
+    assert e.value.field == "congestion"

@@ -48,7 +48,9 @@ the worst sliding window (15 minutes by default).
 from the ledger's own observations: ``h_remote_i`` the share of class-i requests
 with a remote hit; ``T_recompute_i − T_remote_i`` the mean of (predicted recompute
 − observed load) over them; ``P_stall_i`` from observed stalls; ``P_write_i`` =
-bytes written and never re-read × ``write_cost_s_per_byte``; ``P_eviction_i`` =
+Σ over writes never re-read of bytes × congestion × ``write_cost_s_per_byte``
+(congestion ρ/(1 − ρ), the write path's shadow price when it was written —
+``record_write``; 1 when unknown); ``P_eviction_i`` =
 evicted-miss tokens × ``eviction_cost_s_per_token``. A term without data (or
 without its cost coefficient) is reported as unknown (``None``) — never as 0 —
 and then so is the sum.
@@ -179,9 +181,11 @@ class PublicationLog:
         self.bytes_written_by_class: dict[str, float] = {}
         # the newest max_exact_keys writes (key -> class, bytes), oldest first, and which of them were read; a write
         # that falls out unread is settled as unread bytes of its class (a read after that is not seen)
-        self._written: OrderedDict[Hashable, tuple[str, float]] = OrderedDict()
+        self._written: OrderedDict[Hashable, tuple[str, float, float]] = OrderedDict()
         self._reads: set[Hashable] = set()
         self._unread_settled: dict[str, float] = {}
+        #: the same, in priced bytes (bytes x the congestion of the path when written: Ledger.record_write)
+        self._unread_priced_settled: dict[str, float] = {}
 
     def _positions(self, key: Hashable) -> tuple[int, int, int, int]:
         # BLAKE2b of the whole key: a key's first bytes need not be random (a tenant or model prefix shared by every
@@ -200,23 +204,27 @@ class PublicationLog:
         a, b, c, d = self._positions(key)
         return bool(bits[a >> 3] >> (a & 7) & bits[b >> 3] >> (b & 7) & bits[c >> 3] >> (c & 7) & bits[d >> 3] >> (d & 7) & 1)
 
-    def published(self, key: Hashable, tier: str = "pool", t_s: float = 0.0, size_bytes: float = 0.0, request_class: str = "default") -> None:
+    def published(self, key: Hashable, tier: str = "pool", t_s: float = 0.0, size_bytes: float = 0.0, request_class: str = "default",
+                  priced_bytes: float | None = None) -> None:
+        """``priced_bytes``: what the write costs in bytes of an idle path's time (default ``size_bytes``; see
+        :meth:`Ledger.record_write`)."""
         _check_flow(t_s, size_bytes)  # a NaN size made the class's written bytes NaN; a NaN time, every later miss's class
         old = self._exact.pop(key, None)
         self._exact[key] = (tier, t_s if old is None else min(old[1], t_s), None)  # a re-publication keeps the first time
         if size_bytes:
+            priced = size_bytes if priced_bytes is None else priced_bytes
             self.bytes_written_by_class[request_class] = self.bytes_written_by_class.get(request_class, 0.0) + size_bytes
             prev = self._written.pop(key, None)
             if prev is not None and key not in self._reads:  # written again before anyone read the first copy
-                self._unread_settled[prev[0]] = self._unread_settled.get(prev[0], 0.0) + prev[1]
+                self._settle(prev)
             self._reads.discard(key)
-            self._written[key] = (request_class, size_bytes)
+            self._written[key] = (request_class, size_bytes, priced)
             while len(self._written) > self.max_exact_keys:
-                k, (cls, size) = self._written.popitem(last=False)
+                k, w = self._written.popitem(last=False)
                 if k in self._reads:
                     self._reads.discard(k)
                 else:
-                    self._unread_settled[cls] = self._unread_settled.get(cls, 0.0) + size
+                    self._settle(w)
         while len(self._exact) > self.max_exact_keys:
             oldest = next(iter(self._exact))
             del self._exact[oldest]
@@ -249,13 +257,20 @@ class PublicationLog:
             return "evicted", None, None
         return "never_published", None, None
 
-    def unread_write_bytes(self) -> dict[str, float]:
+    def _settle(self, w: tuple[str, float, float]) -> None:
+        cls, size, priced = w
+        self._unread_settled[cls] = self._unread_settled.get(cls, 0.0) + size
+        self._unread_priced_settled[cls] = self._unread_priced_settled.get(cls, 0.0) + priced
+
+    def unread_write_bytes(self, priced: bool = False) -> dict[str, float]:
         """Bytes written and never read, per request class: the writes still held that no read has named, plus those
-        that fell out of the newest ``max_exact_keys`` (or were overwritten) unread."""
-        out: dict[str, float] = dict(self._unread_settled)
-        for key, (cls, size) in self._written.items():
+        that fell out of the newest ``max_exact_keys`` (or were overwritten) unread. ``priced``: each write's priced
+        bytes instead (its bytes x the congestion of its path when it was written)."""
+        out: dict[str, float] = dict(self._unread_priced_settled if priced else self._unread_settled)
+        j = 2 if priced else 1
+        for key, w in self._written.items():
             if key not in self._reads:
-                out[cls] = out.get(cls, 0.0) + size
+                out[w[0]] = out.get(w[0], 0.0) + w[j]
         return out
 
 
@@ -507,12 +522,22 @@ class Ledger:
             out[k] = {"bytes": f.total, "mean_bytes_per_s": f.total / span if span > 0 else None, "peak_window_bytes_per_s": f.peak_bytes_per_s()}
         return out
 
-    def record_write(self, key: Hashable, t_s: float, size_bytes: float, tier: str = "pool", request_class: str = "default") -> None:
-        """A block was published to a shared tier (the publication log checks ``t_s`` and ``size_bytes`` first)."""
+    def record_write(self, key: Hashable, t_s: float, size_bytes: float, tier: str = "pool", request_class: str = "default",
+                     congestion: float | None = None) -> None:
+        """A block was published to a shared tier (the publication log checks ``t_s`` and ``size_bytes`` first).
+
+        ``congestion``: the write's shadow price in units of its own link time — ρ/(1 − ρ) for a path at measured
+        utilisation ρ (the delay a write imposes on the traffic sharing its links, the M/M/1 externality; 0 on an idle
+        link, where it costs only the pool space it takes, paid in ``P_eviction``). None: 1, the whole link time (a
+        busy link: conservative). ``P_write`` charges each write never read ``size_bytes × congestion ×
+        write_cost_s_per_byte``."""
+        if congestion is not None:
+            check_non_negative_number("congestion", congestion)
         if self._before(t_s):
             self.pub.published(key, tier, t_s, 0.0, request_class)  # known as published; its bytes are not judged
             return
-        self.pub.published(key, tier, t_s, size_bytes, request_class)
+        self.pub.published(key, tier, t_s, size_bytes, request_class,
+                           priced_bytes=None if congestion is None else size_bytes * congestion)
         self._flow("write", t_s, size_bytes)
         self._time(t_s)
 
@@ -541,7 +566,7 @@ class Ledger:
 
     def expected_benefit(self) -> dict[str, Any]:
         span = (self._t_last - self._t_first) if self._t_first is not None else 0.0
-        unread = self.pub.unread_write_bytes()
+        unread = self.pub.unread_write_bytes(priced=True)
         per_class = {}
         total: float | None = 0.0
         unknown_terms: set[str] = set()

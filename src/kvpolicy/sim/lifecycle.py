@@ -19,7 +19,7 @@ from ..ledger import RequestRecord
 from ..matching import match
 from .events import ARRIVE, DECODE_DONE, LOAD_DONE, LOAD_TIMEOUT, READY, SWITCH
 from .replicas import Replicas
-from .world import MAX_RETRIES, _Load, _Node, _PeerIndex, _Replica, _Req, _unit
+from .world import MAX_RETRIES, _Load, _Node, _PeerIndex, _Replica, _Req
 
 
 class RequestLifecycle(Replicas):
@@ -94,6 +94,8 @@ class RequestLifecycle(Replicas):
             load = ps.load
             if load == "always":
                 k = R
+            elif load == "never":  # a pool that is written and never read (recompute-only has no pool, so never got here)
+                k = 0
             elif load == "min-tokens":
                 k = R if R * self.B >= ps.min_load_tokens else 0
             elif load == "admission":
@@ -206,26 +208,10 @@ class RequestLifecycle(Replicas):
         return groups, vias
 
     def _oracle_k(self, rep: _Replica, keys: list[int], L: int, R: int, req: _Req, pool_blocks: int, holder: _Replica | None) -> int:
-        """Hindsight on its own draws (failure, hang), foresight of the links as they are now:
-        the k whose load beats recomputing most (blocks past the pool's run pulled from ``holder``, as any set's pull)."""
-        c = self.c
-        for node, _ in self._load_groups(rep, keys, L, R, pool_blocks, holder)[0]:
-            _, fail = node.state(self.clock.t, c.failure_rate)
-            if (c.timeout_rate and _unit(self.seed, req.i, req.attempt, node.idx, 2) < c.timeout_rate) or \
-                    _unit(self.seed, req.i, req.attempt, node.idx, 1) < fail:
-                return 0  # it knows this load would not deliver
-        best_k, best = 0, 0.0
-        k = 1
-        while True:
-            kk = min(k, R)
-            groups, vias = self._load_groups(rep, keys, L, kk, pool_blocks, holder)
-            took = c.lookup_s + self._predict_read_s(rep, groups, vias) + c.install_s_per_block * kk
-            gain = c.prefill_s(L * self.B, (L + kk) * self.B) - c.prefill_a_s - took
-            if gain > best:
-                best_k, best = kk, gain
-            if kk == R:
-                return best_k
-            k *= 2
+        """Every block it finds — in the pool, or pulled from ``holder`` as any set's pull. The oracle is the bound on GPU
+        seconds saved, not on TTFT: a block loaded is a block not computed, and a load that fails is retried by the
+        client (its preset's ``failure="fail"``), which costs time, never GPU seconds — recomputing it would."""
+        return R
 
     def _req_load_end(self, load: _Load, t: float) -> None:
         req: _Req = load.payload

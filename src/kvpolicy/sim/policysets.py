@@ -9,7 +9,7 @@
 | ``recompute-only`` | LRU | nothing | never | — | — |
 | ``sglang-p2p-like`` | as ``sglang-like``, and pulls from peers as kvpolicy does | | | | |
 | ``lmcache-p2p-like`` | as ``lmcache-like``, and pulls from peers (LMCache's P2P sharing) | | | | |
-| ``oracle`` | Belady (offline) | blocks used again later, and pulls from peers | iff it wins, with hindsight | — | — |
+| ``oracle`` | Belady (offline) | blocks used again later, and pulls from peers | every block found: the bound on GPU seconds saved | none | fail: the client retries (a retry costs time, not GPU seconds) |
 
 Baselines follow their documented behaviour, never their code. What each one
 follows, in the engines' current releases:
@@ -161,7 +161,8 @@ PRESETS: dict[str, PolicySet] = {
     "lmcache-p2p-like": PolicySet("lmcache-p2p-like", publish="all", load="always", timeout="none", failure="recompute",
                                   pull_from_peers=True),
     # hindsight, with every mechanism any set has (pulls included)
-    "oracle": PolicySet("oracle", local_eviction="belady", pool_eviction="belady", publish="oracle", load="oracle", pull_from_peers=True),
+    "oracle": PolicySet("oracle", local_eviction="belady", pool_eviction="belady", publish="oracle", load="oracle", failure="fail",
+                        pull_from_peers=True),
 }
 POLICY_SETS = tuple(PRESETS)
 

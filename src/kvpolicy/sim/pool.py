@@ -15,7 +15,7 @@ from ..errors import CapacityError
 from ..eviction.policies import TraceOracle
 from ..eviction.replay import make_policy
 from ..ledger import Ledger
-from ..publish import PublishRequest, make_filter
+from ..publish import DuelingPublish, PublishRequest, make_filter
 from ..publish_sim import block_recompute_s
 from ..write_admission import WriteAdmission, gate
 from .events import WRITE_DONE, WRITE_TIMEOUT
@@ -64,9 +64,11 @@ class Pool(Transfers):
         pool_blocks = self.c.storage_nodes * (self.c.pool_capacity_bytes_per_node // self.block_bytes)
         c = self.c
         read_bw = min(c.node_bandwidth_bytes_per_s, c.replica_bandwidth_bytes_per_s, c.stage_bytes_per_s or math.inf)  # the read path's slowest link
+        # with pulls from peers, dueling writes no more than SGLang's count-2 rule would: a pull serves the second sighting
+        budget = "threshold-2" if self.ps.pull_from_peers and "threshold-2" in DuelingPublish.CANDIDATES else None
         return make_filter(spec, block_bytes=self.block_bytes, recompute_s=block_recompute_s(c.prefill, self.B),
                            write_bytes_per_s=max(c.node_bandwidth_bytes_per_s, 1e-3), read_bytes_per_s=max(read_bw, 1e-3),
-                           cross_replica_share=cross, pool_capacity_blocks=max(pool_blocks, 1))
+                           cross_replica_share=cross, pool_capacity_blocks=max(pool_blocks, 1), write_budget_rule=budget)
 
     def seed_pool(self, chains: Any) -> int:
         """Start with the pool already holding these key chains (a shared cache filled earlier,
@@ -231,6 +233,8 @@ class Pool(Transfers):
         pos = {k: j for j, k in enumerate(chain)}
         for key in todo:
             self.writing.discard(key)
+        rho = min(self._util.get(node.inn.name, 0.0), 0.99)
+        congestion = rho / (1.0 - rho)  # the write's shadow price: the delay it imposed on its node's ingress (ledger P_write)
         n = 0
         for key in todo:
             old = where.get(key)
@@ -253,7 +257,7 @@ class Pool(Transfers):
             n += 1
             if t >= self.t_judge:
                 self.bytes_written += bb
-            self.ledger.record_write(key, t, bb, tier=node.name, request_class=cls)
+            self.ledger.record_write(key, t, bb, tier=node.name, request_class=cls, congestion=congestion)
         return n
 
     def _write_timeout(self, f: Flow, t: float) -> None:

@@ -170,20 +170,6 @@ class Transfers(EventLoop):
                     step *= idle
             self._push(t + step, SAMPLE, None)
 
-    def _predict_read_s(self, rep: _Replica, groups: list[tuple[_Node, list[int]]], vias: list[_Replica | None] | None = None) -> float:
-        """Seconds a read issued now would take if the flows now on its links stayed (the oracle's view); a group pulled
-        from a peer (its ``vias`` entry) crosses the peer's links and the node's ingress too."""
-        c = self.c
-        worst = 0.0
-        for j, (node, ks) in enumerate(groups):
-            rate = math.inf
-            for link in self._read_path(node, rep, vias[j] if vias is not None else None):
-                rate = min(rate, link.capacity_bytes_per_s / (self.net.flow_count(link) + 1))
-            if rate <= 0:
-                return math.inf
-            worst = max(worst, c.transfer_overhead_s + len(ks) * self.block_bytes / rate)
-        return worst
-
     def _path_flows(self, rep: _Replica, node: _Node, size_bytes: float, via: _Replica | None = None) -> tuple[float, ...]:
         """What a transport reports of the path: the remaining bytes of the flows on its busiest
         link (the source's egress, this replica's ingress, or its staging copy, which write-backs share; a pull's
