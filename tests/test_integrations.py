@@ -3881,3 +3881,26 @@ def test_connector_steps_in_flight_is_one_unless_vllm_says_more():
             cfg.max_concurrent_batches = told
         c = KVPolicyConnector(cfg, "scheduler", None, inner=InnerConnector(can_load=0))
         assert c.policy.step_timer.steps_in_flight == want, (told, want)
+
+
+def test_a_seeded_engines_refused_chain_says_what_to_pass(caplog):
+    """Issue #60: an engine started with PYTHONHASHSEED roots every chain in it; verified without --verify-hash-seed every
+    block was refused with a warning that named neither. The refusal of a root chain now says both, and the right seed
+    verifies the same events."""
+    import logging
+
+    raw = vllm_block_hashes(PROMPT[: 2 * B], B, "sha256", none_hash_seed="1234")
+    ev = BlockStored(tuple(raw), None, tuple(PROMPT[: 2 * B]), B, None, "GPU")
+    ing = ingestor(verify_algo="sha256")
+    with caplog.at_level(logging.WARNING, logger="kvpolicy"):
+        ing.apply(ev)
+    assert ing.counts["mismatched"] == 2
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "PYTHONHASHSEED" in said and "--verify-hash-seed" in said and "none_hash_seed" in said
+    ok = ingestor(verify_algo="sha256", none_hash_seed="1234")
+    ok.apply(ev)
+    assert ok.counts["verified_blocks"] == 2 and ok.counts["mismatched"] == 0
+    wrong = ingestor(verify_algo="sha256", none_hash_seed="99")
+    assert "is it the engine's PYTHONHASHSEED" in wrong.mismatch_hint(ev)
+    later = BlockStored(tuple(raw[1:]), raw[0], tuple(PROMPT[B: 2 * B]), B, None, "GPU")
+    assert "PYTHONHASHSEED" not in ingestor(verify_algo="sha256").mismatch_hint(later), "a chain from a parent: the seed is not the cause"

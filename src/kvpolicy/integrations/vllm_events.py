@@ -512,7 +512,7 @@ class KVEventIngestor:
             if checked is False:
                 self.counts["mismatched"] += n
                 self._refuse("mismatched_hash", n)
-                log.warning("kvpolicy events: engine hashes disagree with the %s projection: refused", self.verify_algo)
+                log.warning("kvpolicy events: %s", self.mismatch_hint(ev))
                 return
             if checked is None:
                 self._refuse("unverifiable", n)
@@ -598,6 +598,17 @@ class KVEventIngestor:
         if entries:
             self._holders.add(where)
             self.directory.publish(self.tenant, entries)
+
+    def mismatch_hint(self, ev: BlockStored) -> str:
+        """What a refusal for disagreeing hashes says: where the chain starts at the engine's root and no seed was given,
+        the likely cause — an engine started with PYTHONHASHSEED roots every chain in it — and what to pass."""
+        said = f"engine hashes disagree with the {self.verify_algo} projection: refused"
+        if ev.parent_block_hash is None and self.none_hash_seed is None:
+            said += (" (a chain from the root: if the engine runs with PYTHONHASHSEED set, vLLM roots every hash chain in it — "
+                     "pass the same value as --verify-hash-seed SEED, or none_hash_seed=SEED)")
+        elif ev.parent_block_hash is None:
+            said += f" (a chain from the root under --verify-hash-seed {self.none_hash_seed!r}: is it the engine's PYTHONHASHSEED?)"
+        return said
 
     def _verify(self, ev: BlockStored, hashes: tuple[Hashable, ...], tokens: list[int], parent_full: bytes | None,
                 skip: int = 0) -> list[bytes] | Literal[False] | None:
