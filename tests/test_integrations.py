@@ -1745,6 +1745,92 @@ def test_offload_cache_policy_evicts_a_prefix_tail_first(cls):
     assert got in (["a3", "a2"], ["b1", "b0"]), f"a chain's tail goes before its head, whichever chain: {got}"
 
 
+class _ReqCtx(_OffloadCtx):  # with the request's id, as vLLM's ReqContext has it
+    def __init__(self, req_id, keys):
+        super().__init__(keys)
+        self.req_id = req_id
+
+
+@pytest.mark.parametrize("cls", [KVPolicyLRU, KVPolicyReuseDistance, KVPolicyGDSF, KVPolicyAdaptive, KVPolicyLRB])
+def test_a_request_stored_over_two_steps_is_evicted_tail_first_and_after_a_reuse_too(cls):
+    """Issue #60: a request whose chunks are stored over two scheduler steps (a chunked prefill, then decode) was evicted
+    [1, 0, 3, 2] by every kvpolicy policy — the head before the tail, leaving the tail unreachable — where vLLM's LRU
+    evicts [3, 2, 1, 0]; and GDSF evicted the head first after a full reuse. Every policy now evicts [3, 2, 1, 0] in
+    both cases (the request's earlier chunks are used again, tail first, when a later step's arrive)."""
+    for reuse in (False, True):
+        pol = cls(cache_capacity=16)
+        a = [f"a{i}" for i in range(4)]
+        ctx = _ReqCtx("r-a", a)
+        for step in (a[:2], a[2:]):  # prepare_store, then complete_store, one step at a time
+            for k in step:
+                pol.insert(k, Chunk(int(k[1:])), ctx)
+            for k in step:
+                pol.mark_evictable(k)
+        pol.on_request_finished([a], insertion_only_keys=set(a), reused_keys=set(), req_context=ctx)
+        if reuse:  # another request loads the whole prefix and finishes
+            again = _ReqCtx("r-b", a)
+            pol.touch(a, again)
+            pol.on_request_finished([a], insertion_only_keys=set(), reused_keys=set(a), req_context=again)
+        assert [k for k, _ in pol.evict(4, set())] == ["a3", "a2", "a1", "a0"], (cls.__name__, reuse)
+
+
+@_settings(max_examples=80, deadline=None)
+@_given(_st.lists(_st.tuples(_st.sampled_from(["store", "store", "finish", "touch", "busy", "evict", "evict", "remove"]),
+                             _st.integers(0, 3), _st.integers(1, 3)), max_size=50),
+        _st.sampled_from([KVPolicyLRU, KVPolicyGDSF, KVPolicyReuseDistance, KVPolicyAdaptive, KVPolicyLRB]))
+def test_no_chunk_leaves_before_its_resident_tail_whatever_the_steps(ops, cls):
+    """Four chains (requests), stored a few chunks a step, finished, touched, made busy, evicted with a protected chunk,
+    removed: an eviction never takes a chunk whose next chunk in its chain is resident — vLLM's prefix lookup stops at
+    the first miss, so that tail could never be hit — and it takes exactly n chunks (or none, and changes nothing)."""
+    pol = cls(cache_capacity=40)
+    chains = [[f"c{r}-{j}" for j in range(8)] for r in range(4)]
+    ctxs = [_ReqCtx(f"r{r}", chains[r]) for r in range(4)]
+    stored = [0] * 4
+    busy = set()
+    for op, r, n in ops:
+        chain, ctx = chains[r], ctxs[r]
+        if op == "store" and stored[r] < 8:
+            step = [k for k in chain[stored[r]:stored[r] + n] if pol.get(k) is None]
+            for k in step:
+                pol.insert(k, Chunk(0), ctx)
+            for k in step:
+                pol.mark_evictable(k)
+            stored[r] += n
+        elif op == "finish":
+            pol.on_request_finished([chain], insertion_only_keys=set(), reused_keys={k for k in chain if pol.get(k) is not None},
+                                    req_context=ctx)
+            ctxs[r] = _ReqCtx(f"r{r}-again", chain)
+            stored[r] = 0
+        elif op == "touch":
+            pol.touch([k for k in chain if pol.get(k) is not None], ctx)
+        elif op == "busy":
+            k = chain[n]
+            if pol.get(k) is not None and k not in busy:
+                pol.mark_non_evictable(k)
+                busy.add(k)
+            elif k in busy:
+                pol.mark_evictable(k)
+                busy.discard(k)
+        elif op == "remove":
+            k = chain[n]
+            busy.discard(k)
+            pol.remove(k)
+        elif op == "evict":
+            protected = {chain[0]}
+            before = set(pol.chunks)
+            parents = dict(pol._parent)  # the chains as they stood: a victim's children are unlinked as it leaves
+            got = pol.evict(n, protected)
+            if got is None:
+                assert set(pol.chunks) == before
+                continue
+            keys = [k for k, _ in got]
+            assert len(keys) == n and not (set(keys) & (busy | protected))
+            left = set(keys)
+            assert not [c for c in pol.chunks if parents.get(c) in left], "a chunk left before its resident tail"
+            assert all(parents.get(f"c{k[1:].split('-')[0]}-{int(k.split('-')[1]) + 1}") in (k, None) for k in keys)
+        pol.policy.check()
+
+
 @_settings(max_examples=60, deadline=None)
 @_given(_st.lists(_st.tuples(_st.sampled_from(["insert", "evictable", "busy", "touch", "evict", "remove"]), _st.integers(0, 9),
                              _st.integers(1, 3)), max_size=60),

@@ -179,6 +179,57 @@ def check_vllm_offload(wheel: str) -> None:
         hits = drive_vllm_offload(mgr, ob.ReqContext, ob.make_offload_key, seed=11)
         print(f"  offload {name}, a filter cutting every other offer: chunk hit ratio {hits:.3f}")
 
+    # issue #60: a request stored over two scheduler steps (a chunked prefill, then decode), and the same chunks after a
+    # full reuse, are evicted tail first by every policy — the order vLLM's own LRU gives
+    for name in ("lru", "KVPolicyReuseDistance", "KVPolicyAdaptive", "KVPolicyGDSF", "KVPolicyLRU", "KVPolicyLRB"):
+        for reuse in (False, True):
+            mgr = manager.CPUOffloadingManager(num_chunks=16, cache_policy=name,
+                                               cache_policy_module_path=None if name == "lru" else vllm_offload.__name__)
+            order = eviction_order_of_a_two_step_request(mgr, ob.ReqContext, ob.make_offload_key, reuse=reuse)
+            assert order == [3, 2, 1, 0], f"{name}{' after a reuse' if reuse else ''}: evicted {order}, not tail first"
+    print("  offload: a request stored over two steps is evicted [3, 2, 1, 0] by every policy, after a full reuse too (vLLM 0.33's manager)")
+
+
+def eviction_order_of_a_two_step_request(mgr: object, ReqContext: type, make_key: object, *, reuse: bool) -> list[int]:
+    """Request A stores chunks 0-1 in one step and 2-3 in the next (prepare_store, complete_store, each step), then
+    finishes; with ``reuse`` a second request loads all four and finishes. One-chunk requests then fill the manager
+    until A's chunks are gone: the positions of A's chunks in the order they left."""
+    keys = [make_key(b"A" + j.to_bytes(2, "big"), 0) for j in range(4)]  # type: ignore[operator]
+    ctx = ReqContext(req_id="A")
+    for j, k in enumerate(keys):
+        ctx.set_offload_key_position(k, (j + 1) * 16)
+    mgr.on_new_request(ctx)  # type: ignore[attr-defined]
+    for step in (keys[:2], keys[2:]):
+        out = mgr.prepare_store(step, ctx)  # type: ignore[attr-defined]
+        mgr.complete_store(list(out.keys_to_store), ctx)  # type: ignore[attr-defined]
+    mgr.on_request_finished(ctx)  # type: ignore[attr-defined]
+    if reuse:
+        again = ReqContext(req_id="B")
+        for j, k in enumerate(keys):
+            again.set_offload_key_position(k, (j + 1) * 16)
+        mgr.on_new_request(again)  # type: ignore[attr-defined]
+        assert all(mgr.lookup(k, again).name == "HIT" for k in keys)  # type: ignore[attr-defined]
+        mgr.prepare_load(keys, again)  # type: ignore[attr-defined]
+        mgr.complete_load(keys, again)  # type: ignore[attr-defined]
+        mgr.on_request_finished(again)  # type: ignore[attr-defined]
+    gone: list[int] = []
+    probe = ReqContext(req_id="probe")
+    for i in range(200):
+        filler = ReqContext(req_id=f"f{i}")
+        k = make_key(b"F" + i.to_bytes(2, "big"), 0)  # type: ignore[operator]
+        filler.set_offload_key_position(k, 16)
+        mgr.on_new_request(filler)  # type: ignore[attr-defined]
+        out = mgr.prepare_store([k], filler)  # type: ignore[attr-defined]
+        if out is not None:
+            mgr.complete_store(list(out.keys_to_store), filler)  # type: ignore[attr-defined]
+        mgr.on_request_finished(filler)  # type: ignore[attr-defined]
+        for j, kk in enumerate(keys):
+            if j not in gone and mgr.lookup(kk, probe).name == "MISS":  # type: ignore[attr-defined]
+                gone.append(j)
+        if len(gone) == 4:
+            break
+    return gone
+
 
 def drive_vllm_offload(mgr: object, ReqContext: type, make_key: object, *, seed: int, requests: int = 600) -> float:
     """A seeded workload through an offloading manager in the order vLLM's scheduler calls it: requests of shared

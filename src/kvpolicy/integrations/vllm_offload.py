@@ -52,10 +52,22 @@ except ImportError:  # vLLM absent: the same methods on a plain base
     _SpecBase = object  # type: ignore[assignment,misc]
 
 _UNIT = 1  # every chunk weighs one unit of the policy's capacity
+#: requests whose handed-over chunks are remembered while they run (far above a scheduler's batch)
+_MAX_RUNNING_REQUESTS = 4096
 
 
 class _KVPolicyCachePolicy(_Base):  # type: ignore[misc,valid-type]
-    """The CachePolicy methods over a kvpolicy EvictionPolicy (subclasses choose which)."""
+    """The CachePolicy methods over a kvpolicy EvictionPolicy (subclasses choose which).
+
+    **A request's chunks leave tail first** (issue #60). vLLM looks a prefix up only to its first miss, so a head
+    evicted before its tail leaves the tail in memory, never to be hit. The manager gives each chunk its token position
+    in the request (``ReqContext.get_offload_key_position``); the chunk before it in the same request is its parent, and
+    a chunk with a resident child is never a candidate (it carries one more pin while it has children), so every
+    policy chooses among the chains' tails — as kvpolicy's prefix-aware eviction does in any engine that gives parent
+    links. A chain's parent is the same chunk whichever request stores it (keys are chained), and survives across the
+    scheduler steps that store a request (a chunked prefill, then decode): per step, kvpolicy's policies evicted a
+    two-step request [1, 0, 3, 2] where vLLM's LRU evicts [3, 2, 1, 0], and GDSF took the head first after a full reuse.
+    Within a step a request's chunks still reach the policy tail first (ties among tails, recency)."""
 
     def make_policy(self, capacity: int) -> EvictionPolicy:  # pragma: no cover - overridden
         raise ConfigError("policy", "a subclass chooses the kvpolicy policy")
@@ -71,8 +83,13 @@ class _KVPolicyCachePolicy(_Base):  # type: ignore[misc,valid-type]
         self.policy.clock = self._clock
         self.chunks: dict[Hashable, Any] = {}
         self._evictable: set[Hashable] = set()
-        # a request's inserts, held until its batch ends so they reach the policy tail first (see insert)
+        # a batch's inserts (key -> position), held until the batch ends so that they reach the policy tail first
         self._staged: dict[Hashable, int] = {}
+        # the chains: a resident chunk's parent (the chunk before it in a request), and each chunk's resident children
+        self._parent: dict[Hashable, Hashable] = {}
+        self._children: dict[Hashable, set[Hashable]] = {}
+        # per running request, the chunks it named with their positions (insert, touch, access): where a parent is found
+        self._seen: dict[Any, dict[int, Hashable]] = {}
 
     # ---------------------------------------------------------------- lookups and inserts
 
@@ -87,34 +104,78 @@ class _KVPolicyCachePolicy(_Base):  # type: ignore[misc,valid-type]
 
     def _tail_first(self, keys: Iterable[Hashable], req_context: Any) -> list[Hashable]:
         """A request's keys, its prefix's tail first and its head last — the order in which they reach the policy, so
-        that the head is the most recent: vLLM looks a prefix up only to its first miss, so a head evicted before its
-        tail leaves the tail unreachable in memory. vLLM 0.33's own LRU ranks the same way ((request, -position)).
-        Without positions, the order given (head to tail, as vLLM passes them) reversed."""
+        that the head is the most recent. vLLM 0.33's own LRU ranks the same way ((request, -position)). Without
+        positions, the order given (head to tail, as vLLM passes them) reversed."""
         ks = list(keys)
         pos = [self._position(k, req_context) for k in ks]
         if all(p is not None for p in pos):
             return [k for _, k in sorted(zip(pos, ks), key=lambda x: -x[0])]  # type: ignore[operator]
         return ks[::-1]
 
+    def _note(self, keys: Iterable[Hashable], req_context: Any) -> dict[int, Hashable] | None:
+        """Remember the positions a running request gives its chunks; its map (None without a request id)."""
+        r = getattr(req_context, "req_id", None)
+        if r is None:
+            return None
+        seen = self._seen.get(r)
+        if seen is None:
+            seen = self._seen[r] = {}
+            while len(self._seen) > _MAX_RUNNING_REQUESTS:  # a request never finished (never told): forget the oldest
+                del self._seen[next(iter(self._seen))]
+        for k in keys:
+            p = self._position(k, req_context)
+            if p is not None:
+                seen[p] = k
+        return seen
+
     def insert(self, key: Hashable, chunk: Any, req_context: Any = None) -> None:
-        """A new chunk, not evictable until its ref count reaches 0 (``mark_evictable``). The manager inserts a
-        request's chunks head to tail, one call each: chunks with a position are held until the batch ends (the next
-        call of another kind) and then reach the policy tail first."""
+        """A new chunk, not evictable until its ref count reaches 0 (``mark_evictable``), under its parent (the resident
+        chunk before it in the request). The manager inserts a request's chunks head to tail, one call each: chunks with
+        a position are held until the batch ends (the next call of another kind) and then reach the policy tail first."""
         if key in self.chunks:
             self.chunks[key] = chunk
             return
         self.chunks[key] = chunk
         p = self._position(key, req_context)
+        seen = self._note([key], req_context)
+        if seen is not None and p is not None:
+            before = [q for q in seen if q < p]
+            parent = seen[max(before)] if before else None
+            if parent is not None and parent in self.chunks and parent != key:
+                self._link(key, parent)
         if p is None:
             self._flush()
             self._add(key)
         else:
             self._staged[key] = p
 
+    def _link(self, key: Hashable, parent: Hashable) -> None:
+        self._parent[key] = parent
+        kids = self._children.setdefault(parent, set())
+        kids.add(key)
+        if len(kids) == 1 and parent in self.policy.nodes:  # it now has a resident child: not a candidate
+            self.policy.pin(parent)
+
+    def _unlink(self, key: Hashable) -> None:
+        """``key`` leaves: its parent loses a child (and its extra pin with its last), its children become roots."""
+        parent = self._parent.pop(key, None)
+        if parent is not None:
+            kids = self._children.get(parent)
+            if kids is not None:
+                kids.discard(key)
+                if not kids:
+                    del self._children[parent]
+                    if parent in self.policy.nodes:
+                        self.policy.unpin(parent)
+        for child in self._children.pop(key, ()):
+            self._parent.pop(child, None)
+
     def _add(self, key: Hashable) -> None:
         self._clock.advance(1.0)
         self.policy.on_insert(key, _UNIT)
-        self.policy.pin(key)
+        self.policy.pin(key)  # being stored: not evictable until mark_evictable
+        if self._children.get(key):  # a child was linked while it was held: its extra pin now
+            self.policy.pin(key)
 
     def _flush(self) -> None:
         if self._staged:
@@ -128,6 +189,7 @@ class _KVPolicyCachePolicy(_Base):  # type: ignore[misc,valid-type]
         self._flush()
         del self.chunks[key]
         self._evictable.discard(key)
+        self._unlink(key)
         node = self.policy.nodes.get(key)
         if node is not None:
             while node.pins:
@@ -138,12 +200,15 @@ class _KVPolicyCachePolicy(_Base):  # type: ignore[misc,valid-type]
         self._flush()
         for key in list(self.chunks):
             self.remove(key)
+        self._seen.clear()
 
     # ---------------------------------------------------------------- accesses
 
     def touch(self, keys: Iterable[Hashable], req_context: Any = None) -> None:
         """A use of a request's chunks: each is a hit, the prefix's head the most recent (:meth:`_tail_first`)."""
         self._flush()
+        keys = list(keys)
+        self._note(keys, req_context)
         for k in self._tail_first(keys, req_context):
             if k in self.policy.nodes:
                 self._clock.advance(1.0)
@@ -153,13 +218,14 @@ class _KVPolicyCachePolicy(_Base):  # type: ignore[misc,valid-type]
         return  # a store miss is not a use of a resident chunk
 
     def on_request_access(self, keys: Iterable[Hashable], req_context: Any = None) -> None:
-        return
+        self._note(keys, req_context)  # where the request's later chunks find their parents
 
     def on_request_finished(self, key_groups: Sequence[Sequence[Hashable]], insertion_only_keys: set[Hashable], reused_keys: set[Hashable],
                             req_context: Any = None) -> None:
         """Only real reuse is a hit: chunks the request merely created were counted by ``insert``. Across the KV-cache
         groups, one head-to-tail order by position (as vLLM orders them), then the tail first."""
         self.touch([k for group in key_groups for k in group if k in reused_keys], req_context)
+        self._seen.pop(getattr(req_context, "req_id", None), None)
 
     # ---------------------------------------------------------------- eviction
 
@@ -175,8 +241,20 @@ class _KVPolicyCachePolicy(_Base):  # type: ignore[misc,valid-type]
             self._evictable.discard(key)
             self.policy.pin(key)
 
+    def _evictable_closure(self, protected: set[Hashable]) -> int:
+        """How many chunks could leave, tails first: evictable and unprotected, and no resident descendant busy or
+        protected (an ancestor of such a chunk stays). Walks up from each blocked chunk: O(resident chunks)."""
+        blocked: set[Hashable] = set()
+        for b in [k for k in self.chunks if k not in self._evictable] + [k for k in protected if k in self.chunks]:
+            x = self._parent.get(b)
+            while x is not None and x not in blocked:
+                blocked.add(x)
+                x = self._parent.get(x)
+        return sum(1 for k in self._evictable if k not in protected and k not in blocked)
+
     def evict(self, n: int, protected: set[Hashable]) -> list[tuple[Hashable, Any]] | None:
-        """The n lowest-priority evictable chunks outside ``protected``; None (and no change) if n cannot be met."""
+        """The n lowest-priority evictable chunks outside ``protected``, tails before their heads; None (and no change)
+        if n cannot be met."""
         self._flush()
         if n <= 0:
             return []
@@ -185,24 +263,28 @@ class _KVPolicyCachePolicy(_Base):  # type: ignore[misc,valid-type]
         shield = sorted((k for k in protected if k in self._evictable), key=key_bits)
         if len(self._evictable) - len(shield) < n:
             return None
+        if self._children and self._evictable_closure(protected) < n:  # a head whose tail is busy stays
+            return None
         pol = self.policy
+        out: list[tuple[Hashable, Any]] = []
         for k in shield:
             pol.pin(k)
         try:
-            # ask for exactly n units beyond what is free: victims() frees the lowest-priority candidates
-            free = pol.capacity_bytes - pol.used_bytes
-            victims = pol.victims(free + n)
-        except CapacityError:
-            victims = None
+            while len(out) < n:  # a round takes the candidates there are (tails); their heads are candidates next
+                want = min(n - len(out), pol.freeable_bytes)
+                if want <= 0:  # pragma: no cover - guarded by the closure count above
+                    break
+                # ask for exactly ``want`` units beyond what is free: victims() frees the lowest-priority candidates
+                victims = pol.victims(pol.capacity_bytes - pol.used_bytes + want)[:want]
+                if not victims:  # pragma: no cover - a policy that frees nothing it could
+                    break
+                for k in victims:
+                    self._evictable.discard(k)
+                    self._unlink(k)
+                    out.append((k, self.chunks.pop(k)))
         finally:
             for k in shield:
                 pol.unpin(k)
-        if victims is None or len(victims) < n:  # pragma: no cover - guarded by the count above
-            return None
-        out = []
-        for k in victims[:n]:
-            self._evictable.discard(k)
-            out.append((k, self.chunks.pop(k)))
         return out
 
 
