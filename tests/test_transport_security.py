@@ -888,3 +888,27 @@ def test_honest_peers_far_away_are_served_while_silent_connections_flood_in(rtt_
         flood.wait()
         proxy.close()
         srv.close()
+
+
+def test_a_put_with_one_forged_block_among_good_ones_stores_none_of_them():
+    """Issue #60: the store path refused a put only if its MACs failed — which a mutant turning "any block fails" into
+    "every block fails" left unnoticed: no test sent one forged block among good ones. Such a put stores nothing (not
+    the good blocks either: the batch is one peer's claim), counts one refusal, and the connection stays usable."""
+    store = BlockStore(bytes(16), BB)
+    srv = BlockServer(store, secret=SECRET)
+    keys = TransportKeys.from_secret(SECRET)
+    try:
+        s = socket.create_connection(srv.address, timeout=5)
+        ch = Channel(s, client_handshake(s, keys, 5.0), is_server=False, limits=TransportLimits())
+        blocks = [(bytes([i]) * 16, bytes([i + 1]) * BB) for i in range(3)]
+        meta = [{"key": k.hex(), "nbytes": BB, "mac": block_mac(keys.block, bytes(16), k, p)} for k, p in blocks]
+        meta[1]["mac"] = block_mac(TransportKeys.from_secret(OTHER).block, bytes(16), blocks[1][0], blocks[1][1])  # forged
+        ch.send({"op": "put", "namespace": bytes(16).hex(), "blocks": meta}, [p for _, p in blocks])
+        assert ch.recv(5.0) == {"stored": 0, "error": "mac"}
+        assert store.blocks == {} and srv.stats["mac_refused"] == 1 and srv.stats["stored_blocks"] == 0
+        meta[1]["mac"] = block_mac(keys.block, bytes(16), blocks[1][0], blocks[1][1])  # all good now, same connection
+        ch.send({"op": "put", "namespace": bytes(16).hex(), "blocks": meta}, [p for _, p in blocks])
+        assert ch.recv(5.0) == {"stored": 3} and len(store.blocks) == 3
+        s.close()
+    finally:
+        srv.close()
