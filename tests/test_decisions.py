@@ -886,3 +886,43 @@ def test_a_write_budget_keeps_every_leader_within_the_budget_rules_writes():
     with pytest.raises(ConfigError) as e:
         _duel(("all", "structure-aware"), cap=10, write_budget_rule="threshold-2")
     assert e.value.field == "write_budget_rule"
+
+
+def test_the_gate_where_pins_leave_no_victims_to_name_admits_the_run_and_lets_the_tier_refuse():
+    """Issue #60: a full tier whose blocks are pinned cannot name victims for the run (peek_victims is None): the gate
+    admits the whole run — counted as admitted, nothing refused — and leaves it to the tier, which then has no room
+    (victims raises). Where it names fewer victims than the run needs, the run stops at the first block without one
+    (refused once). A gate that refused on None, or admitted past the named victims, breaks one of the two."""
+    from kvpolicy.errors import CapacityError
+
+    tier = make_policy("lru", 4)
+    for k in ("a", "b", "c", "d"):
+        tier.on_insert(k, 1, None)
+        tier.pin(k)
+    adm = WriteAdmission(capacity_blocks=4, sample_size=1000)
+    for i in range(3):
+        adm.observe(("c", i), ["c1", "c2"])
+    assert tier.peek_victims(2) is None
+    assert gate(tier, adm, ["c1", "c2"], 1) == 2 and (adm.admitted, adm.refused) == (2, 0)
+    with pytest.raises(CapacityError):
+        tier.victims(1)
+    tier.unpin("d")  # one victim named for a run of two: the first candidate beats it, the second has none
+    assert tier.peek_victims(2) is None and tier.peek_victims(1) == ["d"]
+    assert adm.admit_run(["c1", "c2"], ["d"]) == 1 and adm.refused == 1
+
+
+def test_dueling_reads_an_unknown_local_run_as_none_held():
+    """Issue #60: a request whose replica did not say what it held itself (local_blocks None) is read from the pool
+    from its first block: every ghost hit from block 0 counts (as local_blocks=0), none is taken for a local hit."""
+    f = _duel(("all",), cap=10)
+    r = _req(1, 3, 0.0)
+    f.observe(r, ["a", "b", "c"])
+    f.publishable(r, ["a", "b", "c"])
+    unknown = PublishRequest(request_id=2, num_tokens=3 * B + 1, block_size_tokens=B, time_s=1.0, reused_blocks=0, local_blocks=None)
+    f.observe(unknown, ["a", "b", "c"])
+    assert f.served_s == [pytest.approx(3 * (0.01 - f.load_s))]
+    g = _duel(("all",), cap=10)
+    g.observe(r, ["a", "b", "c"])
+    g.publishable(r, ["a", "b", "c"])
+    g.observe(_req(2, 3, 1.0, local=1), ["a", "b", "c"])
+    assert g.served_s == [pytest.approx(2 * (0.01 - g.load_s))], "a known local run is not a pool read"

@@ -810,3 +810,39 @@ def test_a_pull_has_a_deadline_and_a_peers_claim_is_checked_against_the_store(ll
     assert liar.counts["pulls_short"] == 1 and "claimed 1000000" in liar.last_error
     assert np.abs(got.logits - want).max() == 0.0
     assert isinstance(liar, LlamaCppReplica)
+
+
+class _EmptyPeers:
+    def __init__(self):
+        self.asked = 0
+
+    def send(self, engine, keys):
+        self.asked += 1
+        return 0  # holds none of them any more
+
+
+def test_a_peer_that_sends_nothing_leaves_no_admitted_load_in_flight(llamas, model, namespace, server):
+    """Issue #60: the controller admitted a load of the peer's run; the peer sent nothing. The load never starts, so the
+    controller is told (cancel) — no slot leaks — and the request computes, with a cold prefill's logits."""
+    from kvpolicy.admission import AdmissionController, LatencyModel, LinkPrior
+    from kvpolicy.directory import InMemoryDirectory, TenantScopedDirectory
+    from kvpolicy.profile import PrefillModel
+
+    d = TenantScopedDirectory(InMemoryDirectory(), "default", namespace_digest=namespace.digest)
+    toks = prompt(llamas[0], 100, seed=71)
+    holder = replica(llamas[0], model, namespace, store=client(server, namespace, model), directory=d, publish_filter=_Never(),
+                     advertise=True, peers=_Peers(), replica="a")
+    holder.prefill(toks)
+    want = cold_logits(llamas[2], toks + [4])
+    prefill = PrefillModel(a_s=0.01, b_s_per_token=1e-3, c_s_per_token2=0.0, rms_rel_error=float("nan"), max_rel_error=float("nan"))
+    ctl = AdmissionController(LatencyModel(LinkPrior(bandwidth_bytes_per_s=1e12), prefill))
+    empty = _EmptyPeers()
+    b = replica(llamas[1], model, namespace, store=client(server, namespace, model), directory=d, publish_filter=_Never(),
+                advertise=True, peers=empty, replica="b", controller=ctl)
+    for round_ in range(3):  # a leaked slot would pile up, round after round
+        got = b.prefill(toks + [4])
+        assert got.decision is not None and got.decision.loads and empty.asked == round_ + 1
+        assert (got.pulled_blocks, got.loaded_blocks, got.load_status) == (0, 0, None)
+        assert ctl.loads_in_flight() == 0
+        assert np.abs(got.logits - want).max() == 0.0
+        b.llm.reset()

@@ -912,3 +912,17 @@ def test_a_put_with_one_forged_block_among_good_ones_stores_none_of_them():
         s.close()
     finally:
         srv.close()
+
+
+def test_the_client_handshake_keeps_its_own_shorter_deadline():
+    """Issue #60: the client's handshake waits min(timeout_s, handshake_timeout_s) — here a 0.3 s handshake under a 10 s
+    request timeout: a listener that never answers costs 0.3 s, not 10 (the other order is tested above)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        c = PeerClient(listener.getsockname()[:2], bytes(16), secret=SECRET, block_bytes=BB,
+                       limits=TransportLimits(handshake_timeout_s=0.3), timeout_s=10.0)
+        t0 = time.monotonic()
+        assert c.match_prefix([KEY]) == 0
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        listener.close()
