@@ -333,7 +333,7 @@ def load_sglang(wheel: str, build_dir: str) -> types.SimpleNamespace:
     native = importlib.import_module("hicache_hash_cpp")
     sys.path.pop(0)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from check_engine_bases import load_sglang_radix
+    from engine_wheels import load_sglang_radix
 
     sys.path.pop(0)
     for n in ("sglang", "sglang.srt", "sglang.srt.mem_cache", "sglang.srt.disaggregation", "sglang.srt.utils",
