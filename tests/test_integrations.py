@@ -3990,3 +3990,46 @@ def test_a_seeded_engines_refused_chain_says_what_to_pass(caplog):
     assert "is it the engine's PYTHONHASHSEED" in wrong.mismatch_hint(ev)
     later = BlockStored(tuple(raw[1:]), raw[0], tuple(PROMPT[B: 2 * B]), B, None, "GPU")
     assert "PYTHONHASHSEED" not in ingestor(verify_algo="sha256").mismatch_hint(later), "a chain from a parent: the seed is not the cause"
+
+
+def _holders(d, keys):
+    return [sorted(e.holder for e in row) for row in d.lookup("acme", keys)]
+
+
+def test_a_tier_only_event_then_a_removal_on_that_tier_leaves_the_other_tier():
+    """Issue #60: a tier-only event (hashes, no tokens: blocks already known, now also on the CPU tier) adds the CPU
+    holder; a removal on the CPU tier takes that holder only — the GPU copy stays, and so does the mapping; a second
+    CPU removal is unknown; the GPU removal then forgets the page."""
+    d = InMemoryDirectory()
+    ing = ingestor(d)
+    ev, raw = stored(PROMPT[: 2 * B])
+    ing.apply(ev)
+    keys = list(HASHER.hash_blocks(PROMPT[: 2 * B]))
+    ing.apply(BlockStored(tuple(raw), None, (), 0, None, "CPU"))
+    assert _holders(d, keys) == [["pod-1/cpu/g0", "pod-1/gpu/g0"]] * 2
+    ing.apply(BlockRemoved((raw[0],), "CPU"))
+    assert _holders(d, keys) == [["pod-1/gpu/g0"], ["pod-1/cpu/g0", "pod-1/gpu/g0"]]
+    assert ing.key_of(raw[0]) == keys[0] and ing.counts["removed_blocks"] == 1
+    ing.apply(BlockRemoved((raw[0],), "CPU"))
+    assert ing.counts["unknown_removed"] == 1
+    ing.apply(BlockRemoved((raw[0],), "GPU"))
+    assert _holders(d, keys[:1]) == [[]] and ing.key_of(raw[0]) is None
+
+
+def test_an_event_mixing_pages_already_seen_with_new_ones_maps_each_once():
+    """Issue #60: a BlockStored whose first pages the ingestor already knows (same hashes, same tokens) and whose last
+    is new: every page is in the directory once under the holder, the known pages keep their keys, the new one gets
+    its own, and one removal per page takes each."""
+    d = InMemoryDirectory()
+    ing = ingestor(d)
+    first, raw1 = stored(PROMPT[: 2 * B])
+    ing.apply(first)
+    both, raw = stored(PROMPT[: 3 * B])
+    assert raw[:2] == raw1
+    ing.apply(both)
+    keys = list(HASHER.hash_blocks(PROMPT[: 3 * B]))
+    assert [ing.key_of(h) for h in raw] == keys and d.match_prefix("acme", keys) == 3
+    assert _holders(d, keys) == [["pod-1/gpu/g0"]] * 3
+    for h in raw:
+        ing.apply(BlockRemoved((h,), "GPU"))
+    assert d.match_prefix("acme", keys) == 0 and ing.counts["removed_blocks"] == 3 and ing.counts["unknown_removed"] == 0
