@@ -1099,3 +1099,15 @@ def test_a_failed_part_of_a_large_publish_costs_only_its_own_keys(redis_url):
     d._publish = flaky
     assert d.publish("t", [Entry(k, "r", 1) for k in many]) == 1500 and d.errors == 1 and len(calls) == 3
     assert d.match_prefix("t", many[2000:]) == 500 and d.match_prefix("t", many[1000:1001]) == 0
+
+
+def test_a_read_keeps_a_key_recent_in_the_spread_layout(redis_url):
+    """Issue #60: in the spread layout a match touches each live key it read in its group's LRU, so a key read after
+    newer ones were written is the last of them to go when the group's bound is passed."""
+    d = redis_dir(redis_url, key_groups=2, max_keys_per_tenant=8)  # a group holds ceil(8 / 2) = 4 keys
+    same = [k for k in (bytes([i, 7]) * 8 for i in range(200)) if d._group(k) == 0][:5]
+    for k in same[:4]:  # k0 oldest
+        d.publish("t", [Entry(k, "r", 1)])
+    assert d.match_prefix("t", same[:1]) == 1  # read: k0 is now the group's newest
+    d.publish("t", [Entry(same[4], "r", 1)])  # past the bound: the least recent goes
+    assert sorted(d.keys("t")) == sorted([same[0], same[2], same[3], same[4]]) and d.evicted_by_capacity == 1
