@@ -957,3 +957,17 @@ def test_the_transfer_line_fit_by_hand():
     y = np.array([3.0, 2.0, 1.0])  # falling: the slope would be negative
     a, b = _nnls_line(x, y)
     assert b == 0.0 and a > 0 and (a, b) == pytest.approx(_nnls_reference(x.tolist(), y.tolist()), rel=1e-9)
+
+
+def test_the_soft_timeout_is_measured_from_recompute_only_including_the_slot_wait():
+    """Issue #60: a load's soft timeout is timeout_factor × what recompute-only would take for the range — the wait for
+    a prefill slot included (``t_recompute_only_s``), not the bare p50 of the prefill: a load waiting behind a queue may
+    run as long as recompute-only would have kept the request, and no longer."""
+    import attrs
+
+    c = controller(bw=25e9, timeout_factor=1.5)
+    queued = attrs.evolve(ctx, queue_wait_s=0.4)
+    d = c.decide(pm(10, 500), queued)
+    assert d.loads and d.terms["t_recompute_only_s"] >= d.t_recompute_p50_s + 0.4 - 1e-9
+    assert d.soft_timeout_s == pytest.approx(1.5 * d.terms["t_recompute_only_s"])
+    assert d.soft_timeout_s > 1.5 * d.t_recompute_p50_s + 0.5

@@ -672,3 +672,16 @@ def test_the_oracle_bounds_every_sets_gpu_seconds_saved(seed, kind, n, router, r
         ps = attrs.evolve(policy_set(name), name=f"{name}~", pull_from_peers=pulls)
         saved = gpu["recompute-only"] - Simulator(prep, c, ps, seed=seed).run().gpu_prefill_s
         assert saved <= bound + 1e-9, f"{ps.name} saved {saved:.4f} GPU s, the oracle {bound:.4f}"
+
+
+def test_the_write_gate_hears_every_request_not_only_those_that_publish(trace, prepared):
+    """Issue #60: TinyLFU's estimate is how many requests carried a block — all of them, also those whose publish
+    filter writes nothing (a count rule's first sighting, a `never` set). A gate that heard only publishing requests
+    would value every block at nothing here: nothing is published."""
+    ps = PolicySet("gate-never", publish="never", load="always", write_admission="tinylfu")
+    sim = Simulator(prepared, cluster(trace), ps, seed=0)
+    res = sim.run()
+    assert res.bytes_written == 0
+    first = int(trace.block_ids[trace.block_offsets[0]])
+    seen = sum(1 for i in range(len(trace)) if first in trace.block_ids[trace.block_offsets[i]:trace.block_offsets[i + 1]])
+    assert seen >= 2 and sim.write_gate.value(first) >= min(seen, 15) // 2
