@@ -685,3 +685,20 @@ def test_the_write_gate_hears_every_request_not_only_those_that_publish(trace, p
     first = int(trace.block_ids[trace.block_offsets[0]])
     seen = sum(1 for i in range(len(trace)) if first in trace.block_ids[trace.block_offsets[i]:trace.block_offsets[i + 1]])
     assert seen >= 2 and sim.write_gate.value(first) >= min(seen, 15) // 2
+
+
+def test_a_pull_crosses_the_peers_staging_copy_its_egress_and_the_nodes_ingress():
+    """Issue #60: a pull relays through the pool: from the peer's staging copy (its GPU to CPU memory, where it has one)
+    out of its NIC into the node, then as any read — out of the node into this replica (and its staging copy). A read
+    from the pool crosses only the second part."""
+    from types import SimpleNamespace
+
+    from kvpolicy.sim.transfers import Transfers
+
+    node = SimpleNamespace(out="node.out", inn="node.in")
+    rep = SimpleNamespace(inn="rep.in", stage="rep.stage")
+    peer = SimpleNamespace(out="peer.out", stage="peer.stage")
+    assert Transfers._read_path(node, rep) == ("node.out", "rep.in", "rep.stage")
+    assert Transfers._read_path(node, rep, peer) == ("peer.stage", "peer.out", "node.in", "node.out", "rep.in", "rep.stage")
+    bare = SimpleNamespace(out="peer.out", stage=None)
+    assert Transfers._read_path(node, SimpleNamespace(inn="rep.in", stage=None), bare) == ("peer.out", "node.in", "node.out", "rep.in")
