@@ -926,3 +926,16 @@ def test_dueling_reads_an_unknown_local_run_as_none_held():
     g.publishable(r, ["a", "b", "c"])
     g.observe(_req(2, 3, 1.0, local=1), ["a", "b", "c"])
     assert g.served_s == [pytest.approx(2 * (0.01 - g.load_s))], "a known local run is not a pool read"
+
+
+def test_the_gate_admits_everything_into_a_tier_that_cannot_peek():
+    """A tier without peek_victims (a tier of the engine's own, a cachetools cache) cannot say what a write would
+    displace: the gate admits the whole run and the tier's own policy decides, as without a gate (a mutant of tools/
+    mutation.py's new operators — the check and the call swapped — showed no test named it)."""
+    adm = WriteAdmission(capacity_blocks=4, sample_size=1000)
+
+    class Plain:  # no peek_victims
+        capacity_bytes, used_bytes = 4, 4
+
+    assert gate(Plain(), adm, ["c1", "c2", "c3"], 1) == 3 and (adm.admitted, adm.refused) == (3, 0)
+    assert gate(Plain(), adm, [], 1) == 0

@@ -123,6 +123,8 @@ class _Sites(ast.NodeVisitor):
         self._fn: list[str] = []  # the qualname of the enclosing function (innermost)
         self._stmt: ast.stmt | None = None
         self._skip = 0
+        self._locals: list[set[str]] = []  # per enclosing function: its parameters and the names it assigns
+        self._loaded: list[list[str]] = []  # per enclosing function: the local names read so far, in walk order
 
     # scopes
     def _visit_scope(self, node: Any, is_fn: bool) -> None:
@@ -132,16 +134,53 @@ class _Sites(ast.NodeVisitor):
         if is_fn:
             self._fn.append(".".join(self._scope))
             self._scope.append("<locals>")
+            self._locals.append(_local_names(node))
+            self._loaded.append([])
+            self._default_sites(node)
         body = node.body
+        start = 0
         if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
                 and isinstance(body[0].value.value, str):
-            body = body[1:]  # the docstring
+            start = 1  # the docstring
+        if is_fn:
+            self._block_sites(body, start)  # the body itself, not a copy: a swap is made in the list
+        body = body[start:]
         for stmt in body:
             self.visit(stmt)
         if is_fn:
             self._scope.pop()
             self._fn.pop()
+            self._locals.pop()
+            self._loaded.pop()
         self._scope.pop()
+
+    def _default_sites(self, fn: Any) -> None:
+        """A wrong default: each number or bool a parameter defaults to (the function object's own defaults: installed
+        by setting ``__defaults__`` / ``__kwdefaults__``, not the code)."""
+        a = fn.args
+        line = self.lines[fn.lineno - 1] if fn.lineno - 1 < len(self.lines) else ""
+        if "pragma: no mutate" in line:
+            return
+        for which, values in (("pos", a.defaults), ("kw", a.kw_defaults)):
+            for i, d in enumerate(values):
+                if isinstance(d, ast.Constant) and isinstance(d.value, (bool, int, float)):
+                    self.sites.append((d, "default", (which, i), fn, self._fn[-1]))
+
+    def _block_sites(self, stmts: list[ast.stmt], start: int = 0) -> None:
+        """A moved statement: each statement from ``start`` swapped with the one after it (neither a jump, a definition
+        or a pass)."""
+        if not self._fn:
+            return
+        simple = (ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.If, ast.For, ast.While, ast.With, ast.Try, ast.Delete)
+        for j in range(start, len(stmts) - 1):
+            a, b = stmts[j], stmts[j + 1]
+            if not (isinstance(a, simple) and isinstance(b, simple)):
+                continue
+            if any("pragma: no mutate" in self.lines[x.lineno - 1] for x in (a, b) if x.lineno - 1 < len(self.lines)):
+                continue
+            if isinstance(a, ast.Expr) and isinstance(a.value, ast.Constant):
+                continue
+            self.sites.append((a, "swap", (stmts, j), a, self._fn[-1]))
 
     def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
         self._visit_scope(node, True)
@@ -172,6 +211,10 @@ class _Sites(ast.NodeVisitor):
                 return
             prev, self._stmt = self._stmt, node
             self._statement_sites(node)
+            for field in ("body", "orelse", "finalbody"):
+                block = getattr(node, field, None)
+                if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                    self._block_sites(block)
             if isinstance(node, ast.AnnAssign):  # an annotation is never evaluated here (from __future__ import annotations)
                 for child in (node.target, node.value):
                     if child is not None:
@@ -219,6 +262,18 @@ class _Sites(ast.NodeVisitor):
             self._add(node, "const", None)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("min", "max"):
             self._add(node, "minmax", None)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and self._locals and node.id in self._locals[-1]:
+            seen = self._loaded[-1]
+            other = next((x for x in reversed(seen) if x != node.id), None)
+            if other is not None:  # a variable swapped for the last other local read before it
+                self._add(node, "name", other)
+            seen.append(node.id)
+        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id in ("min", "max", "print", "len")):
+            for k in node.keywords:  # a dropped argument: each keyword, and the last positional one
+                if k.arg is not None:
+                    self._add(node, "dropkw", k.arg)
+            if len(node.args) >= 2 and not any(isinstance(x, ast.Starred) for x in node.args):
+                self._add(node, "droparg", len(node.args) - 1)
 
 
 def _sites(tree: ast.Module, source: str) -> list[tuple[ast.AST, str, Any, ast.stmt, str]]:
@@ -226,6 +281,21 @@ def _sites(tree: ast.Module, source: str) -> list[tuple[ast.AST, str, Any, ast.s
     for stmt in tree.body:
         v.visit(stmt)
     return v.sites
+
+
+def _local_names(fn: Any) -> set[str]:
+    """A function's parameters and the names it binds (its own body, not nested functions')."""
+    a = fn.args
+    names = {x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]} | {x.arg for x in (a.vararg, a.kwarg) if x is not None}
+    stack = list(fn.body)
+    while stack:
+        n = stack.pop()
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            names.add(n.id)
+        stack.extend(ast.iter_child_nodes(n))
+    return names - {"self", "cls"}
 
 
 def _new_const(value: Any) -> Any:
@@ -251,6 +321,17 @@ def _apply(node: ast.AST, kind: str, detail: Any) -> None:
         node.value = _new_const(node.value)  # type: ignore[attr-defined]
     elif kind == "minmax":
         node.func.id = "max" if node.func.id == "min" else "min"  # type: ignore[attr-defined]
+    elif kind == "name":
+        node.id = detail  # type: ignore[attr-defined]
+    elif kind == "dropkw":
+        node.keywords = [k for k in node.keywords if k.arg != detail]  # type: ignore[attr-defined]
+    elif kind == "droparg":
+        del node.args[detail]  # type: ignore[attr-defined]
+    elif kind == "default":
+        node.value = _new_const(node.value)  # type: ignore[attr-defined]
+    elif kind == "swap":
+        block, j = detail
+        block[j], block[j + 1] = block[j + 1], block[j]
 
 
 def _first_line(node: ast.AST) -> str:
@@ -268,6 +349,9 @@ def _describe(node: ast.AST, kind: str, detail: Any) -> tuple[str, str]:
         return before, "break"
     if kind == "not":
         return before, _first_line(node.operand)  # type: ignore[attr-defined]
+    if kind == "swap":
+        block, j = detail
+        return before, f"(after) {_first_line(block[j + 1])}"
     twin = copy.deepcopy(node)
     _apply(twin, kind, detail)
     return before, _first_line(twin)
@@ -367,9 +451,33 @@ def reachable(m: Mutant) -> str | None:
     return m.qualname.split(".<locals>.")[0]
 
 
+def _install_default(m: Mutant, mod: types.ModuleType) -> None:
+    """A wrong default of a module- or class-level function: its function object's own defaults, changed in place."""
+    source = source_of(m.path)
+    tree = ast.parse(source)
+    _, _, (which, i), fndef, _ = _sites(tree, source)[m.index]
+    first = fndef.decorator_list[0].lineno if fndef.decorator_list else fndef.lineno  # type: ignore[attr-defined]
+    fn = _live_function(mod, m.qualname, first)
+    if fn is None:
+        raise LookupError(f"no live function {m.qualname}")
+    if which == "pos":
+        d = list(fn.__defaults__ or ())
+        d[i] = _new_const(d[i])
+        fn.__defaults__ = tuple(d)
+    else:
+        name = fndef.args.kwonlyargs[i].arg  # type: ignore[attr-defined]
+        kw = dict(fn.__kwdefaults__ or {})
+        kw[name] = _new_const(kw[name])
+        fn.__kwdefaults__ = kw
+
+
 def install(m: Mutant) -> None:
-    """Swap the mutated code into the live function (in this process)."""
+    """Swap the mutated code into the live function (in this process); a wrong default of a function defined at module
+    or class level goes into the function object's defaults (a nested function's are in its outer function's code)."""
     mod = importlib.import_module(_module_name(m.path))
+    if m.kind == "default" and "<locals>" not in m.qualname:
+        _install_default(m, mod)
+        return
     tree = _mutated_tree(m)
     code = compile(tree, str(SRC / m.path), "exec")
     outer = reachable(m)
