@@ -267,10 +267,9 @@ class PublicationLog:
         that fell out of the newest ``max_exact_keys`` (or were overwritten) unread. ``priced``: each write's priced
         bytes instead (its bytes x the congestion of its path when it was written)."""
         out: dict[str, float] = dict(self._unread_priced_settled if priced else self._unread_settled)
-        j = 2 if priced else 1
-        for key, w in self._written.items():
+        for key, (cls, size, priced_bytes) in self._written.items():
             if key not in self._reads:
-                out[w[0]] = out.get(w[0], 0.0) + w[j]
+                out[cls] = out.get(cls, 0.0) + (priced_bytes if priced else size)
         return out
 
 

@@ -40,6 +40,7 @@ import re
 import threading
 import time
 import zlib
+from typing import Any
 
 import numpy as np
 
@@ -95,7 +96,7 @@ class OpenAIProfileTarget:
         listing = self._json(body)
         if not isinstance(listing, dict) or not isinstance(listing.get("data", []), list):
             raise ConfigError("--openai-url", f"{self.base}/v1/models did not answer an OpenAI model list: {body[:200]!r}")
-        entries = {m.get("id"): m for m in listing.get("data", []) if isinstance(m, dict) and isinstance(m.get("id"), str)}
+        entries: dict[str, Any] = {m["id"]: m for m in listing.get("data", []) if isinstance(m, dict) and isinstance(m.get("id"), str)}
         if model not in entries:
             raise ConfigError("--model", f"{model!r} is not served at {self.base}; it serves {sorted(entries)[:20]}")
         vocab = entries[model].get("vocab_size")

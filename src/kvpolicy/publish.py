@@ -787,8 +787,8 @@ class DuelingPublish:
         self.capacity = pool_capacity_blocks
         self.half_life_s = half_life_s
         self._lam = math.log(2) / half_life_s
-        #: per candidate: key -> read since it was written, least recently used first
-        self.ghosts: list[OrderedDict[Hashable, bool]] = [OrderedDict() for _ in self.candidates]
+        #: per candidate: key -> True once read, else the price its write was charged; least recently used first
+        self.ghosts: list[OrderedDict[Hashable, bool | float]] = [OrderedDict() for _ in self.candidates]
         self.scores = [0.0] * len(self.candidates)
         self.served_s = [0.0] * len(self.candidates)  # undecayed totals, for reports
         self.written_blocks = [0] * len(self.candidates)
