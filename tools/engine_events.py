@@ -34,23 +34,15 @@ import sys
 import sysconfig
 import tempfile
 import types
-import zipfile
 from typing import Any
 
 
-def _module(name: str, **attrs: object) -> types.ModuleType:
-    m = types.ModuleType(name)
-    m.__dict__.update(attrs)
-    sys.modules[name] = m
-    return m
-
-
-def _source(wheel: str, path: str) -> str:
-    with zipfile.ZipFile(wheel) as z:
-        return z.read(path).decode()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, tools/engine_wheels.py
+from engine_wheels import _module, _source  # noqa: E402
 
 
 def _load(wheel: str, path: str, name: str) -> types.ModuleType:
+    """As engine_wheels' ``_load``, into the module already there when there is one."""
     mod = sys.modules.get(name) or _module(name)
     exec(compile(_source(wheel, path), f"{wheel}!{path}", "exec"), mod.__dict__)
     return mod
@@ -332,10 +324,8 @@ def load_sglang(wheel: str, build_dir: str) -> types.SimpleNamespace:
 
     native = importlib.import_module("hicache_hash_cpp")
     sys.path.pop(0)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from engine_wheels import load_sglang_radix
 
-    sys.path.pop(0)
     for n in ("sglang", "sglang.srt", "sglang.srt.mem_cache", "sglang.srt.disaggregation", "sglang.srt.utils",
               "sglang.srt.mem_cache.cpp_utils"):
         if n not in sys.modules:
