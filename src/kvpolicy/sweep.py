@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -221,8 +222,12 @@ class Sweep:
 def _died(procs: list[Any], job: str) -> str:
     """What a broken pool's dead worker said: its exit code or signal."""
     how = []
+    deadline = time.monotonic() + 10.0  # the pool ends the others on its own; each exit status follows within moments
     for p in procs:
-        p.join(timeout=1.0)  # the pool noticed the death first: the exit status follows at once
+        p.join(timeout=max(deadline - time.monotonic(), 0.0))
+        # the pool's own thread may be reaping it this instant (its waitpid wins, ours sees no child): ask again
+        while p.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.01)
         code = p.exitcode
         if code is None:
             continue
