@@ -939,3 +939,16 @@ def test_the_gate_admits_everything_into_a_tier_that_cannot_peek():
 
     assert gate(Plain(), adm, ["c1", "c2", "c3"], 1) == 3 and (adm.admitted, adm.refused) == (3, 0)
     assert gate(Plain(), adm, [], 1) == 0
+
+
+def test_the_write_budget_counts_decay_with_the_scores_half_life():
+    """The budget compares decayed write counts (what is true now counts): a block written 600 s ago weighs half of one
+    written now, as the scores do (a mutant dividing by the decay, so that old writes weighed more, went unnoticed)."""
+    f = _duel(("all", "threshold-2"), cap=100, write_budget_rule="threshold-2")
+    r = _req_u(1, 4, 0.0, 0.0)
+    f.observe(r, ["a", "b", "c", "d"])
+    f.publishable(r, ["a", "b", "c", "d"])
+    assert f.written_decayed == [4.0, 0.0]
+    later = _req_u(2, 1, 600.0, 0.0)
+    f.observe(later, ["z"])
+    assert f.written_decayed[0] == pytest.approx(2.0) and f.scores[0] == pytest.approx(0.0)
