@@ -31,6 +31,7 @@ the module imports, and is tested, without vLLM).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -88,8 +89,9 @@ class _KVPolicyCachePolicy(_Base):  # type: ignore[misc,valid-type]
         # the chains: a resident chunk's parent (the chunk before it in a request), and each chunk's resident children
         self._parent: dict[Hashable, Hashable] = {}
         self._children: dict[Hashable, set[Hashable]] = {}
-        # per running request, the chunks it named with their positions (insert, touch, access): where a parent is found
-        self._seen: dict[Any, dict[int, Hashable]] = {}
+        # per running request, the chunks it named by position (insert, touch, access), and those positions sorted: where
+        # a parent is found (the nearest position before a chunk's, in O(log n))
+        self._seen: dict[Any, tuple[dict[int, Hashable], list[int]]] = {}
 
     # ---------------------------------------------------------------- lookups and inserts
 
@@ -112,20 +114,24 @@ class _KVPolicyCachePolicy(_Base):  # type: ignore[misc,valid-type]
             return [k for _, k in sorted(zip(pos, ks), key=lambda x: -x[0])]  # type: ignore[operator]
         return ks[::-1]
 
-    def _note(self, keys: Iterable[Hashable], req_context: Any) -> dict[int, Hashable] | None:
-        """Remember the positions a running request gives its chunks; its map (None without a request id)."""
+    def _note(self, keys: Iterable[Hashable], req_context: Any) -> tuple[dict[int, Hashable], list[int]] | None:
+        """Remember the positions a running request gives its chunks; its map and sorted positions (None without a
+        request id)."""
         r = getattr(req_context, "req_id", None)
         if r is None:
             return None
         seen = self._seen.get(r)
         if seen is None:
-            seen = self._seen[r] = {}
+            seen = self._seen[r] = ({}, [])
             while len(self._seen) > _MAX_RUNNING_REQUESTS:  # a request never finished (never told): forget the oldest
                 del self._seen[next(iter(self._seen))]
+        at, order = seen
         for k in keys:
             p = self._position(k, req_context)
             if p is not None:
-                seen[p] = k
+                if p not in at:
+                    bisect.insort(order, p)
+                at[p] = k
         return seen
 
     def insert(self, key: Hashable, chunk: Any, req_context: Any = None) -> None:
@@ -139,8 +145,9 @@ class _KVPolicyCachePolicy(_Base):  # type: ignore[misc,valid-type]
         p = self._position(key, req_context)
         seen = self._note([key], req_context)
         if seen is not None and p is not None:
-            before = [q for q in seen if q < p]
-            parent = seen[max(before)] if before else None
+            at, order = seen
+            i = bisect.bisect_left(order, p)
+            parent = at[order[i - 1]] if i else None
             if parent is not None and parent in self.chunks and parent != key:
                 self._link(key, parent)
         if p is None:
