@@ -270,8 +270,9 @@ class _KVPolicyCachePolicy(_Base):  # type: ignore[misc,valid-type]
         shield = sorted((k for k in protected if k in self._evictable), key=key_bits)
         if len(self._evictable) - len(shield) < n:
             return None
-        if self._children and self._evictable_closure(protected) < n:  # a head whose tail is busy stays
-            return None
+        # tails enough now (the internal chunks carry a pin): no walk; else count what rounds of tails could free
+        if self._children and self.policy.freeable_bytes - len(shield) < n and self._evictable_closure(protected) < n:
+            return None  # a head whose tail is busy or protected stays
         pol = self.policy
         out: list[tuple[Hashable, Any]] = []
         for k in shield:
