@@ -16,11 +16,14 @@ How it works (no copy of the tree, no re-import per mutant):
    or an augmented assignment deleted (``policy.on_access(key)`` → nothing: the fault "not told about reads").
    Strings, docstrings, ``raise`` arguments, ``assert`` statements and lines marked ``# pragma: no mutate`` are left alone.
 2. **Tests that cover it.** One run of the module's test files under coverage, with one coverage context per test,
-   tells which tests execute each line. A mutant runs against only the tests that executed its statement, fastest
+   tells which tests execute each line, in any thread, and in any Python a test starts (``python -m kvpolicy ...``,
+   ``python -c ...``, a spawned sweep worker): ``tools/mutation_hook/sitecustomize.py``, first on ``PYTHONPATH``, records
+   those under the test's name. A mutant runs against only the tests that executed its statement, fastest
    first, stopping at the first failure; a mutant on a line no test executes survives without a run (``uncovered``).
 3. **Running one.** The parent imports everything once; each mutant runs in a forked child that compiles the
    mutated module, swaps the mutated code object into the live function (``func.__code__``: every reference to the
-   function, in any module, sees the fault), and runs the selected tests in-process with Hypothesis derandomized.
+   function, in any module, sees the fault; a Python the tests start installs the same mutant at startup, through the
+   same hook), and runs the selected tests in-process with Hypothesis derandomized.
    A child that overruns its time (twice the selected tests' own time, plus a margin) is killed and the mutant
    counts as killed (``timeout``), as every mutation tool counts it.
 
@@ -40,9 +43,11 @@ import io
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from collections.abc import Iterator
@@ -493,6 +498,23 @@ def install(m: Mutant) -> None:
     fn.__code__ = new
 
 
+def install_by_index(path: str, index: int) -> None:
+    """Install the ``index``-th mutant of ``path`` (tools/mutation_hook/sitecustomize.py: in a subprocess a test started)."""
+    m = next((x for x in mutants_of("subprocess", path) if x.index == index), None)
+    if m is None:
+        raise LookupError(f"no mutant {index} of {path}")
+    install(m)
+
+
+HOOK = Path(__file__).with_name("mutation_hook")
+
+
+def _with_hook(env: dict[str, str]) -> None:
+    """Every Python a test starts imports tools/mutation_hook/sitecustomize.py first."""
+    old = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(HOOK), str(SRC)] + ([old] if old else []))
+
+
 def installable(m: Mutant) -> bool:
     mod = importlib.import_module(_module_name(m.path))
     outer = reachable(m)
@@ -517,6 +539,7 @@ class _ContextPlugin:
 
     def pytest_runtest_setup(self, item: Any) -> None:
         self.cov.switch_context(item.nodeid)
+        os.environ["KVPOLICY_MUTATION_CONTEXT"] = item.nodeid  # a subprocess the test starts records under its name
 
     def pytest_runtest_logreport(self, report: Any) -> None:
         self.durations[report.nodeid] = self.durations.get(report.nodeid, 0.0) + report.duration
@@ -536,19 +559,35 @@ def covering_tests(paths: list[str], tests: list[str]) -> tuple[dict[str, dict[i
     files = [str(SRC / p) for p in paths]
     cov = coverage.Coverage(data_file=None, include=files, branch=False)
     plugin = _ContextPlugin(cov)
+    saved = dict(os.environ)
+    sub_dir = tempfile.mkdtemp(prefix="kvpolicy-mutation-cov-")
+    # subprocesses the tests start (python -m kvpolicy, python -c ...) record their own coverage, under the test's name
+    os.environ.update({"KVPOLICY_MUTATION_COV": sub_dir, "KVPOLICY_MUTATION_FILES": os.pathsep.join(files)})
+    _with_hook(os.environ)  # type: ignore[arg-type]
     cov.start()
     try:
         with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
             rc = pytest.main(["-q", "-p", "no:cacheprovider", "--no-header", "--tb=short", "-o", "addopts=", *tests], plugins=[plugin])
     finally:
         cov.stop()
+        os.environ.clear()
+        os.environ.update(saved)
     if plugin.failed:
+        shutil.rmtree(sub_dir, ignore_errors=True)
         raise SystemExit(f"mutation: the tests fail without any mutant ({rc}): {plugin.failed[:5]}")
-    data = cov.get_data()
+    datas = [cov.get_data()]
+    for name in sorted(os.listdir(sub_dir)):
+        d = coverage.CoverageData(basename=os.path.join(sub_dir, name))
+        d.read()
+        datas.append(d)
     out: dict[str, dict[int, set[str]]] = {}
     for p, f in zip(paths, files):
-        by_line = data.contexts_by_lineno(f)
-        out[p] = {ln: {c for c in ctx if c} for ln, ctx in by_line.items()}
+        merged: dict[int, set[str]] = {}
+        for data in datas:  # (read from their files: removed only after)
+            for ln, ctx in data.contexts_by_lineno(f).items():
+                merged.setdefault(ln, set()).update(c for c in ctx if c)
+        out[p] = merged
+    shutil.rmtree(sub_dir, ignore_errors=True)
     return out, plugin.durations
 
 
@@ -562,6 +601,9 @@ def _child(m: Mutant, tests: list[str]) -> int:
     hypothesis.settings.register_profile("mutation", derandomize=True, database=None, deadline=None,
                                          parent=hypothesis.settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev")))
     hypothesis.settings.load_profile("mutation")
+    os.environ.pop("KVPOLICY_MUTATION_COV", None)
+    os.environ["KVPOLICY_MUTANT"] = f"{m.path}:{m.index}"  # a subprocess a test starts installs the same mutant
+    _with_hook(os.environ)  # type: ignore[arg-type]
     try:
         install(m)
     except Exception as e:  # noqa: BLE001 - a mutant that does not even install
