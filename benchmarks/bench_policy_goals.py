@@ -49,7 +49,7 @@ from kvpolicy.sim import compare, default_cluster
 from kvpolicy.traces import SyntheticSpec, generate, preset, read_mooncake
 
 BPT = 131072
-BASELINES = ("vllm-like", "sglang-like", "lmcache-like", "sglang-p2p-like", "lmcache-p2p-like")
+BASELINES = ("vllm-like", "sglang-like", "lmcache-like", "sglang-p2p-like", "lmcache-p2p-like", "llm-d-like")
 GOALS = ("p95 <= 1.02 best", "GPU >= best - 1 pt", "bytes <= sglang-p2p", "ledger's first is right", "not dominated",
          ">= 80% of oracle GPU")
 

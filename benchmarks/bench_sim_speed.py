@@ -58,7 +58,7 @@ cl = default_cluster(tr, bytes_per_token=%d, prefill=DEFAULT_PREFILL)
 ps = policy_set("kvpolicy")
 if publish:  # the baseline's set: its publish selector, and no pulls from peers (issue #44's third round)
     import attrs
-    ps = attrs.evolve(ps, publish=publish, pull_from_peers=False)
+    ps = attrs.evolve(ps, publish=publish, pull_from_peers=False, pull_path="relay")
 Simulator(Prepared(tr.head(500)), cl, ps, seed=0).run()
 if copies > 1:  # the baseline's children run only the trace itself
     from bench_sim_speed import shifted_copies

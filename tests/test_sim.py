@@ -45,7 +45,7 @@ def check_conservation(res, trace):
     assert np.all(np.isfinite(res.ttft_s)) and np.all(res.ttft_s >= 0)
     # a request waits for a slot after it joins the queue, never before, and within its TTFT
     assert np.all(np.isfinite(res.queue_s)) and np.all(res.queue_s >= 0) and np.all(res.queue_s <= res.ttft_s + 1e-9)
-    assert sum(res.node_bytes_out) == sum(res.replica_bytes_in) == res.bytes_sent
+    assert sum(res.node_bytes_out) + res.bytes_direct == sum(res.replica_bytes_in) == res.bytes_sent
     assert res.bytes_read <= res.bytes_sent
     assert 0 <= res.bytes_pulled <= res.bytes_written, "what pulls wrote is part of what was written"
     assert res.bytes_read + res.bytes_unused == res.bytes_sent, "every byte sent is either used or counted as unused"
@@ -629,9 +629,10 @@ _LOADS = ("admission", "always", "min-tokens", "never", "oracle")
 @given(local=st.sampled_from(_EVICTIONS), pool=st.sampled_from(_EVICTIONS), publish=st.sampled_from(_PUBLISH),
        load=st.sampled_from(_LOADS), timeout=st.sampled_from(("none", "admission", "sglang")), failure=st.sampled_from(("recompute", "fail")),
        flags=st.tuples(*[st.booleans()] * 6), scope=st.sampled_from(("cluster", "replica")), wa=st.sampled_from(("none", "tinylfu")),
-       router=st.sampled_from(ROUTERS), seed=st.integers(0, 99))
+       router=st.sampled_from(ROUTERS), seed=st.integers(0, 99), pull_path=st.sampled_from(("relay", "direct", "choose", "bogus")),
+       own_router=st.sampled_from((None, *ROUTERS)))
 def test_every_combination_of_policy_set_fields_runs_or_is_a_config_error(trace, local, pool, publish, load, timeout, failure, flags,
-                                                                           scope, wa, router, seed):
+                                                                           scope, wa, router, seed, pull_path, own_router):
     """Issue #58: a PolicySet with load="oracle" and pull_from_peers=True crashed with KeyError in the pool's grouping,
     through compare. Every combination of fields either runs — every request finishing once, nothing left held — or
     is refused at construction with a ConfigError naming a field."""
@@ -639,7 +640,8 @@ def test_every_combination_of_policy_set_fields_runs_or_is_a_config_error(trace,
     try:
         ps = PolicySet("combo", local_eviction=local, pool_eviction=pool, publish=publish, load=load, timeout=timeout, failure=failure,
                        warmup=warmup, uses_pool=uses_pool, compute_while_loading=cwl, learn_compute=learn, controller_scope=scope,
-                       write_admission=wa, republish_unhealthy=republish, pull_from_peers=pulls)
+                       write_admission=wa, republish_unhealthy=republish, pull_from_peers=pulls, pull_path=pull_path,
+                       router=own_router)
     except ConfigError as e:
         assert e.field in {a.name for a in attrs.fields(PolicySet)}, e
         event("refused")
@@ -651,14 +653,14 @@ def test_every_combination_of_policy_set_fields_runs_or_is_a_config_error(trace,
     check_released(sim)
 
 
-_BOUNDED = ("kvpolicy", "vllm-like", "sglang-like", "lmcache-like", "sglang-p2p-like", "lmcache-p2p-like")
+_BOUNDED = ("kvpolicy", "vllm-like", "sglang-like", "lmcache-like", "sglang-p2p-like", "lmcache-p2p-like", "llm-d-like")
 
 
 @settings(max_examples=int(os.environ.get("KVPOLICY_BOUND_EXAMPLES", "6")), deadline=None)
 @given(seed=st.integers(0, 2**16), kind=st.sampled_from(("chat", "rag", "agent", "mixed")), n=st.integers(40, 120),
        router=st.sampled_from(ROUTERS), replicas=st.integers(2, 4), nodes=st.integers(1, 3), local_blocks=st.integers(8, 400),
-       pulls=st.booleans(), failure=st.sampled_from([0.0, 0.2]))
-def test_the_oracle_bounds_every_sets_gpu_seconds_saved(seed, kind, n, router, replicas, nodes, local_blocks, pulls, failure):
+       pulls=st.booleans(), failure=st.sampled_from([0.0, 0.2]), pull_path=st.sampled_from(("relay", "direct", "choose")))
+def test_the_oracle_bounds_every_sets_gpu_seconds_saved(seed, kind, n, router, replicas, nodes, local_blocks, pulls, failure, pull_path):
     """Issue #58: kvpolicy saved 105 % of the oracle's GPU seconds on the built-in trace — the oracle could not pull, and
     loaded only what won on time. The oracle now has every mechanism a set has and loads every block it knows will
     arrive: on random small traces and clusters, its GPU seconds saved are at least every set's, with pulls on or off."""
@@ -669,7 +671,7 @@ def test_the_oracle_bounds_every_sets_gpu_seconds_saved(seed, kind, n, router, r
     gpu = {name: Simulator(prep, c, policy_set(name), seed=seed).run().gpu_prefill_s for name in ("recompute-only", "oracle")}
     bound = gpu["recompute-only"] - gpu["oracle"]
     for name in _BOUNDED:
-        ps = attrs.evolve(policy_set(name), name=f"{name}~", pull_from_peers=pulls)
+        ps = attrs.evolve(policy_set(name), name=f"{name}~", pull_from_peers=pulls, pull_path=pull_path if pulls else "relay")
         saved = gpu["recompute-only"] - Simulator(prep, c, ps, seed=seed).run().gpu_prefill_s
         assert saved <= bound + 1e-9, f"{ps.name} saved {saved:.4f} GPU s, the oracle {bound:.4f}"
 
@@ -702,3 +704,17 @@ def test_a_pull_crosses_the_peers_staging_copy_its_egress_and_the_nodes_ingress(
     assert Transfers._read_path(node, rep, peer) == ("peer.stage", "peer.out", "node.in", "node.out", "rep.in", "rep.stage")
     bare = SimpleNamespace(out="peer.out", stage=None)
     assert Transfers._read_path(node, SimpleNamespace(inn="rep.in", stage=None), bare) == ("peer.out", "node.in", "node.out", "rep.in")
+
+
+def test_a_direct_pull_crosses_the_peer_and_this_replica_and_no_node():
+    """Issue #58: llm-d's P2P tier reads a block straight from the holder: the peer's staging copy and egress, then this
+    replica's ingress and staging copy — the node a relay would pass through is not on the path."""
+    from types import SimpleNamespace
+
+    from kvpolicy.sim.transfers import Transfers
+
+    node = SimpleNamespace(out="node.out", inn="node.in")
+    rep = SimpleNamespace(inn="rep.in", stage="rep.stage")
+    peer = SimpleNamespace(out="peer.out", stage="peer.stage")
+    assert Transfers._read_path(node, rep, peer, True) == ("peer.stage", "peer.out", "rep.in", "rep.stage")
+    assert Transfers._read_path(node, rep, None, True) == ("node.out", "rep.in", "rep.stage"), "a read from the pool is no pull"

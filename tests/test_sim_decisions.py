@@ -10,7 +10,7 @@ import pytest
 
 from kvpolicy.errors import ConfigError
 from kvpolicy.profile import PrefillModel
-from kvpolicy.sim import Degrade, Prepared, Simulator, default_cluster, policy_set
+from kvpolicy.sim import Degrade, PolicySet, Prepared, Simulator, default_cluster, policy_set
 from kvpolicy.sim.network import FlowNetwork
 from kvpolicy.traces.model import Trace
 
@@ -836,3 +836,73 @@ def test_the_publish_filter_hears_what_a_peer_held_only_when_pulls_are_on():
         sim.filter.observe = spy
         sim.run()
         assert seen == {0: 0, 1: want, 2: 0, 3: 0}, ps.pull_from_peers
+
+
+# --- direct pulls, "choose", and a set's own router (issue #58: llm-d's P2P tier and its router)
+
+DIRECT = attrs.evolve(PULL, name="pull/direct", pull_path="direct")
+
+
+def test_a_direct_pull_goes_straight_from_the_peer_and_writes_nothing():
+    """The same four requests as the relay above, but the pull goes straight from replica 0 to replica 1: one directory
+    round trip more than a pool load (the peer is asked to send) and no store and forward — then the bytes at the
+    slower of the peer's egress and this replica's ingress. Nothing passes a node, so nothing is written or read from
+    the pool; r3 (replica 1) hits the 4 blocks the pull installed, as it did after the relay."""
+    tr = tiny(*SAME)
+    c = cluster(tr, node_bandwidth_bytes_per_s=1e12)  # a node far faster than a replica: it cannot be what a pull waits on
+    sim, res = simulate(tr, c, DIRECT)
+    T = 4 * B + 1
+    want_r1 = (2 * c.lookup_s + c.transfer_overhead_s + 4 * BLOCK_BYTES / c.replica_bandwidth_bytes_per_s + c.install_s_per_block * 4
+               + c.dispatch_s + P.a_s + P.b_s_per_token * (T - 4 * B) + c.interference_s_per_byte * 4 * BLOCK_BYTES)
+    assert res.ttft_s[1] == pytest.approx(want_r1, rel=1e-9)
+    assert res.ttft_s[3] == pytest.approx(local_ttft(c, 4, T), rel=1e-9)
+    assert res.loads == 1 and res.bytes_sent == res.bytes_direct == 4 * BLOCK_BYTES, "4 blocks crossed the network, once"
+    assert res.bytes_written == res.bytes_pulled == 0 and res.node_bytes_out == (0,), "no node was crossed or written"
+    assert not sim.where and not sim.writing
+    assert res.ledger.tokens["remote_hit"] == 4 * B
+    _, relay = simulate(tr, c, PULL)
+    assert relay.bytes_pulled == 4 * BLOCK_BYTES and relay.ttft_s[1] > res.ttft_s[1], "the relay stores and forwards"
+
+
+def _choose_at(node_busy: bool):
+    """A two-replica cluster with a pull to plan: replica 1 pulls 4 blocks from replica 0; the node the relay passes
+    through carries a long write when ``node_busy``."""
+    tr = tiny(*SAME)
+    c = cluster(tr)
+    sim = Simulator(Prepared(tr), c, attrs.evolve(PULL, name="pull/choose", pull_path="choose"))
+    node, (peer, rep) = sim.nodes[0], sim.replicas
+    if node_busy:
+        sim.net.start(0.0, (node.inn,), 1e6 * BLOCK_BYTES, payload=None, on_done=lambda f, t: None)
+    return sim._pull_direct(rep, node, peer, 4 * BLOCK_BYTES)
+
+
+def test_choose_pulls_straight_when_the_relays_node_is_the_bottleneck_and_through_it_when_idle():
+    """``pull_path="choose"``: on an idle node the relay finishes no later than the direct path (every link it adds is
+    idle and no slower), and it leaves a copy in the pool for later readers — relay. With a long write queued on the
+    node's ingress, the relay would wait behind it — direct."""
+    assert _choose_at(node_busy=False) is False
+    assert _choose_at(node_busy=True) is True
+
+
+def test_a_set_deployed_with_its_own_router_routes_by_it_whatever_the_cluster_says():
+    """llm-d routes by KV overlap: ``PolicySet.router`` overrides the cluster's for that set alone. On a cluster set to
+    round-robin, llm-d-like's routes are those of the same set on a kv-overlap cluster; lmcache-p2p-like keeps
+    round-robin."""
+    tr = tiny([[1, 2, 3, 4], [1, 2, 3, 4, 5], [7], [1, 2, 3, 4, 6]], [0.0, 100.0, 200.0, 300.0])
+    rr = cluster(tr, replicas=2)
+    _, own = simulate(tr, rr, "llm-d-like")
+    _, kv = simulate(tr, cluster(tr, replicas=2, router="kv-overlap"), attrs.evolve(policy_set("llm-d-like"), router=None))
+    _, plain = simulate(tr, rr, "lmcache-p2p-like")
+    assert list(own.routes) == list(kv.routes) and list(plain.routes) == [0, 1, 0, 1]
+    assert list(own.routes) != list(plain.routes)
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(pull_path="direct"), "pull_path"),  # a path for pulls that do not happen
+    (dict(pull_from_peers=True, pull_path="teleport"), "pull_path"),
+    (dict(router="nearest"), "router"),
+])
+def test_a_pull_path_or_router_that_cannot_run_is_a_config_error_naming_its_field(fields, named):
+    with pytest.raises(ConfigError) as e:
+        PolicySet("bad", **fields)
+    assert e.value.field == named

@@ -192,7 +192,7 @@ SAME_RULES = {frozenset(("vllm-like", "lmcache-like")): "they differ only in fai
 
 
 #: the sets kvpolicy is judged against (the engines' own rules); a set of your own is compared too
-BASELINES = ("vllm-like", "sglang-like", "lmcache-like", "sglang-p2p-like", "lmcache-p2p-like")
+BASELINES = ("vllm-like", "sglang-like", "lmcache-like", "sglang-p2p-like", "lmcache-p2p-like", "llm-d-like")
 _NOT_COMPARED = ("kvpolicy", "oracle", "recompute-only")
 
 

@@ -54,6 +54,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import numpy as np
 
 from .._own import is_own
@@ -112,6 +113,8 @@ class Simulator(RequestLifecycle):
         if not isinstance(policy_set, PolicySet):
             raise ConfigError("policy_set", "must be a kvpolicy.sim.PolicySet")
         check_non_negative_int("seed", seed)  # mixed into every failure and routing draw
+        if policy_set.router is not None and policy_set.router != cluster.router:  # the set is deployed with its own router
+            cluster = attrs.evolve(cluster, router=policy_set.router)
         self.judge_k = check_split(judge_from_request, len(self.p.trace))
         self.t_judge = float(self.p.arrival_s[self.judge_k]) if self.judge_k else -math.inf
         self.c = cluster
@@ -192,7 +195,7 @@ class Simulator(RequestLifecycle):
         self.n_arrived = -1
         # counters
         self.gpu_prefill_s = 0.0
-        self.bytes_read = self.bytes_written = self.bytes_sent = self.bytes_pulled = 0
+        self.bytes_read = self.bytes_written = self.bytes_sent = self.bytes_pulled = self.bytes_direct = 0
         self.loads = self.loads_ok = self.loads_failed = self.loads_timeout = self.retries = 0
         self.stall_s = 0.0
         self.warmup_bytes = 0
@@ -223,7 +226,7 @@ class Simulator(RequestLifecycle):
         t0 = p.arrival_s[0]
         return SimResult(
             policy=self.ps.name, n_requests=len(p.arrival_s), ttft_s=self.ttft.copy(), gpu_prefill_s=self.gpu_prefill_s,
-            bytes_read=self.bytes_read, bytes_written=self.bytes_written, bytes_sent=self.bytes_sent, bytes_pulled=self.bytes_pulled,
+            bytes_read=self.bytes_read, bytes_written=self.bytes_written, bytes_sent=self.bytes_sent, bytes_pulled=self.bytes_pulled, bytes_direct=self.bytes_direct,
             loads=self.loads,
             loads_ok=self.loads_ok, loads_failed=self.loads_failed, loads_timeout=self.loads_timeout, retries=self.retries,
             warmup_bytes=self.warmup_bytes, stall_s=self.stall_s, makespan_s=self.t_last - t0, replicas_final=len(self.replicas), ledger=self.ledger,

@@ -87,6 +87,12 @@ class RequestLifecycle(Replicas):
         req.predicted_s = None
         req.load_s = None
         req.decision = None
+        req.pull_direct = False
+        if holder is not None:  # how the peer's blocks would travel (PolicySet.pull_path), known before the load rule asks
+            chunk = self.c.placement_chunk_blocks
+            j0 = L + pm.remote_blocks[0]
+            req.pull_direct = self._pull_direct(rep, self._place(keys[j0 - j0 % chunk], rep), holder,
+                                                pm.remote_blocks[1] * self.block_bytes)
         t0 = t + (self.c.lookup_s if ps.uses_pool else 0.0)
         k = 0
         s_ = 0
@@ -101,7 +107,7 @@ class RequestLifecycle(Replicas):
             elif load == "admission":
                 ctl = self._ctl(rep)
                 assert ctl is not None
-                d = ctl.decide(pm, self._load_ctx(rep, keys, L, R, t, holder))
+                d = ctl.decide(pm, self._load_ctx(rep, keys, L, R, t, holder, req.pull_direct))
                 req.decision = d
                 k = d.load_blocks
                 s_ = d.split_blocks
@@ -110,7 +116,7 @@ class RequestLifecycle(Replicas):
             elif load == "oracle":
                 k = self._oracle_k(rep, keys, L, R, req, pm.remote_blocks[0], holder)
             else:  # a rule of your own (kvpolicy.protocols.LoadRule), on what the admission controller is told
-                k = self.load_rule.blocks_to_load(pm, self._load_ctx(rep, keys, L, R, t, holder))
+                k = self.load_rule.blocks_to_load(pm, self._load_ctx(rep, keys, L, R, t, holder, req.pull_direct))
                 if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= R:
                     raise ConfigError("load", f"{load!r}.blocks_to_load answered {k!r} for {R} remote blocks: it must be an int in [0, {R}]")
                 k = int(k)
@@ -140,11 +146,12 @@ class RequestLifecycle(Replicas):
                 for key in gk:
                     pol.on_access(key)
                     pol.pin(key)  # a lease: not evicted under the reader
-            else:  # a pull: the peer's copy is held until it has passed, and nobody else writes these blocks meanwhile
+            else:  # a pull: the peer's copy is held until it has passed, and (a relay) nobody else writes these blocks meanwhile
                 held = via.cache
                 for key in gk:
                     held.pin(key)
-                self.writing.update(gk)
+                if not req.pull_direct:
+                    self.writing.update(gk)
         if req.predicted_s is None:
             req.predicted_s = self.c.dispatch_s + self.c.prefill_s(L * self.B, (L + k) * self.B) - self.c.prefill_a_s
         self.loads += i >= self.judge_k
@@ -153,7 +160,7 @@ class RequestLifecycle(Replicas):
             # the front meanwhile), a plain load waits for its bytes until its p95 prediction has passed
             req.cake = True
             req.xfer = self._begin_read(rep, groups, t0, i, req.attempt, reverse=True, on_end=self._cake_load_end, payload=req,
-                                        vias=vias)
+                                        vias=vias, direct=req.pull_direct)
             req.reused = L
             after = req.decision.compute_after_s if req.decision is not None else 0.0
             if not after:
@@ -162,7 +169,8 @@ class RequestLifecycle(Replicas):
                 req.waiting = True
                 self._push(t0 + after, SWITCH, req)
             return
-        req.xfer = self._begin_read(rep, groups, t0, i, req.attempt, reverse=False, on_end=self._req_load_end, payload=req, vias=vias)
+        req.xfer = self._begin_read(rep, groups, t0, i, req.attempt, reverse=False, on_end=self._req_load_end, payload=req, vias=vias,
+                                    direct=req.pull_direct)
         limit = math.inf
         if ps.timeout == "admission" and req.decision is not None and req.decision.soft_timeout_s is not None:
             limit = req.decision.soft_timeout_s
@@ -171,7 +179,8 @@ class RequestLifecycle(Replicas):
         if limit < self.c.transport_timeout_s:
             self._push(t + limit, LOAD_TIMEOUT, req.xfer)
 
-    def _load_ctx(self, rep: _Replica, keys: list[int], L: int, R: int, t: float, holder: _Replica | None = None) -> AdmissionContext:
+    def _load_ctx(self, rep: _Replica, keys: list[int], L: int, R: int, t: float, holder: _Replica | None = None,
+                  direct: bool = False) -> AdmissionContext:
         """What a load rule is told of a request's R remote blocks starting at ``keys[L]``: the replica, the node that
         holds them (or, for blocks only a peer holds, the node they would pass through), the path's flows, the replica's
         queue and utilisation — the same for the admission controller and a rule of your own."""
@@ -181,8 +190,9 @@ class RequestLifecycle(Replicas):
             chunk = self.c.placement_chunk_blocks
             src = self._place(keys[L - L % chunk], rep)
             via = holder
-        return AdmissionContext(block_bytes=self.block_bytes, replica=rep.name, source=src.name, active_decodes=rep.active,
-                                warming=t < rep.warming_until_s, path_flows_bytes=self._path_flows(rep, src, R * self.block_bytes, via),
+        source = via.name if direct and via is not None else src.name  # a direct pull's source is the peer itself
+        return AdmissionContext(block_bytes=self.block_bytes, replica=rep.name, source=source, active_decodes=rep.active,
+                                warming=t < rep.warming_until_s, path_flows_bytes=self._path_flows(rep, src, R * self.block_bytes, via, direct),
                                 queue_wait_s=self._queue_wait_s(rep, t), prefill_queue_requests=len(rep.queue),
                                 prefill_utilisation=rep.utilisation(t))
 

@@ -9,6 +9,7 @@
 | ``recompute-only`` | LRU | nothing | never | — | — |
 | ``sglang-p2p-like`` | as ``sglang-like``, and pulls from peers as kvpolicy does | | | | |
 | ``lmcache-p2p-like`` | as ``lmcache-like``, and pulls from peers (LMCache's P2P sharing) | | | | |
+| ``llm-d-like`` | LRU, behind KV-overlap routing (``router``) | everything, and pulls straight from the peer that holds a block (``pull_path="direct"``: CPU to CPU, never through the pool, nothing written) | always | none (transport only) | recompute |
 | ``oracle`` | Belady (offline) | blocks used again later, and pulls from peers | every block found: the bound on GPU seconds saved | none | fail: the client retries (a retry costs time, not GPU seconds) |
 
 Baselines follow their documented behaviour, never their code. What each one
@@ -32,6 +33,10 @@ follows, in the engines' current releases:
 * ``lmcache-like`` — LMCache 0.5.6, ``lmcache/v1/config.py``: stores every full
   chunk (``save_unfull_chunk`` = False: no partial chunk), retrieves every hit
   (``min_retrieve_tokens`` = 0), and recomputes what it could not retrieve.
+* ``llm-d-like`` — llm-d's tiered prefix cache: vLLM's rules (offloading every
+  full block, loading every hit), routed by its precise prefix-cache scorer (the
+  KV-overlap router: ``router="kv-overlap"`` whatever the cluster's), with its P2P
+  tier reading a block straight from the replica that holds it.
 
 kvpolicy alone warms new replicas (the warmup planner), routes repeating
 requests away from a replica that is still warming, moves writes off a storage
@@ -42,6 +47,9 @@ LMCache's P2P sharing is off by default, vLLM's offloading connector and SGLang'
 HiCache have none). Deployments that turn such a path on are the ``-p2p-like``
 sets, which ``compare`` runs beside the defaults: kvpolicy is judged against them
 too, and the oracle pulls as well, so that it stays a bound on every set.
+A pull's path is a mechanism too: ``pull_path="relay"`` passes it through the
+pool node it would be written to (kvpolicy's on-demand publication),
+``"direct"`` sends it straight (llm-d), and ``"choose"`` decides per pull.
 """
 
 from __future__ import annotations
@@ -55,9 +63,11 @@ from .._own import is_own, load_own
 from ..errors import ConfigError
 from ..eviction.replay import ALL_POLICIES, load_policy_factory
 from ..publish import check_spec
+from .config import ROUTERS
 
 Load = Literal["admission", "always", "min-tokens", "never", "oracle"]
 Timeout = Literal["none", "admission", "sglang"]
+PULL_PATHS = ("relay", "direct", "choose")
 Failure = Literal["recompute", "fail"]
 
 
@@ -100,6 +110,12 @@ class PolicySet:
     #: the node's ingress and egress, this replica's ingress), the node keeping what passes — a block published on demand,
     #: when a second replica asks for it. The load rule sees them as remote blocks after the pool's
     pull_from_peers: bool = False
+    #: how a pull travels: "relay" through the pool node it would be written to (the node keeps what passes);
+    #: "direct" straight from the peer's egress to this replica's ingress, nothing written (llm-d's P2P tier);
+    #: "choose" per pull: direct when the relay's node is its path's bottleneck now, else relay
+    pull_path: str = "relay"
+    #: the router this set is deployed with (llm-d routes by KV overlap); None: the cluster's (``ClusterConfig.router``)
+    router: str | None = None
 
     def __attrs_post_init__(self) -> None:
         for field in ("local_eviction", "pool_eviction"):
@@ -138,6 +154,12 @@ class PolicySet:
             raise ConfigError("pull_from_peers", f"must be True or False, got {self.pull_from_peers!r}")
         if self.pull_from_peers and not self.uses_pool:
             raise ConfigError("pull_from_peers", "needs uses_pool: a pulled block passes through (and is kept by) a storage node")
+        if self.pull_path not in PULL_PATHS:
+            raise ConfigError("pull_path", f"must be one of {', '.join(PULL_PATHS)}, got {self.pull_path!r}")
+        if self.pull_path != "relay" and not self.pull_from_peers:
+            raise ConfigError("pull_path", f"{self.pull_path!r} needs pull_from_peers=True (it says how a pull travels)")
+        if self.router is not None and self.router not in ROUTERS:
+            raise ConfigError("router", f"must be None (the cluster's) or one of {', '.join(ROUTERS)}, got {self.router!r}")
         if self.write_admission not in ("none", "tinylfu"):
             raise ConfigError("write_admission", f"must be 'none' or 'tinylfu', got {self.write_admission!r}")
         if self.compute_while_loading and self.load != "admission":
@@ -160,6 +182,10 @@ PRESETS: dict[str, PolicySet] = {
                                  failure="recompute", pull_from_peers=True),
     "lmcache-p2p-like": PolicySet("lmcache-p2p-like", publish="all", load="always", timeout="none", failure="recompute",
                                   pull_from_peers=True),
+    # llm-d: vLLM's rules behind its precise prefix-cache scorer (KV-overlap routing), its tiered cache publishing every
+    # block, and its P2P tier pulling straight from the holder's CPU, never through the shared tier
+    "llm-d-like": PolicySet("llm-d-like", publish="all", load="always", timeout="none", failure="recompute",
+                            pull_from_peers=True, pull_path="direct", router="kv-overlap"),
     # hindsight, with every mechanism any set has (pulls included)
     "oracle": PolicySet("oracle", local_eviction="belady", pool_eviction="belady", publish="oracle", load="oracle", failure="fail",
                         pull_from_peers=True),
@@ -203,4 +229,4 @@ def policy_set(name: Any) -> PolicySet:
 def recompute_twin(ps: PolicySet) -> PolicySet:
     """The same local eviction with no pool at all (for the empty-pool equivalence)."""
     return attrs.evolve(ps, name=f"{ps.name}/recompute", publish="never", load="never", uses_pool=False, warmup=False,
-                        compute_while_loading=False, pull_from_peers=False)
+                        compute_while_loading=False, pull_from_peers=False, pull_path="relay")

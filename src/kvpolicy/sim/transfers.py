@@ -41,13 +41,15 @@ class Transfers(EventLoop):
     _util: dict[str, float]
     _sample_s: float
     bytes_sent: int
+    bytes_direct: int
     loads_ok: int
     loads_failed: int
     loads_timeout: int
     stall_s: float
 
     def _begin_read(self, rep: _Replica, groups: list[tuple[_Node, list[int]]], t0: float, req_i: int, attempt: int, *,
-                    reverse: bool, on_end: Any, payload: Any, priority: int = 0, vias: list[_Replica | None] | None = None) -> _Load:
+                    reverse: bool, on_end: Any, payload: Any, priority: int = 0, vias: list[_Replica | None] | None = None,
+                    direct: bool = False) -> _Load:
         """Start reading ``groups`` into ``rep`` at t0: one flow per storage node, in parallel.
 
         Each node's draw (seed, request, attempt, node) decides whether its transfer
@@ -56,27 +58,37 @@ class Transfers(EventLoop):
         or a timeout (transport or policy) gives up on the rest. ``vias[j]``, a replica: group j is pulled from that
         peer through its node — one relay flow over the peer's egress, the node's ingress and egress and ``rep``'s
         ingress, issued one directory round trip later (the peer is asked to send) and one block later still (the node
-        stores a block before it forwards it: store and forward, pipelined by block); the node keeps what passes."""
+        stores a block before it forwards it: store and forward, pipelined by block); the node keeps what passes.
+        ``direct``: those pulls go straight from the peer's egress to ``rep``'s ingress (llm-d's P2P tier), one round
+        trip later and with no store and forward; no node is crossed or written, and no node's degradation or failure
+        draw touches them (the draw is the peer's, at the cluster's base failure rate)."""
         c = self.c
         bb = self.block_bytes
-        load = _Load(rep, groups, t0, reverse, on_end, payload, vias)
+        load = _Load(rep, groups, t0, reverse, on_end, payload, vias, direct)
         for j, ((node, ks), via) in enumerate(zip(groups, load.vias)):
-            _, fail = node.state(t0, c.failure_rate)
-            if c.timeout_rate and _unit(self.seed, req_i, attempt, node.idx, 2) < c.timeout_rate:
+            straight = direct and via is not None
+            if straight:
+                fail, who = c.failure_rate, len(self.nodes) + via.idx
+            else:
+                _, fail = node.state(t0, c.failure_rate)
+                who = node.idx
+            if c.timeout_rate and _unit(self.seed, req_i, attempt, who, 2) < c.timeout_rate:
                 load.flows.append(None)
                 load.fails.append(False)
                 load.hung = True
-                if via is not None:  # a hung pull will never write: its blocks are free to be written again now
+                if via is not None and not straight:  # a hung relay will never write: its blocks are free to be written again now
                     self._land_pull(load, j, 0.0, t0)
                 continue
-            failed = _unit(self.seed, req_i, attempt, node.idx, 1) < fail
+            failed = _unit(self.seed, req_i, attempt, who, 1) < fail
             n = len(ks)
             if failed:  # blocks before the failure arrive intact
-                n = int(_unit(self.seed, req_i, attempt, node.idx, 3) * len(ks))
-            path = self._read_path(node, rep, via)
+                n = int(_unit(self.seed, req_i, attempt, who, 3) * len(ks))
+            path = self._read_path(node, rep, via, straight)
             now = self.clock.t  # issued at t0 (after the directory lookup): it moves bytes from t0 + overhead
             latency = max(t0 - now, 0.0) + c.transfer_overhead_s
-            if via is not None:  # the peer is asked to send; the node has a whole block before it forwards the first
+            if straight:  # the peer is asked to send, and sends
+                latency += c.lookup_s
+            elif via is not None:  # the peer is asked to send; the node has a whole block before it forwards the first
                 latency += c.lookup_s + bb / max(min(via.out.capacity_bytes_per_s, node.inn.capacity_bytes_per_s), 1e-9)
             f = self.net.start(now, path, n * bb, latency_s=latency, payload=(load, node, j), on_done=self._read_flow_end, priority=priority)
             load.flows.append(f)
@@ -87,28 +99,53 @@ class Transfers(EventLoop):
         return load
 
     @staticmethod
-    def _read_path(node: _Node, rep: _Replica, via: _Replica | None = None) -> tuple[Any, ...]:
+    def _read_path(node: _Node, rep: _Replica, via: _Replica | None = None, direct: bool = False) -> tuple[Any, ...]:
         """The links a read crosses: the node's egress and the replica's ingress (and its staging copy); a pull from
-        ``via`` first crosses the peer's staging copy and egress and the node's ingress."""
-        path: tuple[Any, ...] = (node.out, rep.inn) if rep.stage is None else (node.out, rep.inn, rep.stage)
-        if via is not None:
-            path = ((via.out, node.inn) if via.stage is None else (via.stage, via.out, node.inn)) + path
-        return path
+        ``via`` first crosses the peer's staging copy and egress and the node's ingress — or, ``direct``, the peer's
+        staging copy and egress and then ``rep``'s ingress and staging copy, no node at all."""
+        tail: tuple[Any, ...] = (rep.inn,) if rep.stage is None else (rep.inn, rep.stage)
+        if via is None:
+            return (node.out,) + tail
+        head: tuple[Any, ...] = (via.out,) if via.stage is None else (via.stage, via.out)
+        return head + tail if direct else head + (node.inn, node.out) + tail
+
+    def _pull_direct(self, rep: _Replica, node: _Node, holder: _Replica, nbytes: float) -> bool:
+        """Whether a pull of ``nbytes`` from ``holder`` goes straight (``PolicySet.pull_path``). "choose": straight when
+        the relay's node is the bottleneck of its path now — the relay would finish later than the direct path, by the
+        same count of bytes ahead a transport reports — else through the node, which keeps a copy for later readers at
+        no extra wait. Seconds against seconds, measured on the links: no rate turns one resource into another."""
+        mode = self.ps.pull_path
+        if mode != "choose":
+            return mode == "direct"
+        self.net.sync(self.clock.t)
+
+        def finish_s(path: tuple[Any, ...]) -> float:
+            worst = 0.0
+            for link in path:
+                ahead = sum(r if r < nbytes else nbytes for r in self.net.flows_on(link, 0))
+                worst = max(worst, (ahead + nbytes) / max(link.capacity_bytes_per_s, 1e-9))
+            return worst
+
+        return finish_s(self._read_path(node, rep, holder, True)) < finish_s(self._read_path(node, rep, holder, False))
 
     def _land_pull(self, load: _Load, j: int, moved_bytes: float, t: float) -> None:
         """Hook: group j of ``load`` was pulled from a peer and its flow ended having moved ``moved_bytes``; the node keeps
         the whole blocks that passed (:mod:`.pool` writes them). Nothing here stores blocks."""
 
-    def _account_read(self, node: _Node, rep: _Replica, nbytes: float) -> None:
+    def _account_read(self, node: _Node | None, rep: _Replica, nbytes: float) -> None:
         nb = int(round(nbytes))
-        node.bytes_out += nb
+        if node is not None:
+            node.bytes_out += nb
+        else:  # a direct pull, which no node sent
+            self.bytes_direct += nb
         rep.bytes_in += nb
         self.bytes_sent += nb
 
     def _read_flow_end(self, f: Flow, t: float) -> None:
         load, node, j = f.payload
-        self._account_read(node, load.rep, f.size_bytes)
-        if load.vias[j] is not None:
+        straight = load.direct and load.vias[j] is not None
+        self._account_read(None if straight else node, load.rep, f.size_bytes)
+        if load.vias[j] is not None and not straight:
             self._land_pull(load, j, f.size_bytes, t)
         load.left -= 1
         if load.left == 0 and not load.hung and not load.ended:
@@ -122,8 +159,9 @@ class Transfers(EventLoop):
         for j, (f, (node, _)) in enumerate(zip(load.flows, load.groups)):
             if f is not None and f.alive:
                 moved = self.net.cancel(t, f)
-                self._account_read(node, load.rep, moved)
-                if load.vias[j] is not None:
+                straight = load.direct and load.vias[j] is not None
+                self._account_read(None if straight else node, load.rep, moved)
+                if load.vias[j] is not None and not straight:
                     self._land_pull(load, j, moved, t)
         self._net_changed()
         load.on_end(load, t)
@@ -170,14 +208,15 @@ class Transfers(EventLoop):
                     step *= idle
             self._push(t + step, SAMPLE, None)
 
-    def _path_flows(self, rep: _Replica, node: _Node, size_bytes: float, via: _Replica | None = None) -> tuple[float, ...]:
+    def _path_flows(self, rep: _Replica, node: _Node, size_bytes: float, via: _Replica | None = None,
+                    direct: bool = False) -> tuple[float, ...]:
         """What a transport reports of the path: the remaining bytes of the flows on its busiest
         link (the source's egress, this replica's ingress, or its staging copy, which write-backs share; a pull's
         peer egress and node ingress too) that a load would share with."""
         best: list[float] = []
         best_q = -1.0
         self.net.sync(self.clock.t)  # the flows as they stand now, not at the network's last event
-        for link in self._read_path(node, rep, via):
+        for link in self._read_path(node, rep, via, direct):
             flows = self.net.flows_on(link, 0)  # a load is foreground: background flows (warmup, background writes) never delay it
             q = sum(r if r < size_bytes else size_bytes for r in flows)
             if q > best_q:

@@ -202,7 +202,7 @@ class _Req:
     __slots__ = ("i", "attempt", "first_arrival_s", "replica", "local", "found", "load", "load_id", "load_start_s", "load_groups",
                  "status", "reused", "not_loaded", "not_loaded_reason", "predicted_s", "load_s", "queue_enter_s", "prefill_s",
                  "pinned", "stall_s", "load_attempted", "decision", "xfer", "split", "cake", "slot_s", "meet_ver", "queued_tokens",
-                 "queued_pred_s", "job_end_s", "waiting", "rechecked", "load_vias", "peer_run")
+                 "queued_pred_s", "job_end_s", "waiting", "rechecked", "load_vias", "peer_run", "pull_direct")
     replica: Any  # the _Replica serving it
     local: int  # leading blocks found in the local cache
     found: int  # remote blocks found after them
@@ -212,6 +212,8 @@ class _Req:
     load_groups: list[tuple[Any, list[int]]]
     #: per load group: the replica its blocks are pulled from through the group's node (None: read from the node)
     load_vias: list[Any]
+    #: this request's pull goes straight from the peer (``PolicySet.pull_path``: "direct", or "choose" picked it)
+    pull_direct: bool
     peer_run: int  # after the local run, the leading blocks one peer held on arrival (what a pull could serve; 0 without pulls)
     status: tuple[str, float, float]  # (load status, transfer seconds, stage seconds)
     reused: int  # blocks not prefilled (local + loaded)
@@ -239,6 +241,7 @@ class _Req:
         self.load_groups = []
         self.load_vias = []
         self.peer_run = 0
+        self.pull_direct = False
         self.load_attempted = False
         self.stall_s = 0.0
         self.xfer = None
@@ -252,14 +255,17 @@ class _Req:
 class _Load:
     """One multi-node read in flight: a flow per storage node holding a part of the range. A group pulled from a peer
     (``vias[j]`` a replica) is one relay flow through its node: the peer's egress, the node's ingress and egress, this
-    replica's ingress — the node keeps what passes (published on demand)."""
+    replica's ingress — the node keeps what passes (published on demand). With ``direct``, those groups go straight
+    from the peer's egress to this replica's ingress instead: the node named is only where a relay would have passed;
+    nothing is written."""
 
     __slots__ = ("groups", "vias", "flows", "fails", "hung", "left", "t0", "reverse", "status", "ended", "end_s", "on_end", "payload",
-                 "rep", "recorded")
+                 "rep", "recorded", "direct")
 
     def __init__(self, rep: Any, groups: list[tuple[Any, list[int]]], t0: float, reverse: bool, on_end: Any, payload: Any,
-                 vias: list[Any] | None = None) -> None:
+                 vias: list[Any] | None = None, direct: bool = False) -> None:
         self.rep = rep
+        self.direct = direct
         self.groups = groups
         self.vias: list[Any] = vias if vias is not None else [None] * len(groups)
         self.flows: list[Flow | None] = []
@@ -387,6 +393,8 @@ class SimResult:
     prefill_s: np.ndarray = attrs.field(factory=lambda: np.zeros(0))
     #: of ``bytes_written``, what pulls from peers wrote (blocks published on demand, when a second replica asked)
     bytes_pulled: int = 0
+    #: of ``bytes_sent``, what direct pulls moved straight from a peer (``PolicySet.pull_path``): no node sent it
+    bytes_direct: int = 0
 
     @property
     def judged_ttft_s(self) -> np.ndarray:
