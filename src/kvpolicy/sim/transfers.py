@@ -30,6 +30,7 @@ class Transfers(EventLoop):
     ps: PolicySet
     seed: int
     net: FlowNetwork
+    nodes: list[_Node]
     block_bytes: int
     judge_k: int
     #: the cluster's admission controller (or replica 0's), None for a set without one
