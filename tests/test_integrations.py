@@ -3503,7 +3503,7 @@ def test_a_sidecar_that_cannot_go_on_exits_non_zero_and_says_why(tmp_path, capsy
         raise OSError("no route to the directory")
 
     monkeypatch.setattr(ZmqEventSubscriber, "run", broken)
-    monkeypatch.setattr("kvpolicy.cli.SIDECAR_BACKOFF_S", 0.01)
+    monkeypatch.setattr("kvpolicy.cli.events.SIDECAR_BACKOFF_S", 0.01)
     out = tmp_path / "stats.json"
     t0 = time.monotonic()
     rc = main(_sidecar_args(_free_port(), out, seconds="30"))
