@@ -898,7 +898,6 @@ def test_a_set_deployed_with_its_own_router_routes_by_it_whatever_the_cluster_sa
 
 
 @pytest.mark.parametrize("fields, named", [
-    (dict(pull_path="direct"), "pull_path"),  # a path for pulls that do not happen
     (dict(pull_from_peers=True, pull_path="teleport"), "pull_path"),
     (dict(router="nearest"), "router"),
 ])

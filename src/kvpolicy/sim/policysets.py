@@ -2,7 +2,7 @@
 
 | preset | local eviction | publish | remote load | timeout | on failure |
 |---|---|---|---|---|---|
-| ``kvpolicy`` | reuse-distance (the pool: LRU) | dueling (all / threshold-2 / threshold-3 / structure-aware, each in a ghost pool of the pool's size; the one with the best E[benefit] decides), and on demand: a block a peer holds is pulled through the pool when another replica asks for it | admission controller (p95 remote < margin × p50 recompute, or within the measured p95 TTFT; the plan that saves the most GPU seconds; path-aware, caps, breaker); compute while loading as the fallback | none needed: a late load turns into compute-while-loading at its p95 | recompute (partial use) |
+| ``kvpolicy`` | reuse-distance (the pool: LRU) | dueling (all / threshold-2 / threshold-3 / structure-aware, each in a ghost pool of the pool's size; the one with the best E[benefit] decides), and on demand: a block a peer holds is pulled when another replica asks for it — through the pool (which keeps it), or straight from the peer when the pool's node is that pull's bottleneck (``pull_path="choose"``) | admission controller (p95 remote < margin × p50 recompute, or within the measured p95 TTFT; the plan that saves the most GPU seconds; path-aware, caps, breaker); compute while loading as the fallback | none needed: a late load turns into compute-while-loading at its p95 | recompute (partial use) |
 | ``vllm-like`` | LRU, tail block first | every finished full block | always when present | none (transport only) | fail: the client retries |
 | ``sglang-like`` | LRU over radix leaves | hit count ≥ 2 (write_through_selective) | prefetch if ≥ 256 tokens | 1 s + 0.25 s per 1024 tokens | recompute |
 | ``lmcache-like`` | LRU | everything | always (``min_retrieve_tokens=0``) | none (transport only) | recompute |
@@ -112,7 +112,7 @@ class PolicySet:
     pull_from_peers: bool = False
     #: how a pull travels: "relay" through the pool node it would be written to (the node keeps what passes);
     #: "direct" straight from the peer's egress to this replica's ingress, nothing written (llm-d's P2P tier);
-    #: "choose" per pull: direct when the relay's node is its path's bottleneck now, else relay
+    #: "choose" per pull: direct when the relay's node is its path's bottleneck now, else relay (moot without pulls)
     pull_path: str = "relay"
     #: the router this set is deployed with (llm-d routes by KV overlap); None: the cluster's (``ClusterConfig.router``)
     router: str | None = None
@@ -156,8 +156,6 @@ class PolicySet:
             raise ConfigError("pull_from_peers", "needs uses_pool: a pulled block passes through (and is kept by) a storage node")
         if self.pull_path not in PULL_PATHS:
             raise ConfigError("pull_path", f"must be one of {', '.join(PULL_PATHS)}, got {self.pull_path!r}")
-        if self.pull_path != "relay" and not self.pull_from_peers:
-            raise ConfigError("pull_path", f"{self.pull_path!r} needs pull_from_peers=True (it says how a pull travels)")
         if self.router is not None and self.router not in ROUTERS:
             raise ConfigError("router", f"must be None (the cluster's) or one of {', '.join(ROUTERS)}, got {self.router!r}")
         if self.write_admission not in ("none", "tinylfu"):
@@ -170,7 +168,7 @@ PRESETS: dict[str, PolicySet] = {
     # every rule below: see the module docstring for the upstream file or option it follows
     "kvpolicy": PolicySet("kvpolicy", local_eviction="reuse-distance", pool_eviction="lru", publish="dueling",
                           load="admission", timeout="admission", failure="recompute", warmup=True, compute_while_loading=True,
-                          pull_from_peers=True),
+                          pull_from_peers=True, pull_path="choose"),
     "vllm-like": PolicySet("vllm-like", publish="all", load="always", timeout="none", failure="fail"),
     "sglang-like": PolicySet("sglang-like", publish="threshold-2", load="min-tokens", min_load_tokens=256, timeout="sglang", failure="recompute"),
     "lmcache-like": PolicySet("lmcache-like", publish="all", load="always", timeout="none", failure="recompute"),
