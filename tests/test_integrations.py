@@ -17,9 +17,10 @@ from kvpolicy.integrations.lmcache import KVPolicyStorePolicyCore, load_config, 
 from kvpolicy.integrations.sglang import PriorityStrategy
 from kvpolicy.integrations.vllm_connector import VllmConnectorPolicy
 from kvpolicy.integrations.vllm_events import (
-    AllBlocksCleared, BlockRemoved, BlockStored, EventFormatError, KVEventIngestor, ZmqEventSubscriber, decode_batch, decode_event,
-    encode_batch, extra_keys_for,
+    AllBlocksCleared, BlockRemoved, BlockStored, EventFormatError, KVEventIngestor, decode_batch, decode_event, encode_batch,
+    extra_keys_for,
 )
+from kvpolicy.integrations.vllm_zmq import ZmqEventSubscriber
 from kvpolicy.keys import BlockHasher, Namespace, vllm_block_hashes
 from kvpolicy.ledger import Ledger
 from kvpolicy.profile import PrefillModel
@@ -1434,7 +1435,7 @@ def test_a_replay_socket_that_never_ends_cannot_hold_ingestion_up():
     """The subscriber fetches a gap from the engine's replay socket in its own thread: a replay that never sent its
     end marker kept it reading forever, and an earlier fetch's leftovers were taken for the next one's batches."""
     zmq = pytest.importorskip("zmq")
-    from kvpolicy.integrations.vllm_events import ReplayClient
+    from kvpolicy.integrations.vllm_zmq import ReplayClient
 
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)
@@ -3425,7 +3426,7 @@ def test_a_sidecar_worker_that_crashes_is_restarted_counted_and_goes_on(tmp_path
     on printing stats, ingested nothing and exited 0. A crash is logged, counted in the stats (restarts, last error) and
     the worker restarted after a backoff; events then flow again."""
     from kvpolicy.cli import main
-    from kvpolicy.integrations.vllm_events import ZmqEventSubscriber
+    from kvpolicy.integrations.vllm_zmq import ZmqEventSubscriber
 
     engine_cases()
     crashes = [1]
@@ -3497,7 +3498,7 @@ def test_a_sidecar_rides_out_a_redis_failover_to_read_only_and_resumes(tmp_path,
 
 def test_a_sidecar_that_cannot_go_on_exits_non_zero_and_says_why(tmp_path, capsys, monkeypatch):
     from kvpolicy.cli import main
-    from kvpolicy.integrations.vllm_events import ZmqEventSubscriber
+    from kvpolicy.integrations.vllm_zmq import ZmqEventSubscriber
 
     def broken(self, stop):
         raise OSError("no route to the directory")
@@ -3889,7 +3890,7 @@ def test_subscriber_settings_at_their_boundaries():
     with pytest.raises(ConfigError) as e:
         ZmqEventSubscriber(ingestor(), "inproc://bounds", remember_batches=0)
     assert e.value.field == "remember_batches"
-    from kvpolicy.integrations.vllm_events import ReplayClient
+    from kvpolicy.integrations.vllm_zmq import ReplayClient
 
     with pytest.raises(ConfigError, match="max_fetch_s"):
         ReplayClient("tcp://127.0.0.1:1", max_fetch_s=float("inf"))

@@ -522,7 +522,8 @@ def run_case(case: dict[str, Any], hasher: Any, *, verify: str | None = None, se
     :func:`plan_of`, its replay socket the running engine's (what that engine has published so far), into an in-memory
     directory. Returns (directory, ingestors by holder, holder of a stream)."""
     from kvpolicy.directory import InMemoryDirectory
-    from kvpolicy.integrations.vllm_events import KVEventIngestor, ZmqEventSubscriber
+    from kvpolicy.integrations.vllm_events import KVEventIngestor
+    from kvpolicy.integrations.vllm_zmq import ZmqEventSubscriber
 
     d = InMemoryDirectory()
     plan, holder_of = plan_of(case)

@@ -292,8 +292,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-
-
 def _check_outputs(args: argparse.Namespace) -> None:
     """Refuse an output path that cannot be written before any work is done (not after a long run)."""
     for flag in ("json", "out", "plot"):
@@ -308,8 +306,6 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise ConfigError("--plot", f"{v}: is a file, expected a directory for the plots")
         if flag != "plot" and p.is_dir():
             raise ConfigError(f"--{flag}", f"{v}: is a directory, expected a file")
-
-
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,12 +14,8 @@ from .._io import strict_json, write_text_atomic
 DEFAULT_PREFIXES = (4096, 16384, 32768, 65536)
 
 
-
-
 #: the largest integer any flag takes: above every count, length or capacity a trace or a cluster has, far below int64 overflow
 MAX_CLI_INT = 2**40
-
-
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,8 +23,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 
 
 def _ints(text: str, low: int, high: int = MAX_CLI_INT) -> list[int]:
@@ -42,12 +36,8 @@ def _ints(text: str, low: int, high: int = MAX_CLI_INT) -> list[int]:
     return values
 
 
-
-
 def _int_list(text: str) -> list[int]:
     return _ints(text, 1)
-
-
 
 
 def _ints_upto(high: int, low: int = 1, many: bool = False) -> Callable[[str], Any]:
@@ -60,8 +50,6 @@ def _ints_upto(high: int, low: int = 1, many: bool = False) -> Callable[[str], A
 
     parse.__name__ = f"_int{'_list' if many else ''}_{low}_{high}"  # "int" in the name: the bad-input corpus tries it
     return parse
-
-
 
 
 #: per-flag maxima: a block of a million tokens, 4,096 replicas or nodes, a billion bytes of KV per token, ...
@@ -104,8 +92,6 @@ _token_lengths = _ints_upto(MAX_PROMPT_TOKENS, many=True)
 _capacities = _ints_upto(MAX_CAPACITY_BLOCKS, many=True)
 
 
-
-
 def _one_int(text: str, low: int, high: int = MAX_CLI_INT) -> int:
     values = _ints(text, low, high)
     if len(values) != 1:
@@ -113,18 +99,12 @@ def _one_int(text: str, low: int, high: int = MAX_CLI_INT) -> int:
     return values[0]
 
 
-
-
 def _non_negative_int(text: str) -> int:
     return _one_int(text, 0)
 
 
-
-
 def _port(text: str) -> int:
     return _one_int(text, 0, 65535)
-
-
 
 
 def _non_negative_float(text: str) -> float:
@@ -137,8 +117,6 @@ def _non_negative_float(text: str) -> float:
     return v
 
 
-
-
 def _positive_float(text: str) -> float:
     """A finite number > 0: for rates, windows and bandwidths, where 0 means nothing (--stage-gbps 0 meant "no staging")."""
     v = _non_negative_float(text)
@@ -147,12 +125,8 @@ def _positive_float(text: str) -> float:
     return v
 
 
-
-
 #: the most GiB of KV per replica a flag takes (1 PiB: past any accelerator, and its byte count far inside int64 — 1e300 GiB was inf bytes)
 MAX_CLI_GIB = 2**20
-
-
 
 
 def _gib(text: str) -> float:
@@ -162,12 +136,8 @@ def _gib(text: str) -> float:
     return v
 
 
-
-
 def _positive_int(text: str) -> int:
     return _one_int(text, 1)
-
-
 
 
 def _emit(payload: dict[str, Any], as_json: bool, render: Callable[[dict[str, Any]], str]) -> None:
@@ -175,8 +145,6 @@ def _emit(payload: dict[str, Any], as_json: bool, render: Callable[[dict[str, An
         print(strict_json(payload, indent=2))
     else:
         print(render(payload))
-
-
 
 
 def _print_report(prog: Any, path: str | None, payload: dict[str, Any], text: str) -> int:
@@ -189,14 +157,10 @@ def _print_report(prog: Any, path: str | None, payload: dict[str, Any], text: st
     return 0
 
 
-
-
 def _write_report(path: str | None, payload: dict[str, Any]) -> None:
     """Write a --json OUT report: strict JSON (null, never NaN), replaced atomically (parents created)."""
     if path:
         write_text_atomic(path, strict_json(payload, indent=2))
-
-
 
 
 def _human_bytes(n: float) -> str:
@@ -205,8 +169,6 @@ def _human_bytes(n: float) -> str:
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
         n /= 1024
     return f"{n}"  # pragma: no cover
-
-
 
 
 # --------------------------------------------------------------------------- analyze
@@ -230,8 +192,6 @@ def _bytes_per_token(args: argparse.Namespace) -> tuple[int, str]:
     return bpt, f"{name}: {bpt:,} bytes/token{note}"
 
 
-
-
 def _load_trace(args: argparse.Namespace) -> Any:
     from ..traces import generate, preset, read_trace
 
@@ -243,8 +203,6 @@ def _load_trace(args: argparse.Namespace) -> Any:
     if args.block_size:
         overrides["block_size_tokens"] = args.block_size
     return generate(preset(args.preset, **overrides))
-
-
 
 
 # --------------------------------------------------------------------------- evict-bench
@@ -260,14 +218,10 @@ def _second_half(args: argparse.Namespace, trace: Any) -> int:
     return len(trace) // 2
 
 
-
-
 #: below this many request-runs (requests × jobs of the grid) a sweep stays in this process by default: a spawned worker
 #: takes ~1.5 s to start (it imports kvpolicy and numpy), about what 3,000 simulated requests take, so a grid smaller
 #: than ~10 s of sequential work would only wait for its workers
 AUTO_MIN_REQUEST_RUNS = 20_000
-
-
 
 
 def _add_sweep_args(p: argparse.ArgumentParser) -> None:
@@ -279,8 +233,6 @@ def _add_sweep_args(p: argparse.ArgumentParser) -> None:
                         "needs pip install 'kvpolicy[ray]'")
 
 
-
-
 def _sweep(args: argparse.Namespace, trace: Any, grid_jobs: int) -> Any:
     """Where the grid's runs go: --ray, else --jobs processes, else the cores when the grid is large enough."""
     from ..sweep import Sweep, default_jobs
@@ -290,8 +242,6 @@ def _sweep(args: argparse.Namespace, trace: Any, grid_jobs: int) -> Any:
     if args.jobs is not None:
         return Sweep(jobs=args.jobs)
     return Sweep(jobs=1 if len(trace) * grid_jobs < AUTO_MIN_REQUEST_RUNS else default_jobs())
-
-
 
 
 # --------------------------------------------------------------------------- publish-bench / plan-warmup
@@ -308,14 +258,10 @@ def _read_checked_profile(args: argparse.Namespace, bpt: int) -> Any:
     return prof
 
 
-
-
 def _prefill_model(args: argparse.Namespace, bpt: int) -> Any:
     from ..publish_sim import DEFAULT_PREFILL
 
     return _read_checked_profile(args, bpt).prefill_model() if args.profile else DEFAULT_PREFILL
-
-
 
 
 def _pool_capacity(v: str) -> int | str | None:
@@ -329,8 +275,6 @@ def _pool_capacity(v: str) -> int | str | None:
         raise argparse.ArgumentTypeError(f"must be a positive int, 'compare' or 'infinite', got {v!r}") from None
 
 
-
-
 def _reference_model_args(p: argparse.ArgumentParser) -> None:
     """The reference engine's shape: the same flags wherever it runs (profile, serve-reference)."""
     p.add_argument("--block-size", type=_block_size, default=16)
@@ -341,15 +285,11 @@ def _reference_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32")
 
 
-
-
 def _policy_list(text: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     if not items:
         raise argparse.ArgumentTypeError("expected a comma-separated list of policies")
     return items
-
-
 
 
 def _add_trace_args(p: argparse.ArgumentParser, *, model: bool = True) -> None:

@@ -13,8 +13,6 @@ from ._common import _bytes_per_token, _write_report
 from .model import _hasher, _read_tokens
 
 
-
-
 # --------------------------------------------------------------------------- ingest-events
 
 
@@ -33,16 +31,12 @@ def _endpoint_for_rank(endpoint: str, rank: int, flag: str) -> str:
     return f"{m.group(1)}:{port}"
 
 
-
-
 #: ingest-events: a crashed worker is restarted after this many seconds, doubling with each crash in a row (at most 30 s)
 SIDECAR_BACKOFF_S = 0.5
 
 
 #: ... and the sidecar gives up (exit 1) after this many crashes in a row: a worker that crashes at once every time
 SIDECAR_MAX_CRASHES = 8
-
-
 
 
 def _cmd_ingest_events(args: argparse.Namespace) -> int:
@@ -52,7 +46,8 @@ def _cmd_ingest_events(args: argparse.Namespace) -> int:
     import threading
     import time
 
-    from ..integrations.vllm_events import KVEventIngestor, ZmqEventSubscriber
+    from ..integrations.vllm_events import KVEventIngestor
+    from ..integrations.vllm_zmq import ZmqEventSubscriber
 
     hasher = _hasher(args, "ingest-events")
     bpt = _bytes_per_token(args)[0]
@@ -173,8 +168,6 @@ def _cmd_ingest_events(args: argparse.Namespace) -> int:
     return 0
 
 
-
-
 def _directory_from(url: str) -> Any:
     from ..directory import InMemoryDirectory
 
@@ -185,8 +178,6 @@ def _directory_from(url: str) -> Any:
 
         return RedisDirectory(url=url)
     raise ConfigError("--directory", f"must be redis://HOST:PORT/DB (or rediss://), or 'memory' for a dry run, got {url!r}")
-
-
 
 
 def _cmd_lookup(args: argparse.Namespace) -> int:

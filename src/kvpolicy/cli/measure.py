@@ -12,8 +12,6 @@ from .._io import strict_json
 from ._common import _bytes_per_token
 
 
-
-
 def _cmd_profile(args: argparse.Namespace) -> int:
     from ..progress import Progress
     from ..reference.model import ModelConfig
@@ -47,8 +45,6 @@ def _cmd_profile(args: argparse.Namespace) -> int:
                            f"{e['head_dim']}, {e['dtype']}, {e['block_size_tokens']}-token blocks; remote = {e['transport']}")
 
 
-
-
 def _finish_profile(args: argparse.Namespace, prog: Any, prof: Any, report: dict[str, Any], engine_line: str) -> int:
     """Plot, write the CSV, print the report (or its JSON): the same for every profile target."""
     from ..reference.profiling import figure, render
@@ -70,8 +66,6 @@ def _finish_profile(args: argparse.Namespace, prog: Any, prof: Any, report: dict
     if args.plot:
         print("plots            " + ", ".join(report["plots"]))
     return 0
-
-
 
 
 def _profile_llamacpp(args: argparse.Namespace, prog: Any) -> int:
@@ -99,8 +93,6 @@ def _profile_llamacpp(args: argparse.Namespace, prog: Any) -> int:
     return _finish_profile(args, prog, prof, report, f"{e['model']}, {args.threads} threads, {args.block_size}-token blocks; remote = {e['transport']}")
 
 
-
-
 def _profile_openai(args: argparse.Namespace, prog: Any) -> int:
     from ..openai_profile import OpenAIProfileTarget
     from ..reference.profiling import run_profile
@@ -123,8 +115,6 @@ def _profile_openai(args: argparse.Namespace, prog: Any) -> int:
     report["engine"] = {"model": args.model, "url": args.openai_url, "kv_bytes": target.kv_bytes_source}
     return _finish_profile(args, prog, prof, report, f"{args.model} at {args.openai_url} (streaming /v1/completions, TTFT = first streamed token); "
                            f"KV bytes {'read from /metrics' if target.kv_bytes_source == 'metrics' else 'COMPUTED from --config, not measured'}")
-
-
 
 
 def _cmd_serve_reference(args: argparse.Namespace) -> int:

@@ -13,8 +13,6 @@ from .._io import json_loads, read_text
 from ._common import _emit, _human_bytes
 
 
-
-
 # --------------------------------------------------------------------------- size
 
 
@@ -86,8 +84,6 @@ def _cmd_size(args: argparse.Namespace) -> int:
     return 0
 
 
-
-
 def _render_size(p: dict[str, Any]) -> str:
     g = p["geometry"]
     if g["kind"] == "gguf":
@@ -133,8 +129,6 @@ def _render_size(p: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-
-
 # --------------------------------------------------------------------------- keys
 
 
@@ -152,8 +146,6 @@ def _read_tokens(path: str) -> list[int]:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**32:
             raise InputFormatError(path, None, f"item {i} is {t!r}; token ids are integers in [0, 2**32)")
     return data
-
-
 
 
 def _hasher(args: argparse.Namespace, command: str) -> Any:
@@ -192,8 +184,6 @@ def _hasher(args: argparse.Namespace, command: str) -> Any:
     if args.scheme == "keyed" and secret is None:
         raise ConfigError("--secret-hex", "the keyed scheme needs a deployment secret: 16..64 bytes as hex in --secret-file or KVPOLICY_SECRET_HEX (--secret-hex shows it in ps and shell history)")
     return BlockHasher(ns, args.scheme, secret=secret)
-
-
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:

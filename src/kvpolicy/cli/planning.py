@@ -12,8 +12,6 @@ from .._io import json_loads, read_text, strict_json
 from ._common import MAX_CLI_INT, _bytes_per_token, _prefill_model, _write_report
 
 
-
-
 class _HotFields:
     """One entry of HOT.json, read strictly: a wrong type or range is an error naming the file, entry and field — not a
     value quietly rounded (``tokens: 100.5``), a bool taken for 1, or an OverflowError from ``int(inf)``."""
@@ -41,8 +39,6 @@ class _HotFields:
         if isinstance(v, bool) or not isinstance(v, (str, int)):
             raise self._bad(name if j is None else f"{name}[{j}]", "a string or an integer", v)
         return v
-
-
 
 
 def _load_hot(args: argparse.Namespace, bpt: int) -> list[Any]:
@@ -87,8 +83,6 @@ def _load_hot(args: argparse.Namespace, bpt: int) -> list[Any]:
     return hot_prefixes_from_trace(trace, bytes_per_token=bpt, recompute_s=prefill, min_access_count=args.min_access_count, max_prefixes=args.max_prefixes)
 
 
-
-
 def _cmd_plan_warmup(args: argparse.Namespace) -> int:
     from ..warmup import WarmupConfig, plan_warmup
 
@@ -115,8 +109,6 @@ def _cmd_plan_warmup(args: argparse.Namespace) -> int:
           f"'-': the window's loads never get it there (it prefills the rest on first use, listed under 'left to prefill')")
     print("first loads      " + "; ".join(f"r{x.replica} {x.prefix} {x.start_s:.1f}-{x.end_s:.1f}s" for x in plan.schedule[:6]))
     return 0
-
-
 
 
 # --------------------------------------------------------------------------- diagnose

@@ -9,8 +9,6 @@ from ..errors import ConfigError
 from ._common import _bytes_per_token, _load_trace, _prefill_model, _second_half, _sweep, _write_report
 
 
-
-
 def _cmd_compare(args: argparse.Namespace) -> int:
     from ..progress import Progress
     from ..sim import POLICY_SETS, SCENARIOS, compare, default_cluster, figures, render

@@ -10,8 +10,6 @@ from .._io import strict_json
 from ._common import _bytes_per_token, _load_trace, _prefill_model, _print_report, _read_checked_profile, _second_half, _sweep, _write_report
 
 
-
-
 def _cmd_analyze(args: argparse.Namespace) -> int:
     from ..analysis import EffectiveCapacity, analyze, render
     from ..progress import Progress
@@ -50,8 +48,6 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-
-
 # --------------------------------------------------------------------------- breakeven
 
 
@@ -85,8 +81,6 @@ def _cmd_breakeven(args: argparse.Namespace) -> int:
     return 0
 
 
-
-
 def _cmd_evict_bench(args: argparse.Namespace) -> int:
     from ..eviction.bench import compare, default_capacities, render
     from ..progress import Progress
@@ -104,8 +98,6 @@ def _cmd_evict_bench(args: argparse.Namespace) -> int:
     return _print_report(prog, args.json, res, render(res))
 
 
-
-
 def _cmd_sglang_bench(args: argparse.Namespace) -> int:
     from ..eviction.bench import default_capacities
     from ..integrations.sglang_bench import check_strategies, compare_strategies, render
@@ -118,8 +110,6 @@ def _cmd_sglang_bench(args: argparse.Namespace) -> int:
     caps = args.capacities_blocks or default_capacities(trace)[:2]  # 1/64 and 1/16: where the strategies part
     res = compare_strategies(trace, caps, args.strategies, own_sglang=args.sglang_own, progress=prog)
     return _print_report(prog, args.json, res, render(res))
-
-
 
 
 def _cmd_publish_bench(args: argparse.Namespace) -> int:

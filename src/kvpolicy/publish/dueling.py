@@ -7,7 +7,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-
 from .._validate import check_positive_int, check_positive_number
 from ..errors import ConfigError
 from .rules import PublishRequest, ThresholdPublish, _Dedup, _check, _timed

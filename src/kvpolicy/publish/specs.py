@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from .._own import call_own, is_own, load_own
 from ..errors import ConfigError
 from .rules import AllOf, BoundaryPublish, NeverPublish, PublishAll, ThresholdPublish

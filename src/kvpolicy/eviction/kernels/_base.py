@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
-
 
 
 NIL = -1

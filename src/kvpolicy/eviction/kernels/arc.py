@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-
 import numba as nb
 import numpy as np
 from ._base import NIL, PREFETCH_AHEAD, _prefetch
-
 
 
 # ----------------------------------------------------------------------------- ARC

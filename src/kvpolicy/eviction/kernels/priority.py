@@ -9,7 +9,6 @@ import numpy as np
 from ._base import NIL, PREFETCH_AHEAD, _prefetch
 
 
-
 # ----------------------------------------------------------------------------- priority policies (LFU, GDSF, TTL, reuse-distance)
 # The online PriorityPolicy keeps a heap of (priority tuple, seq, version) and pushes a block whenever it may be a
 # candidate; pushes it invalidates at once (an insert, or a hit, followed by the request's own pin) decide nothing, so

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-
 import numba as nb
 import numpy as np
 from ._base import NIL, PREFETCH_AHEAD, QUEUE_AHEAD, _prefetch
 from .queues import _ring_push, _ring_rotate
-
 
 
 # ----------------------------------------------------------------------------- S3-FIFO
