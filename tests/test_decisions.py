@@ -952,3 +952,25 @@ def test_the_write_budget_counts_decay_with_the_scores_half_life():
     later = _req_u(2, 1, 600.0, 0.0)
     f.observe(later, ["z"])
     assert f.written_decayed[0] == pytest.approx(2.0) and f.scores[0] == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("rho,price", [(None, 1.0), (0.0, 1.0), (0.5, 2.0), (0.8, 5.0), (1.0, 100.0)])
+def test_a_gpu_second_is_priced_by_the_prefill_queue_it_shortens(rho, price):
+    """Issue #58: a hit's saved recompute is worth 1/(1 − ρ_gpu) seconds of latency per second — the second itself and
+    the wait it spares every request queued behind it (the same M/M/1 formula that prices a write on a link). Dueling
+    credits a ghost's hit at that price: a rule that serves on an overloaded replica earns more than the same hit at
+    idle. Unknown ρ: 1."""
+    from kvpolicy.publish import gpu_price
+
+    assert gpu_price(rho) == pytest.approx(price)
+    f = _duel(("all",), cap=10)
+    first = _req(1, 3, 0.0)
+    f.observe(first, ["a", "b", "c"])
+    f.publishable(first, ["a", "b", "c"])
+    before = f.scores[0]
+    again = PublishRequest(request_id=2, num_tokens=3 * B + 1, block_size_tokens=B, time_s=0.0, reused_blocks=0, local_blocks=0,
+                           prefill_utilisation=rho)
+    f.observe(again, ["a", "b", "c"])
+    saved = 3 * (0.01 - f.load_s)
+    assert f.served_s == [pytest.approx(saved)], "the undecayed report stays in GPU seconds"
+    assert f.scores[0] - before == pytest.approx(saved * price + 3 * f.write_cost_s), "3 hits at the GPU price, 3 writes paid back"

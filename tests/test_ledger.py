@@ -326,3 +326,25 @@ def test_p_write_prices_each_unread_write_at_its_paths_congestion():
     with pytest.raises(ConfigError) as e:
         led.record_write("x", 4.0, 1.0, congestion=-1.0)
     assert e.value.field == "congestion"
+
+
+def test_saved_and_evicted_gpu_seconds_are_priced_by_the_prefill_queue():
+    """Issue #58: a GPU second saved by a remote hit, or lost to an eviction, is worth 1/(1 − ρ) seconds of latency on a
+    replica whose prefill slots are busy ρ of the time (the queue it shortens or lengthens) — the price dueling uses.
+    At ρ = 0.5 both terms double; unknown ρ leaves them in GPU seconds."""
+    def benefit(rho):
+        led = Ledger(bytes_per_token=1, write_cost_s_per_byte=0.0, eviction_cost_s_per_token=0.001)
+        led.record_write(b"k2", 0.0, 1.0)
+        led.record_eviction(b"k2", 0.5)
+        led.record(RequestRecord(prompt_tokens=4 * B + 1, block_size_tokens=B, remote_loaded_blocks=2, predicted_recompute_s=0.3,
+                                 load_s=0.1, arrival_s=1.0, stall_s=0.0, prefill_utilisation=rho))
+        led.record(RequestRecord(prompt_tokens=4 * B + 1, block_size_tokens=B, local_blocks=1, missing_keys=(b"k2",), arrival_s=2.0,
+                                 stall_s=0.0, prefill_utilisation=rho))
+        return led.expected_benefit()["per_class"]["default"]
+
+    plain, busy = benefit(None), benefit(0.5)
+    assert plain["recompute_minus_remote_s"] == pytest.approx(0.2) and busy["recompute_minus_remote_s"] == pytest.approx(0.4)
+    assert plain["p_eviction_s"] > 0 and busy["p_eviction_s"] == pytest.approx(2 * plain["p_eviction_s"])
+    with pytest.raises(ConfigError) as e:
+        RequestRecord(prompt_tokens=10, block_size_tokens=B, prefill_utilisation=1.5)
+    assert e.value.field == "prefill_utilisation"

@@ -105,6 +105,9 @@ class RequestRecord:
     stall_s: float | None = None
     #: blocks found remotely and recomputed while the rest of the range loaded (the plan's split)
     split_blocks: int = 0
+    #: the replica's prefill utilisation (0..1) when the request ran: the GPU seconds it saved or lost are priced
+    #: 1/(1 − ρ) seconds of latency each (the queue they shorten or lengthen); None: unknown (1)
+    prefill_utilisation: float | None = None
 
     def __attrs_post_init__(self) -> None:
         # types first: a NaN count passed every comparison below and reached the ledger's token sums (plain ints, the
@@ -137,6 +140,9 @@ class RequestRecord:
             raise ConfigError("not_loaded_reason", "required when remote_not_loaded_blocks > 0")
         if self.not_loaded_reason is not None and self.not_loaded_reason not in NOT_LOADED_REASONS:
             raise ConfigError("not_loaded_reason", f"must be one of {NOT_LOADED_REASONS}, got {self.not_loaded_reason!r}")
+        u = self.prefill_utilisation
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 <= u <= 1):
+            raise ConfigError("prefill_utilisation", f"must be in [0, 1] or None, got {u!r}")
         for name in ("ttft_s", "prefill_s", "load_s", "queue_s", "predicted_recompute_s", "stall_s"):
             v = getattr(self, name)
             if v is None or type(v) is float and 0.0 <= v < math.inf:  # (a NaN fails the comparison)
@@ -474,12 +480,15 @@ class Ledger:
             self._n_buffered = 0
         c = self._cls.get(r.request_class)
         if c is None:
-            c = self._cls[r.request_class] = {"requests": 0, "remote_hits": 0, "saved_s": 0.0, "saved_n": 0, "stall_s": 0.0, "stall_n": 0, "evicted_tokens": 0}
+            c = self._cls[r.request_class] = {"requests": 0, "remote_hits": 0, "saved_s": 0.0, "saved_n": 0, "stall_s": 0.0, "stall_n": 0,
+                                              "evicted_tokens": 0, "evicted_priced": 0.0}
         c["requests"] += 1
+        u = r.prefill_utilisation
+        gpu = 1.0 if u is None else 1.0 / (1.0 - min(u, 0.99))  # a GPU second's price: the queue it shortens
         if remote_b:
             c["remote_hits"] += 1
             if r.predicted_recompute_s is not None and r.load_s is not None:
-                c["saved_s"] += r.predicted_recompute_s - r.load_s
+                c["saved_s"] += (r.predicted_recompute_s - r.load_s) * gpu
                 c["saved_n"] += 1
             self._flow("read", r.arrival_s, remote_b * B * self.bytes_per_token)
         if r.stall_s is not None:
@@ -487,6 +496,7 @@ class Ledger:
             c["stall_n"] += 1
         if evicted:
             c["evicted_tokens"] += evicted * B
+            c["evicted_priced"] += evicted * B * gpu
         t = r.arrival_s
         if self._t_first is None:
             self._t_first = t
@@ -575,7 +585,7 @@ class Ledger:
             saved = c["saved_s"] / c["saved_n"] if c["saved_n"] else None
             stall = c["stall_s"] / n if c["stall_n"] else None
             write = None if self.write_cost_s_per_byte is None else unread.get(name, 0.0) * self.write_cost_s_per_byte / n
-            evict = None if self.eviction_cost_s_per_token is None else c["evicted_tokens"] * self.eviction_cost_s_per_token / n
+            evict = None if self.eviction_cost_s_per_token is None else c["evicted_priced"] * self.eviction_cost_s_per_token / n
             terms = {"h_remote": h, "recompute_minus_remote_s": saved, "p_stall_s": stall, "p_write_s": write, "p_eviction_s": evict}
             missing = [k for k, v in terms.items() if v is None and not (k == "recompute_minus_remote_s" and h == 0)]
             benefit = None if missing else h * (saved or 0.0) - stall - write - evict  # type: ignore[operator]

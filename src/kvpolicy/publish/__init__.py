@@ -64,7 +64,7 @@ The filters live in :mod:`.rules` (never, all, threshold-k, boundary, AllOf), :m
 structure-aware, WriteBudget) and :mod:`.dueling`; :mod:`.specs` builds them from a spec.
 """
 
-from .dueling import DuelingPublish
+from .dueling import DuelingPublish, gpu_price
 from .rules import (DATA_CLASSES, AllOf, BoundaryPublish, NeverPublish, PublishAll, PublishFilter, PublishRequest, ThresholdPublish,
                     _Dedup)
 from .specs import check_spec, make_filter
@@ -72,4 +72,4 @@ from .value import CountMinSketch, ReuseAwarePublish, StructureAwarePublish, Wri
 
 __all__ = ["DATA_CLASSES", "AllOf", "BoundaryPublish", "CountMinSketch", "DuelingPublish", "NeverPublish", "PublishAll", "PublishFilter",
            "PublishRequest", "ReuseAwarePublish", "StructureAwarePublish", "ThresholdPublish", "WriteBudget", "best_prefix", "check_spec",
-           "make_filter", "_Dedup"]
+           "make_filter", "gpu_price", "_Dedup"]

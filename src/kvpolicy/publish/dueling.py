@@ -13,6 +13,15 @@ from .rules import PublishRequest, ThresholdPublish, _Dedup, _check, _timed
 from .specs import check_spec, make_filter
 
 
+def gpu_price(utilisation: float | None) -> float:
+    """Seconds of latency one GPU second saves on a replica whose prefill slots are busy ``utilisation`` of the time:
+    ``1/(1 − ρ)`` (the M/M/1 wait a job of length t adds, itself included: t + t·ρ/(1 − ρ)), ρ capped at 0.99; 1 when
+    unknown. The write price (:meth:`DuelingPublish.write_price_s`) is the same formula's externality on a link."""
+    if utilisation is None:
+        return 1.0
+    return 1.0 / (1.0 - min(utilisation, 0.99))
+
+
 class DuelingPublish:
     """Never worse than the best simple rule: every candidate rule publishes into a ghost pool of its own, and the
     rule whose ghost has earned the most decides the real writes (set dueling — Qureshi et al., ISCA'07 — with a
@@ -45,6 +54,12 @@ class DuelingPublish:
     idle link a write costs only the pool space it takes, which its ghost already pays in lost re-reads (a fixed
     ``t_write`` per block counted a second of link time as a second of GPU time, and picked the rules that write least
     whatever the links' load). Its first read pays back what it was charged.
+
+    **A GPU second** a hit saves is priced by the prefill queue it shortens: ``1/(1 − ρ_gpu)`` seconds of latency per
+    second of recompute (:func:`gpu_price`), ρ_gpu the replica's measured prefill utilisation
+    (``PublishRequest.prefill_utilisation``): on an idle replica a saved second is one second; in overload it is that
+    second for every request queued behind it. The same price as the write's, from the other side of the same queue
+    formula; unknown ρ: 1.
 
     **A write budget** (``write_budget_rule``, e.g. ``"threshold-2"``): a candidate leads only while its ghost has
     written (decayed as the scores are) no more blocks than that rule's — bytes are a constraint, served seconds the
@@ -178,6 +193,7 @@ class DuelingPublish:
             while len(rs) < len(keys):
                 rs.append(max(self.recompute_s(len(rs)) - self.load_s, 0.0))
             cost = self.write_cost_s if self.score == "e_benefit" else 0.0  # what a first read pays back
+            gpu = gpu_price(request.prefill_utilisation) if self.score == "e_benefit" else 1.0
             P = min(request.peer_blocks, max(len(keys) - L, 0))
             cap = self.capacity
             for c, ghost in enumerate(self.ghosts):
@@ -206,7 +222,7 @@ class DuelingPublish:
                         paid_back += was_read
                     to_end(key)
                     served += rs[j]
-                self.scores[c] += served + (paid_back if cost else 0.0)
+                self.scores[c] += served * gpu + (paid_back if cost else 0.0)
                 self.served_s[c] += served
         for rule in self._observers:
             rule.observe(request, keys)

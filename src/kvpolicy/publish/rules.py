@@ -42,11 +42,15 @@ class PublishRequest:
     #: the engines' KV events). The dueling selector credits no rule with them and lets every ghost keep them as a pull
     #: would; 0 (default): no pulls, or none possible
     peer_blocks: int = 0
+    #: recent busy share (0..1) of the replica's prefill slots, as the engine's scheduler measures it: a GPU second a
+    #: hit saves is worth 1/(1 − ρ) seconds of latency (its own and the queue's behind it); None: unknown (1)
+    prefill_utilisation: float | None = None
 
     def __attrs_post_init__(self) -> None:
-        u = self.write_path_utilisation
-        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 <= u <= 1):
-            raise ConfigError("write_path_utilisation", f"must be in [0, 1] or None, got {u!r}")
+        for name in ("write_path_utilisation", "prefill_utilisation"):
+            u = getattr(self, name)
+            if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 <= u <= 1):
+                raise ConfigError(name, f"must be in [0, 1] or None, got {u!r}")
         for name, least in (("num_tokens", 0), ("block_size_tokens", 1), ("reused_blocks", 0), ("peer_blocks", 0)):
             v = getattr(self, name)
             if type(v) is not int and (isinstance(v, bool) or not isinstance(v, numbers.Integral)) or v < least:  # numpy ints are ints

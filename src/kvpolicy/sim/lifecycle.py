@@ -297,6 +297,7 @@ class RequestLifecycle(Replicas):
             missing_keys=tuple(keys[used:m]), request_class=cls, arrival_s=req.first_arrival_s, ttft_s=t - req.first_arrival_s,
             prefill_s=req.prefill_s, load_s=req.load_s, queue_s=self.queue[i], predicted_recompute_s=req.predicted_s if req.load else None,
             load_attempted=req.load_attempted, stall_s=req.stall_s if self.ps.uses_pool else None, split_blocks=req.split,
+            prefill_utilisation=rep.util,
         )
         self.ledger.record(rec)
         self._publish(rep, req, keys, t)

@@ -130,7 +130,7 @@ class Pool(Transfers):
             preq = PublishRequest(request_id=(i, req.attempt), num_tokens=p.input_tokens[i], block_size_tokens=self.B, time_s=t,
                                   tenant=p.tenant[i] if p.tenant else "default", boundary_tokens=p.boundary[i] if p.boundary else None,
                                   replica=rep.name, reused_blocks=req.local + req.load, local_blocks=req.local, peer_blocks=req.peer_run,
-                                  write_path_utilisation=max(util.get(rep.out.name, 0.0), pool_in))
+                                  write_path_utilisation=max(util.get(rep.out.name, 0.0), pool_in), prefill_utilisation=rep.util)
             f.observe(preq, keys)
             n = f.publishable(preq, keys)
         if self.write_gate is not None:
