@@ -2,7 +2,7 @@
 
 | preset | local eviction | publish | remote load | timeout | on failure |
 |---|---|---|---|---|---|
-| ``kvpolicy`` | reuse-distance (the pool: LRU) | dueling (all / threshold-2 / threshold-3 / structure-aware, each in a ghost pool of the pool's size; the one with the best E[benefit] decides), and on demand: a block a peer holds is pulled when another replica asks for it — through the pool (which keeps it), or straight from the peer when the pool's node is that pull's bottleneck (``pull_path="choose"``) | admission controller (p95 remote < margin × p50 recompute, or within the measured p95 TTFT; the plan that saves the most GPU seconds; path-aware, caps, breaker); compute while loading as the fallback | none needed: a late load turns into compute-while-loading at its p95 | recompute (partial use) |
+| ``kvpolicy`` | LRU, locally and in the pool (reuse-distance lost to it under KV-overlap routing, issue #58) | dueling (all / threshold-2 / threshold-3 / structure-aware, each in a ghost pool of the pool's size; the one with the best E[benefit] decides), and on demand: a block a peer holds is pulled when another replica asks for it — through the pool (which keeps it), or straight from the peer when the pool's node is that pull's bottleneck (``pull_path="choose"``) | admission controller (p95 remote < margin × p50 recompute, or within the measured p95 TTFT; the plan that saves the most GPU seconds; path-aware, caps, breaker); compute while loading as the fallback | none needed: a late load turns into compute-while-loading at its p95 | recompute (partial use) |
 | ``vllm-like`` | LRU, tail block first | every finished full block | always when present | none (transport only) | fail: the client retries |
 | ``sglang-like`` | LRU over radix leaves | hit count ≥ 2 (write_through_selective) | prefetch if ≥ 256 tokens | 1 s + 0.25 s per 1024 tokens | recompute |
 | ``lmcache-like`` | LRU | everything | always (``min_retrieve_tokens=0``) | none (transport only) | recompute |
@@ -166,7 +166,7 @@ class PolicySet:
 
 PRESETS: dict[str, PolicySet] = {
     # every rule below: see the module docstring for the upstream file or option it follows
-    "kvpolicy": PolicySet("kvpolicy", local_eviction="reuse-distance", pool_eviction="lru", publish="dueling",
+    "kvpolicy": PolicySet("kvpolicy", local_eviction="lru", pool_eviction="lru", publish="dueling",
                           load="admission", timeout="admission", failure="recompute", warmup=True, compute_while_loading=True,
                           pull_from_peers=True, pull_path="choose"),
     "vllm-like": PolicySet("vllm-like", publish="all", load="always", timeout="none", failure="fail"),
