@@ -532,21 +532,21 @@ def test_the_pool_gate_cuts_a_chain_at_its_first_refused_block_whichever_node_ho
     tr = generate(preset("chat", n_requests=20, block_size_tokens=64, seed=1))
     cl = default_cluster(tr, bytes_per_token=4096, prefill=P, storage_nodes=2)
     sim = Simulator(Prepared(tr), cl, _attrs.evolve(policy_set("kvpolicy"), write_admission="tinylfu"))
-    n0, n1 = sim.nodes
-    bb = sim.block_bytes
+    n0, n1 = sim.pool.nodes
+    bb = sim.pool.block_bytes
     for node, prefix in ((n0, "v0"), (n1, "v1")):
         pol = node.policy
         j = 0
         while pol.used_bytes + bb <= pol.capacity_bytes:
             pol.on_insert(f"{prefix}-{j}", bb, None)
             j += 1
-    g = sim.write_gate
+    g = sim.pool.write_gate
     for i in range(3):
         g.observe(("hot", i), ["v1-0", "v1-1", "v1-2", "v1-3"])  # node 1's first victims are popular
         g.observe(("new", i), ["c0", "c1"])
     g.observe("once", ["c2", "c3"])
     order = [(0, n0), (1, n0), (2, n1), (3, n0)]
-    out = sim._gate_writes({n0: ["c0", "c1", "c3"], n1: ["c2"]}, order)
+    out = sim.pool._gate_writes({n0: ["c0", "c1", "c3"], n1: ["c2"]}, order)
     assert out == {n0: ["c0", "c1"]}
 
 

@@ -58,14 +58,14 @@ def check_conservation(res, trace):
 
 def check_released(sim):
     """Once every request has finished, nothing is held: no local block pinned, no pool block leased."""
-    for rep in sim.replicas:
+    for rep in sim.fleet.replicas:
         assert rep.cache.protected_bytes == 0 and not any(n.pins for n in rep.cache.nodes.values()), f"{rep.name} still pins blocks"
         rep.cache.check()
-    for node in sim.nodes:
+    for node in sim.pool.nodes:
         assert node.policy.protected_bytes == 0, f"{node.name} still leases blocks"
         assert node.policy.used_bytes <= node.policy.capacity_bytes, f"{node.name} holds more than it can"
-    assert not sim.writing, "a write or a pull still marked in flight"
-    assert all(k in node.policy.nodes for k, node in sim.where.items()), "the directory names a node that does not hold the block"
+    assert not sim.pool.writing, "a write or a pull still marked in flight"
+    assert all(k in node.policy.nodes for k, node in sim.pool.where.items()), "the directory names a node that does not hold the block"
 
 
 #: pulls from peers with the plainest load rule (every match loaded, a failure retried by the client) and nothing
@@ -119,14 +119,14 @@ def test_zero_bandwidth_makes_every_admission_recompute(trace, prepared):
     sim = Simulator(prepared, c, policy_set("kvpolicy"))
     assert sim.seed_pool(prepared.keys) > 0  # the pool holds everything; only the link is gone
     reasons = []
-    orig = sim._arrive
+    orig = sim.lifecycle.arrive
 
     def spy(req, t):
         orig(req, t)
         if req.decision is not None:
             reasons.append(req.decision.action)
 
-    sim._arrive = spy
+    sim.lifecycle.arrive = spy
     res = sim.run()
     check_conservation(res, trace)
     assert reasons and set(reasons) <= {"recompute", "local_only"}
@@ -177,7 +177,7 @@ def test_degraded_node_fails_and_kvpolicy_breaker_moves_off_it(trace, prepared):
     kv = kv_sim.run()
     check_conservation(kv, trace)
     assert kv.loads_failed < vl.loads_failed
-    assert kv_sim.controller.breakers["node-0"].transitions, "the breaker opened on the failing node"
+    assert kv_sim.planner.controller.breakers["node-0"].transitions, "the breaker opened on the failing node"
 
 
 def test_hanging_transfers_time_out_and_fall_back(trace, prepared):
@@ -426,7 +426,7 @@ def test_a_run_does_not_depend_on_where_its_objects_live_in_memory(monkeypatch):
     random, as addresses would."""
     import random
 
-    from kvpolicy.sim import engine
+    from kvpolicy.sim import world
 
     tr = generate(preset("chat", n_requests=2500, block_size_tokens=256, seed=101))
     cluster = default_cluster(tr, bytes_per_token=131072, prefill=DEFAULT_PREFILL)
@@ -437,7 +437,7 @@ def test_a_run_does_not_depend_on_where_its_objects_live_in_memory(monkeypatch):
     for s in (1, 2):
         rng = random.Random(s)
         hashes: dict[int, int] = {}
-        monkeypatch.setattr(engine._Req, "__hash__", lambda self: hashes.setdefault(id(self), rng.getrandbits(60)))
+        monkeypatch.setattr(world._Req, "__hash__", lambda self: hashes.setdefault(id(self), rng.getrandbits(60)))
         r = Simulator(prep, sc.cluster, ps, events=sc.events, seed=101).run()
         runs.append((r.ttft_s.copy(), r.gpu_prefill_s))
     assert np.array_equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
@@ -521,9 +521,9 @@ def test_kvpolicys_controller_learns_the_link_when_its_prior_is_wrong(trace, pre
     real_bw = min(c.node_bandwidth_bytes_per_s, c.replica_bandwidth_bytes_per_s)
     for f in (4.0, 0.5):
         sim = Simulator(prepared, attrs.evolve(c, link_prior_factor=f), policy_set("kvpolicy"))
-        assert sim.controller.model.prior.bandwidth_bytes_per_s == pytest.approx(f * real_bw)
+        assert sim.planner.controller.model.prior.bandwidth_bytes_per_s == pytest.approx(f * real_bw)
         sim.run()
-        learned = 1.0 / sim.controller.model.coefficients(0.5).s_per_byte
+        learned = 1.0 / sim.planner.controller.model.coefficients(0.5).s_per_byte
         assert abs(np.log(learned / real_bw)) < abs(np.log(f)) / 2, f"prior {f}x: it believes {learned / real_bw:.2f}x the link"
     base = run(prepared, c, "vllm-like")
     assert np.array_equal(run(prepared, attrs.evolve(c, link_prior_factor=4.0), "vllm-like").ttft_s, base.ttft_s), "a baseline has no prior"
@@ -589,12 +589,12 @@ def test_each_replica_can_have_its_own_controller(trace, prepared, monkeypatch):
         if scope == "replica":
             assert all(len(names) == 1 for names in asked.values()), "a controller decided for another replica"
         else:
-            assert asked[id(sim.controller)] == {r.name for r in sim.replicas} and not sim.controllers
+            assert asked[id(sim.planner.controller)] == {r.name for r in sim.fleet.replicas} and not sim.planner.controllers
     # every prefill in one piece (no compute while loading): each replica's controller heard exactly its own
     # replica's requests, and learned the compute from them
     sim = Simulator(prepared, attrs.evolve(c, compute_factor=2.0), attrs.evolve(own, compute_while_loading=False))
     res = sim.run()
-    for idx, ctl in ((0, sim.controller), *sim.controllers.items()):
+    for idx, ctl in ((0, sim.planner.controller), *sim.planner.controllers.items()):
         assert ctl.model.prefill_ratio.hist.count == int(np.sum(res.routes == idx)) >= 20
         assert ctl.model.prefill_ratio.q(0.5) == pytest.approx(2.0, rel=0.05)
     with pytest.raises(ConfigError) as e:
@@ -610,11 +610,11 @@ def test_kvpolicys_controller_learns_the_compute_it_observes(trace, prepared):
     for f in (0.5, 2.0):
         sim = Simulator(prepared, cluster(trace, compute_factor=f), policy_set("kvpolicy"))
         sim.run()
-        learned = sim.controller.model.prefill_ratio.q(0.5)
+        learned = sim.planner.controller.model.prefill_ratio.q(0.5)
         assert learned == pytest.approx(f, rel=0.05), f"compute_factor {f}: the controller believes {learned}"
     kept = Simulator(prepared, cluster(trace, compute_factor=0.5), attrs.evolve(policy_set("kvpolicy"), learn_compute=False))
     kept.run()
-    assert kept.controller.model.prefill_ratio.q(0.5) == 1.0, "learn_compute=False: the profile is kept"
+    assert kept.planner.controller.model.prefill_ratio.q(0.5) == 1.0, "learn_compute=False: the profile is kept"
     with pytest.raises(ConfigError, match="learn_compute"):
         attrs.evolve(policy_set("kvpolicy"), learn_compute="yes")
 
@@ -691,7 +691,7 @@ def test_the_write_gate_hears_every_request_not_only_those_that_publish(trace, p
     assert res.bytes_written == 0
     first = int(trace.block_ids[trace.block_offsets[0]])
     seen = sum(1 for i in range(len(trace)) if first in trace.block_ids[trace.block_offsets[i]:trace.block_offsets[i + 1]])
-    assert seen >= 2 and sim.write_gate.value(first) >= min(seen, 15) // 2
+    assert seen >= 2 and sim.pool.write_gate.value(first) >= min(seen, 15) // 2
 
 
 def test_a_pull_crosses_the_peers_staging_copy_its_egress_and_the_nodes_ingress():
@@ -705,10 +705,10 @@ def test_a_pull_crosses_the_peers_staging_copy_its_egress_and_the_nodes_ingress(
     node = SimpleNamespace(out="node.out", inn="node.in")
     rep = SimpleNamespace(inn="rep.in", stage="rep.stage")
     peer = SimpleNamespace(out="peer.out", stage="peer.stage")
-    assert Transfers._read_path(node, rep) == ("node.out", "rep.in", "rep.stage")
-    assert Transfers._read_path(node, rep, peer) == ("peer.stage", "peer.out", "node.in", "node.out", "rep.in", "rep.stage")
+    assert Transfers.read_path(node, rep) == ("node.out", "rep.in", "rep.stage")
+    assert Transfers.read_path(node, rep, peer) == ("peer.stage", "peer.out", "node.in", "node.out", "rep.in", "rep.stage")
     bare = SimpleNamespace(out="peer.out", stage=None)
-    assert Transfers._read_path(node, SimpleNamespace(inn="rep.in", stage=None), bare) == ("peer.out", "node.in", "node.out", "rep.in")
+    assert Transfers.read_path(node, SimpleNamespace(inn="rep.in", stage=None), bare) == ("peer.out", "node.in", "node.out", "rep.in")
 
 
 def test_a_direct_pull_crosses_the_peer_and_this_replica_and_no_node():
@@ -721,5 +721,5 @@ def test_a_direct_pull_crosses_the_peer_and_this_replica_and_no_node():
     node = SimpleNamespace(out="node.out", inn="node.in")
     rep = SimpleNamespace(inn="rep.in", stage="rep.stage")
     peer = SimpleNamespace(out="peer.out", stage="peer.stage")
-    assert Transfers._read_path(node, rep, peer, True) == ("peer.stage", "peer.out", "rep.in", "rep.stage")
-    assert Transfers._read_path(node, rep, None, True) == ("node.out", "rep.in", "rep.stage"), "a read from the pool is no pull"
+    assert Transfers.read_path(node, rep, peer, True) == ("peer.stage", "peer.out", "rep.in", "rep.stage")
+    assert Transfers.read_path(node, rep, None, True) == ("node.out", "rep.in", "rep.stage"), "a read from the pool is no pull"

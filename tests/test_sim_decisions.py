@@ -12,6 +12,7 @@ from kvpolicy.errors import ConfigError
 from kvpolicy.profile import PrefillModel
 from kvpolicy.sim import Degrade, PolicySet, Prepared, Simulator, default_cluster, policy_set
 from kvpolicy.sim.network import FlowNetwork
+from kvpolicy.sim.replicas import Replicas
 from kvpolicy.traces.model import Trace
 
 B = 64  # tokens per block
@@ -94,7 +95,7 @@ def test_when_the_run_ends_every_replica_is_drained():
         for name in ("lmcache-like", "kvpolicy"):
             sim, res = simulate(tr, cluster(tr, router=router, prefill_slots=1), name)
             assert np.all(res.completed == 1)
-            for rep in sim.replicas:
+            for rep in sim.fleet.replicas:
                 assert (rep.load_tokens, rep.decode_tokens, rep.active, rep.free_slots, len(rep.queue)) == (0, 0, 0, 1, 0), (router, name)
                 assert rep.queued_s == pytest.approx(0.0, abs=1e-12)
 
@@ -106,13 +107,13 @@ def test_a_queued_request_counts_its_prompt_less_the_blocks_it_skips(monkeypatch
     tr = tiny(*SAME)
     c = cluster(tr)
     seen = []
-    enqueue = Simulator._enqueue
+    enqueue = Replicas.enqueue
 
     def spy(self, rep, req, t, reused_blocks):
         enqueue(self, rep, req, t, reused_blocks)
         seen.append((req.i, req.queued_tokens, req.queued_pred_s))
 
-    monkeypatch.setattr(Simulator, "_enqueue", spy)
+    monkeypatch.setattr(Replicas, "enqueue", spy)
     simulate(tr, c)
     T = 4 * B + 1
     assert [i for i, _, _ in seen] == [0, 1, 2, 3]
@@ -128,13 +129,13 @@ def test_a_load_behind_a_local_prefix_predicts_the_recompute_of_its_own_blocks_o
     tr = tiny([[1, 2, 3, 4], [1, 2], [9], [1, 2, 3, 4]], [0.0, 100.0, 200.0, 300.0])
     c = cluster(tr)
     got = {}
-    enqueue = Simulator._enqueue
+    enqueue = Replicas.enqueue
 
     def spy(self, rep, req, t, reused_blocks):
         got[req.i] = (req.local, req.load, req.predicted_s)
         enqueue(self, rep, req, t, reused_blocks)
 
-    monkeypatch.setattr(Simulator, "_enqueue", spy)
+    monkeypatch.setattr(Replicas, "enqueue", spy)
     _, res = simulate(tr, c)
     assert got[3][:2] == (2, 2)
     assert got[3][2] == pytest.approx(c.dispatch_s + P.b_s_per_token * 2 * B)
@@ -289,17 +290,17 @@ def test_a_load_sees_only_the_foreground_flows_on_its_path():
     a load, so they are not reported."""
     tr = tiny(*SAME)
     sim = Simulator(Prepared(tr), cluster(tr), policy_set("kvpolicy"))
-    rep, node = sim.replicas[0], sim.nodes[0]
+    rep, node = sim.fleet.replicas[0], sim.pool.nodes[0]
     for _ in range(3):  # background, on the source's egress: more than the ingress carries, were they counted
-        sim.net.start(0.0, (node.out,), 7e6, priority=1)
-    sim.net.start(0.0, (rep.inn,), 3e6, priority=0)  # foreground, on the replica's ingress
-    sim.net.start(0.0, (rep.inn,), 1e6, priority=0)
-    sim.net.advance(0.0)
-    assert sorted(sim._path_flows(rep, node, 2e6)) == [1e6, 3e6]
+        sim.transfers.net.start(0.0, (node.out,), 7e6, priority=1)
+    sim.transfers.net.start(0.0, (rep.inn,), 3e6, priority=0)  # foreground, on the replica's ingress
+    sim.transfers.net.start(0.0, (rep.inn,), 1e6, priority=0)
+    sim.transfers.net.advance(0.0)
+    assert sorted(sim.transfers.path_flows(rep, node, 2e6)) == [1e6, 3e6]
     # as they stand when asked: 0.1 ms later (before either ends) the two share the ingress, each at half of it
-    sim.clock.t = 1e-4
+    sim.loop.clock.t = 1e-4
     half = 0.5 * rep.inn.capacity_bytes_per_s * 1e-4
-    assert sorted(sim._path_flows(rep, node, 2e6)) == pytest.approx([1e6 - half, 3e6 - half])
+    assert sorted(sim.transfers.path_flows(rep, node, 2e6)) == pytest.approx([1e6 - half, 3e6 - half])
 
 
 # ------------------------------------------------------------------------------------------- scale-out and warmup
@@ -317,8 +318,8 @@ def _scaled(monkeypatch):
     configs, steps = [], []
     plan = replicas.plan_warmup
     monkeypatch.setattr(replicas, "plan_warmup", lambda hot, cfg: configs.append(cfg) or plan(hot, cfg))
-    done = Simulator._warm_step_done
-    monkeypatch.setattr(Simulator, "_warm_step_done", lambda self, rep, t: steps.append((rep.idx, t)) or done(self, rep, t))
+    done = Replicas._warm_step_done
+    monkeypatch.setattr(Replicas, "_warm_step_done", lambda self, rep, t: steps.append((rep.idx, t)) or done(self, rep, t))
     sim = Simulator(Prepared(tr), c, attrs.evolve(policy_set("kvpolicy"), publish="all"), events=(ScaleOut(t_s=40.0, replicas=2),))
     return tr, c, sim, configs, steps
 
@@ -328,13 +329,13 @@ def test_a_warmup_plan_gets_the_bandwidth_the_new_replicas_can_take_less_half_of
     read so far per second (from t = 1 s), counted at most half of it."""
     tr, c, sim, configs, _ = _scaled(monkeypatch)
     read_before = {}
-    scale = Simulator._scale_out
+    scale = Replicas.scale_out
 
     def spy(self, ev, t):
-        read_before["b"] = (self.bytes_read, t)
+        read_before["b"] = (self.tally.bytes_read, t)
         scale(self, ev, t)
 
-    monkeypatch.setattr(Simulator, "_scale_out", spy)
+    monkeypatch.setattr(Replicas, "scale_out", spy)
     sim.run()
     (cfg,) = configs
     bw = min(4e9 * 1, 3e9 * 2)
@@ -347,8 +348,8 @@ def test_a_warmup_plan_gets_the_bandwidth_the_new_replicas_can_take_less_half_of
 
     configs.clear()
     _, _, busy, configs2, _ = _scaled(monkeypatch)
-    busy.bytes_read = int(30 * bw)  # 0.75 × bw a second over 40 s
-    busy._scale_out(ScaleOut(t_s=40.0, replicas=2), 40.0)
+    busy.tally.bytes_read = int(30 * bw)  # 0.75 × bw a second over 40 s
+    busy.fleet.scale_out(ScaleOut(t_s=40.0, replicas=2), 40.0)
     assert configs2[-1].current_load_bytes_per_s == pytest.approx(bw * 0.5)
 
 
@@ -357,16 +358,16 @@ def test_a_warming_replica_is_ready_when_its_last_planned_load_ends_and_the_byte
     moment (not the plan's prediction); every byte it took is counted as replication in the ledger."""
     tr, c, sim, _, steps = _scaled(monkeypatch)
     planned = {}
-    scale = Simulator._scale_out
+    scale = Replicas.scale_out
 
     def spy(self, ev, t):
-        self.bytes_read += int(30 * 4e9)  # serving looks busy: the plan expects half its link, the loads get all of it
+        self.tally.bytes_read += int(30 * 4e9)  # serving looks busy: the plan expects half its link, the loads get all of it
         scale(self, ev, t)
         planned.update({r.idx: r.warming_until_s for r in self.replicas[2:]})
 
-    monkeypatch.setattr(Simulator, "_scale_out", spy)
+    monkeypatch.setattr(Replicas, "scale_out", spy)
     res = sim.run()
-    new = [r for r in sim.replicas if r.idx >= 2]
+    new = [r for r in sim.fleet.replicas if r.idx >= 2]
     assert steps and {i for i, _ in steps} <= {2, 3}
     warmed = 0
     for r in new:
@@ -632,21 +633,21 @@ def test_a_block_another_request_cached_meanwhile_is_pinned_by_both(name):
     c = cluster(tr, replicas=1, prefill_slots=1)
     sim = Simulator(Prepared(tr), c, policy_set(name), seed=0)
     held = []
-    decode_done = sim._decode_done
+    decode_done = sim.lifecycle.decode_done
 
     def at_decode_end(req, t):
-        cache = sim.replicas[0].cache
+        cache = sim.fleet.replicas[0].cache
         held.append((req.i, list(req.pinned), {k: cache.nodes[k].pins for k in (1, 2, 3, 4)}))
         decode_done(req, t)
 
-    sim._decode_done = at_decode_end
-    handlers = sim._handlers
-    sim._handlers = lambda: tuple(at_decode_end if h == decode_done else h for h in handlers())
+    sim.lifecycle.decode_done = at_decode_end
+    handlers = sim.handlers
+    sim.handlers = lambda: tuple(at_decode_end if h == decode_done else h for h in handlers())
     sim.run()
     first, second = sorted(held)
     assert first[1] == second[1] == [1, 2, 3, 4], "each request holds its four blocks, in chain order"
     assert max(first[2].values()) <= 2 and min(second[2].values()) >= 1
-    cache = sim.replicas[0].cache
+    cache = sim.fleet.replicas[0].cache
     assert cache.protected_bytes == 0 and all(n.pins == 0 for n in cache.nodes.values())
 
 
@@ -670,7 +671,7 @@ def test_a_block_only_a_peer_holds_is_pulled_through_the_node_and_kept_there():
     assert res.ttft_s == pytest.approx(want, rel=1e-9, abs=1e-12)
     assert res.loads == 1 and res.bytes_read == res.bytes_written == res.bytes_pulled == 4 * BLOCK_BYTES
     assert res.bytes_sent == 4 * BLOCK_BYTES and res.node_bytes_out == (4 * BLOCK_BYTES,)
-    assert sorted(sim.where) == [1, 2, 3, 4] and not sim.writing
+    assert sorted(sim.pool.where) == [1, 2, 3, 4] and not sim.pool.writing
     assert res.ledger.tokens["remote_hit"] == 4 * B and res.ledger.tokens["local_hit"] == 2 * 4 * B
     _, plain = simulate(tr, c, attrs.evolve(PULL, name="never", pull_from_peers=False))
     assert plain.ttft_s[1] == pytest.approx(cold_ttft(c, T)) and plain.bytes_sent == plain.bytes_written == 0
@@ -695,7 +696,7 @@ def test_a_pull_follows_the_pools_run_in_parallel_with_it():
     assert res.ttft_s[5] == pytest.approx(want, rel=1e-9)
     assert res.ttft_s[3] == pytest.approx(local_ttft(c, 2, T), rel=1e-9), "replica 0 computes [3, 4] behind its own [1, 2]"
     assert res.bytes_written == res.bytes_pulled == 4 * BLOCK_BYTES and res.bytes_read == 6 * BLOCK_BYTES
-    assert sorted(sim.where) == [1, 2, 3, 4] and not sim.writing
+    assert sorted(sim.pool.where) == [1, 2, 3, 4] and not sim.pool.writing
 
 
 def test_a_peer_copy_with_a_write_in_flight_is_not_pulled():
@@ -723,18 +724,18 @@ def test_a_pulled_copy_is_held_until_it_has_passed_and_released_after():
     c = cluster(tr)
     sim = Simulator(Prepared(tr), c, PULL)
     seen = []
-    begin = sim._begin_read
+    begin = sim.transfers.begin_read
 
     def spy(rep, groups, t0, req_i, attempt, **kw):
         load = begin(rep, groups, t0, req_i, attempt, **kw)
-        peer = sim.replicas[0].cache
-        seen.append(([peer.nodes[k].pins for k in (1, 2, 3, 4)], sorted(sim.writing)))
+        peer = sim.fleet.replicas[0].cache
+        seen.append(([peer.nodes[k].pins for k in (1, 2, 3, 4)], sorted(sim.pool.writing)))
         return load
 
-    sim._begin_read = spy
+    sim.transfers.begin_read = spy
     sim.run()
     assert seen == [([1, 1, 1, 1], [1, 2, 3, 4])], "held and marked while it moves"
-    assert all(n.pins == 0 for n in sim.replicas[0].cache.nodes.values()) and not sim.writing
+    assert all(n.pins == 0 for n in sim.fleet.replicas[0].cache.nodes.values()) and not sim.pool.writing
 
 
 class _FakeCache:
@@ -782,7 +783,7 @@ def test_a_pool_that_holds_one_block_a_node_still_takes_pulls_and_one_that_holds
     one = cluster(tr)
     one = attrs.evolve(one, pool_capacity_bytes_per_node=BLOCK_BYTES)
     sim, res = simulate(tr, one, PULL)
-    assert res.bytes_written == BLOCK_BYTES and list(sim.where) == [1]
+    assert res.bytes_written == BLOCK_BYTES and list(sim.pool.where) == [1]
     _, none = simulate(tr, attrs.evolve(one, pool_capacity_bytes_per_node=BLOCK_BYTES - 1), PULL)
     assert none.bytes_written == none.bytes_sent == 0
 
@@ -796,8 +797,8 @@ def test_a_pull_that_hangs_is_given_up_and_its_blocks_are_free_to_be_written_aga
     sim, res = simulate(tr, c, PULL)
     T = 4 * B + 1
     assert res.ttft_s[1] == pytest.approx(c.lookup_s + c.transport_timeout_s + c.dispatch_s + P.a_s + P.b_s_per_token * T, rel=1e-9)
-    assert res.loads_timeout == 1 and res.bytes_written == 0 and not sim.where and not sim.writing
-    assert all(n.pins == 0 for n in sim.replicas[0].cache.nodes.values())
+    assert res.loads_timeout == 1 and res.bytes_written == 0 and not sim.pool.where and not sim.pool.writing
+    assert all(n.pins == 0 for n in sim.fleet.replicas[0].cache.nodes.values())
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -807,16 +808,16 @@ def test_a_pull_that_fails_part_way_leaves_the_leading_blocks_in_the_pool(seed):
     tr = tiny([[1, 2, 3, 4, 5, 6, 7, 8]] * 2, [0.0, 100.0])
     c = cluster(tr, failure_rate=1.0, placement_chunk_blocks=16)
     sim, res = simulate(tr, c, PULL, seed=seed)
-    n = len(sim.where)
-    assert sorted(sim.where) == list(range(1, n + 1)), "a prefix of the chain"
-    assert res.bytes_written == n * BLOCK_BYTES and not sim.writing
+    n = len(sim.pool.where)
+    assert sorted(sim.pool.where) == list(range(1, n + 1)), "a prefix of the chain"
+    assert res.bytes_written == n * BLOCK_BYTES and not sim.pool.writing
 
 
 def test_some_failed_pull_delivers_part_of_its_blocks():
     """The test above must see a pull that delivered some blocks but not all, or it shows nothing."""
     tr = tiny([[1, 2, 3, 4, 5, 6, 7, 8]] * 2, [0.0, 100.0])
     c = cluster(tr, failure_rate=1.0, placement_chunk_blocks=16)
-    assert any(0 < len(simulate(tr, c, PULL, seed=s)[0].where) < 8 for s in range(12))
+    assert any(0 < len(simulate(tr, c, PULL, seed=s)[0].pool.where) < 8 for s in range(12))
 
 
 def test_the_publish_filter_hears_what_a_peer_held_only_when_pulls_are_on():
@@ -827,13 +828,13 @@ def test_the_publish_filter_hears_what_a_peer_held_only_when_pulls_are_on():
     for ps, want in ((attrs.evolve(PULL, publish="dueling"), 4), (attrs.evolve(PULL, publish="dueling", pull_from_peers=False), 0)):
         sim = Simulator(Prepared(tr), c, ps)
         seen = {}
-        observe = sim.filter.observe
+        observe = sim.pool.filter.observe
 
         def spy(request, keys, observe=observe):
             seen[request.request_id[0]] = request.peer_blocks
             observe(request, keys)
 
-        sim.filter.observe = spy
+        sim.pool.filter.observe = spy
         sim.run()
         assert seen == {0: 0, 1: want, 2: 0, 3: 0}, ps.pull_from_peers
 
@@ -858,7 +859,7 @@ def test_a_direct_pull_goes_straight_from_the_peer_and_writes_nothing():
     assert res.ttft_s[3] == pytest.approx(local_ttft(c, 4, T), rel=1e-9)
     assert res.loads == 1 and res.bytes_sent == res.bytes_direct == 4 * BLOCK_BYTES, "4 blocks crossed the network, once"
     assert res.bytes_written == res.bytes_pulled == 0 and res.node_bytes_out == (0,), "no node was crossed or written"
-    assert not sim.where and not sim.writing
+    assert not sim.pool.where and not sim.pool.writing
     assert res.ledger.tokens["remote_hit"] == 4 * B
     _, relay = simulate(tr, c, PULL)
     assert relay.bytes_pulled == 4 * BLOCK_BYTES and relay.ttft_s[1] > res.ttft_s[1], "the relay stores and forwards"
@@ -870,10 +871,10 @@ def _choose_at(node_busy: bool):
     tr = tiny(*SAME)
     c = cluster(tr)
     sim = Simulator(Prepared(tr), c, attrs.evolve(PULL, name="pull/choose", pull_path="choose"))
-    node, (peer, rep) = sim.nodes[0], sim.replicas
+    node, (peer, rep) = sim.pool.nodes[0], sim.fleet.replicas
     if node_busy:
-        sim.net.start(0.0, (node.inn,), 1e6 * BLOCK_BYTES, payload=None, on_done=lambda f, t: None)
-    return sim._pull_direct(rep, node, peer, 4 * BLOCK_BYTES)
+        sim.transfers.net.start(0.0, (node.inn,), 1e6 * BLOCK_BYTES, payload=None, on_done=lambda f, t: None)
+    return sim.transfers.pull_direct(rep, node, peer, 4 * BLOCK_BYTES)
 
 
 def test_choose_pulls_straight_when_the_relays_node_is_the_bottleneck_and_through_it_when_idle():

@@ -18,6 +18,7 @@ import pytest
 
 from kvpolicy.publish_sim import DEFAULT_PREFILL
 from kvpolicy.sim import PRESETS, compare, default_cluster
+from kvpolicy.sim.events import PREFILL_DONE
 from kvpolicy.traces import generate, preset
 
 BPT = 131072
@@ -88,8 +89,8 @@ def test_a_run_gives_the_garbage_collector_back_as_it_found_it():
     states = []
 
     class Watch(Simulator):
-        def _handlers(self):
-            hs = list(super()._handlers())
+        def handlers(self):
+            hs = list(super().handlers())
             first = hs[-1]  # NEW_REQUEST
 
             def new(i, t):
@@ -114,8 +115,13 @@ def test_a_run_gives_the_garbage_collector_back_as_it_found_it():
         gc.enable()
 
         class Boom(Watch):
-            def _prefill_done(self, req, t):
-                raise RuntimeError("boom")
+            def handlers(self):
+                def boom(req, t):
+                    raise RuntimeError("boom")
+
+                hs = list(super().handlers())
+                hs[PREFILL_DONE] = boom
+                return tuple(hs)
 
         with pytest.raises(RuntimeError, match="boom"):
             Boom(Prepared(trace), cl, policy_set("kvpolicy")).run()

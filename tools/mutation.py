@@ -66,7 +66,7 @@ MODULES: dict[str, dict[str, Any]] = {
                   "tests": ["tests/test_admission.py", "tests/test_sim.py", "tests/test_decisions.py", "tests/test_sim_decisions.py"]},
     "sim": {"paths": ["kvpolicy/sim/engine.py", "kvpolicy/sim/events.py", "kvpolicy/sim/world.py", "kvpolicy/sim/transfers.py",
                       "kvpolicy/sim/pool.py", "kvpolicy/sim/overlap.py", "kvpolicy/sim/replicas.py", "kvpolicy/sim/lifecycle.py",
-                      "kvpolicy/sim/network.py"],
+                      "kvpolicy/sim/network.py", "kvpolicy/sim/planner.py", "kvpolicy/sim/tally.py"],
             "tests": ["tests/test_sim.py", "tests/test_network.py", "tests/test_decisions.py", "tests/test_sim_decisions.py",
                       "tests/test_sim_load_rules.py", "tests/test_sim_pinned.py"]},
     "publish": {"paths": ["kvpolicy/publish/rules.py", "kvpolicy/publish/value.py", "kvpolicy/publish/dueling.py",

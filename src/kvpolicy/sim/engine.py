@@ -39,13 +39,16 @@ Interference: a load of S bytes steals ``interference_s_per_byte × S`` of GPU
 time from the receiving replica (the next prefill starts that much later) and
 from each of its active decodes; the sum is reported as ``stall_s``.
 
-The simulator is built in rooms, one module each, every room a class that stands on the one below it and sees only
-what lies beneath: :mod:`.events` (the clock and the event queue) → :mod:`.transfers` (flows and loads) →
-:mod:`.pool` (storage nodes, placement, publishing, writes) → :mod:`.overlap` (computing while loading) →
-:mod:`.replicas` (routing, prefill slots, local caches, scale-out, warmup) → :mod:`.lifecycle` (a request's events);
-:class:`Simulator` builds the world (:mod:`.world`) and runs the loop. The decisions are made by the same online
-objects an engine calls, through the same protocols: a load rule (:class:`kvpolicy.protocols.LoadRule`), a publish
-filter, an eviction policy, the write-admission gate.
+The simulator is a world of rooms, each an object that owns its state and is handed, when the world is built, the
+rooms it may call: :class:`~.events.EventLoop` (the clock and the event queue), :class:`~.tally.Tally` (the run's
+figures), :class:`~.transfers.Transfers` (the network: flows and the loads on them), :class:`~.planner.LoadPlanner`
+(the load rule and the controllers that hear how loads went), :class:`~.pool.Pool` (storage nodes, placement,
+publishing, writes), :class:`~.overlap.ComputeWhileLoading` (the meeting points of a front computed and a back loaded),
+:class:`~.replicas.Replicas` (routing, prefill slots, local caches, scale-out, warmup) and
+:class:`~.lifecycle.RequestLifecycle` (a request's own events). :class:`Simulator` builds them (:mod:`.world` holds the
+things they move) and the loop hands each event to the room that owns its kind (:meth:`Simulator.handlers`). The
+decisions are made by the same online objects an engine calls, through the same protocols: a load rule
+(:class:`kvpolicy.protocols.LoadRule`), a publish filter, an eviction policy, the write-admission gate.
 """
 
 from __future__ import annotations
@@ -57,25 +60,28 @@ from typing import Any
 import attrs
 import numpy as np
 
-from .._own import is_own
 from .._validate import check_non_negative_int, check_split
-from ..admission import AdmissionConfig, AdmissionController, LatencyModel, LinkPrior
 from ..errors import ConfigError
 from ..eviction.policies import TraceOracle
 from ..ledger import Ledger, PublicationLog
-from ..write_admission import WriteAdmission
 from .config import ClusterConfig, Degrade, ScaleOut
-from .events import CAPACITY, SAMPLE, SCALE_OUT, _Clock
+from .events import CAPACITY, SAMPLE, SCALE_OUT, EventLoop
 from .lifecycle import RequestLifecycle
-from .network import FlowNetwork
-from .policysets import PolicySet, load_own_rule
-from .world import (MAX_RETRIES, STATIC_ROUTERS, UTIL_WINDOW_S, Prepared, SimResult, _DictIndex, _Node, _Replica, _replica_oracles,
-                    _ReplicaOracle, _Req, apply_spike)
+from .overlap import ComputeWhileLoading
+from .planner import LoadPlanner
+from .policysets import PolicySet
+from .pool import Pool
+from .replicas import Replicas, new_replica, static_routes
+from .tally import Tally
+from .transfers import Transfers
+from .world import MAX_RETRIES, STATIC_ROUTERS, UTIL_WINDOW_S, Prepared, SimResult, _replica_oracles, _ReplicaOracle, apply_spike
 
 __all__ = ["MAX_RETRIES", "STATIC_ROUTERS", "UTIL_WINDOW_S", "Prepared", "SimResult", "Simulator", "apply_spike"]
 
 
-class Simulator(RequestLifecycle):
+class Simulator:
+    """One run: a trace × a cluster × a policy set. Builds the rooms, hands each event to its room, returns a SimResult."""
+
     def __init__(self, prepared: Prepared | Any, cluster: ClusterConfig, policy_set: PolicySet, *,
                  events: tuple[ScaleOut | Degrade, ...] = (), seed: int = 0, compute_scale: Any = None, judge_from_request: int = 0,
                  pause_gc: bool = True) -> None:
@@ -126,119 +132,84 @@ class Simulator(RequestLifecycle):
             if not isinstance(e, (ScaleOut, Degrade)):
                 raise ConfigError("events", f"unknown event {e!r} (spikes are applied to the trace: apply_spike)")
         self.events = tuple(events)
-        self.B = self.p.block_size_tokens
-        self.block_bytes = cluster.block_bytes(self.B)
-        self.clock = _Clock()
+        B = self.p.block_size_tokens
+        p = self.p
         ps = policy_set
-        self._oracle: TraceOracle | None = None
-        self._oracle_pub: list[int] | None = None
-        self._local_oracles: dict[int, _ReplicaOracle] | None = None
+        oracle: TraceOracle | None = None
+        oracle_pub: list[int] | None = None
+        local_oracles: dict[int, _ReplicaOracle] | None = None
         if "belady" in (ps.local_eviction, ps.pool_eviction) or ps.publish == "oracle" or ps.load == "oracle":
-            self._oracle, self._oracle_pub = self.p.oracle()
+            oracle, oracle_pub = p.oracle()
             if ps.local_eviction == "belady":
                 routes = self.static_routes()
                 if routes is not None:  # a local cache's Belady ranks by the next use on *that* replica
-                    self._local_oracles = _replica_oracles(self.p, routes, self._oracle)
-        self.net = FlowNetwork()
-        self._net_wake = math.inf
-        self.write_priority = 1 if cluster.publish_priority == "background" else 0
-        self.replicas: list[_Replica] = [self._new_replica(i) for i in range(cluster.replicas)]
-        self.nodes = [_Node(j, self._policy(ps.pool_eviction, cluster.pool_capacity_bytes_per_node),
-                            self.net.add_link(f"node-{j}.out", cluster.node_bandwidth_bytes_per_s),
-                            self.net.add_link(f"node-{j}.in", cluster.node_bandwidth_bytes_per_s)) for j in range(cluster.storage_nodes)]
-        for e in events:
-            if isinstance(e, Degrade):
-                self.nodes[e.node].windows.append(e)
-        # requests computing while they load, in the order they took their slots: a dict, not a set — a set of
-        # objects iterates in address order, and _net_changed re-plans each of them, pushing events in that order
-        self.cake_in_slot: dict[_Req, None] = {}
-        self.bytes_unused = 0
-        self._series: dict[str, tuple[list[float], list[float], list[float]]] = {}
-        self._util: dict[str, float] = {}
-        self.where: dict[int, _Node] = {}
-        self.pool_index = _DictIndex(self.where, "pool")
-        self.writing: set[int] = set()
-        #: pulls from peers: they write into the pool, so a pool that can hold no block has none
-        self.pulls = ps.pull_from_peers and cluster.pool_capacity_bytes_per_node >= self.block_bytes
-        trace = self.p.trace
-        self.ledger = Ledger(cluster.bytes_per_token, publication_log=PublicationLog(max_exact_keys=max(trace.num_block_ids + 1, 1024)),
-                             judge_from_s=self.t_judge if self.judge_k else None,
-                             write_cost_s_per_byte=(1.0 / cluster.node_bandwidth_bytes_per_s) if cluster.node_bandwidth_bytes_per_s > 0 else None,
-                             eviction_cost_s_per_token=cluster.compute_factor * cluster.prefill.b_s_per_token)
-        self.filter = self._make_filter()
-        self.write_gate: WriteAdmission | None = None
-        if ps.write_admission == "tinylfu" and ps.uses_pool:
-            blocks_per_node = cluster.pool_capacity_bytes_per_node // self.block_bytes
-            self.write_gate = WriteAdmission(capacity_blocks=max(blocks_per_node * cluster.storage_nodes, 1))
-        self.controller: AdmissionController | None = None
-        self.load_rule: Any = load_own_rule(ps.load) if is_own(ps.load) else None  # one per run: its state is this run's
-        if ps.load == "admission":
-            # the prior is the deployment's own figures: the path's slowest link (the staging copy is a
-            # link of the path, pipelined with the network leg)
-            bw = min(cluster.node_bandwidth_bytes_per_s, cluster.replica_bandwidth_bytes_per_s, cluster.stage_bytes_per_s or math.inf)
-            prior = LinkPrior(bandwidth_bytes_per_s=max(bw * cluster.link_prior_factor, 1e-3), lookup_s=cluster.lookup_s, transfer_overhead_s=cluster.transfer_overhead_s,
-                              stage_bytes_per_s=None, install_s_per_block=cluster.install_s_per_block,
-                              dispatch_s=cluster.dispatch_s, interference_s_per_byte=cluster.interference_s_per_byte)
+                    local_oracles = _replica_oracles(p, routes, oracle)
+        trace = p.trace
+        # the rooms, each handed what it may call
+        self.loop = loop = EventLoop()
+        self.tally = tally = Tally(len(trace), self.judge_k, self.t_judge)
+        self.ledger = ledger = Ledger(cluster.bytes_per_token, publication_log=PublicationLog(max_exact_keys=max(trace.num_block_ids + 1, 1024)),
+                                      judge_from_s=self.t_judge if self.judge_k else None,
+                                      write_cost_s_per_byte=(1.0 / cluster.node_bandwidth_bytes_per_s) if cluster.node_bandwidth_bytes_per_s > 0 else None,
+                                      eviction_cost_s_per_token=cluster.compute_factor * cluster.prefill.b_s_per_token)
+        self.transfers = transfers = Transfers(loop, cluster, tally, seed=seed, n_nodes=cluster.storage_nodes, block_bytes=cluster.block_bytes(B),
+                                               pull_path=ps.pull_path, last_arrival_s=p.arrival_s[-1])
+        self.planner = planner = LoadPlanner(cluster, ps, tally, loop.clock, block_size_tokens=B)
+        replicas = [new_replica(i, cluster, ps.local_eviction, transfers.net, loop.clock, oracle, local_oracles) for i in range(cluster.replicas)]
+        self.pool = pool = Pool(p, cluster, ps, loop=loop, transfers=transfers, planner=planner, tally=tally, ledger=ledger, oracle=oracle,
+                                oracle_pub=oracle_pub, degrade=tuple(e for e in events if isinstance(e, Degrade)))
+        self.overlap = overlap = ComputeWhileLoading(p, cluster, loop=loop, transfers=transfers, planner=planner, tally=tally, ledger=ledger,
+                                                     compute_scale=self._scale)
+        self.fleet = fleet = Replicas(p, cluster, ps, replicas, seed=seed, loop=loop, transfers=transfers, pool=pool, overlap=overlap,
+                                      planner=planner, tally=tally, ledger=ledger, oracle=oracle, local_oracles=local_oracles)
+        self.lifecycle = RequestLifecycle(p, cluster, ps, loop=loop, transfers=transfers, pool=pool, fleet=fleet, overlap=overlap,
+                                          planner=planner, tally=tally, ledger=ledger, oracle=oracle)
+        transfers.land_pull = pool.land_pull  # a relay pull's blocks stay in the node they passed
+        transfers.rates_changed = overlap.rates_changed  # the meeting points move with the rates
 
-            def make_controller() -> AdmissionController:
-                return AdmissionController(LatencyModel(prior, cluster.prefill), AdmissionConfig(compute_while_loading=ps.compute_while_loading, gpu_s_price=ps.gpu_s_price),
-                                           clock=self.clock)
+    def static_routes(self) -> np.ndarray | None:
+        """Every request's replica when the router ignores replica state (round-robin, random,
+        prefix-affinity) and no request is retried — what the oracle may know in hindsight."""
+        return static_routes(self.p, self.c, self.events, self.seed)
 
-            self._make_controller = make_controller
-            #: the cluster's controller (controller_scope "cluster"), or replica 0's ("replica": each replica has its own)
-            self.controller = make_controller()
-        #: controller_scope "replica": each replica's own, by replica index (made when the replica first needs it)
-        self.controllers: dict[int, AdmissionController] = {}
-        self._rr = 0
-        self._seq = 0
-        self.heap = []
-        self.n_arrived = -1
-        # counters
-        self.gpu_prefill_s = 0.0
-        self.bytes_read = self.bytes_written = self.bytes_sent = self.bytes_pulled = self.bytes_direct = 0
-        self.loads = self.loads_ok = self.loads_failed = self.loads_timeout = self.retries = 0
-        self.stall_s = 0.0
-        self.warmup_bytes = 0
-        self.warm_loads = self.warm_loads_ok = self.warm_loads_failed = self.warm_loads_timeout = 0
-        n = len(trace)
-        self.ttft = np.full(n, np.nan)
-        self.queue = np.full(n, np.nan)  # seconds each request waited for a prefill slot (its last attempt)
-        self.prefill_per = np.zeros(n)  # GPU seconds of prefill each request took (every attempt)
-        self.completed = np.zeros(n, dtype=np.int64)
-        self.routes = np.full(n, -1, dtype=np.int64)
-        self.t_last = 0.0
+    def seed_pool(self, chains: Any) -> int:
+        """Start with the pool already holding these key chains (:meth:`Pool.seed_pool`); returns the blocks held."""
+        return self.pool.seed_pool(chains)
 
     def run(self) -> SimResult:
         p = self.p
-        self._arrivals_from(p.arrival_s)  # a stream beside the heap; a request's state is made when it arrives
+        loop = self.loop
+        loop.arrivals_from(p.arrival_s)  # a stream beside the heap; a request's state is made when it arrives
         for e in self.events:
             if isinstance(e, ScaleOut):
-                self._push(e.t_s, SCALE_OUT, e)
+                loop.push(e.t_s, SCALE_OUT, e)
             elif isinstance(e, Degrade):
-                self._push(e.t1_s, CAPACITY, self.nodes[e.node])
-                self._push(e.t2_s, CAPACITY, self.nodes[e.node])
+                loop.push(e.t1_s, CAPACITY, self.pool.nodes[e.node])
+                loop.push(e.t2_s, CAPACITY, self.pool.nodes[e.node])
         t_first, t_end = p.arrival_s[0], p.arrival_s[-1]
-        self._sample_s = max((t_end - t_first) / 200.0, 1e-3)
-        self._push(t_first, SAMPLE, None)
-        self._loop(self._handlers(), pause_gc=self.pause_gc)
-        if any(ctl.loads_in_flight() for ctl in (self.controller, *self.controllers.values()) if ctl is not None):
+        self.transfers.sample_s = max((t_end - t_first) / 200.0, 1e-3)
+        loop.push(t_first, SAMPLE, None)
+        loop.run(self.handlers(), pause_gc=self.pause_gc)
+        if any(ctl.loads_in_flight() for ctl in self.planner.all_controllers()):
             raise AssertionError("loads still in flight at the end of the run")  # pragma: no cover - conservation
         t0 = p.arrival_s[0]
+        tl = self.tally
         return SimResult(
-            policy=self.ps.name, n_requests=len(p.arrival_s), ttft_s=self.ttft.copy(), gpu_prefill_s=self.gpu_prefill_s,
-            bytes_read=self.bytes_read, bytes_written=self.bytes_written, bytes_sent=self.bytes_sent, bytes_pulled=self.bytes_pulled, bytes_direct=self.bytes_direct,
-            loads=self.loads,
-            loads_ok=self.loads_ok, loads_failed=self.loads_failed, loads_timeout=self.loads_timeout, retries=self.retries,
-            warmup_bytes=self.warmup_bytes, stall_s=self.stall_s, makespan_s=self.t_last - t0, replicas_final=len(self.replicas), ledger=self.ledger,
-            node_bytes_out=tuple(n.bytes_out for n in self.nodes), replica_bytes_in=tuple(r.bytes_in for r in self.replicas),
-            completed=self.completed.copy(), routes=self.routes.copy(), bytes_unused=self.bytes_unused,
-            warm_loads=(self.warm_loads, self.warm_loads_ok, self.warm_loads_failed, self.warm_loads_timeout),
-            link_series={k: (np.asarray(a), np.asarray(b), np.asarray(c)) for k, (a, b, c) in self._series.items()},
-            queue_s=self.queue.copy(), judge_from_request=self.judge_k, prefill_s=self.prefill_per.copy(),
+            policy=self.ps.name, n_requests=len(p.arrival_s), ttft_s=tl.ttft.copy(), gpu_prefill_s=tl.gpu_prefill_s,
+            bytes_read=tl.bytes_read, bytes_written=tl.bytes_written, bytes_sent=tl.bytes_sent, bytes_pulled=tl.bytes_pulled, bytes_direct=tl.bytes_direct,
+            loads=tl.loads,
+            loads_ok=tl.loads_ok, loads_failed=tl.loads_failed, loads_timeout=tl.loads_timeout, retries=tl.retries,
+            warmup_bytes=tl.warmup_bytes, stall_s=tl.stall_s, makespan_s=tl.t_last - t0, replicas_final=len(self.fleet.replicas), ledger=self.ledger,
+            node_bytes_out=tuple(n.bytes_out for n in self.pool.nodes), replica_bytes_in=tuple(r.bytes_in for r in self.fleet.replicas),
+            completed=tl.completed.copy(), routes=tl.routes.copy(), bytes_unused=tl.bytes_unused,
+            warm_loads=(tl.warm_loads, tl.warm_loads_ok, tl.warm_loads_failed, tl.warm_loads_timeout),
+            link_series={k: (np.asarray(a), np.asarray(b), np.asarray(c)) for k, (a, b, c) in self.transfers.series.items()},
+            queue_s=tl.queue.copy(), judge_from_request=self.judge_k, prefill_s=tl.prefill_per.copy(),
         )
 
-    def _handlers(self) -> tuple[Callable[[Any, float], None], ...]:
-        """Each event kind's handler, in the order of the kinds in :mod:`.events`."""
-        return (self._arrive, self._load_done, self._prefill_done, self._decode_done, self._write_done, self._warm_done, self._scale_out,
-                self._ready, self._net_event, self._load_timeout, self._meet, self._capacity, self._sample, self._switch, self._write_timeout,
-                self._new_request)
+    def handlers(self) -> tuple[Callable[[Any, float], None], ...]:
+        """Each event kind's handler, in the order of the kinds in :mod:`.events`: the room that owns the kind."""
+        life, fleet, pool, net, overlap = self.lifecycle, self.fleet, self.pool, self.transfers, self.overlap
+        return (life.arrive, life.load_done, life.prefill_done, life.decode_done, pool.write_done, fleet.warm_done, fleet.scale_out,
+                life.ready, net.net_event, net.load_timeout, overlap.meet, net.capacity, net.sample, life.switch, pool.write_timeout,
+                life.new_request)

@@ -1,9 +1,10 @@
 """The event loop and the clock (issue #48's first room).
 
-Every room of the simulator schedules work the same way: ``_push(t, kind, obj)`` puts an event on one heap, ordered by
-time and then by the order it was pushed (so ties resolve the same way on every run), and :meth:`EventLoop._loop` pops
-them in order, sets the clock, and hands each to its room's handler. The kinds are numbers, one per handler; a room
-names its events, the loop knows nothing of what they mean.
+Every room of the simulator schedules work the same way: ``loop.push(t, kind, obj)`` puts an event on one heap,
+ordered by time and then by the order it was pushed (so ties resolve the same way on every run), and
+:meth:`EventLoop.run` pops them in order, sets the clock, and hands each to the room that owns its kind (the handler the
+simulator registered for it). The kinds are numbers, one per handler; a room names its events, the loop knows nothing
+of what they mean.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-#: the event kinds, in the order of :meth:`kvpolicy.sim.engine.Simulator._handlers`
+#: the event kinds, in the order of :meth:`kvpolicy.sim.engine.Simulator.handlers` (which room owns each: docs/sim.md)
 (ARRIVE, LOAD_DONE, PREFILL_DONE, DECODE_DONE, WRITE_DONE, WARM_DONE, SCALE_OUT, READY, NET, LOAD_TIMEOUT, MEET, CAPACITY, SAMPLE,
  SWITCH, WRITE_TIMEOUT, NEW_REQUEST) = range(16)
 
@@ -34,22 +35,25 @@ class _Clock:
 class EventLoop:
     """One heap of (time, sequence, kind, object) and the clock it drives.
 
-    A trace's arrivals are a stream beside the heap (:meth:`_arrivals_from`), not pushed into it: arrival ``i`` is the
+    A trace's arrivals are a stream beside the heap (:meth:`arrivals_from`), not pushed into it: arrival ``i`` is the
     event (``times[i]``, sequence ``first_seq + i``) of kind NEW_REQUEST, merged with the heap by the same order, so
     the heap holds only what is in flight — its pushes and pops cost log(in flight), not log(trace length)."""
 
-    heap: list[tuple[float, int, int, Any]]
-    clock: _Clock
-    _seq: int
-    _arr_times: Sequence[float] = ()
-    _arr_next: int = 0
-    _arr_seq0: int = 0
+    __slots__ = ("heap", "clock", "_seq", "_arr_times", "_arr_next", "_arr_seq0")
 
-    def _push(self, t: float, kind: int, obj: Any) -> None:
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, int, int, Any]] = []
+        self.clock = _Clock()
+        self._seq = 0
+        self._arr_times: Sequence[float] = ()
+        self._arr_next = 0
+        self._arr_seq0 = 0
+
+    def push(self, t: float, kind: int, obj: Any) -> None:
         self._seq += 1
         heapq.heappush(self.heap, (t, self._seq, kind, obj))
 
-    def _arrivals_from(self, times: Sequence[float]) -> None:
+    def arrivals_from(self, times: Sequence[float]) -> None:
         """Arrival i happens at ``times[i]`` (non-decreasing) with the sequence numbers it would have had if each had
         been pushed now, in order."""
         self._arr_times = times
@@ -57,17 +61,17 @@ class EventLoop:
         self._arr_seq0 = self._seq + 1
         self._seq += len(times)
 
-    def _arrivals_left(self) -> int:
+    def arrivals_left(self) -> int:
         return len(self._arr_times) - self._arr_next
 
-    def _next_event_s(self) -> float:
+    def next_event_s(self) -> float:
         """When the next event happens (inf when none is left)."""
         t = self.heap[0][0] if self.heap else math.inf
         if self._arr_next < len(self._arr_times):
             t = min(t, self._arr_times[self._arr_next])
         return t
 
-    def _loop(self, handlers: Sequence[Callable[[Any, float], None]], *, pause_gc: bool = False) -> None:
+    def run(self, handlers: Sequence[Callable[[Any, float], None]], *, pause_gc: bool = False) -> None:
         """Run every event, in time order (ties in the order pushed), until none is left.
 
         ``pause_gc``: hold Python's cyclic garbage collector for the loop and give it back as it was, however the loop

@@ -1,69 +1,89 @@
-"""A request's life, from arrival to its last decoded token (issue #48's rooms).
+"""A request's life, from arrival to its last decoded token (issue #48's rooms; a room of its own since #61).
 
 ARRIVE: route, match the local cache then the pool, ask the load rule (the admission controller, a preset rule, the
 oracle, or a :class:`~kvpolicy.protocols.LoadRule` of your own) how many remote blocks to load, and start that load.
 LOAD_DONE: install what arrived (or retry, or recompute). PREFILL_DONE: the first token — record the TTFT and the
 ledger's record, cache the computed blocks, publish. DECODE_DONE: unpin.
+
+The lifecycle owns the requests' own events (NEW_REQUEST, ARRIVE, LOAD_DONE, READY, SWITCH, PREFILL_DONE, DECODE_DONE)
+and nothing else: it asks the replicas room to route, queue and install, the pool what it holds, the load planner how
+much to load, and the transfers room to move it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
-
-import numpy as np
 
 from ..admission import AdmissionContext
-from ..errors import ConfigError
-from ..ledger import RequestRecord
+from ..eviction.policies import TraceOracle
+from ..ledger import Ledger, RequestRecord
 from ..matching import match
-from .events import ARRIVE, DECODE_DONE, LOAD_DONE, LOAD_TIMEOUT, READY, SWITCH
+from .config import ClusterConfig
+from .events import ARRIVE, DECODE_DONE, LOAD_DONE, LOAD_TIMEOUT, READY, SWITCH, EventLoop
+from .overlap import ComputeWhileLoading
+from .planner import LoadPlanner
+from .policysets import PolicySet
+from .pool import Pool
 from .replicas import Replicas
-from .world import MAX_RETRIES, _Load, _Node, _PeerIndex, _Replica, _Req
+from .tally import Tally
+from .transfers import Transfers
+from .world import MAX_RETRIES, Prepared, _Load, _Node, _PeerIndex, _Replica, _Req, release_leases
 
 
-class RequestLifecycle(Replicas):
+class RequestLifecycle:
     """What happens to each request, event by event."""
 
-    load_rule: Any
-    ttft: np.ndarray
-    queue: np.ndarray
-    completed: np.ndarray
-    routes: np.ndarray
-    loads: int
-    retries: int
-    t_last: float
-    #: pulls from peers (``PolicySet.pull_from_peers``, and a pool that can hold a block)
-    pulls: bool
+    def __init__(self, prepared: Prepared, cluster: ClusterConfig, policy_set: PolicySet, *, loop: EventLoop, transfers: Transfers,
+                 pool: Pool, fleet: Replicas, overlap: ComputeWhileLoading, planner: LoadPlanner, tally: Tally, ledger: Ledger,
+                 oracle: TraceOracle | None) -> None:
+        self.p = prepared
+        self.c = cluster
+        self.ps = policy_set
+        self.loop = loop
+        self.transfers = transfers
+        self.pool = pool
+        self.fleet = fleet
+        self.overlap = overlap
+        self.planner = planner
+        self.tally = tally
+        self.ledger = ledger
+        self._oracle = oracle
+        self.B = prepared.block_size_tokens
+        self.block_bytes = cluster.block_bytes(self.B)
+        #: pulls from peers: they write into the pool, so a pool that can hold no block has none
+        self.pulls = policy_set.pull_from_peers and cluster.pool_capacity_bytes_per_node >= self.block_bytes
+        #: the highest request index that has arrived: the oracle's "now" (a retry arrives again, an earlier index)
+        self._last_arrived = -1
 
-    def _new_request(self, i: int, t: float) -> None:
+    def new_request(self, i: int, t: float) -> None:
         """Request ``i`` arrives for the first time: its state begins here (a retry arrives again as ARRIVE)."""
-        self._arrive(_Req(i, t), t)
+        self.arrive(_Req(i, t), t)
 
-    def _arrive(self, req: _Req, t: float) -> None:
+    def arrive(self, req: _Req, t: float) -> None:
         p = self.p
         i = req.i
-        if i > self.n_arrived:
-            self.n_arrived = i
+        if i > self._last_arrived:
+            self._last_arrived = i
             if self._oracle is not None:
                 self._oracle.now = i
-        rep = self._route(req, t)
+        rep = self.fleet.route(req, t)
         req.replica = rep
-        self.routes[i] = rep.idx
+        self.tally.routes[i] = rep.idx
         keys = p.keys[i]
         m = p.matchable[i]
         T = p.input_tokens[i]
         ps = self.ps
         holder = None
         if self.pulls:  # the pool's run, then what one peer holds after it
-            peers = _PeerIndex(self.replicas, rep, self.writing, self.net.flow_count)
-            pm = match(keys[:m], T, rep.index, self.pool_index, peers, block_size_tokens=self.B)
+            peers = _PeerIndex(self.fleet.replicas, rep, self.pool.writing, self.transfers.net.flow_count)
+            pm = match(keys[:m], T, rep.index, self.pool.pool_index, peers, block_size_tokens=self.B)
             R = pm.remote_total_blocks
             if pm.remote_blocks[1]:
                 holder = peers.holder
             req.peer_run = peers.held_run(keys[pm.local_blocks:m])  # for the publish filter: what pulls serve anyway
         elif ps.uses_pool:
-            pm = match(keys[:m], T, rep.index, self.pool_index, block_size_tokens=self.B)
+            pm = match(keys[:m], T, rep.index, self.pool.pool_index, block_size_tokens=self.B)
             R = pm.remote_total_blocks
         else:
             pm = match(keys[:m], T, rep.index, block_size_tokens=self.B)
@@ -91,44 +111,22 @@ class RequestLifecycle(Replicas):
         if holder is not None:  # how the peer's blocks would travel (PolicySet.pull_path), known before the load rule asks
             chunk = self.c.placement_chunk_blocks
             j0 = L + pm.remote_blocks[0]
-            req.pull_direct = self._pull_direct(rep, self._place(keys[j0 - j0 % chunk], rep), holder,
-                                                pm.remote_blocks[1] * self.block_bytes)
+            req.pull_direct = self.transfers.pull_direct(rep, self.pool.place(keys[j0 - j0 % chunk], rep), holder,
+                                                         pm.remote_blocks[1] * self.block_bytes)
         t0 = t + (self.c.lookup_s if ps.uses_pool else 0.0)
         k = 0
         s_ = 0
         if R:
-            load = ps.load
-            if load == "always":
-                k = R
-            elif load == "never":  # a pool that is written and never read (recompute-only has no pool, so never got here)
-                k = 0
-            elif load == "min-tokens":
-                k = R if R * self.B >= ps.min_load_tokens else 0
-            elif load == "admission":
-                ctl = self._ctl(rep)
-                assert ctl is not None
-                d = ctl.decide(pm, self._load_ctx(rep, keys, L, R, t, holder, req.pull_direct))
-                req.decision = d
-                k = d.load_blocks
-                s_ = d.split_blocks
-                if k:
-                    req.predicted_s = d.t_recompute_p50_s
-            elif load == "oracle":
-                k = self._oracle_k(rep, keys, L, R, req, pm.remote_blocks[0], holder)
-            else:  # a rule of your own (kvpolicy.protocols.LoadRule), on what the admission controller is told
-                k = self.load_rule.blocks_to_load(pm, self._load_ctx(rep, keys, L, R, t, holder, req.pull_direct))
-                if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= R:
-                    raise ConfigError("load", f"{load!r}.blocks_to_load answered {k!r} for {R} remote blocks: it must be an int in [0, {R}]")
-                k = int(k)
+            k, s_ = self.planner.plan(req, rep, pm, R, functools.partial(self._load_ctx, rep, keys, L, R, t, holder, req.pull_direct))
         if k < R:
             req.not_loaded = R - k
             req.not_loaded_reason = "declined"
         if k == 0:
             if ps.uses_pool and t0 > t:  # the directory lookup happens before the prefill is queued
                 req.reused = L
-                self._push(t0, READY, req)
+                self.loop.push(t0, READY, req)
             else:
-                self._enqueue(rep, req, t, L)
+                self.fleet.enqueue(rep, req, t, L)
             return
         # start the load of blocks [L+s, L+k)
         req.load = k
@@ -151,49 +149,49 @@ class RequestLifecycle(Replicas):
                 for key in gk:
                     held.pin(key)
                 if not req.pull_direct:
-                    self.writing.update(gk)
+                    self.pool.writing.update(gk)
         if req.predicted_s is None:
             req.predicted_s = self.c.dispatch_s + self.c.prefill_s(L * self.B, (L + k) * self.B) - self.c.prefill_a_s
-        self.loads += i >= self.judge_k
+        self.tally.loads += i >= self.tally.judge_k
         if ps.compute_while_loading:
             # the load runs from the back; a split plan queues for its prefill slot now (the GPU computes
             # the front meanwhile), a plain load waits for its bytes until its p95 prediction has passed
             req.cake = True
-            req.xfer = self._begin_read(rep, groups, t0, i, req.attempt, reverse=True, on_end=self._cake_load_end, payload=req,
-                                        vias=vias, direct=req.pull_direct)
+            req.xfer = self.transfers.begin_read(rep, groups, t0, i, req.attempt, reverse=True, on_end=self.overlap.load_end,
+                                                 payload=req, vias=vias, direct=req.pull_direct)
             req.reused = L
             after = req.decision.compute_after_s if req.decision is not None else 0.0
             if not after:
-                self._push(t0, READY, req)
+                self.loop.push(t0, READY, req)
             else:
                 req.waiting = True
-                self._push(t0 + after, SWITCH, req)
+                self.loop.push(t0 + after, SWITCH, req)
             return
-        req.xfer = self._begin_read(rep, groups, t0, i, req.attempt, reverse=False, on_end=self._req_load_end, payload=req, vias=vias,
-                                    direct=req.pull_direct)
+        req.xfer = self.transfers.begin_read(rep, groups, t0, i, req.attempt, reverse=False, on_end=self._req_load_end, payload=req,
+                                             vias=vias, direct=req.pull_direct)
         limit = math.inf
         if ps.timeout == "admission" and req.decision is not None and req.decision.soft_timeout_s is not None:
             limit = req.decision.soft_timeout_s
         elif ps.timeout == "sglang":
             limit = 1.0 + 0.25 * k * self.B / 1024
         if limit < self.c.transport_timeout_s:
-            self._push(t + limit, LOAD_TIMEOUT, req.xfer)
+            self.loop.push(t + limit, LOAD_TIMEOUT, req.xfer)
 
     def _load_ctx(self, rep: _Replica, keys: list[int], L: int, R: int, t: float, holder: _Replica | None = None,
                   direct: bool = False) -> AdmissionContext:
         """What a load rule is told of a request's R remote blocks starting at ``keys[L]``: the replica, the node that
         holds them (or, for blocks only a peer holds, the node they would pass through), the path's flows, the replica's
         queue and utilisation — the same for the admission controller and a rule of your own."""
-        src = self.where.get(keys[L])
+        src = self.pool.where.get(keys[L])
         via = None
         if src is None:  # the run starts with blocks a peer holds: the node the pull passes through
             chunk = self.c.placement_chunk_blocks
-            src = self._place(keys[L - L % chunk], rep)
+            src = self.pool.place(keys[L - L % chunk], rep)
             via = holder
         source = via.name if direct and via is not None else src.name  # a direct pull's source is the peer itself
         return AdmissionContext(block_bytes=self.block_bytes, replica=rep.name, source=source, active_decodes=rep.active,
-                                warming=t < rep.warming_until_s, path_flows_bytes=self._path_flows(rep, src, R * self.block_bytes, via, direct),
-                                queue_wait_s=self._queue_wait_s(rep, t), prefill_queue_requests=len(rep.queue),
+                                warming=t < rep.warming_until_s, path_flows_bytes=self.transfers.path_flows(rep, src, R * self.block_bytes, via, direct),
+                                queue_wait_s=rep.queue_wait_s(t), prefill_queue_requests=len(rep.queue),
                                 prefill_utilisation=rep.utilisation(t))
 
     def _load_groups(self, rep: _Replica, keys: list[int], L: int, k: int, pool_blocks: int,
@@ -201,7 +199,7 @@ class RequestLifecycle(Replicas):
         """The groups of a load of keys[L:L+k]: the pool's blocks by the node holding them, then the blocks pulled from
         ``holder`` by the node each placement chunk would be written to (as a publish places it)."""
         n_pool = min(k, pool_blocks)
-        groups = self._groups(keys[L:L + n_pool])
+        groups = self.pool.groups(keys[L:L + n_pool])
         vias: list[_Replica | None] = [None] * len(groups)
         if k > n_pool:
             assert holder is not None
@@ -209,7 +207,7 @@ class RequestLifecycle(Replicas):
             node = None
             for j in range(L + n_pool, L + k):
                 if node is None or j % chunk == 0:
-                    nxt = self._place(keys[j - j % chunk], rep)
+                    nxt = self.pool.place(keys[j - j % chunk], rep)
                     if nxt is not node or vias[-1] is None:
                         groups.append((nxt, []))
                         vias.append(holder)
@@ -217,60 +215,54 @@ class RequestLifecycle(Replicas):
                 groups[-1][1].append(keys[j])
         return groups, vias
 
-    def _oracle_k(self, rep: _Replica, keys: list[int], L: int, R: int, req: _Req, pool_blocks: int, holder: _Replica | None) -> int:
-        """Every block it finds — in the pool, or pulled from ``holder`` as any set's pull. The oracle is the bound on GPU
-        seconds saved, not on TTFT: a block loaded is a block not computed, and a load that fails is retried by the
-        client (its preset's ``failure="fail"``), which costs time, never GPU seconds — recomputing it would."""
-        return R
-
     def _req_load_end(self, load: _Load, t: float) -> None:
         req: _Req = load.payload
         end = t + (self.c.install_s_per_block * req.load if load.status == "ok" else 0.0)
-        self._push(end, LOAD_DONE, req)
+        self.loop.push(end, LOAD_DONE, req)
 
-    def _load_done(self, req: _Req, t: float) -> None:
+    def load_done(self, req: _Req, t: float) -> None:
         rep: _Replica = req.replica
         load = req.xfer
         assert load is not None
         status = load.status
-        self._release_leases(req)
+        release_leases(req)
         arrived = load.arrived_blocks(self.block_bytes)
         k = req.load
-        usable = self._record_outcome(req, load, status, arrived, t)
-        if self.controller is None or req.decision is None:
+        usable = self.planner.record_outcome(req, load, status, arrived, t)
+        if self.planner.controller is None or req.decision is None:
             usable = k if status == "ok" else 0  # the baselines use a load whole or not at all
-        self.bytes_unused += max(load.delivered_bytes() - usable * self.block_bytes, 0)
+        self.tally.bytes_unused += max(load.delivered_bytes() - usable * self.block_bytes, 0)
         keys = self.p.keys[req.i]
         L = req.local
         if usable:
             req.load_s = t - req.load_start_s
-            if req.i >= self.judge_k:
-                self.bytes_read += usable * self.block_bytes
+            if req.i >= self.tally.judge_k:
+                self.tally.bytes_read += usable * self.block_bytes
             for key in keys[L:L + usable]:
                 self.ledger.record_read(key)
             if usable < k:
                 req.not_loaded += k - usable
                 req.not_loaded_reason = "timeout" if status == "timeout" else "transfer_error"
                 req.load = usable
-            self._install(rep, req, keys, L, L + usable)
-            self._enqueue(rep, req, t, L + usable)
+            self.fleet.install(rep, req, keys, L, L + usable)
+            self.fleet.enqueue(rep, req, t, L + usable)
             return
         if self.ps.failure == "fail" and req.attempt < MAX_RETRIES:
             # the error surfaces to the client, which resubmits at once
-            self.retries += req.i >= self.judge_k
-            self._unpin(rep, req)
+            self.tally.retries += req.i >= self.tally.judge_k
+            self.fleet.unpin(rep, req)
             req.attempt += 1
-            self._push(t, ARRIVE, req)
+            self.loop.push(t, ARRIVE, req)
             return
         req.not_loaded += req.load
         req.not_loaded_reason = "timeout" if status == "timeout" else "transfer_error"
         req.load = 0
-        self._enqueue(rep, req, t, L)
+        self.fleet.enqueue(rep, req, t, L)
 
-    def _ready(self, req: _Req, t: float) -> None:
-        self._enqueue(req.replica, req, t, req.reused)
+    def ready(self, req: _Req, t: float) -> None:
+        self.fleet.enqueue(req.replica, req, t, req.reused)
 
-    def _prefill_done(self, req: _Req, t: float) -> None:
+    def prefill_done(self, req: _Req, t: float) -> None:
         p = self.p
         rep: _Replica = req.replica
         i = req.i
@@ -279,15 +271,15 @@ class RequestLifecycle(Replicas):
         rep.running.discard(req)
         T = p.input_tokens[i]
         rep.load_tokens -= req.queued_tokens
-        self.ttft[i] = t - req.first_arrival_s
-        ctl = self._ctl(rep)
+        self.tally.ttft[i] = t - req.first_arrival_s
+        ctl = self.planner.ctl(rep)
         if ctl is not None:  # the engine reports every request's TTFT: the controller's derived p95 target
             ctl.observe_ttft(t - req.first_arrival_s)
-        self.queue[i] = req.slot_s - req.queue_enter_s
-        self.completed[i] += 1
-        self.t_last = max(self.t_last, t)
+        self.tally.queue[i] = req.slot_s - req.queue_enter_s
+        self.tally.completed[i] += 1
+        self.tally.t_last = max(self.tally.t_last, t)
         keys = p.keys[i]
-        self._install(rep, req, keys, req.reused, len(keys))
+        self.fleet.install(rep, req, keys, req.reused, len(keys))
         m = p.matchable[i]
         used = req.local + req.split + req.load + req.not_loaded
         cls = p.request_class[i] if p.request_class else "default"
@@ -295,36 +287,36 @@ class RequestLifecycle(Replicas):
             prompt_tokens=T, block_size_tokens=self.B, local_blocks=req.local, remote_loaded_blocks=req.load,
             remote_not_loaded_blocks=req.not_loaded, not_loaded_reason=req.not_loaded_reason if req.not_loaded else None,
             missing_keys=tuple(keys[used:m]), request_class=cls, arrival_s=req.first_arrival_s, ttft_s=t - req.first_arrival_s,
-            prefill_s=req.prefill_s, load_s=req.load_s, queue_s=self.queue[i], predicted_recompute_s=req.predicted_s if req.load else None,
+            prefill_s=req.prefill_s, load_s=req.load_s, queue_s=self.tally.queue[i], predicted_recompute_s=req.predicted_s if req.load else None,
             load_attempted=req.load_attempted, stall_s=req.stall_s if self.ps.uses_pool else None, split_blocks=req.split,
             prefill_utilisation=rep.util,
         )
         self.ledger.record(rec)
-        self._publish(rep, req, keys, t)
+        self.pool.publish(rep, req, keys, t)
         rep.active += 1
         out = p.output_tokens[i]
         rep.decode_tokens += T + out
-        self._push(t + out / self.c.decode_tokens_per_s, DECODE_DONE, req)
-        self._start(rep, t)
+        self.loop.push(t + out / self.c.decode_tokens_per_s, DECODE_DONE, req)
+        self.fleet.start(rep, t)
 
-    def _decode_done(self, req: _Req, t: float) -> None:
+    def decode_done(self, req: _Req, t: float) -> None:
         rep: _Replica = req.replica
         rep.active -= 1
         rep.decode_tokens -= self.p.input_tokens[req.i] + self.p.output_tokens[req.i]
-        self._unpin(rep, req)
+        self.fleet.unpin(rep, req)
 
-    def _switch(self, req: _Req, t: float) -> None:
+    def switch(self, req: _Req, t: float) -> None:
         """A plain load (compute while loading) ran past its p95 prediction: wait on while the controller's rule says its
         bytes still come in time (checked once more at its limit), else compute from the front while it goes on."""
         if req.waiting and not req.rechecked and req.decision is not None and req.xfer is not None:
-            ctl = self._ctl(req.replica)
+            ctl = self.planner.ctl(req.replica)
             assert ctl is not None
-            self.net.sync(t)
+            self.transfers.net.sync(t)
             elapsed = t - req.load_start_s
-            if ctl.keep_waiting(req.decision, elapsed, self._arrival_s(req.xfer, req.load, t) - t):
+            if ctl.keep_waiting(req.decision, elapsed, self.transfers.arrival_s(req.xfer, req.load, t) - t):
                 req.rechecked = True
-                self._push(req.load_start_s + ctl.wait_limit_s(req.decision), SWITCH, req)
+                self.loop.push(req.load_start_s + ctl.wait_limit_s(req.decision), SWITCH, req)
                 return
         if req.waiting:
             req.waiting = False
-            self._enqueue(req.replica, req, t, req.local)
+            self.fleet.enqueue(req.replica, req, t, req.local)

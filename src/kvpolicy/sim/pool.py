@@ -1,9 +1,12 @@
-"""The pool: storage nodes, placement, publishing and writes (issue #48's rooms).
+"""The pool: storage nodes, placement, publishing and writes (issue #48's rooms; a room of its own since #61).
 
 The pool is a set of :class:`~kvpolicy.sim.world._Node`, each with its own eviction policy, and a directory ``where``
 (block key → node). A chunk of a chain is placed by rendezvous hashing (kvpolicy skips nodes whose breaker is open);
 after a request's prefill its blocks are offered to the publish filter, the write-admission gate cuts what would not
-beat its victim, and the rest travel as write flows; a write that lands evicts what its node's policy names.
+beat its victim, and the rest travel as write flows; a write that lands evicts what its node's policy names. The pool
+owns its nodes, its directory, the blocks being written, the publish filter and the write gate; it hears WRITE_DONE and
+WRITE_TIMEOUT, and the transfers room tells it what a relay pull passed through a node (:meth:`Pool.land_pull`). It
+starts its write flows on the network it is handed and asks the load planner's breakers where not to place a chunk.
 """
 
 from __future__ import annotations
@@ -17,39 +20,60 @@ from ..eviction.replay import make_policy
 from ..ledger import Ledger
 from ..publish import DuelingPublish, PublishRequest, make_filter
 from ..publish_sim import block_recompute_s
+from .config import ClusterConfig, Degrade
+from .events import EventLoop, _Clock
+from .planner import LoadPlanner
+from .policysets import PolicySet
+from .tally import Tally
 from ..write_admission import WriteAdmission, gate
 from .events import WRITE_DONE, WRITE_TIMEOUT
 from .network import Flow
 from .transfers import Transfers
-from .world import _mix, _Node, _Replica, _Req
+from .world import Prepared, _DictIndex, _mix, _Node, _Replica, _Req
 
 
-class Pool(Transfers):
+def cache_policy(name: str, capacity_bytes: int, clock: _Clock, oracle: TraceOracle | Any | None) -> Any:
+    """An eviction policy by name, on the run's clock (Belady's with the run's next-use oracle)."""
+    kw: dict[str, Any] = {}
+    if name in ("belady", "belady-bypass"):
+        kw["oracle"] = oracle
+    return make_policy(name, capacity_bytes, clock=clock, **kw)
+
+
+class Pool:
     """The storage nodes and what is written to them."""
 
-    B: int
-    nodes: list[_Node]
-    replicas: list[_Replica]
-    #: the pool's directory: which node holds each block
-    where: dict[int, _Node]
-    #: blocks with a write in flight (not written again meanwhile)
-    writing: set[int]
-    filter: Any
-    write_gate: WriteAdmission | None
-    write_priority: int
-    ledger: Ledger
-    t_judge: float
-    bytes_written: int
-    #: of bytes_written, what pulls from peers wrote (published on demand)
-    bytes_pulled: int
-    _oracle: TraceOracle | None
-    _oracle_pub: list[int] | None
-
-    def _policy(self, name: str, capacity_bytes: int) -> Any:
-        kw: dict[str, Any] = {}
-        if name in ("belady", "belady-bypass"):
-            kw["oracle"] = self._oracle
-        return make_policy(name, capacity_bytes, clock=self.clock, **kw)
+    def __init__(self, prepared: Prepared, cluster: ClusterConfig, policy_set: PolicySet, *, loop: EventLoop, transfers: Transfers,
+                 planner: LoadPlanner, tally: Tally, ledger: Ledger, oracle: TraceOracle | None, oracle_pub: list[int] | None,
+                 degrade: tuple[Degrade, ...] = ()) -> None:
+        self.p = prepared
+        self.c = cluster
+        self.ps = policy_set
+        self.loop = loop
+        self.transfers = transfers
+        self.planner = planner
+        self.tally = tally
+        self.ledger = ledger
+        self._oracle_pub = oracle_pub
+        self.B = prepared.block_size_tokens
+        self.block_bytes = cluster.block_bytes(self.B)
+        net = transfers.net
+        self.nodes = [_Node(j, cache_policy(policy_set.pool_eviction, cluster.pool_capacity_bytes_per_node, loop.clock, oracle),
+                            net.add_link(f"node-{j}.out", cluster.node_bandwidth_bytes_per_s),
+                            net.add_link(f"node-{j}.in", cluster.node_bandwidth_bytes_per_s)) for j in range(cluster.storage_nodes)]
+        for e in degrade:
+            self.nodes[e.node].windows.append(e)
+        #: the pool's directory: which node holds each block
+        self.where: dict[int, _Node] = {}
+        self.pool_index = _DictIndex(self.where, "pool")
+        #: blocks with a write in flight (not written again meanwhile)
+        self.writing: set[int] = set()
+        self.write_priority = 1 if cluster.publish_priority == "background" else 0
+        self.filter = self._make_filter()
+        self.write_gate: WriteAdmission | None = None
+        if policy_set.write_admission == "tinylfu" and policy_set.uses_pool:
+            blocks_per_node = cluster.pool_capacity_bytes_per_node // self.block_bytes
+            self.write_gate = WriteAdmission(capacity_blocks=max(blocks_per_node * cluster.storage_nodes, 1))
 
     def _make_filter(self) -> Any:
         spec = self.ps.publish
@@ -59,7 +83,7 @@ class Pool(Transfers):
             return make_filter(spec)
         if spec.startswith("boundary+") and self.p.boundary is None:
             spec = spec[len("boundary+"):]  # the trace marks no boundary: the reuse filter alone
-        n = len(self.replicas)
+        n = self.c.replicas  # the replicas the cluster starts with
         cross = (n - 1) / n if self.c.router not in ("prefix-affinity", "kv-overlap") else 0.1
         pool_blocks = self.c.storage_nodes * (self.c.pool_capacity_bytes_per_node // self.block_bytes)
         c = self.c
@@ -78,22 +102,22 @@ class Pool(Transfers):
         for chain in chains:
             chain = [int(k) for k in chain]
             for j in range(0, len(chain), chunk):
-                node = self._place(chain[j])
-                self._write_done((node, chain[j:j + chunk], chain, "default"), 0.0)
-        self.bytes_written = 0
+                node = self.place(chain[j])
+                self.write_done((node, chain[j:j + chunk], chain, "default"), 0.0)
+        self.tally.bytes_written = 0
         self.ledger.clear_flow("write")
         return len(self.where)
 
     def _healthy(self, node: _Node, rep: _Replica | None = None) -> bool:
         """Whether ``node``'s breaker is closed — in ``rep``'s controller (the cluster's, or the first replica's
         when none is named)."""
-        ctl = self._ctl(rep) if rep is not None else self.controller
+        ctl = self.planner.ctl(rep)
         if ctl is None:
             return True
         b = ctl.breakers.get(node.name)
         return b is None or b.state == "closed"
 
-    def _place(self, chunk_key: int, rep: _Replica | None = None) -> _Node:
+    def place(self, chunk_key: int, rep: _Replica | None = None) -> _Node:
         """Rendezvous placement of a chunk; kvpolicy skips nodes whose breaker is open (in the writer's controller)."""
         mix = _mix
         order = sorted(self.nodes, key=lambda n: -mix((chunk_key * 0x9E3779B1) ^ mix(n.idx + 7)))
@@ -103,7 +127,7 @@ class Pool(Transfers):
                     return n
         return order[0]
 
-    def _groups(self, keys: list[int]) -> list[tuple[_Node, list[int]]]:
+    def groups(self, keys: list[int]) -> list[tuple[_Node, list[int]]]:
         out: list[tuple[_Node, list[int]]] = []
         where = self.where
         for k in keys:
@@ -114,7 +138,7 @@ class Pool(Transfers):
                 out.append((n, [k]))
         return out
 
-    def _publish(self, rep: _Replica, req: _Req, keys: list[int], t: float) -> None:
+    def publish(self, rep: _Replica, req: _Req, keys: list[int], t: float) -> None:
         ps = self.ps
         if not ps.uses_pool or not keys:
             return
@@ -125,7 +149,7 @@ class Pool(Transfers):
             n = self._oracle_pub[i]
         else:
             f = self.filter
-            util = self._util
+            util = self.transfers.util
             pool_in = sum(util.get(n.inn.name, 0.0) for n in self.nodes) / len(self.nodes)
             preq = PublishRequest(request_id=(i, req.attempt), num_tokens=p.input_tokens[i], block_size_tokens=self.B, time_s=t,
                                   tenant=p.tenant[i] if p.tenant else "default", boundary_tokens=p.boundary[i] if p.boundary else None,
@@ -161,7 +185,7 @@ class Pool(Transfers):
             if key in writing:
                 continue
             if target is None:
-                target = self._place(keys[j - j % chunk], rep)
+                target = self.place(keys[j - j % chunk], rep)
             if target is node:
                 continue
             batches.setdefault(target, []).append(key)
@@ -176,10 +200,10 @@ class Pool(Transfers):
             nbytes = len(todo) * self.block_bytes
             writing.update(todo)
             path = (rep.out, node.inn) if rep.stage is None else (rep.stage, rep.out, node.inn)  # the staging copy carries both directions
-            f = self.net.start(t, path, nbytes, priority=self.write_priority, latency_s=c.transfer_overhead_s,
+            f = self.transfers.net.start(t, path, nbytes, priority=self.write_priority, latency_s=c.transfer_overhead_s,
                                payload=(node, todo, keys, cls), on_done=self._write_flow_end)
-            self._push(t + c.transport_timeout_s, WRITE_TIMEOUT, f)  # a write still moving then never lands
-        self._net_changed()
+            self.loop.push(t + c.transport_timeout_s, WRITE_TIMEOUT, f)  # a write still moving then never lands
+        self.transfers.net_changed()
 
     def _gate_writes(self, batches: dict[_Node, list[int]], order: list[tuple[int, _Node]]) -> dict[_Node, list[int]]:
         """A write into a full node must beat the block it would displace there (TinyLFU, ``write_admission``): each
@@ -203,9 +227,9 @@ class Pool(Transfers):
         return {node: batches[node][:c] for node, c in count.items()}
 
     def _write_flow_end(self, f: Flow, t: float) -> None:
-        self._push(t, WRITE_DONE, f.payload)
+        self.loop.push(t, WRITE_DONE, f.payload)
 
-    def _land_pull(self, load: Any, j: int, moved_bytes: float, t: float) -> None:
+    def land_pull(self, load: Any, j: int, moved_bytes: float, t: float) -> None:
         """A pull's relay flow through its node ended: the node keeps the whole blocks that passed (in transfer order:
         the group's leading blocks, or its trailing ones for a load from the back) — written as a publish would write
         them, counted as bytes written; the rest are free to be written again."""
@@ -217,10 +241,10 @@ class Pool(Transfers):
             req = load.payload
             p = self.p
             n = self._land((node, landed, p.keys[req.i], p.request_class[req.i] if p.request_class else "default"), t)
-            if t >= self.t_judge:
-                self.bytes_pulled += n * self.block_bytes
+            if t >= self.tally.t_judge:
+                self.tally.bytes_pulled += n * self.block_bytes
 
-    def _write_done(self, item: tuple[_Node, list[int], list[int], str], t: float) -> None:
+    def write_done(self, item: tuple[_Node, list[int], list[int], str], t: float) -> None:
         self._land(item, t)
 
     def _land(self, item: tuple[_Node, list[int], list[int], str], t: float) -> int:
@@ -233,7 +257,7 @@ class Pool(Transfers):
         pos = {k: j for j, k in enumerate(chain)}
         for key in todo:
             self.writing.discard(key)
-        rho = min(self._util.get(node.inn.name, 0.0), 0.99)
+        rho = min(self.transfers.util.get(node.inn.name, 0.0), 0.99)
         congestion = rho / (1.0 - rho)  # the write's shadow price: the delay it imposed on its node's ingress (ledger P_write)
         n = 0
         for key in todo:
@@ -255,14 +279,14 @@ class Pool(Transfers):
             pol.on_insert(key, bb, parent)
             where[key] = node
             n += 1
-            if t >= self.t_judge:
-                self.bytes_written += bb
+            if t >= self.tally.t_judge:
+                self.tally.bytes_written += bb
             self.ledger.record_write(key, t, bb, tier=node.name, request_class=cls, congestion=congestion)
         return n
 
-    def _write_timeout(self, f: Flow, t: float) -> None:
+    def write_timeout(self, f: Flow, t: float) -> None:
         """A write still moving ``transport_timeout_s`` after it was issued never lands."""
         if f.alive:
-            self.net.cancel(t, f)
+            self.transfers.net.cancel(t, f)
             self.writing.difference_update(f.payload[1])
-            self._net_changed()
+            self.transfers.net_changed()

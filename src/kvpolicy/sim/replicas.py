@@ -1,57 +1,116 @@
-"""Replicas: routing, prefill slots, local caches, scale-out and warmup (issue #48's rooms).
+"""Replicas: routing, prefill slots, local caches, scale-out and warmup (issue #48's rooms; a room of its own since #61).
 
 Each :class:`~kvpolicy.sim.world._Replica` has ``prefill_slots`` GPU slots fed from a FIFO queue, a local cache (an
 eviction policy over a resident prefix tree, blocks pinned while a request uses them) and its NIC's links. The router
 picks a replica per attempt; a scale-out adds empty replicas, and the warmup planner fills them from the pool in the
-background class.
+background class. The room owns the replicas and the router's state; it hears SCALE_OUT and WARM_DONE, starts prefills
+(handing a request that computes while it loads to that room), asks the pool what it holds for warmup and reads it
+through the transfers room.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..errors import CapacityError
+from ..eviction.policies import TraceOracle
 from ..eviction.replay import make_policy
+from ..ledger import Ledger
 from ..warmup import WarmupConfig, hot_prefixes_from_trace, plan_warmup
-from .config import Degrade, ScaleOut
-from .events import PREFILL_DONE, WARM_DONE
+from .config import ClusterConfig, Degrade, ScaleOut
+from .events import PREFILL_DONE, WARM_DONE, EventLoop, _Clock
+from .network import FlowNetwork
 from .overlap import ComputeWhileLoading
-from .world import STATIC_ROUTERS, _DictIndex, _Load, _mix, _Replica, _ReplicaOracle, _Req, _unit
+from .planner import LoadPlanner
+from .policysets import PolicySet
+from .pool import Pool, cache_policy
+from .tally import Tally
+from .transfers import Transfers
+from .world import STATIC_ROUTERS, Prepared, _Load, _mix, _Replica, _ReplicaOracle, _Req, _unit
 
 
-class Replicas(ComputeWhileLoading):
+def new_replica(idx: int, cluster: ClusterConfig, local_eviction: str, net: FlowNetwork, clock: _Clock, oracle: TraceOracle | None,
+                local_oracles: dict[int, _ReplicaOracle] | None) -> _Replica:
+    """Replica ``idx``: an empty local cache under ``local_eviction`` (Belady's ranks by the next use on this replica when
+    the routes are known), its prefill slots and its NIC's links on ``net``."""
+    c = cluster
+    if local_oracles is not None:
+        own = local_oracles.get(idx) or _ReplicaOracle({}, oracle)
+        cache = make_policy("belady", c.local_capacity_bytes, clock=clock, oracle=own)
+    else:
+        cache = cache_policy(local_eviction, c.local_capacity_bytes, clock, oracle)
+    stage = net.add_link(f"replica-{idx}.stage", c.stage_bytes_per_s) if c.stage_bytes_per_s else None
+    return _Replica(idx, cache, c.prefill_slots, net.add_link(f"replica-{idx}.in", c.replica_bandwidth_bytes_per_s),
+                    net.add_link(f"replica-{idx}.out", c.replica_bandwidth_bytes_per_s), stage)
+
+
+def static_pick(prepared: Prepared, cluster: ClusterConfig, seed: int, i: int, attempt: int, n_replicas: int, rr: int) -> int:
+    """Replica index for the routers that do not look at replica state."""
+    kind = cluster.router
+    if kind == "round-robin":
+        return rr % n_replicas
+    if kind == "random":
+        return int(_unit(seed, i, attempt, 17) * n_replicas)
+    keys = prepared.keys[i]  # prefix-affinity: rendezvous hash of the first k blocks' chain id
+    k = min(len(keys), cluster.affinity_blocks)
+    h = keys[k - 1] if k else (1 << 40) + prepared.partial[i]
+    return max(range(n_replicas), key=lambda x: _mix((h * 1000003) ^ _mix(x + seed)))
+
+
+def static_routes(prepared: Prepared, cluster: ClusterConfig, events: tuple[Any, ...], seed: int) -> np.ndarray | None:
+    """Every request's replica when the router ignores replica state (round-robin, random,
+    prefix-affinity) and no request is retried — what the oracle may know in hindsight."""
+    if cluster.router not in STATIC_ROUTERS:
+        return None
+    outs = sorted((e for e in events if isinstance(e, ScaleOut)), key=lambda e: e.t_s)
+    n, k = cluster.replicas, 0
+    out = np.empty(len(prepared.arrival_s), dtype=np.int64)
+    for i, t in enumerate(prepared.arrival_s):
+        while k < len(outs) and outs[k].t_s < t:  # on a tie the arrival is handled first
+            n += outs[k].replicas
+            k += 1
+        out[i] = static_pick(prepared, cluster, seed, i, 0, n, i)
+    return out
+
+
+class Replicas:
     """The serving replicas and their GPUs."""
 
-    events: tuple[ScaleOut | Degrade, ...]
-    pool_index: _DictIndex
-    n_arrived: int
-    _rr: int
-    _local_oracles: dict[int, _ReplicaOracle] | None
-    warmup_bytes: int
-    warm_loads: int
-    warm_loads_ok: int
-    warm_loads_failed: int
-    warm_loads_timeout: int
+    def __init__(self, prepared: Prepared, cluster: ClusterConfig, policy_set: PolicySet, replicas: list[_Replica], *, seed: int,
+                 loop: EventLoop, transfers: Transfers, pool: Pool, overlap: ComputeWhileLoading, planner: LoadPlanner, tally: Tally,
+                 ledger: Ledger, oracle: TraceOracle | None, local_oracles: dict[int, _ReplicaOracle] | None) -> None:
+        self.p = prepared
+        self.c = cluster
+        self.ps = policy_set
+        self.seed = seed
+        self.loop = loop
+        self.transfers = transfers
+        self.pool = pool
+        self.overlap = overlap
+        self.planner = planner
+        self.tally = tally
+        self.ledger = ledger
+        self._oracle = oracle
+        self._local_oracles = local_oracles
+        self.B = prepared.block_size_tokens
+        self.block_bytes = cluster.block_bytes(self.B)
+        self.replicas = replicas
+        self._rr = 0
+        #: the highest request index that has arrived (what a scale-out's warmup planner has seen)
+        self.n_arrived = -1
 
-    def _new_replica(self, idx: int) -> _Replica:
-        if self._local_oracles is not None:
-            oracle = self._local_oracles.get(idx) or _ReplicaOracle({}, self._oracle)
-            cache = make_policy("belady", self.c.local_capacity_bytes, clock=self.clock, oracle=oracle)
-        else:
-            cache = self._policy(self.ps.local_eviction, self.c.local_capacity_bytes)
-        c = self.c
-        net = self.net
-        stage = net.add_link(f"replica-{idx}.stage", c.stage_bytes_per_s) if c.stage_bytes_per_s else None
-        return _Replica(idx, cache, c.prefill_slots, net.add_link(f"replica-{idx}.in", c.replica_bandwidth_bytes_per_s),
-                        net.add_link(f"replica-{idx}.out", c.replica_bandwidth_bytes_per_s), stage)
-
-    def _route(self, req: _Req, t: float) -> _Replica:
+    def route(self, req: _Req, t: float) -> _Replica:
+        """The replica for this attempt of ``req`` (the cluster's router; a warming replica passes repeating requests on)."""
+        if req.i > self.n_arrived:
+            self.n_arrived = req.i
         reps = self.replicas
         c = self.c
         kind = c.router
         keys = self.p.keys[req.i]
         if kind in STATIC_ROUTERS:
-            r = reps[self._static_pick(req.i, req.attempt, len(reps), self._rr)]
+            r = reps[static_pick(self.p, c, self.seed, req.i, req.attempt, len(reps), self._rr)]
             self._rr += 1
         elif kind == "least-loaded":
             r = min(reps, key=lambda x: (x.load_tokens, x.idx))
@@ -66,48 +125,13 @@ class Replicas(ComputeWhileLoading):
                     best = (cost, x)
             assert best is not None
             r = best[1]
-        if self.ps.warmup and t < r.warming_until_s and keys and keys[0] in self.where and keys[0] not in r.cache.nodes:
+        if self.ps.warmup and t < r.warming_until_s and keys and keys[0] in self.pool.where and keys[0] not in r.cache.nodes:
             warm = [x for x in reps if t >= x.warming_until_s]
             if warm:  # rule 2: repeating requests go to warm replicas while this one warms
                 r = min(warm, key=lambda x: (x.load_tokens, x.idx))
         return r
 
-    def _static_pick(self, i: int, attempt: int, n_replicas: int, rr: int) -> int:
-        """Replica index for the routers that do not look at replica state."""
-        kind = self.c.router
-        if kind == "round-robin":
-            return rr % n_replicas
-        if kind == "random":
-            return int(_unit(self.seed, i, attempt, 17) * n_replicas)
-        keys = self.p.keys[i]  # prefix-affinity: rendezvous hash of the first k blocks' chain id
-        k = min(len(keys), self.c.affinity_blocks)
-        h = keys[k - 1] if k else (1 << 40) + self.p.partial[i]
-        return max(range(n_replicas), key=lambda x: _mix((h * 1000003) ^ _mix(x + self.seed)))
-
-    def static_routes(self) -> np.ndarray | None:
-        """Every request's replica when the router ignores replica state (round-robin, random,
-        prefix-affinity) and no request is retried — what the oracle may know in hindsight."""
-        if self.c.router not in STATIC_ROUTERS:
-            return None
-        outs = sorted((e for e in self.events if isinstance(e, ScaleOut)), key=lambda e: e.t_s)
-        n, k = self.c.replicas, 0
-        out = np.empty(len(self.p.arrival_s), dtype=np.int64)
-        for i, t in enumerate(self.p.arrival_s):
-            while k < len(outs) and outs[k].t_s < t:  # on a tie the arrival is handled first
-                n += outs[k].replicas
-                k += 1
-            out[i] = self._static_pick(i, 0, n, i)
-        return out
-
-    def _queue_wait_s(self, rep: _Replica, t: float) -> float:
-        """What the replica's scheduler knows: predicted seconds before a new prefill could start."""
-        slots = self.c.prefill_slots
-        if rep.free_slots > 0 and not rep.queue:
-            return 0.0
-        running = min((max(r.job_end_s - t, 0.0) for r in rep.running), default=0.0)
-        return running + rep.queued_s / slots
-
-    def _install(self, rep: _Replica, req: _Req, keys: list[int], start: int, end: int) -> None:
+    def install(self, rep: _Replica, req: _Req, keys: list[int], start: int, end: int) -> None:
         """Insert keys[start:end] into the local cache (pinned for this request); stop at the first that does not fit
         (its parent missing, no room, refused)."""
         cache = rep.cache
@@ -128,11 +152,11 @@ class Replicas(ComputeWhileLoading):
                 return
             j = stop
 
-    def _unpin(self, rep: _Replica, req: _Req) -> None:
+    def unpin(self, rep: _Replica, req: _Req) -> None:
         rep.cache.unpin_all(req.pinned)
         req.pinned = []
 
-    def _enqueue(self, rep: _Replica, req: _Req, t: float, reused_blocks: int) -> None:
+    def enqueue(self, rep: _Replica, req: _Req, t: float, reused_blocks: int) -> None:
         req.reused = reused_blocks
         req.queue_enter_s = t
         rep.queue.append(req)
@@ -142,9 +166,9 @@ class Replicas(ComputeWhileLoading):
         req.queued_pred_s = self.c.dispatch_s + self.c.prefill_s(expect * self.B, T)
         rep.load_tokens += req.queued_tokens
         rep.queued_s += req.queued_pred_s
-        self._start(rep, t)
+        self.start(rep, t)
 
-    def _start(self, rep: _Replica, t: float) -> None:
+    def start(self, rep: _Replica, t: float) -> None:
         c = self.c
         while rep.free_slots > 0 and rep.queue:
             req = rep.queue.popleft()
@@ -157,29 +181,30 @@ class Replicas(ComputeWhileLoading):
             req.slot_s = t + debt
             if req.cake and load is not None:
                 if not load.ended:  # the GPU prefills the range from the front while it loads from the back
-                    self.cake_in_slot[req] = None
-                    self._cake_schedule(req, t)
+                    self.overlap.in_slot[req] = None
+                    self.overlap.schedule(req, t)
                     continue
                 m = min(load.arrived_blocks(self.block_bytes), req.load)
-                self._cake_finish(req, m, req.slot_s + self._front_s(req, req.local, req.load - m))
+                self.overlap.finish(req, m, req.slot_s + self.overlap.front_s(req, req.local, req.load - m))
                 continue
             T = self.p.input_tokens[req.i]
-            k = self._k(req)
+            k = self.overlap.k(req)
             dur = c.dispatch_s + k * c.prefill_s(req.reused * self.B, T)
             req.prefill_s = dur
-            self.prefill_per[req.i] += dur
-            if req.i >= self.judge_k:
-                self.gpu_prefill_s += dur
-            ctl = self._ctl(rep)
+            self.tally.prefill_per[req.i] += dur
+            if req.i >= self.tally.judge_k:
+                self.tally.gpu_prefill_s += dur
+            ctl = self.planner.ctl(rep)
             if ctl is not None and self.ps.learn_compute:  # the engine times its prefill: the controller learns the real compute
                 start = req.reused * self.B
                 ctl.model.observe_prefill(start, T - start, k * c.compute_factor * float(c.prefill.marginal_s(start, T)))
             req.job_end_s = t + dur + debt
-            self._push(t + dur + debt, PREFILL_DONE, req)
+            self.loop.push(t + dur + debt, PREFILL_DONE, req)
 
-    def _scale_out(self, ev: ScaleOut, t: float) -> None:
+    def scale_out(self, ev: ScaleOut, t: float) -> None:
         start = len(self.replicas)
-        new = [self._new_replica(start + j) for j in range(ev.replicas)]
+        new = [new_replica(start + j, self.c, self.ps.local_eviction, self.transfers.net, self.loop.clock, self._oracle, self._local_oracles)
+               for j in range(ev.replicas)]
         self.replicas.extend(new)
         if not self.ps.warmup:
             return
@@ -191,14 +216,14 @@ class Replicas(ComputeWhileLoading):
         hot = hot_prefixes_from_trace(seen, bytes_per_token=c.bytes_per_token, recompute_s=lambda tok: c.prefill_s(0, int(tok)))
         bw = min(c.node_bandwidth_bytes_per_s * c.storage_nodes, c.replica_bandwidth_bytes_per_s * ev.replicas)
         plan = plan_warmup(hot, WarmupConfig(replicas=ev.replicas, window_s=c.warmup_window_s, bandwidth_bytes_per_s=max(bw, 1e-3),
-                                             current_load_bytes_per_s=min(self.bytes_read / max(t, 1.0), bw * 0.5)))
+                                             current_load_bytes_per_s=min(self.tally.bytes_read / max(t, 1.0), bw * 0.5)))
         chains = {h.prefix: tuple(back[b] for b in h.blocks) for h in hot}
         for j, r in enumerate(new):
             ready = plan.ready_at_s.get(j)
             r.warming_until_s = t + (ready if ready is not None else c.warmup_window_s)
         for load in plan.schedule:
             new[load.replica].warm_left += 1
-            self._push(t + load.start_s, WARM_DONE, ("start", new[load.replica], chains[load.prefix]))
+            self.loop.push(t + load.start_s, WARM_DONE, ("start", new[load.replica], chains[load.prefix]))
 
     def _warm_step_done(self, rep: _Replica, t: float) -> None:
         """Readiness is what the replica holds, not a predicted time: once its last planned warmup
@@ -210,36 +235,36 @@ class Replicas(ComputeWhileLoading):
     def _warm_load_end(self, load: _Load, t: float) -> None:
         rep, chain, have = load.payload
         got = load.arrived_blocks(self.block_bytes)  # a warm load that ran out of time still keeps its leading blocks
-        self.bytes_unused += max(load.delivered_bytes() - got * self.block_bytes, 0)
-        self._push(t, WARM_DONE, (load.status, rep, chain[:have + got], have))
+        self.tally.bytes_unused += max(load.delivered_bytes() - got * self.block_bytes, 0)
+        self.loop.push(t, WARM_DONE, (load.status, rep, chain[:have + got], have))
 
-    def _warm_done(self, item: tuple, t: float) -> None:
+    def warm_done(self, item: tuple, t: float) -> None:
         phase, rep, chain = item[:3]
         if phase == "start":
-            run = self.pool_index.match_prefix(list(chain))  # only what the pool holds can be warmed
+            run = self.pool.pool_index.match_prefix(list(chain))  # only what the pool holds can be warmed
             have = rep.index.match_prefix(list(chain))
             if run <= have:
                 self._warm_step_done(rep, t)
                 return
             ks = list(chain[have:run])
-            self.warm_loads += 1
+            self.tally.warm_loads += 1
             # warming is bulk work in the background class: it takes only what serving traffic leaves
-            self._begin_read(rep, self._groups(ks), t, -1 - rep.idx, len(ks) + have, reverse=False, on_end=self._warm_load_end,
-                             payload=(rep, chain[:run], have), priority=1)
+            self.transfers.begin_read(rep, self.pool.groups(ks), t, -1 - rep.idx, len(ks) + have, reverse=False, on_end=self._warm_load_end,
+                                     payload=(rep, chain[:run], have), priority=1)
             return
         self._warm_step_done(rep, t)
         if phase == "ok":
-            self.warm_loads_ok += 1
+            self.tally.warm_loads_ok += 1
         elif phase == "timeout":
-            self.warm_loads_timeout += 1
+            self.tally.warm_loads_timeout += 1
         else:
-            self.warm_loads_failed += 1
+            self.tally.warm_loads_failed += 1
         cache = rep.cache
         bb = self.block_bytes
         sent = (len(chain) - item[3]) * bb if len(item) > 3 else 0  # type: ignore[misc]
-        if t >= self.t_judge:
-            self.bytes_read += sent
-            self.warmup_bytes += sent
+        if t >= self.tally.t_judge:
+            self.tally.bytes_read += sent
+            self.tally.warmup_bytes += sent
         self.ledger.record_replication(t, sent)
         for j, key in enumerate(chain):
             if key in cache.nodes:

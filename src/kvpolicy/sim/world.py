@@ -252,6 +252,16 @@ class _Req:
         self.waiting = False  # a plain load (compute while loading) not yet queued for its slot
 
 
+def release_leases(req: _Req) -> None:
+    """Let go of what a request's load held: the pool's blocks it leased, or a peer's copy a pull held."""
+    for (node, gk), via in zip(req.load_groups, req.load_vias):
+        pol = node.policy if via is None else via.cache  # a pull held the peer's copy
+        for key in gk:
+            pol.unpin(key)
+    req.load_groups = []
+    req.load_vias = []
+
+
 class _Load:
     """One multi-node read in flight: a flow per storage node holding a part of the range. A group pulled from a peer
     (``vias[j]`` a replica) is one relay flow through its node: the peer's egress, the node's ingress and egress, this
@@ -324,6 +334,13 @@ class _Replica:
         self.bytes_in = 0
         self.queued_s = 0.0  # predicted GPU seconds of the requests waiting for a slot
         self.running: set[_Req] = set()
+
+    def queue_wait_s(self, t: float) -> float:
+        """What the replica's scheduler knows: predicted seconds before a new prefill could start."""
+        if self.free_slots > 0 and not self.queue:
+            return 0.0
+        running = min((max(r.job_end_s - t, 0.0) for r in self.running), default=0.0)
+        return running + self.queued_s / self.slots
 
     def utilisation(self, t: float) -> float:
         """The busy share of the prefill slots over the last ``UTIL_WINDOW_S`` (exponentially weighted), up to ``t``:
