@@ -264,38 +264,38 @@ def test_the_leader_changes_only_when_a_mini_simulation_scores_higher_and_decays
     p = AdaptivePolicy(8, clock=ManualClock(), decay=0.5, **{k: v for k, v in FAST.items() if k != "interval"}, interval=3)
     assert p.leader == "hit-density"
     p._since_requests, p._since_events = 1, 10**6  # the next request is not the one that recomputes the densities
-    p._window_hits = [5, 9, 3]
+    p.mini._window_hits = [5, 9, 3]
     p._begin()
     assert p.leader == "hit-density" and p.scores == [0.0, 0.0, 0.0]
     p._since_requests = 2  # it is: the window is scored first
     p._begin()
-    assert p.scores == [5.0, 9.0, 3.0] and p.leader == "lru" and p._window_hits == [0, 0, 0]
-    p._window_hits = [0, 0, 11]
+    assert p.scores == [5.0, 9.0, 3.0] and p.leader == "lru" and p.mini._window_hits == [0, 0, 0]
+    p.mini._window_hits = [0, 0, 11]
     p._begin()
     assert p.scores == [2.5, 4.5, 12.5] and p.leader == "lfu"
-    p._window_hits = [10, 0, 0]  # 12.5 vs lfu's 6.25: higher
+    p.mini._window_hits = [10, 0, 0]  # 12.5 vs lfu's 6.25: higher
     p._begin()
     assert p.leader == "hit-density"
-    p.scores, p._window_hits = [0.0, 0.0, 0.0], [3, 3, 3]  # a tie keeps the leader
+    p.scores, p.mini._window_hits = [0.0, 0.0, 0.0], [3, 3, 3]  # a tie keeps the leader
     p._executing = 1
     p._begin()
     assert p.leader == "lru"
     pinned = AdaptivePolicy(8, clock=ManualClock(), expert="lfu", **FAST)
-    pinned._since_requests, pinned._since_events, pinned._window_hits = 10**6, 10**6, [9, 0, 0]
+    pinned._since_requests, pinned._since_events, pinned.mini._window_hits = 10**6, 10**6, [9, 0, 0]
     pinned._begin()
     assert pinned.scores == [9.0, 0.0, 0.0] and pinned.leader == "lfu"  # judged, but the pin holds
 
 
 def test_until_the_densities_are_first_computed_it_judges_every_interval_requests():
     p = AdaptivePolicy(8, clock=ManualClock(), **{k: v for k, v in FAST.items() if k != "interval"}, interval=3)
-    p._window_hits = [0, 0, 4]
+    p.mini._window_hits = [0, 0, 4]
     p._begin()
     p._begin()
     assert p.leader == "hit-density" and p.scores == [0.0, 0.0, 0.0]  # nothing learned, no uses seen: only the count
     p._begin()  # the third request since: judged
     assert p.scores == [0.0, 0.0, 4.0] and p.leader == "lfu"
     p.learned = True  # once computed, only a request that recomputes them is judged
-    p._window_hits = [7, 0, 0]
+    p.mini._window_hits = [7, 0, 0]
     for _ in range(5):
         p._begin()
     assert p.scores == [0.0, 0.0, 4.0] and p.leader == "lfu"

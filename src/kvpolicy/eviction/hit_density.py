@@ -334,32 +334,30 @@ class AdaptivePolicy(HitDensityPolicy):
     def __init__(self, capacity_bytes: int, *, expert: str | None = None, sample_rate: float | None = None, **kw: Any) -> None:
         if expert is not None and expert not in self.EXPERTS:
             raise ConfigError("expert", f"must be one of {', '.join(self.EXPERTS)} (or None: the mini-simulations pick), got {expert!r}")
-        self._auto_rate = sample_rate is None
+        auto_rate = sample_rate is None
         if sample_rate is None:
             sample_rate = self.default_sample_rate(capacity_bytes)
         if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
             raise ConfigError("sample_rate", f"must be a number in (0, 1], got {sample_rate!r}")
         super().__init__(capacity_bytes, **kw)
         self.expert = expert
-        self.sample_rate = float(sample_rate)
-        self.seed = self._rng
-        self._bound = int(self.sample_rate * 2**64)
-        self._judged_capacity_bytes = capacity_bytes  # kept: an engine's mirror raises capacity_bytes (never evicts itself)
-        self.mini_capacity_bytes = round(capacity_bytes * self.sample_rate)
-        knobs = {"samples": self.samples, "bins": self.bins, "span": self.span, "interval": self.interval, "decay": self.decay, "seed": self.seed}
-        self.mini_sims = [_MiniSim(self.mini_capacity_bytes, self, q, clock=ManualClock(), **knobs) for q in range(3)]
+        knobs = {"samples": self.samples, "bins": self.bins, "span": self.span, "interval": self.interval, "decay": self.decay, "seed": self._rng}
+        #: the three experts' mini-simulations: which keys they see, what they hit since the last judging
+        self.mini = _MiniSims(capacity_bytes, float(sample_rate), auto_rate, self._rng, self, knobs, min_nodes=self.MIN_MINI_CAPACITY)
         self._executing = self.EXPERTS.index(expert) if expert else 0
         self.evictions_by_expert = [0, 0, 0]
         self.scores = [0.0, 0.0, 0.0]  # each mini-simulation's hits, decayed a window
-        self.mini_hits = [0, 0, 0]
-        self.mini_refs = 0
-        self.mini_ref_bytes = 0
-        self._window_hits = [0, 0, 0]
         self._since_judge = 0  # requests since the last judging
-        # this request's sampled blocks, as the mini-simulations replay them: (key, size, its nearest sampled ancestor, time)
-        self._pending: list[tuple[Hashable, int, Hashable | None, float]] = []
-        self._pending_set: set[Hashable] = set()
         self._admitted_root: Any = _NONE
+
+    # the mini-simulations' figures, as this policy's (what the kernels and the reports read)
+    seed = property(lambda self: self.mini.seed, doc="the seed of the sampled keys (the policy's own)")
+    sample_rate = property(lambda self: self.mini.sample_rate, doc="the share of the keys the mini-simulations replay")
+    mini_capacity_bytes = property(lambda self: self.mini.capacity_bytes, doc="each mini-simulation's capacity")
+    mini_sims = property(lambda self: self.mini.sims, doc="the three mini-simulations, in EXPERTS order")
+    mini_hits = property(lambda self: self.mini.hits, doc="bytes each mini-simulation hit")
+    mini_refs = property(lambda self: self.mini.refs, doc="references the mini-simulations replayed")
+    mini_ref_bytes = property(lambda self: self.mini.ref_bytes, doc="bytes the mini-simulations replayed")
 
     @property
     def leader(self) -> str:
@@ -368,7 +366,7 @@ class AdaptivePolicy(HitDensityPolicy):
 
     def is_sampled(self, key: Hashable) -> bool:
         """Does the mini-simulation see ``key``? (:func:`~kvpolicy.eviction.kernels.sampled_ids` for a range of int ids.)"""
-        return self._bound >= 2**64 or splitmix64(key_bits(key) ^ self.seed)[1] < self._bound
+        return self.mini.is_sampled(key)
 
     @staticmethod
     def judge_stats(evictions_by_expert: list[int], mini_hits: list[int], mini_refs: int, mini_ref_bytes: int | None = None) -> dict:
@@ -383,7 +381,8 @@ class AdaptivePolicy(HitDensityPolicy):
         """Evictions per expert, each mini-simulation's hit ratio (bytes hit over bytes referenced) and how many
         references it replayed."""
         self._flush()
-        return self.judge_stats(self.evictions_by_expert, self.mini_hits, self.mini_refs, self.mini_ref_bytes)
+        m = self.mini
+        return self.judge_stats(self.evictions_by_expert, m.hits, m.refs, m.ref_bytes)
 
     # ------------------------------------------------------------------ the mini-simulations
 
@@ -397,11 +396,11 @@ class AdaptivePolicy(HitDensityPolicy):
         if (self._since_requests + 1 >= self.interval and self._since_events >= N_CLASSES * self.bins) or (
                 not self.learned and self._since_judge + 1 >= self.interval):
             self._since_judge = 0
-            if self._auto_rate and self.nodes:
-                self._fit_rate(self.used_bytes / len(self.nodes))
+            if self.mini.auto_rate and self.nodes:
+                self.mini.fit_rate(self.used_bytes / len(self.nodes))
+            window = self.mini.take_window()
             for q in range(3):
-                self.scores[q] = self.scores[q] * self.decay + self._window_hits[q]
-                self._window_hits[q] = 0
+                self.scores[q] = self.scores[q] * self.decay + window[q]
             if self.expert is None:
                 lead = self._executing
                 for q in range(3):
@@ -410,67 +409,12 @@ class AdaptivePolicy(HitDensityPolicy):
                 self._executing = lead
         self._since_judge += 1
 
-    def _fit_rate(self, mean_node_bytes: float) -> None:
-        """Raise the sample rate so that a mini-simulation holds at least ``MIN_MINI_CAPACITY`` nodes of the mean
-        resident size — the default's rule, counted in the cache's own nodes: an engine whose blocks are bytes, or whose
-        nodes are runs of blocks (SGLang's radix tree), would otherwise leave a mini-simulation a handful of nodes and
-        a judge of noise. Only raised (the sampled keys grow: every key sampled stays sampled), and only when the rate
-        was not given."""
-        want = min(1.0, self.MIN_MINI_CAPACITY * mean_node_bytes / self._judged_capacity_bytes) if self._judged_capacity_bytes else 1.0
-        if want <= self.sample_rate:
-            return
-        self.sample_rate = want
-        self._bound = int(want * 2**64)
-        self.mini_capacity_bytes = round(self._judged_capacity_bytes * want)
-        for sim in self.mini_sims:
-            sim.capacity_bytes = sim.ghost_window_bytes = self.mini_capacity_bytes
-
     def _flush(self) -> None:
-        if not self._pending:
-            return
-        if self.requests_from_engine:
-            self._pending = self._canonical(self._pending)
-        for q, sim in enumerate(self.mini_sims):
-            h = sim.replay_observed(self._pending)
-            self._window_hits[q] += h
-            self.mini_hits[q] += h
-        self.mini_refs += len(self._pending)
-        self.mini_ref_bytes += sum(item[1] for item in self._pending)
-        self._pending = []
-        self._pending_set.clear()
-
-    @staticmethod
-    def _canonical(pending: list[tuple[Hashable, int, Hashable | None, float]]) -> list[tuple[Hashable, int, Hashable | None, float]]:
-        """An engine's request as the mini-simulations replay it, in an order that does not depend on the order the
-        engine showed its blocks (SGLang asks for its leaves in its set's order — the nodes' addresses): by time, a
-        block never before its sampled parent, then by depth and key bits."""
-        by_key = {item[0]: item for item in pending}
-        order: dict[Hashable, tuple[float, int, int]] = {}
-
-        for key in by_key:
-            chain = []  # key and its unranked sampled ancestors in this request, deepest first (no recursion: chains run deep)
-            k: Hashable | None = key
-            while k in by_key and k not in order:
-                chain.append(k)
-                k = by_key[k][2]
-            above = order.get(k) if k in by_key else None
-            for k in reversed(chain):
-                t = by_key[k][3]
-                above = (t, 0, key_bits(k)) if above is None else (max(t, above[0]), above[1] + 1, key_bits(k))
-                order[k] = above
-        return sorted(pending, key=lambda item: order[item[0]])
+        self.mini.flush(canonical=self.requests_from_engine)
 
     def _observe(self, node: Node) -> None:
-        """A sampled block's use or insertion goes to the mini-simulations, under its nearest sampled ancestor: the
-        sampled block before it when kvpolicy replays a request in order, and still the right parent when an engine
-        shows its blocks out of order (SGLang's radix tree, through the strategy's mirror)."""
-        if node.key in self._pending_set or not self.is_sampled(node.key):  # an engine may use a block twice in a request
-            return
-        p = node.parent
-        while p is not None and not self.is_sampled(p.key):
-            p = p.parent
-        self._pending_set.add(node.key)
-        self._pending.append((node.key, node.size, None if p is None else p.key, self.clock.now_s()))
+        """A sampled block's use or insertion goes to the mini-simulations (:meth:`_MiniSims.observe`)."""
+        self.mini.observe(node, self.clock)
 
     # ------------------------------------------------------------------ hooks
 
@@ -503,6 +447,101 @@ class AdaptivePolicy(HitDensityPolicy):
     def _choose(self) -> Node:
         self.evictions_by_expert[self._executing] += 1
         return super()._choose()
+
+
+class _MiniSims:
+    """The three experts' miniature simulations of an :class:`AdaptivePolicy`: which keys they see (a fixed
+    pseudo-random ``sample_rate`` of them), the blocks of the request being gathered, and the hits each scored since
+    the last judging. It decides nothing: the policy judges the scores."""
+
+    def __init__(self, capacity_bytes: int, sample_rate: float, auto_rate: bool, seed: int, teacher: HitDensityPolicy,
+                 knobs: dict[str, Any], *, min_nodes: int) -> None:
+        self.auto_rate = auto_rate  # raised at each judging (the rate was not given)
+        self.min_nodes = min_nodes  # nodes of the mean resident size a mini-simulation holds at least (fit_rate)
+        self.sample_rate = sample_rate
+        self.seed = seed
+        self.bound = int(sample_rate * 2**64)
+        self._judged_capacity_bytes = capacity_bytes  # kept: an engine's mirror raises capacity_bytes (never evicts itself)
+        self.capacity_bytes = round(capacity_bytes * sample_rate)
+        self.sims = [_MiniSim(self.capacity_bytes, teacher, q, clock=ManualClock(), **knobs) for q in range(3)]
+        self.hits = [0, 0, 0]
+        self.refs = 0
+        self.ref_bytes = 0
+        self._window_hits = [0, 0, 0]
+        # this request's sampled blocks, as the mini-simulations replay them: (key, size, its nearest sampled ancestor, time)
+        self._pending: list[tuple[Hashable, int, Hashable | None, float]] = []
+        self._pending_set: set[Hashable] = set()
+
+    def is_sampled(self, key: Hashable) -> bool:
+        return self.bound >= 2**64 or splitmix64(key_bits(key) ^ self.seed)[1] < self.bound
+
+    def take_window(self) -> list[int]:
+        """The hits each mini-simulation scored since the last call."""
+        out, self._window_hits = self._window_hits, [0, 0, 0]
+        return out
+
+    def fit_rate(self, mean_node_bytes: float) -> None:
+        """Raise the sample rate so that a mini-simulation holds at least ``MIN_MINI_CAPACITY`` nodes of the mean
+        resident size — the default's rule, counted in the cache's own nodes: an engine whose blocks are bytes, or whose
+        nodes are runs of blocks (SGLang's radix tree), would otherwise leave a mini-simulation a handful of nodes and
+        a judge of noise. Only raised (the sampled keys grow: every key sampled stays sampled), and only when the rate
+        was not given."""
+        want = min(1.0, self.min_nodes * mean_node_bytes / self._judged_capacity_bytes) if self._judged_capacity_bytes else 1.0
+        if want <= self.sample_rate:
+            return
+        self.sample_rate = want
+        self.bound = int(want * 2**64)
+        self.capacity_bytes = round(self._judged_capacity_bytes * want)
+        for sim in self.sims:
+            sim.capacity_bytes = sim.ghost_window_bytes = self.capacity_bytes
+
+    def flush(self, *, canonical: bool) -> None:
+        """The gathered request goes to the mini-simulations (in an engine's order-free form when ``canonical``)."""
+        if not self._pending:
+            return
+        if canonical:
+            self._pending = self._canonical(self._pending)
+        for q, sim in enumerate(self.sims):
+            h = sim.replay_observed(self._pending)
+            self._window_hits[q] += h
+            self.hits[q] += h
+        self.refs += len(self._pending)
+        self.ref_bytes += sum(item[1] for item in self._pending)
+        self._pending = []
+        self._pending_set.clear()
+
+    @staticmethod
+    def _canonical(pending: list[tuple[Hashable, int, Hashable | None, float]]) -> list[tuple[Hashable, int, Hashable | None, float]]:
+        """An engine's request as the mini-simulations replay it, in an order that does not depend on the order the
+        engine showed its blocks (SGLang asks for its leaves in its set's order — the nodes' addresses): by time, a
+        block never before its sampled parent, then by depth and key bits."""
+        by_key = {item[0]: item for item in pending}
+        order: dict[Hashable, tuple[float, int, int]] = {}
+
+        for key in by_key:
+            chain = []  # key and its unranked sampled ancestors in this request, deepest first (no recursion: chains run deep)
+            k: Hashable | None = key
+            while k in by_key and k not in order:
+                chain.append(k)
+                k = by_key[k][2]
+            above = order.get(k) if k in by_key else None
+            for k in reversed(chain):
+                t = by_key[k][3]
+                above = (t, 0, key_bits(k)) if above is None else (max(t, above[0]), above[1] + 1, key_bits(k))
+                order[k] = above
+        return sorted(pending, key=lambda item: order[item[0]])
+
+    def observe(self, node: Node, clock: Any) -> None:
+        """A sampled block's use or insertion goes to the mini-simulations, under its nearest sampled ancestor: the
+        sampled block before it when kvpolicy replays a request in order, and still the right parent when an engine
+        shows its blocks out of order (SGLang's radix tree, through the strategy's mirror)."""
+        if node.key in self._pending_set or not self.is_sampled(node.key):  # an engine may use a block twice in a request
+            return
+        p = node.parent
+        while p is not None and not self.is_sampled(p.key):
+            p = p.parent
+        self._pending_set.add(node.key)
+        self._pending.append((node.key, node.size, None if p is None else p.key, clock.now_s()))
 
 
 class _MiniSim(HitDensityPolicy):

@@ -58,7 +58,7 @@ def sampled_ids(policy: Any, n_ids: int) -> np.ndarray:
     mini-simulations see: its ``is_sampled``, id by id, at kernel speed."""
     out = np.ones(n_ids, dtype=np.bool_)
     if policy.sample_rate < 1.0:
-        _sampled_ids_kernel(np.uint64(policy.seed), np.uint64(policy._bound), out)
+        _sampled_ids_kernel(np.uint64(policy.mini.seed), np.uint64(policy.mini.bound), out)
     return out
 
 
