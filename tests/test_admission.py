@@ -761,6 +761,14 @@ def test_an_empty_steps_output_is_told_from_the_next_steps_by_how_soon_it_comes_
     clock.advance(0.005)
     assert timer.finished(carries=True) == pytest.approx(0.005), "paired with its own step, not one from before the idle time"
     assert timer.base.max < 0.0051
+    # a caller that does not say what an output carries: it carries something (the default), so an empty step
+    # reported at once is the empty step's, and the step behind it stays waiting for its own output
+    timer.scheduled([])
+    timer.scheduled(decode)
+    clock.advance(0.0001)
+    timed = timer.steps["timed"]
+    assert timer.finished() == pytest.approx(0.0001)
+    assert timer.steps["timed"] == timed and len(timer._in_flight) == 1
 
 
 def test_the_fixed_part_of_a_step_is_learned_from_prefill_steps_when_no_step_is_decode_only():
@@ -971,3 +979,25 @@ def test_the_soft_timeout_is_measured_from_recompute_only_including_the_slot_wai
     assert d.loads and d.terms["t_recompute_only_s"] >= d.t_recompute_p50_s + 0.4 - 1e-9
     assert d.soft_timeout_s == pytest.approx(1.5 * d.terms["t_recompute_only_s"])
     assert d.soft_timeout_s > 1.5 * d.t_recompute_p50_s + 0.5
+
+
+def test_a_transfer_model_with_one_measured_size_keeps_the_priors_overhead_and_fits_the_slope():
+    """One size bucket measured: a line cannot be fitted through one point, so the prior's overhead stays α and the
+    slope is what the point leaves over it — or, when the point is faster than the overhead alone, α is the point and
+    the slope 0. Never the prior's slope: the link was measured."""
+    from kvpolicy.admission.model import TransferModel
+
+    prior = LinkPrior(bandwidth_bytes_per_s=1e9, transfer_overhead_s=0.001, prior_p95_factor=2.0)
+    tm = TransferModel(prior, min_samples=1)
+    for _ in range(5):
+        tm.observe(1e6, 0.011)
+    a, b = tm.coefficients(0.5)
+    assert a == pytest.approx(0.001) and b == pytest.approx(0.010 / 1e6, rel=0.05)
+    a95, b95 = tm.coefficients(0.95)
+    assert a95 == pytest.approx(0.002), "the p95 overhead is the prior's times its p95 factor"
+    assert b95 == pytest.approx(0.009 / 1e6, rel=0.05)
+    fast = TransferModel(prior, min_samples=1)
+    for _ in range(5):
+        fast.observe(1e6, 0.0005)
+    a, b = fast.coefficients(0.5)
+    assert a == pytest.approx(0.0005, rel=0.05) and b == 0.0

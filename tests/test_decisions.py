@@ -660,6 +660,17 @@ def test_the_write_admission_sizes_its_sketch_from_the_tier_and_refuses_what_can
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ConfigError, match="capacity_blocks"):
             WriteAdmission(capacity_blocks=bad)
+    assert FrequencySketch(width=64, sample_size=10).depth == 4, "TinyLFU's (and Caffeine's) four rows by default"
+    assert WriteAdmission(capacity_blocks=10).sketch.depth == 4
+
+
+def test_the_write_gates_seed_seeds_its_sketch():
+    """Two gates with different seeds hash keys to different columns (an adversary who knows one deployment's
+    columns learns nothing of another's); the same seed, the same columns as a sketch of that seed."""
+    a, b = WriteAdmission(capacity_blocks=10, seed=3), WriteAdmission(capacity_blocks=10, seed=4)
+    same = FrequencySketch(width=1024, depth=4, sample_size=100, seed=3)
+    assert [a.sketch._columns(k) for k in range(50)] == [same._columns(k) for k in range(50)]
+    assert sum(a.sketch._columns(k) == b.sketch._columns(k) for k in range(50)) < 5
 
 
 def test_the_write_admission_counts_what_it_decides_and_forgets_old_request_ids():

@@ -405,3 +405,22 @@ def test_the_sample_rate_grows_so_a_mini_simulation_holds_256_nodes_of_the_cache
     assert all(p.is_sampled(k) for k in before) and sum(map(p.is_sampled, range(2000))) > 2 * len(before)
     assert run(1, 100_000)[0].sample_rate == 1 / 16
     assert run(100, 100_000, sample_rate=0.1)[0].sample_rate == 0.1
+
+
+def test_an_engines_request_reaches_the_mini_simulations_parents_first_whatever_order_it_showed():
+    """SGLang shows a request's blocks in its set's order (the nodes' addresses): the mini-simulations replay them by
+    time, each after its sampled parent, then by depth and key — so the order an engine shows cannot change a judge."""
+    from kvpolicy.eviction.hit_density import _MiniSims
+
+    shown = [("c", 1, "b", 1.0), ("x", 1, None, 1.0), ("a", 1, None, 1.0), ("b", 1, "a", 1.0), ("late", 1, None, 0.5)]
+    order = [item[0] for item in _MiniSims._canonical(shown)]
+    assert order.index("a") < order.index("b") < order.index("c"), "a chain replays root first"
+    assert order[0] == "late", "the earliest block first"
+    assert sorted(order) == sorted(item[0] for item in shown)
+    assert [item[0] for item in _MiniSims._canonical(list(reversed(shown)))] == order, "the same whatever order it was shown"
+    engine = AdaptivePolicy(64, clock=ManualClock(), sample_rate=1.0, **FAST)
+    engine.requests_from_engine = True
+    for key, size, parent, t in shown:
+        engine.mini._pending.append((key, size, parent, t))
+    engine._flush()
+    assert engine.mini_refs == 5 and not engine.mini._pending

@@ -1353,6 +1353,45 @@ def test_partial_and_tier_only_events():
     assert ing.refused["unknown_tier_only"] == 1
 
 
+def test_pages_smaller_than_blocks_are_unverifiable_not_mismatched():
+    """An engine whose pages (8 tokens) are not the namespace's blocks (16): vLLM's hash of a page cannot be checked
+    against a kvpolicy block, so each block is stored and counted unverifiable — never refused as a mismatch."""
+    d = InMemoryDirectory()
+    ing = ingestor(d, verify_algo="sha256")
+    P = B // 2
+    pages = vllm_block_hashes(PROMPT[: 4 * P], P)
+    ing.apply(BlockStored(tuple(pages), None, tuple(PROMPT[: 4 * P]), P, None, "GPU"))
+    assert ing.counts["mismatched"] == 0 and ing.refused["unverifiable"] == 4
+    assert d.match_prefix("acme", list(HASHER.hash_blocks(PROMPT[: 2 * B]))) == 2
+
+
+def test_pages_smaller_than_blocks_carry_the_adapter_and_the_tail_across_events():
+    """Pages of 8 tokens into blocks of 16, an adapter on every block: the first event's 3 pages complete one block and
+    leave half a block as the chain's tail; the next event's page completes it. Both blocks are the keys a request
+    under that adapter computes — the adapter on each, the tail carried from one event to the next."""
+    d = InMemoryDirectory()
+    ing = ingestor(d)
+    P = B // 2
+    ids = [10 + j for j in range(4)]
+    ing.apply(BlockStored(tuple(ids[:3]), None, tuple(PROMPT[: 3 * P]), P, 1, "GPU", lora_name="ad"))
+    ing.apply(BlockStored(tuple(ids[3:]), ids[2], tuple(PROMPT[3 * P: 4 * P]), P, 1, "GPU", lora_name="ad"))
+    keys = list(HASHER.hash_blocks(PROMPT[: 2 * B], extra_keys=[("ad",), ("ad",)]))
+    assert d.match_prefix("acme", keys) == 2
+    assert ing.key_of(ids[1]) == keys[0] and ing.key_of(ids[3]) == keys[1], "each page maps to the block it completes"
+    assert d.match_prefix("acme", list(HASHER.hash_blocks(PROMPT[: 2 * B]))) == 0, "not the keys without the adapter"
+
+
+def test_a_sliding_windows_skipped_pages_precede_the_stored_ones():
+    """vLLM's sliding window: an event carries the prompt's 4 blocks of tokens and hashes for its last 2 (the first 2
+    are null blocks). The chain is computed from the root; the hashes name blocks 2 and 3, in order."""
+    d = InMemoryDirectory()
+    ing = ingestor(d)
+    ing.apply(BlockStored((21, 22), None, tuple(PROMPT[: 4 * B]), B, None, "GPU"))
+    keys = list(HASHER.hash_blocks(PROMPT[: 4 * B]))
+    assert ing.key_of(21) == keys[2] and ing.key_of(22) == keys[3]
+    assert [bool(x) for x in d.lookup("acme", keys)] == [False, False, True, True]
+
+
 def test_int_hashes_are_verified_through_the_low_64_bits():
     ing = ingestor(verify_algo="sha256")
     ev, raw = stored(PROMPT[: 2 * B], as_int=True)
@@ -1504,6 +1543,19 @@ def test_a_subscriber_refuses_a_message_larger_than_its_bound():
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ConfigError, match="max_message_bytes"):
             ZmqEventSubscriber(ing, "tcp://127.0.0.1:1", max_message_bytes=bad)
+
+
+def test_a_subscribers_replay_socket_has_the_same_message_bound():
+    """The replay port answers with batches too: the subscriber's bound is its replay socket's bound (a replay socket
+    left at the default would buffer messages up to 64 MiB from any peer that can reach it)."""
+    zmq = pytest.importorskip("zmq")
+    sub = ZmqEventSubscriber(ingestor(InMemoryDirectory()), "tcp://127.0.0.1:1", topic="kv", replay_endpoint="tcp://127.0.0.1:2",
+                             max_message_bytes=1 << 16)
+    try:
+        assert sub.sock.getsockopt(zmq.MAXMSGSIZE) == 1 << 16
+        assert sub.replay.sock.getsockopt(zmq.MAXMSGSIZE) == 1 << 16
+    finally:
+        sub.close()
 
 
 def test_one_subscriber_per_data_parallel_rank():
@@ -3820,6 +3872,7 @@ def test_extra_keys_for_places_items_at_block_boundaries():
     assert extra_keys_for(2, mm_items=[("img", B - 1, 2)], block_size_tokens=B) == [(("img", B - 1),), (("img", -1),)]
     assert extra_keys_for(1, lora_name="a", cache_salt="s", mm_items=[("img", 0, 1)], block_size_tokens=B) == [("a", ("img", 0), "s")]
     assert extra_keys_for(1, cache_salt="s", first_block_index=1) == [None], "the salt is on absolute block 0 only"
+    assert extra_keys_for(3, cache_salt="s", first_block_index=1) == [None] * 3, "block 1 + j is never absolute block 0"
     for bad in ([("img", -1, 2)], [("img", 0, 0)], [(3, 0, 1)], [("img", 0)]):
         with pytest.raises(ConfigError) as e:
             extra_keys_for(1, mm_items=bad, block_size_tokens=B)

@@ -298,3 +298,23 @@ def test_an_engine_clock_that_steps_back_does_not_break_a_decision():
         serve(p, [int(k) for k in rng.integers(0, 40, size=1)])
     assert p.model.fits > 0
     p.check()
+
+
+def test_a_sample_recorded_without_the_decisions_logit_is_predicted_by_the_model_of_now():
+    """A block sampled where the decision did not compute its logit (a victim named outside the sampled candidates)
+    carries the model's prediction for its features at that moment — not NaN, which would leave it out of the
+    out-of-sample calibration — and NaN only while there is no model."""
+    from kvpolicy.eviction.learned import lrb_logit, sigmoid1
+
+    clock = ManualClock()
+    p = LearnedRelaxedBeladyPolicy(100, clock=clock, refit=10**6)
+    serve(p, [0, 1, 2])
+    node = p.nodes[2]
+    p._record(node, 5.0, 4.0)
+    assert math.isnan(p._pending[2][-1][2]), "no model yet: no prediction"
+    w = np.linspace(-1.0, 1.0, N_FEATURES)
+    p.model.w = w
+    p._record(node, 6.0, 4.0)
+    x = p.features(node, 6.0, 4.0)
+    assert p._pending[2][-1][2] == pytest.approx(sigmoid1(lrb_logit(x, w)))
+    assert 0.0 < p._pending[2][-1][2] < 1.0 and (p._pending[2][-1][1] == x).all()
