@@ -173,3 +173,15 @@ def test_rates_are_max_min_fair_like_the_textbook_algorithm_and_bytes_are_conser
     for i, link in enumerate(links):  # every byte of every flow crossed every link on its path, once
         assert link.bytes_carried == pytest.approx(sum(sizes[k] * GB for k, p in enumerate(paths) if i in p), rel=1e-9)
     assert all(not f.alive and f.done_bytes() == pytest.approx(f.size_bytes) for f in flows)
+
+
+def test_flows_on_a_link_count_those_still_in_their_latency_by_class_or_all():
+    """A flow issued but not yet moving (its latency not over) is on the link already: a transport counts its bytes as
+    ahead of a new load. Asked for one class, the classes at or above it; asked for none, every flow."""
+    net = FlowNetwork()
+    link = net.add_link("l", 1e9)
+    net.start(0.0, (link,), 5e6, latency_s=1.0, priority=1)  # background, still in its latency
+    net.start(0.0, (link,), 2e6, latency_s=1.0, priority=0)
+    assert sorted(net.flows_on(link)) == [2e6, 5e6]
+    assert net.flows_on(link, 0) == [2e6], "a foreground load is not delayed by background flows"
+    assert sorted(net.flows_on(link, 1)) == [2e6, 5e6]
