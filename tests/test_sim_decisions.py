@@ -906,3 +906,19 @@ def test_a_pull_path_or_router_that_cannot_run_is_a_config_error_naming_its_fiel
     with pytest.raises(ConfigError) as e:
         PolicySet("bad", **fields)
     assert e.value.field == named
+
+
+@pytest.mark.parametrize("rate", [0.3, 0.7])
+def test_a_share_of_the_transfers_hangs_drawn_per_request_and_node(rate):
+    """``timeout_rate``: each transfer hangs when its own draw — a hash of (seed, request, attempt, node) — falls under
+    the rate; the others move. One pool node, lmcache-like loading everything it finds: request i > 0 loads the
+    prompt r0 published, and exactly those whose draw is under the rate time out."""
+    from kvpolicy.sim.world import _unit
+
+    n = 40
+    tr = tiny([[1, 2, 3, 4]] * n, [10.0 * i for i in range(n)])
+    c = cluster(tr, timeout_rate=rate, transport_timeout_s=2.0, replicas=1, local_kv_gib=0.0)
+    res = Simulator(Prepared(tr), c, policy_set("lmcache-like"), seed=7).run()
+    hung = sum(_unit(7, i, 0, 0, 2) < rate for i in range(1, n))
+    assert 0 < hung < n - 1, "the draws put some under the rate and some over"
+    assert (res.loads, res.loads_timeout, res.loads_ok) == (n - 1, hung, n - 1 - hung)
