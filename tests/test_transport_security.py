@@ -927,3 +927,41 @@ def test_the_client_handshake_keeps_its_own_shorter_deadline():
         assert time.monotonic() - t0 < 2.0
     finally:
         listener.close()
+
+
+def test_a_blocks_mac_binds_its_namespace_key_and_bytes():
+    """A MAC is over (namespace digest, key, payload): the same key and bytes under another namespace — another model,
+    revision or dtype — do not verify, so a peer cannot pass one model's block off as another's."""
+    k = TransportKeys.from_secret(SECRET).block
+    payload = bytes(range(64))
+    mac = block_mac(k, b"\x01" * 16, KEY, payload)
+    assert block_mac(k, b"\x02" * 16, KEY, payload) != mac, "another namespace"
+    assert block_mac(k, b"\x01" * 16, b"\x02" * 16, payload) != mac, "another key"
+    assert block_mac(k, b"\x01" * 16, KEY, payload[:-1] + b"\x00") != mac, "other bytes"
+    assert block_mac(TransportKeys.from_secret(OTHER).block, b"\x01" * 16, KEY, payload) != mac, "another secret"
+    assert block_mac(k, b"\x01" * 16, KEY, payload) == mac
+
+
+def test_an_answer_with_fewer_blocks_than_asked_is_refused_and_its_connection_closed():
+    """A trusted peer that answers a get for three blocks with only the first (valid MACs) is not believed: the client
+    raises (the engine recomputes) rather than take a short batch as the whole — and it closes that connection, so a
+    peer that keeps failing leaks no descriptor per exchange."""
+    digest = CFG.namespace(B).digest
+    block_key = TransportKeys.from_secret(SECRET).block
+    full = forged_blocks(block_key, digest)
+
+    def short(keys):
+        header, payloads = full(keys[:1])
+        return header, payloads
+
+    peer = ForgingServer(SECRET, short)
+    c = PeerClient(peer.address, digest, secret=SECRET, block_bytes=BB, timeout_s=5.0)
+    try:
+        assert c.match_prefix([KEY, b"\x02" * 16, b"\x03" * 16]) == 3
+        sock = c._ch.sock
+        with pytest.raises(TransportError, match="does not list the blocks asked for"):
+            c.fetch([KEY, b"\x02" * 16, b"\x03" * 16], 5.0)
+        assert c._ch is None and sock.fileno() == -1, "the connection it no longer trusts is closed"
+    finally:
+        c.close()
+        peer.close()
