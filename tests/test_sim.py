@@ -723,3 +723,30 @@ def test_a_direct_pull_crosses_the_peer_and_this_replica_and_no_node():
     peer = SimpleNamespace(out="peer.out", stage="peer.stage")
     assert Transfers.read_path(node, rep, peer, True) == ("peer.stage", "peer.out", "rep.in", "rep.stage")
     assert Transfers.read_path(node, rep, None, True) == ("node.out", "rep.in", "rep.stage"), "a read from the pool is no pull"
+
+
+def test_compare_bounds_each_set_by_the_oracle_with_its_own_router_and_pull_path():
+    """llm-d-like routes by KV overlap and pulls straight from peers; an oracle routed round-robin through the pool is no
+    bound on it. compare runs the oracle as each such set is deployed, and the bound line holds each set to its own."""
+    from kvpolicy.sim.compare import _oracle_variants, checks
+
+    c = ClusterConfig(bytes_per_token=2048, prefill=DEFAULT_PREFILL, router="round-robin")
+    from kvpolicy.sim import PRESETS
+
+    sets = [PRESETS[n] for n in ("kvpolicy", "llm-d-like", "lmcache-p2p-like", "sglang-like", "oracle", "recompute-only")]
+    v = _oracle_variants(sets, c)
+    assert set(v) == {"kvpolicy", "llm-d-like"}, "the sets deployed as the oracle is (round-robin, relay pulls) need none"
+    assert (v["llm-d-like"].router, v["llm-d-like"].pull_path) == ("kv-overlap", "direct")
+    assert (v["kvpolicy"].router, v["kvpolicy"].pull_path) == ("round-robin", "choose")
+    assert all(x.load == "oracle" and x.publish == "oracle" for x in v.values())
+    assert _oracle_variants([s for s in sets if s.name != "oracle"], c) == {}
+
+    def report(own_bound):
+        runs = [{"scenario": "steady", "policy": p, "gpu_saved_s": g, "ttft_p95_ms": 1.0, "bytes_written": 0, "loads": 0,
+                 "e_benefit_s_per_s": None, "gpu_prefill_s": 100.0 - g} for p, g in (("oracle", 10.0), ("llm-d-like", 12.0), ("recompute-only", 0.0))]
+        return {"runs": runs, "oracle_bounds": {"steady": {"llm-d-like": {"oracle": "oracle [kv-overlap, direct pulls]", "gpu_saved_s": own_bound}}}}
+
+    line = next(x for x in checks(report(12.5)) if x["check"] == "the oracle's GPU seconds saved bound every set")
+    assert line["ok"] and "llm-d-like against the oracle [kv-overlap, direct pulls]: 12.5 s" in line["detail"]
+    line = next(x for x in checks(report(11.0)) if x["check"] == "the oracle's GPU seconds saved bound every set")
+    assert not line["ok"] and "beaten by llm-d-like 12.0 s" in line["detail"]
