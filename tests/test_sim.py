@@ -630,9 +630,9 @@ _LOADS = ("admission", "always", "min-tokens", "never", "oracle")
        load=st.sampled_from(_LOADS), timeout=st.sampled_from(("none", "admission", "sglang")), failure=st.sampled_from(("recompute", "fail")),
        flags=st.tuples(*[st.booleans()] * 6), scope=st.sampled_from(("cluster", "replica")), wa=st.sampled_from(("none", "tinylfu")),
        router=st.sampled_from(ROUTERS), seed=st.integers(0, 99), pull_path=st.sampled_from(("relay", "direct", "choose", "bogus")),
-       own_router=st.sampled_from((None, *ROUTERS)))
+       own_router=st.sampled_from((None, *ROUTERS)), pool_capacity=st.sampled_from(("cluster", "unbounded", "bogus")))
 def test_every_combination_of_policy_set_fields_runs_or_is_a_config_error(trace, local, pool, publish, load, timeout, failure, flags,
-                                                                           scope, wa, router, seed, pull_path, own_router):
+                                                                           scope, wa, router, seed, pull_path, own_router, pool_capacity):
     """Issue #58: a PolicySet with load="oracle" and pull_from_peers=True crashed with KeyError in the pool's grouping,
     through compare. Every combination of fields either runs — every request finishing once, nothing left held — or
     is refused at construction with a ConfigError naming a field."""
@@ -641,7 +641,7 @@ def test_every_combination_of_policy_set_fields_runs_or_is_a_config_error(trace,
         ps = PolicySet("combo", local_eviction=local, pool_eviction=pool, publish=publish, load=load, timeout=timeout, failure=failure,
                        warmup=warmup, uses_pool=uses_pool, compute_while_loading=cwl, learn_compute=learn, controller_scope=scope,
                        write_admission=wa, republish_unhealthy=republish, pull_from_peers=pulls, pull_path=pull_path,
-                       router=own_router)
+                       router=own_router, pool_capacity=pool_capacity)
     except ConfigError as e:
         assert e.field in {a.name for a in attrs.fields(PolicySet)}, e
         event("refused")

@@ -922,3 +922,19 @@ def test_a_share_of_the_transfers_hangs_drawn_per_request_and_node(rate):
     hung = sum(_unit(7, i, 0, 0, 2) < rate for i in range(1, n))
     assert 0 < hung < n - 1, "the draws put some under the rate and some over"
     assert (res.loads, res.loads_timeout, res.loads_ok) == (n - 1, hung, n - 1 - hung)
+
+
+def test_an_unbounded_pool_keeps_every_block_written_and_the_clusters_pool_evicts():
+    """``pool_capacity``: a node of the cluster's size (2 blocks here) evicts as its policy says; "unbounded" keeps every
+    block written — the oracle's pool, whose Belady per node had evicted a block a request then missed (seed 226: an
+    LRU pool kept it, and llm-d-like saved 0.4 % more GPU seconds than the oracle)."""
+    tr = tiny([[1, 2], [3, 4], [5, 6], [1, 2], [3, 4]], [0.0, 10.0, 20.0, 30.0, 40.0])
+    c = cluster(tr, replicas=5, pool_share=2 / 6)  # the pool: one node of 2 blocks
+    assert c.pool_capacity_bytes_per_node == 2 * BLOCK_BYTES
+    small, _ = simulate(tr, c, PolicySet("lru-pool", publish="all", load="always"))
+    big, res = simulate(tr, c, PolicySet("open-pool", publish="all", load="always", pool_capacity="unbounded"))
+    assert len(small.pool.where) == 2 and sorted(big.pool.where) == [1, 2, 3, 4, 5, 6]
+    assert res.loads == 2 and res.bytes_read == 4 * BLOCK_BYTES, "r3 and r4 load what r0 and r1 wrote"
+    with pytest.raises(ConfigError, match="pool_capacity"):
+        PolicySet("x", pool_capacity="infinite")
+    assert policy_set("oracle").pool_capacity == "unbounded"

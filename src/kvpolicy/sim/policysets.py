@@ -116,6 +116,10 @@ class PolicySet:
     pull_path: str = "relay"
     #: the router this set is deployed with (llm-d routes by KV overlap); None: the cluster's (``ClusterConfig.router``)
     router: str | None = None
+    #: "cluster": each storage node holds ``ClusterConfig.pool_capacity_bytes_per_node`` and evicts by ``pool_eviction``;
+    #: "unbounded": it keeps every block written to it (a pool that never fills: the oracle's, and a what-if of your own).
+    #: A cluster with no pool (capacity under one block) has none either way
+    pool_capacity: str = "cluster"
 
     def __attrs_post_init__(self) -> None:
         for field in ("local_eviction", "pool_eviction"):
@@ -158,6 +162,8 @@ class PolicySet:
             raise ConfigError("pull_path", f"must be one of {', '.join(PULL_PATHS)}, got {self.pull_path!r}")
         if self.router is not None and self.router not in ROUTERS:
             raise ConfigError("router", f"must be None (the cluster's) or one of {', '.join(ROUTERS)}, got {self.router!r}")
+        if self.pool_capacity not in ("cluster", "unbounded"):
+            raise ConfigError("pool_capacity", f"must be 'cluster' or 'unbounded', got {self.pool_capacity!r}")
         if self.write_admission not in ("none", "tinylfu"):
             raise ConfigError("write_admission", f"must be 'none' or 'tinylfu', got {self.write_admission!r}")
         if self.compute_while_loading and self.load != "admission":
@@ -184,9 +190,9 @@ PRESETS: dict[str, PolicySet] = {
     # block, and its P2P tier pulling straight from the holder's CPU, never through the shared tier
     "llm-d-like": PolicySet("llm-d-like", publish="all", load="always", timeout="none", failure="recompute",
                             pull_from_peers=True, pull_path="direct", router="kv-overlap"),
-    # hindsight, with every mechanism any set has (pulls included)
+    # hindsight, with every mechanism any set has (pulls included), and a pool that keeps every block it publishes
     "oracle": PolicySet("oracle", local_eviction="belady", pool_eviction="belady", publish="oracle", load="oracle", failure="fail",
-                        pull_from_peers=True),
+                        pull_from_peers=True, pool_capacity="unbounded"),
 }
 POLICY_SETS = tuple(PRESETS)
 

@@ -32,6 +32,10 @@ from .transfers import Transfers
 from .world import Prepared, _DictIndex, _mix, _Node, _Replica, _Req
 
 
+#: a storage node's capacity under ``PolicySet.pool_capacity="unbounded"``: more than any trace can write (2**62 bytes)
+UNBOUNDED_BYTES = 1 << 62
+
+
 def cache_policy(name: str, capacity_bytes: int, clock: _Clock, oracle: TraceOracle | Any | None) -> Any:
     """An eviction policy by name, on the run's clock (Belady's with the run's next-use oracle)."""
     kw: dict[str, Any] = {}
@@ -58,7 +62,10 @@ class Pool:
         self.B = prepared.block_size_tokens
         self.block_bytes = cluster.block_bytes(self.B)
         net = transfers.net
-        self.nodes = [_Node(j, cache_policy(policy_set.pool_eviction, cluster.pool_capacity_bytes_per_node, loop.clock, oracle),
+        capacity = cluster.pool_capacity_bytes_per_node
+        if policy_set.pool_capacity == "unbounded" and capacity >= self.block_bytes:  # a pool that never fills (the oracle's)
+            capacity = UNBOUNDED_BYTES
+        self.nodes = [_Node(j, cache_policy(policy_set.pool_eviction, capacity, loop.clock, oracle),
                             net.add_link(f"node-{j}.out", cluster.node_bandwidth_bytes_per_s),
                             net.add_link(f"node-{j}.in", cluster.node_bandwidth_bytes_per_s)) for j in range(cluster.storage_nodes)]
         for e in degrade:
