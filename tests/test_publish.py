@@ -650,8 +650,11 @@ def test_write_budget_refills_at_its_rate():
     """Emptied at t=0, a 10 B/s bucket of 5-byte blocks holds two blocks' worth 1 s later, and never more than its burst."""
     wb = WriteBudget(PublishAll(), bytes_per_s=10.0, burst_bytes=20.0, block_bytes=5)
     assert wb.publishable(req(0, 8, t=0.0), list(range(8))) == 4, "the burst: 20 bytes"
+    assert wb.shed_blocks == 4, "the blocks the rule allowed and the budget refused"
     assert wb.publishable(req(1, 8, t=1.0), list(range(8))) == 2, "10 bytes refilled in a second"
+    assert wb.shed_blocks == 4 + 6
     assert wb.publishable(req(2, 8, t=100.0), list(range(8))) == 4, "never past the burst"
+    assert wb.shed_blocks == 4 + 6 + 4
 
 
 def test_two_requests_at_one_instant_count_a_shared_block_twice_exactly():
@@ -705,3 +708,17 @@ def test_structure_aware_windows_close_at_their_boundary_once_and_a_late_sightin
     assert f.dead[cls_b] == 1 and sum(f.dead) == 1 and f.reused[cls_b] == 0, "a sighting after the window is not reuse"
     assert f._n_delay == 1 and f._mean_delay_s == 50.0, "nor a delay"
     assert list(f._origin) == ["c", "d", "e"], "c (made at 99.9 s) is open at 120 s"
+
+
+def test_reuse_aware_counts_a_window_it_can_no_longer_hold_as_closed_at_once():
+    """``origin_capacity``: past it, the oldest open window is counted as closed now (its block created, seen again or
+    not), not dropped — so a filter that watches more new blocks than it can hold still learns from every one."""
+    f = reuse_aware(lifetime_s=1000.0, origin_capacity=3)
+    f.observe(req(0, 2, t=0.0), ["a", "b"])
+    f.observe(req(1, 1, t=1.0), ["a"])  # a seen again inside its window
+    assert sum(f.created) == 0, "no window has closed yet"
+    f.observe(req(2, 2, t=2.0), ["c", "d"])  # four open windows, room for three: a's is counted now
+    assert sum(f.created) == 1 and sum(f.seen_again) == 1
+    f.observe(req(3, 1, t=3.0), ["e"])  # b's next, never seen again
+    assert sum(f.created) == 2 and sum(f.seen_again) == 1
+    assert list(f._origin) == ["c", "d", "e"]
