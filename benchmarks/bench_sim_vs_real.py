@@ -666,7 +666,7 @@ def end_to_end(n_requests: int, seed: int, netns_mbit: float | None = None, publ
         "scale": {"p5": q(scale, 0.05), "median": q(scale, 0.5), "p95": q(scale, 0.95)},
         "decisions": {k: dict(res_replayed.ledger.to_dict()[k]) for k in ("requests", "tokens")}}
     # what each side's admission controllers learned by the end: every term at the two quantiles the rule compares
-    sim_models = [ctl.model for ctl in (replayed.controller, *replayed.controllers.values()) if ctl is not None]
+    sim_models = [ctl.model for ctl in (replayed.planner.controller, *replayed.planner.controllers.values()) if ctl is not None]
     out["learned"] = {"real": real_models, "sim_replayed": [{q: attrs.asdict(m.coefficients(v, "node-0")) for q, v in (("p50", 0.5), ("p95", 0.95))}
                                                             for m in sim_models]}
     out["per_request"]["sim_replayed_ttft_s"] = sim_replayed.tolist()

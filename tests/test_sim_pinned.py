@@ -1,8 +1,10 @@
 """Every decision of a run, pinned (issue #48): the simulator's rooms and its fast paths must leave each request's TTFT,
 prefill time, queueing and route, and every figure of the report, as they were when this file was written.
 
-The golden file was written by the code of d197e89, before the simulator was split into rooms and made faster, so this
-test is the side-by-side comparison of the old code's JSON with the new code's on a slice (``agent`` at seed 5, 600
+The golden file was written by the code of d197e89, before the simulator was split into rooms and made faster, and
+regenerated on purpose only where a decision changed on purpose since (86a89a6: the prices of issue #58; 0a66d4a: LRU
+in the replicas) — so this test is the side-by-side comparison of the code before each refactor with the code after it
+(issue #48's rooms and speed work, issue #61's rooms as objects) on a slice (``agent`` at seed 5, 600
 requests, every view, the kvpolicy set and vllm-like). The kvpolicy set runs with the publish selector d197e89 had,
 ``dueling-gpu-s``, and without pulls from peers (issue #44's second and third rounds moved the defaults to the brief's
 E[benefit] and turned pulls on, on purpose; the defaults are pinned by tests/test_sim_load_rules.py's short run). Regenerate only on purpose (KVPOLICY_WRITE_GOLDEN=1) and say why
