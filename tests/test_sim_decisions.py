@@ -938,3 +938,34 @@ def test_an_unbounded_pool_keeps_every_block_written_and_the_clusters_pool_evict
     with pytest.raises(ConfigError, match="pool_capacity"):
         PolicySet("x", pool_capacity="infinite")
     assert policy_set("oracle").pool_capacity == "unbounded"
+
+
+def test_the_oracles_now_is_the_latest_first_arrival_and_a_retry_does_not_move_it_back():
+    """Belady ranks a block by its next use after *now*: the request being served. Each first arrival sets it (they come
+    in index order); a retry of an earlier request (the oracle's failure rule is "fail": the client resubmits) is not a
+    step back in the trace. A clock stuck at the first request ranked every block by a use long past."""
+    tr = tiny([[1, 2, 3, 4]] * 12, [0.0] + [10.0] * 11)  # eleven at once, after the first: retries follow later arrivals
+    c = cluster(tr, failure_rate=0.5, replicas=4)
+    sim = Simulator(Prepared(tr), c, policy_set("oracle"), seed=3)
+    oracle = sim.lifecycle._oracle
+    seen = []
+    arrive = sim.lifecycle.arrive
+
+    def spy(req, t):
+        seen.append((req.i, req.attempt, oracle.now))
+        arrive(req, t)
+
+    sim.lifecycle.arrive = spy
+    res = sim.run()
+    assert res.retries > 0, "some loads failed and were retried"
+    firsts = [(i, now) for i, attempt, now in seen if attempt == 0]
+    assert firsts == [(i, i) for i in range(12)]
+    latest, retried_behind = -1, 0
+    for i, attempt, now in seen:
+        if attempt == 0:
+            latest = i
+        else:
+            assert now == latest, "a retry leaves now at the latest first arrival"
+            retried_behind += i < latest
+    assert retried_behind, "a retry of an earlier request arrived after a later one"
+    assert oracle.now == 11

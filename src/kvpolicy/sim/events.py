@@ -61,6 +61,10 @@ class EventLoop:
         self._arr_seq0 = self._seq + 1
         self._seq += len(times)
 
+    def arrivals_seen(self) -> int:
+        """How many of the stream's arrivals have happened (they happen in index order: request ``n - 1`` is the last)."""
+        return self._arr_next
+
     def arrivals_left(self) -> int:
         return len(self._arr_times) - self._arr_next
 

@@ -53,20 +53,17 @@ class RequestLifecycle:
         self.block_bytes = cluster.block_bytes(self.B)
         #: pulls from peers: they write into the pool, so a pool that can hold no block has none
         self.pulls = policy_set.pull_from_peers and cluster.pool_capacity_bytes_per_node >= self.block_bytes
-        #: the highest request index that has arrived: the oracle's "now" (a retry arrives again, an earlier index)
-        self._last_arrived = -1
 
     def new_request(self, i: int, t: float) -> None:
-        """Request ``i`` arrives for the first time: its state begins here (a retry arrives again as ARRIVE)."""
+        """Request ``i`` arrives for the first time: its state begins here (a retry arrives again as ARRIVE). First
+        arrivals come in index order: ``i`` is the hindsight oracle's "now"."""
+        if self._oracle is not None:
+            self._oracle.now = i
         self.arrive(_Req(i, t), t)
 
     def arrive(self, req: _Req, t: float) -> None:
         p = self.p
         i = req.i
-        if i > self._last_arrived:
-            self._last_arrived = i
-            if self._oracle is not None:
-                self._oracle.now = i
         rep = self.fleet.route(req, t)
         req.replica = rep
         self.tally.routes[i] = rep.idx

@@ -98,13 +98,9 @@ class Replicas:
         self.block_bytes = cluster.block_bytes(self.B)
         self.replicas = replicas
         self._rr = 0
-        #: the highest request index that has arrived (what a scale-out's warmup planner has seen)
-        self.n_arrived = -1
 
     def route(self, req: _Req, t: float) -> _Replica:
         """The replica for this attempt of ``req`` (the cluster's router; a warming replica passes repeating requests on)."""
-        if req.i > self.n_arrived:
-            self.n_arrived = req.i
         reps = self.replicas
         c = self.c
         kind = c.router
@@ -209,7 +205,7 @@ class Replicas:
         if not self.ps.warmup:
             return
         c = self.c
-        n_seen = max(self.n_arrived + 1, 1)
+        n_seen = max(self.loop.arrivals_seen(), 1)  # the requests that have arrived: what the warmup planner has seen
         seen = self.p.trace.head(n_seen)  # its block ids renumbered densely (canonical): mapped back to the run's own below
         own = self.p.trace.block_ids[: int(self.p.trace.block_offsets[min(n_seen, len(self.p.trace))])].tolist()
         back = dict(zip(seen.block_ids.tolist(), own))

@@ -2,12 +2,10 @@
 
 A room that moves bytes or spends GPU time adds to the :class:`Tally` it was handed; nothing reads a figure back to
 make a decision. The held-out split lives here too: a figure counts only requests from ``judge_k`` on (bytes moved
-from their arrival time ``t_judge`` on), and each room asks :meth:`Tally.judged` / compares with ``t_judge``.
+from their arrival time ``t_judge`` on): each room compares a request's index with ``judge_k``, a time with ``t_judge``.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
@@ -23,7 +21,7 @@ class Tally:
     def __init__(self, n_requests: int, judge_k: int, t_judge: float) -> None:
         self.judge_k = judge_k
         #: the judged split's first arrival (−inf: every request is judged)
-        self.t_judge = t_judge if judge_k else -math.inf
+        self.t_judge = t_judge
         self.gpu_prefill_s = 0.0
         self.bytes_read = self.bytes_written = self.bytes_sent = self.bytes_pulled = self.bytes_direct = 0
         #: bytes that crossed the network and were not used (whole-run: not split)
