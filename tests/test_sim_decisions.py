@@ -935,6 +935,10 @@ def test_an_unbounded_pool_keeps_every_block_written_and_the_clusters_pool_evict
     big, res = simulate(tr, c, PolicySet("open-pool", publish="all", load="always", pool_capacity="unbounded"))
     assert len(small.pool.where) == 2 and sorted(big.pool.where) == [1, 2, 3, 4, 5, 6]
     assert res.loads == 2 and res.bytes_read == 4 * BLOCK_BYTES, "r3 and r4 load what r0 and r1 wrote"
+    one = cluster(tr, replicas=5, pool_share=1 / 6)  # a node of exactly one block: a pool, so "unbounded" holds all
+    assert one.pool_capacity_bytes_per_node == BLOCK_BYTES
+    open_one, _ = simulate(tr, one, PolicySet("open-pool", publish="all", load="always", pool_capacity="unbounded"))
+    assert sorted(open_one.pool.where) == [1, 2, 3, 4, 5, 6]
     with pytest.raises(ConfigError, match="pool_capacity"):
         PolicySet("x", pool_capacity="infinite")
     assert policy_set("oracle").pool_capacity == "unbounded"
@@ -969,3 +973,31 @@ def test_the_oracles_now_is_the_latest_first_arrival_and_a_retry_does_not_move_i
             retried_behind += i < latest
     assert retried_behind, "a retry of an earlier request arrived after a later one"
     assert oracle.now == 11
+
+
+def test_a_judged_split_counts_bytes_written_from_its_first_requests_arrival_time():
+    """``judge_from_request`` = k: bytes written count from request k's *arrival time* on — not from second k. Two
+    prompts written at t = 100 and t = 300 (vllm-like publishes all); judged from request 1 (arrival 300), only the
+    second write counts; the whole run counts both."""
+    tr = tiny([[1, 2], [3, 4]], [100.0, 300.0])
+    c = cluster(tr)
+    whole = Simulator(Prepared(tr), c, policy_set("vllm-like")).run()
+    half = Simulator(Prepared(tr), c, policy_set("vllm-like"), judge_from_request=1).run()
+    assert whole.bytes_written == 4 * BLOCK_BYTES
+    assert half.bytes_written == 2 * BLOCK_BYTES
+
+
+def test_a_scale_out_before_the_second_arrival_plans_warmup_from_the_first_request_alone(monkeypatch):
+    """The warmup planner knows only what has arrived: a scale-out between request 0 and request 1 hands it a trace of
+    one request, never a request still to come (nor an empty trace, before any arrival)."""
+    from kvpolicy.sim import ScaleOut, replicas
+
+    tr = tiny([[1, 2, 3], [1, 2, 3], [7, 8, 9]], [0.0, 50.0, 60.0])
+    c = cluster(tr, storage_nodes=1)
+    seen = []
+    hot = replicas.hot_prefixes_from_trace
+    monkeypatch.setattr(replicas, "hot_prefixes_from_trace", lambda t, **kw: seen.append(len(t)) or hot(t, **kw))
+    for t_out, want in ((10.0, 1), (55.0, 2), (0.0, 1)):
+        seen.clear()
+        Simulator(Prepared(tr), c, attrs.evolve(policy_set("kvpolicy"), warmup=True), events=(ScaleOut(t_s=t_out, replicas=1),)).run()
+        assert seen == [want], (t_out, seen)
