@@ -71,6 +71,64 @@ def test_the_chosen_plan_is_the_one_an_exhaustive_search_ranks_first(bw, local, 
         assert t["benefit_s"] >= ref[3]["benefit_s"] - 1e-9 - 0.02 * abs(ref[3]["benefit_s"])
 
 
+def _ascending(c, L, R, ctx, prompt_tokens):
+    """The reference search: every extent in {1, 2, 4, …} ∪ {R} in ascending order, every candidate plan of each, the
+    first of equal keys kept (the controller's own candidates: what is tested is the order and the bound, not them)."""
+    c95, c50 = c.model.coefficients(0.95, ctx.source), c.model.coefficients(0.5, ctx.source)
+    sides = c._sides(L, B, ctx, c95, c50, prompt_tokens)
+    price, slo = c.config.gpu_s_price, c.slo_s()
+    best, closest = None, (1, 0, -math.inf)
+    for k in sorted({min(2**i, R) for i in range(R.bit_length() + 1)}):
+        for s, benefit in c._plans(k, sides, split=c.config.compute_while_loading):
+            if benefit > closest[2]:
+                closest = (k, s, benefit)
+            if benefit <= 0 and not (slo > 0 and sides.ttft(k, s) <= slo):
+                continue
+            saved = sides.front(k) - sides.front(s)
+            key = (saved, benefit) if price == math.inf else (benefit + price * saved, saved)
+            if best is None or key > best[0]:
+                best = (key, k, s)
+    return (best[1], best[2]) if best is not None else closest[:2]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.floats(0.3e9, 20e9), st.integers(0, 40), st.integers(1, 70), st.floats(0.0, 0.05), st.sampled_from([0.0, 5e-5]),
+       st.sampled_from([0.0, 2e-9]), st.sampled_from([0.0, 1.5, math.inf]), st.booleans(), st.sampled_from([0.0, 0.02]))
+def test_the_search_from_the_largest_extent_down_chooses_what_an_ascending_search_of_every_extent_chooses(
+        bw, local, remote, wait_s, b, c2, price, split, slo):
+    """decide() searches the extents from R down and stops once a whole extent saves fewer GPU seconds than the best
+    plan found (issue #61's decide() budget): the plan (k, s) it chooses is the ascending search's, equal keys going
+    to the smaller extent — a flat prefill (b = c = 0) makes every extent save the same GPU seconds, so a bound that
+    stops on a tie (≤), or a search that keeps the larger of equal plans, chooses another k."""
+    pf = PrefillModel(a_s=0.0, b_s_per_token=b, c_s_per_token2=c2, rms_rel_error=float("nan"), max_rel_error=float("nan"))
+    c = AdmissionController(LatencyModel(LinkPrior(bandwidth_bytes_per_s=bw, dispatch_s=0.004), pf),
+                            AdmissionConfig(compute_while_loading=split, gpu_s_price=price, ttft_slo_s=slo), clock=ManualClock())
+    ctx = AdmissionContext(block_bytes=BLOCK_BYTES, queue_wait_s=wait_s)
+    m = pm(local, remote)
+    d = c.propose(m, ctx)
+    k, s = _ascending(c, local, remote, ctx, m.num_prompt_tokens)
+    assert d.reason != "no_remote_blocks"
+    assert (d.load_blocks if d.loads else k, d.split_blocks if d.loads else s) == (k, s if s < k else 0)
+    if not d.loads:  # a refusal reports the terms of the plan that came closest
+        want = c.evaluate(local, remote, k, B, ctx, s if s < k else 0)
+        assert (d.terms["t_plan_s"], d.terms["t_recompute_p50_s"]) == (want["t_plan_s"], want["t_recompute_p50_s"])
+
+
+def test_the_search_stops_at_the_first_extent_whose_whole_range_saves_less_than_the_best_plan(monkeypatch):
+    """At gpu_s_price = inf the search starts from R and ends at the first extent whose front(k) is below the GPU seconds
+    the best plan found saves: a load of all 40 blocks that wins plans one extent, not the seven of {1, 2, …, 32, 40}.
+    At a finite price the bound does not hold (a smaller extent may be faster by more than it saves): every extent."""
+    planned = []
+    for price, want in ((math.inf, [40]), (1.0, [40, 32, 16, 8, 4, 2, 1])):
+        c = controller(bw=20e9, gpu_s_price=price)
+        real = c._plans
+        monkeypatch.setattr(c, "_plans", lambda k, sides, split: planned.append(k) or real(k, sides, split=split))
+        planned.clear()
+        d = c.propose(pm(0, 40), AdmissionContext(block_bytes=BLOCK_BYTES))
+        assert d.loads and d.load_blocks == 40
+        assert planned == want, price
+
+
 def test_a_split_computes_the_least_front_that_wins_and_starts_it_to_meet_the_load_there():
     """A link too slow for a plain load: the front computed is the smallest s whose plan still beats recompute by the
     margin (s − 1 would not), and the GPU starts it late — at remote(k − s) − W − front(s) — so it meets the load at s."""

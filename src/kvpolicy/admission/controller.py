@@ -302,6 +302,10 @@ class LoadResult:
     status: str
 
 
+_TERMS_P95, _TERMS_P50 = (tuple(f"{term}_{tag}_s" for term in ("lookup", "queue", "transfer", "stage", "install", "t_remote"))
+                           for tag in ("p95", "p50"))
+
+
 class _Sides:
     """The two sides of a plan for one request: the GPU's front and the link's far end (seconds).
 
@@ -323,6 +327,7 @@ class _Sides:
         self._own_queue = None if ctx.knows_path else ctl.queued_bytes(ctx.source)
         self._remote: dict[int, float] = {}
         self._front: dict[int, float] = {}
+        self.slo_s = 0.0  # the p95 TTFT target the decision is held to (set by the search)
 
     def front(self, s: int) -> float:
         if s <= 0:
@@ -434,24 +439,34 @@ class AdmissionController:
         sides = self._sides(L, Bt, ctx, c95, c50, prompt_tokens)  # one per decision: its memo of remote(n) serves every k
         price = self.config.gpu_s_price
         split = self.config.compute_while_loading
-        slo = self.slo_s()
+        slo = sides.slo_s = self.slo_s()  # the target the decision is held to, read once
+        extents = [1 << i for i in range(max(R - 1, 0).bit_length())] + [R]  # 1, 2, 4, … below R, then R
+        # At price inf a plan's key starts with the GPU seconds it saves, at most front(k) (a front costs >= 0), and
+        # front(k) grows with k (every coefficient is >= 0: PrefillModel's validators, non-negative observations):
+        # once an extent's whole range saves less than the best plan found, no smaller extent can win. So the extents
+        # are searched from the largest down, and the search ends there. Ties go to the smaller extent, as in an
+        # ascending search.
+        bounded = price == math.inf
         best: tuple[tuple[float, float], int, int, float] | None = None
         closest = (1, 0, -math.inf)
-        k = 1
-        while True:
-            kk = min(k, R)
+        for kk in reversed(extents):
+            if bounded and best is not None and sides.front(kk) < best[0][0]:
+                break
+            here: tuple[tuple[float, float], int, int, float] | None = None
+            near = (kk, 0, -math.inf)
             for s_, benefit in self._plans(kk, sides, split=split):
-                if benefit > closest[2]:
-                    closest = (kk, s_, benefit)
+                if benefit > near[2]:
+                    near = (kk, s_, benefit)
                 if benefit <= 0 and not (slo > 0 and sides.ttft(kk, s_) <= slo):
                     continue
                 saved = sides.front(kk) - sides.front(s_)  # GPU seconds this plan does not spend, against recomputing the range
                 key = (saved, benefit) if price == math.inf else (benefit + price * saved, saved)
-                if best is None or key > best[0]:
-                    best = (key, kk, s_, benefit)
-            if kk == R:
-                break
-            k *= 2
+                if here is None or key > here[0]:
+                    here = (key, kk, s_, benefit)
+            if near[2] > closest[2] or near[2] == closest[2] > -math.inf:
+                closest = near
+            if here is not None and (best is None or here[0] >= best[0]):
+                best = here
         if best is not None:
             return best[1], best[2], best[3], sides
         return closest[0], closest[1], closest[2], sides
@@ -522,29 +537,35 @@ class AdmissionController:
             raise ConfigError("split_blocks", f"{split_blocks} computed while loading, but only k = {k} blocks are planned")
         if not isinstance(ctx, AdmissionContext):
             raise ConfigError("ctx", f"must be an AdmissionContext, got {type(ctx).__name__}")
+        c50 = self.model.coefficients(0.5, ctx.source)
+        return self._terms(k, ctx, split_blocks, self._sides(local_blocks, block_size_tokens, ctx, self.model.coefficients(0.95, ctx.source), c50))
+
+    def _terms(self, k: int, ctx: AdmissionContext, split_blocks: int, sides: _Sides) -> dict[str, float]:
+        """:meth:`evaluate`'s terms, read from a decision's own sides (its coefficients and its memo of fronts)."""
         n = k - split_blocks
         load_bytes = n * ctx.block_bytes
-        queue = self.path_queue_bytes(ctx, load_bytes)
-        start = local_blocks * block_size_tokens
-        end = start + k * block_size_tokens
+        queue = sides._own_queue if sides._own_queue is not None else self.path_queue_bytes(ctx, load_bytes)
+        start = sides.start
+        end = start + k * sides.Bt
         out: dict[str, float] = {}
-        for tag, c in (("p95", self.model.coefficients(0.95, ctx.source)), ("p50", self.model.coefficients(0.5, ctx.source))):
-            out[f"lookup_{tag}_s"] = c.lookup_s
-            out[f"queue_{tag}_s"] = queue * c.s_per_byte
-            out[f"transfer_{tag}_s"] = c.transfer_overhead_s + c.s_per_byte * load_bytes if load_bytes > 0 else 0.0
-            out[f"stage_{tag}_s"] = c.stage_s_per_byte * load_bytes
-            out[f"install_{tag}_s"] = c.install_s_per_block * n
-            out[f"t_remote_{tag}_s"] = c.remote(load_bytes, n, queue)
-        c50 = self.model.coefficients(0.5, ctx.source)
+        for names, c in ((_TERMS_P95, sides.c95), (_TERMS_P50, sides.c50)):
+            lookup, queued, transfer, stage, install, remote = names
+            out[lookup] = c.lookup_s
+            out[queued] = queue * c.s_per_byte
+            out[transfer] = c.transfer_overhead_s + c.s_per_byte * load_bytes if load_bytes > 0 else 0.0
+            out[stage] = c.stage_s_per_byte * load_bytes
+            out[install] = c.install_s_per_block * n
+            out[remote] = c.remote(load_bytes, n, queue)
+        c50 = sides.c50
+        recompute = sides.front(k) if k > 0 else c50.recompute(start, end)  # the memo's, for a range
         out["queue_bytes"] = queue
         out["queue_wait_s"] = ctx.queue_wait_s
         out["dispatch_p50_s"] = c50.dispatch_s
-        out["prefill_p50_s"] = c50.recompute(start, end) - c50.dispatch_s
-        out["t_recompute_p50_s"] = c50.recompute(start, end)
-        out["t_front_p50_s"] = c50.recompute(start, start + split_blocks * block_size_tokens) if split_blocks else 0.0
+        out["prefill_p50_s"] = recompute - c50.dispatch_s
+        out["t_recompute_p50_s"] = recompute
+        out["t_front_p50_s"] = sides.front(split_blocks)
         out["interference_s"] = c50.interference_s_per_byte * load_bytes * (1 + max(ctx.active_decodes, 0))
         out["b_eff_p50_bytes_per_s"] = 1.0 / c50.s_per_byte if c50.s_per_byte > 0 else float("inf")
-        sides = self._sides(local_blocks, block_size_tokens, ctx, self.model.coefficients(0.95, ctx.source), c50)
         out["prefill_queue_requests"] = ctx.prefill_queue_requests
         out["t_plan_s"] = sides.plan(k, split_blocks)
         out["t_recompute_only_s"] = sides.recompute_only(k)
@@ -578,13 +599,13 @@ class AdmissionController:
         best_k, best_s, _, sides = self._best_plan(L, R, Bt, ctx, c95, c50, match.num_prompt_tokens)
         if best_s >= best_k:  # nothing left to load: the plan is to compute it all
             best_s = 0
-        best = self.evaluate(L, R, best_k, Bt, ctx, best_s)
+        best = self._terms(best_k, ctx, best_s, sides)
 
         def refuse(reason: str) -> Decision:
             return Decision(no_load, reason, L, R, 0, best["t_remote_p50_s"], best["t_remote_p95_s"], best["t_recompute_p50_s"],
                             best["interference_s"], best, source=ctx.source, replica=ctx.replica)
 
-        slo = self.slo_s()
+        slo = sides.slo_s
         best["ttft_p95_s"] = sides.ttft(best_k, best_s)  # this request's predicted TTFT under the plan
         best["ttft_slo_s"] = slo
         reason = "wins"
