@@ -957,6 +957,23 @@ def test_a_write_budget_keeps_every_leader_within_the_budget_rules_writes():
     assert e.value.field == "write_budget_rule"
 
 
+def test_with_no_evidence_the_budget_rule_decides_not_the_first_candidate_listed():
+    """Issue #58: the budget rule is the engine's own (threshold-2 for a set that pulls). Until another candidate has
+    earned a higher score it decides — a tie, every score 0 at the start, used to go to the first candidate listed
+    (structure-aware, which under KV-overlap routing writes nothing: on a random family it decided half the requests
+    before the count rule's first reads came in). A candidate that has earned more still leads; without a budget the
+    earliest keeps a tie."""
+    f = _duel(("structure-aware", "threshold-3", "threshold-2", "all"), cap=100, write_budget_rule="threshold-2")
+    assert f.leader_name == "threshold-2"
+    r = _req_u(1, 3, 0.0, 0.0)  # idle path: the writes cost nothing, nothing is read yet — every score stays 0
+    f.observe(r, ["a", "b", "c"])
+    assert f.publishable(r, ["a", "b", "c"]) == 0 and f.scores == [0.0] * 4 and f.leader_name == "threshold-2"
+    assert f.decided[f.candidates.index("threshold-2")] == 1
+    f.scores[1] = 1e-9  # threshold-3 earned more (within the budget: it has written no more)
+    assert f.leader_name == "threshold-3"
+    assert _duel(("structure-aware", "threshold-2"), cap=100).leader_name == "structure-aware"
+
+
 def test_the_gate_where_pins_leave_no_victims_to_name_admits_the_run_and_lets_the_tier_refuse():
     """Issue #60: a full tier whose blocks are pinned cannot name victims for the run (peek_victims is None): the gate
     admits the whole run — counted as admitted, nothing refused — and leaves it to the tier, which then has no room

@@ -42,8 +42,8 @@ class DuelingPublish:
 
     P_eviction is paid in the ghost's lost re-reads. Scores decay with half-life ``half_life_s`` (what is true now
     counts). The candidates (default: ``structure-aware`` — kvpolicy's value rule —, ``threshold-3``, ``threshold-2``,
-    ``all``) are any publish specs; ties go to the earlier one. Every candidate observes every request, so the one
-    that takes over has learned all along. ``read_bytes_per_s``: the read path's rate (default: the write's).
+    ``all``) are any publish specs; ties go to the budget rule (below), then to the earlier one. Every candidate
+    observes every request, so the one that takes over has learned all along. ``read_bytes_per_s``: the read path's rate (default: the write's).
 
     ``score="gpu_s"`` scores in GPU seconds instead (the rule before issue #44's second round): a hit is worth its
     whole ``recompute_s(j)`` and every written block is charged, read or not. Where a load costs a sizeable share of a
@@ -158,17 +158,18 @@ class DuelingPublish:
 
     @property
     def leader(self) -> int:
-        """The index of the candidate that decides now: the highest score among those within the write budget (the
-        earliest on a tie); the budget rule itself is always within it."""
+        """The index of the candidate that decides now: the highest score among those within the write budget. The
+        budget rule itself is always within it and keeps a tie — with no evidence yet (every score 0) the engine's own
+        rule decides, not the first candidate listed; among the others the earliest."""
         sc = self.scores
         b = self.budget
         cap = self.written_decayed[b] * (1.0 + 1e-9) + 1e-9 if b is not None else math.inf
         wd = self.written_decayed
-        best = -1
+        best = -1 if b is None else b  # the budget rule (the engine's own) until another has earned more than it
         for i in range(len(sc)):
             if wd[i] > cap:
                 continue
-            if best < 0 or sc[i] > sc[best]:  # strictly: a tie stays with the earlier
+            if best < 0 or sc[i] > sc[best]:  # strictly: a tie stays with the budget rule, then the earlier
                 best = i
         return best
 
