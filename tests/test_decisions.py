@@ -114,6 +114,28 @@ def test_the_search_from_the_largest_extent_down_chooses_what_an_ascending_searc
         assert (d.terms["t_plan_s"], d.terms["t_recompute_p50_s"]) == (want["t_plan_s"], want["t_recompute_p50_s"])
 
 
+def test_a_decisions_remote_terms_add_up_to_its_remote_time_and_install_is_per_block_loaded():
+    """evaluate()'s terms, as a decision reports them: at each quantile T_remote = lookup + queue + transfer + stage +
+    install, install = install_s_per_block × the blocks loaded (k − split, not k: the front is computed), the queue
+    the bytes ahead at B_eff. An extent of no blocks costs the dispatch alone: recompute = dispatch, prefill 0."""
+    c = AdmissionController(LatencyModel(LinkPrior(bandwidth_bytes_per_s=2.5e9, stage_bytes_per_s=20e9), PREFILL),
+                            AdmissionConfig(compute_while_loading=True), clock=ManualClock())
+    ctx = AdmissionContext(block_bytes=BLOCK_BYTES, path_backlog_bytes=3 * BLOCK_BYTES)
+    for k, split in ((8, 0), (40, 7), (1, 0)):
+        t = c.evaluate(2, 40, k, B, ctx, split)
+        for q in ("p95", "p50"):
+            co = c.model.coefficients(0.95 if q == "p95" else 0.5, "pool")
+            n = k - split
+            assert t[f"install_{q}_s"] == pytest.approx(co.install_s_per_block * n)
+            assert t[f"install_{q}_s"] > 0 and t[f"stage_{q}_s"] > 0 and t[f"queue_{q}_s"] > 0
+            assert t[f"queue_{q}_s"] == pytest.approx(t["queue_bytes"] * co.s_per_byte)
+            parts = sum(t[f"{x}_{q}_s"] for x in ("lookup", "queue", "transfer", "stage", "install"))
+            assert t[f"t_remote_{q}_s"] == pytest.approx(parts), (k, split, q)
+    none = c.evaluate(2, 40, 0, B, ctx)
+    assert none["t_recompute_p50_s"] == none["dispatch_p50_s"] > 0 and none["prefill_p50_s"] == 0.0
+    assert none["t_remote_p95_s"] == pytest.approx(none["lookup_p95_s"] + none["queue_p95_s"])
+
+
 def test_the_search_stops_at_the_first_extent_whose_whole_range_saves_less_than_the_best_plan(monkeypatch):
     """At gpu_s_price = inf the search starts from R and ends at the first extent whose front(k) is below the GPU seconds
     the best plan found saves: a load of all 40 blocks that wins plans one extent, not the seven of {1, 2, …, 32, 40}.

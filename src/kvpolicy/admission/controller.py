@@ -545,8 +545,6 @@ class AdmissionController:
         n = k - split_blocks
         load_bytes = n * ctx.block_bytes
         queue = sides._own_queue if sides._own_queue is not None else self.path_queue_bytes(ctx, load_bytes)
-        start = sides.start
-        end = start + k * sides.Bt
         out: dict[str, float] = {}
         for names, c in ((_TERMS_P95, sides.c95), (_TERMS_P50, sides.c50)):
             lookup, queued, transfer, stage, install, remote = names
@@ -557,7 +555,7 @@ class AdmissionController:
             out[install] = c.install_s_per_block * n
             out[remote] = c.remote(load_bytes, n, queue)
         c50 = sides.c50
-        recompute = sides.front(k) if k > 0 else c50.recompute(start, end)  # the memo's, for a range
+        recompute = sides.front(k) if k > 0 else c50.dispatch_s  # the memo's; a range of no blocks costs the dispatch alone
         out["queue_bytes"] = queue
         out["queue_wait_s"] = ctx.queue_wait_s
         out["dispatch_p50_s"] = c50.dispatch_s
