@@ -48,7 +48,7 @@ import numpy as np
 from ..admission import AdmissionContext, AdmissionController, Decision, LoadOutcome
 from ..admission.controller import LoadStatus
 from ..errors import ConfigError
-from ..gguf import GGML_TYPE_IDS, GGUFModel, row_bytes
+from ..gguf import GGML_TYPE_IDS, GGUFModel
 from ..keys import BlockHasher
 from ..ledger import Ledger, NotLoaded, RequestRecord
 from ..matching import match

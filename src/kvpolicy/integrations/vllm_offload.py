@@ -37,7 +37,7 @@ from typing import Any
 
 from .._mix import key_bits
 from ..clock import ManualClock, MonotonicClock
-from ..errors import CapacityError, ConfigError
+from ..errors import ConfigError
 from ..eviction.base import EvictionPolicy
 from ..eviction.hit_density import AdaptivePolicy
 from ..eviction.learned import LearnedRelaxedBeladyPolicy

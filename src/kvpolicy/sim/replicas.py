@@ -19,7 +19,7 @@ from ..eviction.policies import TraceOracle
 from ..eviction.replay import make_policy
 from ..ledger import Ledger
 from ..warmup import WarmupConfig, hot_prefixes_from_trace, plan_warmup
-from .config import ClusterConfig, Degrade, ScaleOut
+from .config import ClusterConfig, ScaleOut
 from .events import PREFILL_DONE, WARM_DONE, EventLoop, _Clock
 from .network import FlowNetwork
 from .overlap import ComputeWhileLoading
