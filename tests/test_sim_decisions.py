@@ -1001,3 +1001,27 @@ def test_a_scale_out_before_the_second_arrival_plans_warmup_from_the_first_reque
         seen.clear()
         Simulator(Prepared(tr), c, attrs.evolve(policy_set("kvpolicy"), warmup=True), events=(ScaleOut(t_s=t_out, replicas=1),)).run()
         assert seen == [want], (t_out, seen)
+
+
+def test_without_guard_rails_no_load_is_refused_for_the_loads_already_in_flight():
+    """PolicySet.guard_rails: the admission controller caps the loads in flight per replica (4) and per node, and the
+    bytes a load may wait behind. Ten requests for ten different seeded chains arrive at once on one replica: with the
+    guard rails, the fifth and later find four loads in flight and recompute; without them, every one loads (the
+    inequality prices the queue they wait behind, and here the link still wins). The field is checked by name."""
+    prompts = [[100 * i + j for j in range(8)] for i in range(10)]
+    tr = tiny(prompts, [0.0] * 10)
+    c = cluster(tr, replicas=1)
+    out = {}
+    for rails in (True, False):
+        ps = attrs.evolve(policy_set("kvpolicy"), name=f"rails-{rails}", guard_rails=rails, warmup=False, pull_from_peers=False,
+                          compute_while_loading=False)
+        sim = Simulator(Prepared(tr), c, ps)
+        sim.seed_pool(prompts)
+        out[rails] = sim.run()
+        cfg = sim.planner.controller.config
+        assert (cfg.max_loads_per_replica == 4) is rails
+    assert out[False].loads == 10
+    assert 4 <= out[True].loads < 10
+    with pytest.raises(ConfigError) as e:
+        attrs.evolve(policy_set("kvpolicy"), guard_rails="no")
+    assert e.value.field == "guard_rails"

@@ -11,6 +11,7 @@ It moves no bytes and touches no cache.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -48,8 +49,13 @@ class LoadPlanner:
                               stage_bytes_per_s=None, install_s_per_block=c.install_s_per_block,
                               dispatch_s=c.dispatch_s, interference_s_per_byte=c.interference_s_per_byte)
 
+            # without guard rails: no cap on loads in flight or on the bytes a load waits behind (the breaker stays)
+            caps: dict[str, Any] = {} if ps.guard_rails else {"max_loads_per_replica": sys.maxsize, "max_loads_per_source": sys.maxsize,
+                                                             "max_queue_bytes_per_source": sys.float_info.max}
+
             def make_controller() -> AdmissionController:
-                return AdmissionController(LatencyModel(prior, c.prefill), AdmissionConfig(compute_while_loading=ps.compute_while_loading, gpu_s_price=ps.gpu_s_price),
+                return AdmissionController(LatencyModel(prior, c.prefill), AdmissionConfig(compute_while_loading=ps.compute_while_loading,
+                                                                                            gpu_s_price=ps.gpu_s_price, **caps),
                                            clock=clock)
 
             self._make_controller = make_controller

@@ -2,7 +2,7 @@
 
 | preset | local eviction | publish | remote load | timeout | on failure |
 |---|---|---|---|---|---|
-| ``kvpolicy`` | LRU, locally and in the pool (reuse-distance lost to it under KV-overlap routing, issue #58) | dueling (all / threshold-2 / threshold-3 / structure-aware, each in a ghost pool of the pool's size; the one with the best E[benefit] decides), and on demand: a block a peer holds is pulled when another replica asks for it — through the pool (which keeps it), or straight from the peer when the pool's node is that pull's bottleneck (``pull_path="choose"``) | admission controller (p95 remote < margin × p50 recompute, or within the measured p95 TTFT; the plan that saves the most GPU seconds; path-aware, caps, breaker); compute while loading as the fallback | none needed: a late load turns into compute-while-loading at its p95 | recompute (partial use) |
+| ``kvpolicy`` | LRU, locally and in the pool (reuse-distance lost to it under KV-overlap routing, issue #58) | dueling (all / threshold-2 / threshold-3 / structure-aware, each in a ghost pool of the pool's size; the one with the best E[benefit] decides), and on demand: a block a peer holds is pulled when another replica asks for it — through the pool (which keeps it), or straight from the peer when the pool's node is that pull's bottleneck (``pull_path="choose"``) | admission controller (p95 remote < margin × p50 recompute, or within the measured p95 TTFT; the plan that saves the most GPU seconds; path-aware, breaker; no caps on loads in flight or queued bytes, ``guard_rails=False``: the inequality prices the queue); compute while loading as the fallback | none needed: a late load turns into compute-while-loading at its p95 | recompute (partial use) |
 | ``vllm-like`` | LRU, tail block first | every finished full block | always when present | none (transport only) | fail: the client retries |
 | ``sglang-like`` | LRU over radix leaves | hit count ≥ 2 (write_through_selective) | prefetch if ≥ 256 tokens | 1 s + 0.25 s per 1024 tokens | recompute |
 | ``lmcache-like`` | LRU | everything | always (``min_retrieve_tokens=0``) | none (transport only) | recompute |
@@ -105,6 +105,10 @@ class PolicySet:
     #: ``load="admission"``: a published block held by a storage node whose breaker is open is written again elsewhere
     #: (its traffic shifts to the others); False: it stays where it is
     republish_unhealthy: bool = True
+    #: ``load="admission"``: the controller's guard rails — at most ``AdmissionConfig.max_loads_per_replica`` loads in
+    #: flight per replica and ``max_loads_per_source`` per storage node, none behind more than ``max_queue_bytes_per_source``
+    #: (its defaults). False: no cap on either; the inequality, which prices the path's queue, and the breaker are the limits
+    guard_rails: bool = True
     #: a request whose chain goes on past the pool's run in another replica's local cache (what the directory learns from
     #: the engines' KV events) may pull those blocks from that peer *through the pool*: one relay flow (the peer's egress,
     #: the node's ingress and egress, this replica's ingress), the node keeping what passes — a block published on demand,
@@ -154,6 +158,8 @@ class PolicySet:
             raise ConfigError("gpu_s_price", f"must be a number >= 0 (seconds of TTFT per GPU second), got {p!r}")
         if not isinstance(self.republish_unhealthy, bool):
             raise ConfigError("republish_unhealthy", f"must be True or False, got {self.republish_unhealthy!r}")
+        if not isinstance(self.guard_rails, bool):
+            raise ConfigError("guard_rails", f"must be True or False, got {self.guard_rails!r}")
         if not isinstance(self.pull_from_peers, bool):
             raise ConfigError("pull_from_peers", f"must be True or False, got {self.pull_from_peers!r}")
         if self.pull_from_peers and not self.uses_pool:
@@ -174,7 +180,7 @@ PRESETS: dict[str, PolicySet] = {
     # every rule below: see the module docstring for the upstream file or option it follows
     "kvpolicy": PolicySet("kvpolicy", local_eviction="lru", pool_eviction="lru", publish="dueling",
                           load="admission", timeout="admission", failure="recompute", warmup=True, compute_while_loading=True,
-                          pull_from_peers=True, pull_path="choose"),
+                          pull_from_peers=True, pull_path="choose", guard_rails=False),
     "vllm-like": PolicySet("vllm-like", publish="all", load="always", timeout="none", failure="fail"),
     "sglang-like": PolicySet("sglang-like", publish="threshold-2", load="min-tokens", min_load_tokens=256, timeout="sglang", failure="recompute"),
     "lmcache-like": PolicySet("lmcache-like", publish="all", load="always", timeout="none", failure="recompute"),
