@@ -327,7 +327,6 @@ class _Sides:
         self._own_queue = None if ctx.knows_path else ctl.queued_bytes(ctx.source)
         self._remote: dict[int, float] = {}
         self._front: dict[int, float] = {}
-        self.slo_s = 0.0  # the p95 TTFT target the decision is held to (set by the search)
 
     def front(self, s: int) -> float:
         if s <= 0:
@@ -343,9 +342,13 @@ class _Sides:
         t = self._remote.get(n)
         if t is None:
             S = n * self.ctx.block_bytes
-            q = self._own_queue if self._own_queue is not None else self.ctl.path_queue_bytes(self.ctx, S)
+            q = self.queue_bytes(S)
             t = self._remote[n] = self.c95.remote(S, n, q) + self.c50.interference_s_per_byte * S * self.spread
         return t
+
+    def queue_bytes(self, load_bytes: float) -> float:
+        """Bytes ahead of a load of ``load_bytes`` on its path (looked up once per decision when the engine reports no path)."""
+        return self._own_queue if self._own_queue is not None else self.ctl.path_queue_bytes(self.ctx, load_bytes)
 
     def plan(self, k: int, s: int) -> float:
         if s <= 0:
@@ -431,15 +434,15 @@ class AdmissionController:
         return self.queued_bytes(ctx.source)
 
     def _best_plan(self, L: int, R: int, Bt: int, ctx: AdmissionContext, c95: Any, c50: Any,
-                   prompt_tokens: int | None = None) -> tuple[int, int, float, _Sides]:
+                   prompt_tokens: int | None = None, slo: float = 0.0) -> tuple[int, int, float, _Sides]:
         """(k, s, benefit, sides) of the plan to take over k in {1, 2, 4, ...} ∪ {R}: plain loads and, with
         ``compute_while_loading``, splits. Among the plans that win (benefit > 0) the one ranked first by
         ``gpu_s_price`` (GPU seconds saved, then benefit, at ``inf``; benefit + price × GPU seconds saved otherwise);
-        when none wins, the one that comes closest (for the refusal's terms)."""
+        when none wins, the one that comes closest (for the refusal's terms). ``slo``: the p95 TTFT target (0: none) a
+        plan that loses to recompute may still be taken within."""
         sides = self._sides(L, Bt, ctx, c95, c50, prompt_tokens)  # one per decision: its memo of remote(n) serves every k
         price = self.config.gpu_s_price
         split = self.config.compute_while_loading
-        slo = sides.slo_s = self.slo_s()  # the target the decision is held to, read once
         extents = [1 << i for i in range(max(R - 1, 0).bit_length())] + [R]  # 1, 2, 4, … below R, then R
         # At price inf a plan's key starts with the GPU seconds it saves, at most front(k) (a front costs >= 0), and
         # front(k) grows with k (every coefficient is >= 0: PrefillModel's validators, non-negative observations):
@@ -544,7 +547,7 @@ class AdmissionController:
         """:meth:`evaluate`'s terms, read from a decision's own sides (its coefficients and its memo of fronts)."""
         n = k - split_blocks
         load_bytes = n * ctx.block_bytes
-        queue = sides._own_queue if sides._own_queue is not None else self.path_queue_bytes(ctx, load_bytes)
+        queue = sides.queue_bytes(load_bytes)
         out: dict[str, float] = {}
         for names, c in ((_TERMS_P95, sides.c95), (_TERMS_P50, sides.c50)):
             lookup, queued, transfer, stage, install, remote = names
@@ -594,7 +597,8 @@ class AdmissionController:
         c95 = self.model.coefficients(0.95, ctx.source)
         c50 = self.model.coefficients(0.5, ctx.source)
         Bt = match.block_size_tokens
-        best_k, best_s, _, sides = self._best_plan(L, R, Bt, ctx, c95, c50, match.num_prompt_tokens)
+        slo = self.slo_s()  # the p95 TTFT target this decision is held to, read once
+        best_k, best_s, _, sides = self._best_plan(L, R, Bt, ctx, c95, c50, match.num_prompt_tokens, slo)
         if best_s >= best_k:  # nothing left to load: the plan is to compute it all
             best_s = 0
         best = self._terms(best_k, ctx, best_s, sides)
@@ -603,7 +607,6 @@ class AdmissionController:
             return Decision(no_load, reason, L, R, 0, best["t_remote_p50_s"], best["t_remote_p95_s"], best["t_recompute_p50_s"],
                             best["interference_s"], best, source=ctx.source, replica=ctx.replica)
 
-        slo = sides.slo_s
         best["ttft_p95_s"] = sides.ttft(best_k, best_s)  # this request's predicted TTFT under the plan
         best["ttft_slo_s"] = slo
         reason = "wins"

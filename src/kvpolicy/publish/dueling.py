@@ -43,7 +43,8 @@ class DuelingPublish:
     P_eviction is paid in the ghost's lost re-reads. Scores decay with half-life ``half_life_s`` (what is true now
     counts). The candidates (default: ``structure-aware`` — kvpolicy's value rule —, ``threshold-3``, ``threshold-2``,
     ``all``) are any publish specs; ties go to the budget rule (below), then to the earlier one. Every candidate
-    observes every request, so the one that takes over has learned all along. ``read_bytes_per_s``: the read path's rate (default: the write's).
+    observes every request, so the one that takes over has learned all along. ``read_bytes_per_s``: the read path's
+    rate (default: the write's).
 
     ``score="gpu_s"`` scores in GPU seconds instead (the rule before issue #44's second round): a hit is worth its
     whole ``recompute_s(j)`` and every written block is charged, read or not. Where a load costs a sizeable share of a
