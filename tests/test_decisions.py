@@ -187,6 +187,24 @@ def test_recompute_is_charged_to_the_requests_a_busy_replica_will_queue():
             AdmissionContext(block_bytes=BLOCK_BYTES, prefill_utilisation=bad)
 
 
+def test_a_load_whose_predicted_ttft_equals_the_p95_target_is_within_it():
+    """The target is inclusive: one remote block (one extent, one plan) slower than recompute, with the target set to
+    exactly its predicted TTFT, is taken as within_slo (a strict < refused it; no test set the target at the bound)."""
+    m = pm(0, 1, tokens=4 * B + 3)
+    ctx = AdmissionContext(block_bytes=BLOCK_BYTES)
+    d = controller(bw=0.05e9, ttft_slo_s=0.0).decide(m, ctx)
+    assert not d.loads and d.reason == "slower_than_recompute"
+    at = controller(bw=0.05e9, ttft_slo_s=d.terms["ttft_p95_s"]).decide(m, ctx)
+    assert at.loads and at.reason == "within_slo" and at.load_blocks == 1
+    # two extents, both slower than recompute: the search takes the larger (it saves more) when its TTFT is exactly the
+    # target, not only the smaller one that is under it
+    m2 = pm(0, 2, tokens=4 * B + 3)
+    both = controller(bw=0.05e9, ttft_slo_s=1e6).decide(m2, ctx)
+    assert both.reason == "within_slo" and both.load_blocks == 2
+    exact = controller(bw=0.05e9, ttft_slo_s=both.terms["ttft_p95_s"]).decide(m2, ctx)
+    assert exact.reason == "within_slo" and exact.load_blocks == 2
+
+
 def test_a_load_slower_than_recompute_is_taken_only_within_the_p95_target():
     """The brief's inequality alone declines it; a p95 TTFT target (configured, or derived from the TTFTs the engine
     reports) takes it when the request's predicted TTFT stays within the target: its delay cannot move the p95."""
