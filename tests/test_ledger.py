@@ -1,4 +1,5 @@
 import re
+import math
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -348,3 +349,50 @@ def test_saved_and_evicted_gpu_seconds_are_priced_by_the_prefill_queue():
     with pytest.raises(ConfigError) as e:
         RequestRecord(prompt_tokens=10, block_size_tokens=B, prefill_utilisation=1.5)
     assert e.value.field == "prefill_utilisation"
+
+
+def test_a_set_that_saves_more_is_not_priced_below_one_that_stays_congested():
+    """Issue #58, the ledger's ranking: a GPU second saved is priced by the mean of 1/(1 − ρ) over the utilisations the
+    hits moved the replica through (``prefill_utilisation_without_hits``), not at the end point alone. A set that
+    escapes congestion by saving a lot (ρ 0.5 instead of 1.3) saves more latency than one that saves little and stays
+    at the cap (ρ 0.99 instead of 1.0); priced at the end point, the congested one ranked first."""
+    def eb(hits, rho, rho_without):
+        led = Ledger(bytes_per_token=1, write_cost_s_per_byte=0.0, eviction_cost_s_per_token=0.0)
+        for i in range(10):
+            loaded = 2 if i < hits else 0
+            led.record(RequestRecord(prompt_tokens=4 * B + 1, block_size_tokens=B, remote_loaded_blocks=loaded,
+                                     predicted_recompute_s=0.3 if loaded else None, load_s=0.1 if loaded else None,
+                                     arrival_s=float(i), stall_s=0.0, prefill_utilisation=rho, prefill_utilisation_without_hits=rho_without))
+        return led.expected_benefit()["e_benefit_s_per_s"]
+
+    saver, congested = eb(8, 0.5, 1.3), eb(1, 0.99, 1.0)
+    assert saver > congested
+    assert eb(8, 0.5, None) < eb(1, 0.99, None), "at the end point's price the congested set ranks first"
+    # no shift: the marginal price; a shift within the cap's region: the cap's price
+    assert eb(8, 0.5, 0.5) == pytest.approx(eb(8, 0.5, None))
+    assert eb(8, 0.995, 1.2) == pytest.approx(eb(8, 0.99, None))
+
+
+@given(a=st.floats(0, 1), b=st.floats(0, 3), c=st.floats(0, 3))
+def test_the_mean_gpu_price_is_the_mean_of_the_marginal_price(a, b, c):
+    """mean_gpu_price(a, b) × (b − a) is the integral of gpu_price from a to b: it lies between the prices at the two
+    ends (the price grows with ρ), it adds up over adjoining intervals, and a zero-width interval is the marginal price."""
+    from kvpolicy.prices import gpu_price, mean_gpu_price
+
+    lo, hi = sorted((gpu_price(a), gpu_price(min(b, 1.0))))
+    m = mean_gpu_price(a, b)
+    assert lo * (1 - 1e-9) <= m <= hi * (1 + 1e-9)
+    assert mean_gpu_price(b, a) == pytest.approx(m)
+    if abs(b - a) > 1e-6 and abs(c - b) > 1e-6 and abs(c - a) > 1e-6:
+        assert mean_gpu_price(a, b) * (b - a) + mean_gpu_price(b, c) * (c - b) == pytest.approx(mean_gpu_price(a, c) * (c - a), rel=1e-6, abs=1e-9)
+    assert mean_gpu_price(a, a) == gpu_price(a)
+    assert mean_gpu_price(0.0, 0.5) == pytest.approx(2 * math.log(2))  # ∫₀^½ dx/(1 − x) / ½
+
+
+@pytest.mark.parametrize("bad", [-0.1, math.nan, math.inf, True, "0.5"])
+def test_the_utilisation_without_hits_is_checked(bad):
+    with pytest.raises(ConfigError) as e:
+        RequestRecord(prompt_tokens=10, block_size_tokens=B, prefill_utilisation=0.5, prefill_utilisation_without_hits=bad)
+    assert e.value.field == "prefill_utilisation_without_hits"
+    with pytest.raises(ConfigError, match="needs prefill_utilisation") as e:
+        RequestRecord(prompt_tokens=10, block_size_tokens=B, prefill_utilisation_without_hits=0.5)

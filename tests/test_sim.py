@@ -750,3 +750,24 @@ def test_compare_bounds_each_set_by_the_oracle_with_its_own_router_and_pull_path
     assert line["ok"] and "llm-d-like against the oracle [kv-overlap, direct pulls]: 12.5 s" in line["detail"]
     line = next(x for x in checks(report(11.0)) if x["check"] == "the oracle's GPU seconds saved bound every set")
     assert not line["ok"] and "beaten by llm-d-like 12.0 s" in line["detail"]
+
+
+def test_a_replica_knows_the_utilisation_its_hits_spared_it():
+    """The ledger's price of a saved GPU second needs what the replica would have been busy with had it recomputed
+    what it loaded: its utilisation plus its hits' GPU seconds per slot, averaged over the same window. A steady
+    stream of r saved seconds per second on s slots adds r/s; with no hits it is the utilisation itself; old hits fade
+    as the utilisation's window does."""
+    from types import SimpleNamespace
+
+    from kvpolicy.sim.world import UTIL_WINDOW_S, _Replica
+
+    rep = _Replica(0, SimpleNamespace(nodes={}), 4, None, None, None)
+    rep.util = 0.3
+    assert rep.utilisation_without_hits(5.0) == 0.3
+    t = 0.0
+    while t < 20 * UTIL_WINDOW_S:  # 0.5 GPU s saved every 0.25 s: 2 s per s on 4 slots
+        t += 0.25
+        rep.note_hit(t, 0.5)
+    assert rep.utilisation_without_hits(t) == pytest.approx(0.3 + 2.0 / 4, rel=0.02)
+    faded = rep.utilisation_without_hits(t + UTIL_WINDOW_S) - 0.3
+    assert faded == pytest.approx(0.5 * np.exp(-1.0), rel=0.02)

@@ -70,6 +70,7 @@ import numpy as np
 from .admission.histogram import LogHistogram
 from ._validate import check_non_negative_number, check_positive_int, check_real
 from .errors import ConfigError
+from .prices import gpu_price, mean_gpu_price
 
 REQUEST_CATEGORIES = ("local_hit", "remote_hit", "partial_hit", "miss")
 TOKEN_CATEGORIES = (
@@ -108,6 +109,11 @@ class RequestRecord:
     #: the replica's prefill utilisation (0..1) when the request ran: the GPU seconds it saved or lost are priced
     #: 1/(1 − ρ) seconds of latency each (the queue they shorten or lengthen); None: unknown (1)
     prefill_utilisation: float | None = None
+    #: the utilisation the replica would have measured had it recomputed what it loaded (its scheduler adds the
+    #: predicted GPU seconds of its remote hits to its busy time, over the same window; may pass 1: demand beyond its
+    #: slots). Given, a saved second is priced at the mean price between the two (the latency the hits bought, not
+    #: the last second's worth); None: at ``prefill_utilisation``'s
+    prefill_utilisation_without_hits: float | None = None
 
     def __attrs_post_init__(self) -> None:
         # types first: a NaN count passed every comparison below and reached the ledger's token sums (plain ints, the
@@ -143,6 +149,12 @@ class RequestRecord:
         u = self.prefill_utilisation
         if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 <= u <= 1):
             raise ConfigError("prefill_utilisation", f"must be in [0, 1] or None, got {u!r}")
+        uw = self.prefill_utilisation_without_hits
+        if uw is not None:
+            if isinstance(uw, bool) or not isinstance(uw, (int, float)) or not math.isfinite(uw) or uw < 0:
+                raise ConfigError("prefill_utilisation_without_hits", f"must be a finite number >= 0 or None, got {uw!r}")
+            if u is None:
+                raise ConfigError("prefill_utilisation_without_hits", "needs prefill_utilisation (the utilisation it is the counterfactual of)")
         for name in ("ttft_s", "prefill_s", "load_s", "queue_s", "predicted_recompute_s", "stall_s"):
             v = getattr(self, name)
             if v is None or type(v) is float and 0.0 <= v < math.inf:  # (a NaN fails the comparison)
@@ -484,11 +496,14 @@ class Ledger:
                                               "evicted_tokens": 0, "evicted_priced": 0.0}
         c["requests"] += 1
         u = r.prefill_utilisation
-        gpu = 1.0 if u is None else 1.0 / (1.0 - min(u, 0.99))  # a GPU second's price: the queue it shortens
+        gpu = gpu_price(u)  # a GPU second's price: the queue it shortens (an eviction's loss: at the margin)
         if remote_b:
             c["remote_hits"] += 1
             if r.predicted_recompute_s is not None and r.load_s is not None:
-                c["saved_s"] += (r.predicted_recompute_s - r.load_s) * gpu
+                uw = r.prefill_utilisation_without_hits
+                # what the hits bought: the mean price over the utilisations they moved the replica through
+                saved_price = gpu if uw is None or u is None else mean_gpu_price(u, uw)
+                c["saved_s"] += (r.predicted_recompute_s - r.load_s) * saved_price
                 c["saved_n"] += 1
             self._flow("read", r.arrival_s, remote_b * B * self.bytes_per_token)
         if r.stall_s is not None:

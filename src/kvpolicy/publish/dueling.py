@@ -7,19 +7,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+from ..prices import gpu_price
 from .._validate import check_positive_int, check_positive_number
 from ..errors import ConfigError
 from .rules import PublishRequest, ThresholdPublish, _Dedup, _check, _timed
 from .specs import check_spec, make_filter
-
-
-def gpu_price(utilisation: float | None) -> float:
-    """Seconds of latency one GPU second saves on a replica whose prefill slots are busy ``utilisation`` of the time:
-    ``1/(1 − ρ)`` (the M/M/1 wait a job of length t adds, itself included: t + t·ρ/(1 − ρ)), ρ capped at 0.99; 1 when
-    unknown. The write price (:meth:`DuelingPublish.write_price_s`) is the same formula's externality on a link."""
-    if utilisation is None:
-        return 1.0
-    return 1.0 / (1.0 - min(utilisation, 0.99))
 
 
 class DuelingPublish:

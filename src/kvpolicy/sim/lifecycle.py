@@ -280,13 +280,15 @@ class RequestLifecycle:
         m = p.matchable[i]
         used = req.local + req.split + req.load + req.not_loaded
         cls = p.request_class[i] if p.request_class else "default"
+        if req.load and req.predicted_s is not None:
+            rep.note_hit(t, req.predicted_s)
         rec = RequestRecord(
             prompt_tokens=T, block_size_tokens=self.B, local_blocks=req.local, remote_loaded_blocks=req.load,
             remote_not_loaded_blocks=req.not_loaded, not_loaded_reason=req.not_loaded_reason if req.not_loaded else None,
             missing_keys=tuple(keys[used:m]), request_class=cls, arrival_s=req.first_arrival_s, ttft_s=t - req.first_arrival_s,
             prefill_s=req.prefill_s, load_s=req.load_s, queue_s=self.tally.queue[i], predicted_recompute_s=req.predicted_s if req.load else None,
             load_attempted=req.load_attempted, stall_s=req.stall_s if self.ps.uses_pool else None, split_blocks=req.split,
-            prefill_utilisation=rep.util,
+            prefill_utilisation=rep.util, prefill_utilisation_without_hits=rep.utilisation_without_hits(t),
         )
         self.ledger.record(rec)
         self.pool.publish(rep, req, keys, t)

@@ -310,7 +310,8 @@ class _Load:
 
 class _Replica:
     __slots__ = ("idx", "name", "cache", "index", "free_slots", "slots", "queue", "load_tokens", "active", "decode_tokens", "inn", "out",
-                 "stage", "debt_s", "warming_until_s", "bytes_in", "queued_s", "running", "warm_left", "util", "util_t")
+                 "stage", "debt_s", "warming_until_s", "bytes_in", "queued_s", "running", "warm_left", "util", "util_t",
+                 "hit_util", "hit_t")
 
     def __init__(self, idx: int, cache: Any, slots: int, inn: Link, out: Link, stage: Link | None) -> None:
         self.idx = idx
@@ -321,6 +322,8 @@ class _Replica:
         self.slots = slots
         self.util = 0.0  # the busy share of its prefill slots, averaged over the last UTIL_WINDOW_S (exponentially)
         self.util_t = 0.0
+        self.hit_util = 0.0  # the busy share its remote hits spared it, over the same window (at hit_t)
+        self.hit_t = 0.0
         self.queue: deque[_Req] = deque()
         self.load_tokens = 0
         self.active = 0
@@ -351,6 +354,17 @@ class _Replica:
             self.util = self.util * w + (1.0 - self.free_slots / self.slots) * (1.0 - w)
             self.util_t = t
         return self.util
+
+
+    def note_hit(self, t: float, gpu_s: float) -> None:
+        """A request spared ``gpu_s`` seconds of prefill by loading blocks instead of recomputing them: the busy share
+        its slots would have had, averaged over the window as :meth:`utilisation` averages theirs."""
+        self.hit_util = self.hit_util * math.exp(-(t - self.hit_t) / UTIL_WINDOW_S) + gpu_s / (UTIL_WINDOW_S * self.slots)
+        self.hit_t = t
+
+    def utilisation_without_hits(self, t: float) -> float:
+        """What the replica's utilisation (as last read) would have been had it recomputed what it loaded: may pass 1."""
+        return self.util + self.hit_util * math.exp(-(t - self.hit_t) / UTIL_WINDOW_S)
 
 
 class _Node:
