@@ -25,7 +25,7 @@ kv-overlap, is the kv-overlap column):
   * kvpolicy's GPU seconds saved >= the best baseline's - 1 point (of recompute-only's GPU seconds);
   * kvpolicy writes no more bytes than sglang-p2p-like;
   * the set the ledger ranks first by E[benefit] saves within 2 points of the most any set saves, with a p95 within
-    5 % of the best;
+    5 % of the best (a miss where no set meets both bars says so: no ranking could pass there);
   * steady only: kvpolicy saves >= 80 % of the (pulling) oracle's GPU seconds;
 and, for reference, issue #44's "no baseline dominates kvpolicy on (GPU s saved, bytes written)".
 """
@@ -83,8 +83,10 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
             most = max(r["gpu_saved_share"] or 0.0 for r in rows)
             fastest = min(r["ttft_p95_ms"] for r in rows)
             fs = first["gpu_saved_share"] or 0.0
+            meet = [r["policy"] for r in rows if (r["gpu_saved_share"] or 0.0) >= most - 0.02 and r["ttft_p95_ms"] <= 1.05 * fastest]
             add("ledger's first is right", fs >= most - 0.02 and first["ttft_p95_ms"] <= 1.05 * fastest,
-                f"{first['policy']}: {fs:.1%} vs the most {most:.1%}, p95 {first['ttft_p95_ms'] / fastest - 1:+.1%} over the best")
+                f"{first['policy']}: {fs:.1%} vs the most {most:.1%}, p95 {first['ttft_p95_ms'] / fastest - 1:+.1%} over the best"
+                + ("" if meet else "; no set meets both"))
         else:
             add("ledger's first is right", None, "no set's E[benefit] is known")
         dom = [b for b in base if b["gpu_saved_s"] >= kv["gpu_saved_s"] and b["bytes_written"] <= kv["bytes_written"]
@@ -187,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                     targets[f"{res['trace']} / {res['router']} / {v}: {n}"] = g["ok"]
             print(f"| {res['trace']} | {res['router']} | {v} | " + " | ".join(cells) + " |")
     print("\nmet / judged: " + "; ".join(f"{n} {a}/{b}" for n, (a, b) in tally.items()))
+    # a view where no set saves within 2 points of the most at a p95 within 5 % of the best: no ranking could pass there
+    none_meet = sum(g["goal"] == "ledger's first is right" and g["detail"].endswith("no set meets both") for r in results for g in r["goals"])
+    print(f"the ledger's first: {none_meet} of its misses are views where no set meets both bars")
     print(f"{len(results)} traces in {time.perf_counter() - t0:.0f} s")
     for res in results:
         for d in res["report"].get("dominance", []):

@@ -818,3 +818,11 @@ def test_the_oracle_bound_and_the_ledgers_ranking_are_checked_with_their_margins
     got = {c["check"]: c for c in checks({"runs": base + [run_("vllm-like", 30.0, 10.0, 0.9)]})}
     led = got["the set the ledger ranks first saves within 2 points of the most, p95 within 5% of the best"]
     assert not led["ok"] and "10.0 points below the most" in led["detail"]
+    assert led["detail"].endswith("sets that meet both: kvpolicy")  # the ledger missed a set that was there
+    # the set that saves most is slow and the fast one saves little: no ranking could pass, and the line says so
+    got = {c["check"]: c for c in checks({"runs": base + [run_("vllm-like", 45.0, 10.6, 0.1)]})}
+    led = got["the set the ledger ranks first saves within 2 points of the most, p95 within 5% of the best"]
+    assert not led["ok"] and led["detail"].endswith("no set meets both (the most GPU seconds and the best p95 pull apart)")
+    got = {c["check"]: c for c in checks({"runs": base + [run_("vllm-like", 42.0, 10.5, 0.1)]})}
+    assert got["the set the ledger ranks first saves within 2 points of the most, p95 within 5% of the best"]["detail"].endswith(
+        "sets that meet both: kvpolicy, vllm-like")  # both bars inclusive: kvpolicy 2.0 points below, vllm-like +5.0 %
