@@ -396,3 +396,14 @@ def test_the_utilisation_without_hits_is_checked(bad):
     assert e.value.field == "prefill_utilisation_without_hits"
     with pytest.raises(ConfigError, match="needs prefill_utilisation") as e:
         RequestRecord(prompt_tokens=10, block_size_tokens=B, prefill_utilisation_without_hits=0.5)
+
+
+def test_an_idle_replica_with_no_hits_is_a_utilisation_of_zero_and_a_hit_without_a_load_time_saves_nothing_known():
+    """The counterfactual's floor is 0, not excluded (an idle replica that loaded nothing); and a remote hit whose load
+    time the engine did not report is a hit (h_remote) without a saving to price — never a saving computed from None."""
+    RequestRecord(prompt_tokens=10, block_size_tokens=B, prefill_utilisation=0.0, prefill_utilisation_without_hits=0.0)
+    led = Ledger(bytes_per_token=1, write_cost_s_per_byte=0.0, eviction_cost_s_per_token=0.0)
+    led.record(RequestRecord(prompt_tokens=4 * B + 1, block_size_tokens=B, remote_loaded_blocks=2, predicted_recompute_s=0.3,
+                             load_s=None, arrival_s=1.0, stall_s=0.0, prefill_utilisation=0.5, prefill_utilisation_without_hits=0.7))
+    c = led.expected_benefit()["per_class"]["default"]
+    assert c["h_remote"] == 1.0 and c["recompute_minus_remote_s"] is None

@@ -72,6 +72,8 @@ MODULES: dict[str, dict[str, Any]] = {
     "publish": {"paths": ["kvpolicy/publish/rules.py", "kvpolicy/publish/value.py", "kvpolicy/publish/dueling.py",
                             "kvpolicy/publish/specs.py"],
                 "tests": ["tests/test_publish.py", "tests/test_sim.py", "tests/test_decisions.py", "tests/test_sim_decisions.py"]},
+    "ledger": {"paths": ["kvpolicy/ledger.py", "kvpolicy/prices.py"],
+               "tests": ["tests/test_ledger.py", "tests/test_sim_load_rules.py", "tests/test_sim_pinned.py"]},
     "directory": {"paths": ["kvpolicy/directory/memory.py", "kvpolicy/directory/redis.py", "kvpolicy/directory/base.py"],
                   "tests": ["tests/test_directory.py", "tests/test_directory_cluster.py"]},
     "transport": {"paths": ["kvpolicy/reference/transport.py"], "tests": ["tests/test_transport_security.py", "tests/test_reference.py"]},
