@@ -771,3 +771,42 @@ def test_a_replica_knows_the_utilisation_its_hits_spared_it():
     assert rep.utilisation_without_hits(t) == pytest.approx(0.3 + 2.0 / 4, rel=0.02)
     faded = rep.utilisation_without_hits(t + UTIL_WINDOW_S) - 0.3
     assert faded == pytest.approx(0.5 * np.exp(-1.0), rel=0.02)
+
+
+@pytest.mark.parametrize("seed", [31, 32])
+def test_compares_ledger_line_tells_the_truth_on_random_trace_families(seed):
+    """Issue #58: on random trace families (every generator knob drawn from the seed), in every view, compare's line on
+    the ledger's ranking names the set E[benefit] ranks first, says whether it saves within 2 points of the most with a
+    p95 within 5 % of the best — recomputed here from the runs — and names the sets that meet both bars, or says that
+    none does. (Whether the ranking itself holds is the goal matrix's, measured in docs/benchmarks.md: it does not in
+    every view.)"""
+    from kvpolicy.sim import compare
+    from kvpolicy.traces import SyntheticSpec
+
+    rng = np.random.default_rng(seed)
+    spec = SyntheticSpec(n_requests=150, block_size_tokens=int(rng.choice([64, 128, 256])), mix=tuple(zip(("chat", "rag", "agent"), rng.dirichlet(np.ones(3)).tolist())),
+                         rate_per_s=float(rng.uniform(1, 6)), n_tenants=int(rng.integers(1, 6)), n_docs=int(rng.integers(20, 500)),
+                         doc_zipf=float(rng.uniform(1.05, 1.8)), think_time_s=float(rng.uniform(2, 60)), seed=seed)
+    trace = generate(spec)
+    router = ("round-robin", "kv-overlap")[seed % 2]
+    cl = attrs.evolve(default_cluster(trace, bytes_per_token=131072, prefill=DEFAULT_PREFILL, replicas=4), router=router)
+    report, _ = compare(trace, cl, seed=seed)
+    line = "the set the ledger ranks first saves within 2 points of the most, p95 within 5% of the best"
+    total = {r["scenario"]: r["gpu_prefill_s"] for r in report["runs"] if r["policy"] == "recompute-only"}
+    for s in report["scenarios"]:
+        got = [c for c in report["checks"] if c["scenario"] == s and c["check"] == line]
+        assert len(got) == 1, s
+        rows = [r for r in report["runs"] if r["scenario"] == s and r["policy"] != "oracle"]
+        ranked = [r for r in rows if r["e_benefit_s_per_s"] is not None]
+        assert {r["policy"] for r in rows} - {r["policy"] for r in ranked} == {"recompute-only"}, s  # it uses no pool: nothing to rank
+        first = max(ranked, key=lambda r: r["e_benefit_s_per_s"])
+        most, fastest = max(r["gpu_saved_s"] for r in rows), min(r["ttft_p95_ms"] for r in rows)
+
+        def good(r):
+            return (most - r["gpu_saved_s"]) / total[s] * 100 <= 2.0 and r["ttft_p95_ms"] <= 1.05 * fastest
+
+        assert got[0]["ok"] == good(first), (s, got[0]["detail"])
+        assert got[0]["detail"].startswith(f"{first['policy']} (E[benefit] "), s
+        meet = [r["policy"] for r in rows if good(r)]
+        assert got[0]["detail"].endswith(f"sets that meet both: {', '.join(meet)}" if meet else "no set meets both "
+                                                                                                 "(the most GPU seconds and the best p95 pull apart)"), s
