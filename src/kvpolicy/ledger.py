@@ -496,7 +496,7 @@ class Ledger:
                                               "evicted_tokens": 0, "evicted_priced": 0.0}
         c["requests"] += 1
         u = r.prefill_utilisation
-        gpu = gpu_price(u)  # a GPU second's price: the queue it shortens (an eviction's loss: at the margin)
+        gpu = 1.0 if u is None else gpu_price(u)  # a GPU second's price: the queue it shortens (an eviction's loss: at the margin)
         if remote_b:
             c["remote_hits"] += 1
             if r.predicted_recompute_s is not None and r.load_s is not None:
