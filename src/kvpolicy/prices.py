@@ -43,4 +43,3 @@ def mean_gpu_price(utilisation: float, utilisation_without_hits: float) -> float
     if abs(b - a) < 1e-12:
         return gpu_price(a)
     return (_price_integral(b) - _price_integral(a)) / (b - a)
-

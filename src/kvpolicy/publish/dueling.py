@@ -7,9 +7,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from ..prices import gpu_price
 from .._validate import check_positive_int, check_positive_number
 from ..errors import ConfigError
+from ..prices import gpu_price
 from .rules import PublishRequest, ThresholdPublish, _Dedup, _check, _timed
 from .specs import check_spec, make_filter
 

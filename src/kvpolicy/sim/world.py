@@ -355,7 +355,6 @@ class _Replica:
             self.util_t = t
         return self.util
 
-
     def note_hit(self, t: float, gpu_s: float) -> None:
         """A request spared ``gpu_s`` seconds of prefill by loading blocks instead of recomputing them: the busy share
         its slots would have had, averaged over the window as :meth:`utilisation` averages theirs."""
