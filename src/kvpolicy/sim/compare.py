@@ -399,11 +399,14 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
             most = max(r["gpu_saved_s"] for r in rows)
             fastest = min(r["ttft_p95_ms"] for r in rows)
             gap_pts = (most - first["gpu_saved_s"]) / total * 100
+
+            def meets(r: dict[str, Any], most: float = most, fastest: float = fastest, total: float = total) -> bool:
+                return (most - r["gpu_saved_s"]) / total * 100 <= 2.0 and r["ttft_p95_ms"] <= 1.05 * fastest
+
             # the sets that meet both bars: where none does, the two objectives pull apart in this view, and no ranking
             # could pass — said, so a miss of the ledger is not read as a miss of its prices
-            meet = [r["policy"] for r in rows if (most - r["gpu_saved_s"]) / total * 100 <= 2.0 and r["ttft_p95_ms"] <= 1.05 * fastest]
-            add(s, "the set the ledger ranks first saves within 2 points of the most, p95 within 5% of the best",
-                gap_pts <= 2.0 and first["ttft_p95_ms"] <= 1.05 * fastest,
+            meet = [r["policy"] for r in rows if meets(r)]
+            add(s, "the set the ledger ranks first saves within 2 points of the most, p95 within 5% of the best", meets(first),
                 f"{first['policy']} (E[benefit] {first['e_benefit_s_per_s']:+.3f} GPU s/s): {gap_pts:.1f} points below the most, "
                 f"p95 {(first['ttft_p95_ms'] / fastest - 1) * 100:+.1f}% over the best; "
                 + (f"sets that meet both: {', '.join(meet)}" if meet else "no set meets both (the most GPU seconds and the best p95 pull apart)"))
