@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -12,6 +12,21 @@ from ..errors import ConfigError
 from ..prices import gpu_price
 from .rules import PublishRequest, ThresholdPublish, _Dedup, _check, _timed
 from .specs import check_spec, make_filter
+
+
+class _Write:
+    """A block a candidate's ghost wrote (score="e_benefit"), until it is read or proves unread: the part of its price
+    charged when written, when, the rest (charged if it proves unread), its key, and its state."""
+
+    __slots__ = ("up_front_s", "t_s", "rest_s", "key", "state")
+    PENDING, READ, CHARGED = 0, 1, 2
+
+    def __init__(self, up_front_s: float, t_s: float, rest_s: float, key: Hashable) -> None:
+        self.up_front_s = up_front_s
+        self.t_s = t_s
+        self.rest_s = rest_s
+        self.key = key
+        self.state = _Write.PENDING
 
 
 class DuelingPublish:
@@ -27,10 +42,16 @@ class DuelingPublish:
         served_s  = Σ max(recompute_s(j) − load_s, 0) over the leading run of keys[L:] the ghost holds
                     (L: the replica's own blocks; load_s = block_bytes / read_bytes_per_s: a hit saves
                     T_recompute − T_remote, not the whole recompute)
-        unread    = the blocks the rule published that no request has read yet (P_write: publishing blocks nobody
-                    read — a written block is charged its write price when it is written (below), and that charge
-                    is taken back at its first read)
-        score    += served_s − new writes × write cost + first reads × write cost
+        unread    = the blocks the rule published that no request read (P_write: publishing blocks nobody read)
+        score    += served_s − the up-front charges of new writes + what first reads paid back − the rest of the
+                    price of the writes that proved unread now
+
+    A write is charged what it costs on average when it is made — its price times the chance that this rule's writes
+    go unread, ``(u + 1)/(r + u + 2)`` with r and u its writes read and proved unread so far (½ with no record) — and
+    the rest once it proves unread: evicted from the ghost, or still unread when its read window closes
+    (:attr:`read_window_s`, learned from the delays to first reads). A first read pays back whatever it was charged,
+    even after its window. Charged in full when made, a write was presumed wasted until read: a rule that writes
+    trailed one that writes nothing while its reads were on their way (a bias by time, not by value).
 
     P_eviction is paid in the ghost's lost re-reads. Scores decay with half-life ``half_life_s`` (what is true now
     counts). The candidates (default: ``structure-aware`` — kvpolicy's value rule —, ``threshold-3``, ``threshold-2``,
@@ -46,7 +67,7 @@ class DuelingPublish:
     path's measured utilisation (:meth:`write_price_s`): the delay it imposes on the traffic sharing its links — on an
     idle link a write costs only the pool space it takes, which its ghost already pays in lost re-reads (a fixed
     ``t_write`` per block counted a second of link time as a second of GPU time, and picked the rules that write least
-    whatever the links' load). Its first read pays back what it was charged.
+    whatever the links' load).
 
     **A GPU second** a hit saves is priced by the prefill queue it shortens: ``1/(1 − ρ_gpu)`` seconds of latency per
     second of recompute (:func:`gpu_price`), ρ_gpu the replica's measured prefill utilisation
@@ -124,8 +145,16 @@ class DuelingPublish:
         self.capacity = pool_capacity_blocks
         self.half_life_s = half_life_s
         self._lam = math.log(2) / half_life_s
-        #: per candidate: key -> True once read, else the price its write was charged; least recently used first
-        self.ghosts: list[OrderedDict[Hashable, bool | float]] = [OrderedDict() for _ in self.candidates]
+        #: per candidate, least recently used first: key -> True once read; else what its write left — with
+        #: score="e_benefit" a pending :class:`_Write`, or complex(price, written at s) once charged in full as unread;
+        #: with "gpu_s" the price it was charged
+        self.ghosts: list[OrderedDict[Hashable, Any]] = [OrderedDict() for _ in self.candidates]
+        #: per candidate (score="e_benefit"): its writes in the order made, until the read window closes on them
+        self._pending: list[deque[_Write]] = [deque() for _ in self.candidates]
+        self._read_delay_sum_s = 0.0  # the delays from a block's write to its first read in any ghost, and how many
+        self._read_delays = 0
+        self._reads = [0] * len(self.candidates)  # per candidate: its writes read, and those charged as unread
+        self._unread = [0] * len(self.candidates)
         self.scores = [0.0] * len(self.candidates)
         self.served_s = [0.0] * len(self.candidates)  # undecayed totals, for reports
         self.written_blocks = [0] * len(self.candidates)
@@ -182,6 +211,8 @@ class DuelingPublish:
         t = _timed(request, keys, "dueling")
         if self._read.first(request.request_id):
             self._decay_to(t)
+            if self.score == "e_benefit":
+                self._charge_unread(t)
             L = request.local_blocks or 0
             rs = self._rs_memo
             while len(rs) < len(keys):
@@ -199,21 +230,21 @@ class DuelingPublish:
                     was_read = get(key)
                     if was_read is not None:
                         if was_read is not True:
-                            ghost[key] = True  # a pull read it: its write's charge is paid back
-                            paid_back += was_read
+                            ghost[key] = True  # a pull read it: a charge its write took is paid back
+                            paid_back += self._first_read(c, was_read, t)
                         to_end(key)
                     else:
                         ghost[key] = True
                         if cap is not None and len(ghost) > cap:
-                            ghost.popitem(last=False)
+                            self._evicted(c, ghost.popitem(last=False)[1])
                 for j in range(L + P, len(keys)):
                     key = keys[j]
                     was_read = get(key)
                     if was_read is None:
                         break
                     if was_read is not True:
-                        ghost[key] = True  # its write's charge is paid back: it was read
-                        paid_back += was_read
+                        ghost[key] = True  # it was read: a charge its write took is paid back
+                        paid_back += self._first_read(c, was_read, t)
                     to_end(key)
                     served += rs[j]
                 self.scores[c] += served * gpu + (paid_back if cost else 0.0)
@@ -221,24 +252,86 @@ class DuelingPublish:
         for rule in self._observers:
             rule.observe(request, keys)
 
+    @property
+    def read_window_s(self) -> float:
+        """How long a written block may wait for its first read before it is charged as unread: 3 × the mean delay
+        from a write to its first read seen so far (95 % of an exponential delay), at most ``half_life_s``;
+        ``half_life_s`` until one is seen."""
+        if not self._read_delays:
+            return self.half_life_s
+        return min(3.0 * self._read_delay_sum_s / self._read_delays, self.half_life_s)
+
+    def _first_read(self, c: int, value: Any, t: float) -> float:
+        """Candidate c's ghost read a block for the first time (``value``: what its write left there): what its score
+        gets back — the charge its write took so far (score="gpu_s": what it was charged, which is never paid back)."""
+        if type(value) is float:
+            return value  # score="gpu_s"
+        if type(value) is _Write:  # pending: read within the window
+            value.state = _Write.READ
+            t_w, back = value.t_s, value.up_front_s
+            self._reads[c] += 1
+        else:  # charged in full as unread, complex(price, written at s), and read after all
+            t_w, back = value.imag, value.real
+            self._reads[c] += 1
+            self._unread[c] -= 1
+        self._read_delay_sum_s += max(t - t_w, 0.0)
+        self._read_delays += 1
+        return back
+
+    def _evicted(self, c: int, value: Any) -> None:
+        """Candidate c's ghost dropped a block: a write still pending can no longer be read — the rest of its price now."""
+        if type(value) is _Write and value.state == _Write.PENDING:
+            value.state = _Write.CHARGED
+            self.scores[c] -= value.rest_s
+            self._unread[c] += 1
+
+    def _charge_unread(self, t: float) -> None:
+        """Charge the rest of its price to every write that has waited :attr:`read_window_s` without a read (those
+        evicted unread were charged as they went)."""
+        horizon = t - self.read_window_s
+        for c, pending in enumerate(self._pending):
+            ghost = self.ghosts[c]
+            charged = 0.0
+            while pending and pending[0].t_s <= horizon:
+                w = pending.popleft()
+                if w.state == _Write.PENDING:
+                    w.state = _Write.CHARGED
+                    charged += w.rest_s
+                    self._unread[c] += 1
+                    ghost[w.key] = complex(w.up_front_s + w.rest_s, w.t_s)  # in place: its recency does not move
+            self.scores[c] -= charged
+
     def publishable(self, request: PublishRequest, keys: Sequence[Hashable]) -> int:
         _check(request, keys, timed="dueling")
         ns = [rule.publishable(request, keys) for rule in self.rules]
         if self._wrote.first(request.request_id):
             cap = self.capacity
             price = self.write_price_s(request)
+            expected = self.score == "e_benefit"
+            t = request.time_s
+            assert t is not None  # _check(timed=...) refused a request without one
             for c, ghost in enumerate(self.ghosts):
                 wrote = 0
                 to_end = ghost.move_to_end
+                pending = self._pending[c].append
+                # e_benefit: the price times the chance this rule's writes go unread (its own record so far, a uniform
+                # prior before it has one) up front — what its write will cost on average —, the rest once it proves unread
+                up_front = price * (self._unread[c] + 1) / (self._reads[c] + self._unread[c] + 2) if expected else price
+                rest = price - up_front
                 for key in keys[:ns[c]]:
                     if key in ghost:
                         to_end(key)
                         continue
-                    ghost[key] = price  # written, not read yet: the charge its first read pays back
                     wrote += 1
+                    if expected:
+                        w = _Write(up_front, t, rest, key)
+                        ghost[key] = w
+                        pending(w)
+                    else:
+                        ghost[key] = price  # score="gpu_s": charged now, never paid back
                     if cap is not None and len(ghost) > cap:
-                        ghost.popitem(last=False)
-                self.scores[c] -= wrote * price
+                        self._evicted(c, ghost.popitem(last=False)[1])
+                self.scores[c] -= wrote * up_front
                 self.written_blocks[c] += wrote
                 self.written_decayed[c] += wrote
         lead = self.leader
