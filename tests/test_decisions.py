@@ -331,20 +331,20 @@ def test_a_write_is_charged_the_rest_once_it_proves_unread_and_a_late_read_pays_
     the ghost evicts unread is charged the rest at once."""
     f = _duel(("all",), cap=2, half_life_s=1e12)
     f.half_life_s = 10.0  # the window's bound (the scores' decay stays at 1e12 s: undecayed)
-    r = _req(1, 1, 0.0)
+    r = _req(1, 1, 1.0)
     f.observe(r, ["a"])
     f.publishable(r, ["a"])
     assert f.scores[0] == pytest.approx(-0.002) and f.read_window_s == 10.0
-    r = _req(2, 1, 11.0)  # past the window: a proved unread
+    r = _req(2, 1, 12.0)  # past the window: a proved unread
     f.observe(r, ["x"])
-    assert f.scores[0] == pytest.approx(-0.004) and f._unread == [1] and f.ghosts[0]["a"] == complex(0.004, 0.0)
+    assert f.scores[0] == pytest.approx(-0.004) and f._unread == [1] and f.ghosts[0]["a"] == complex(0.004, 1.0)
     f.publishable(r, ["x"])  # x: ⅔ of 0.004 up front (1 unread, 0 read: (1 + 1) / (1 + 2))
     assert f.scores[0] == pytest.approx(-0.004 - 0.004 * 2 / 3)
-    r = _req(3, 1, 12.0)
+    r = _req(3, 1, 13.0)
     f.observe(r, ["a"])  # a read at last: its whole 0.004 back, and a hit (0.01 − 0.004)
     assert f.scores[0] == pytest.approx(-0.004 * 2 / 3 + 0.006) and (f._reads, f._unread) == ([1], [0])
-    assert f.read_window_s == pytest.approx(10.0), "3 × the 12 s delay, at most the bound"
-    f.publishable(_req(4, 1, 12.0), ["y"])  # y evicts x (capacity 2: a, read, is newer): x proves unread, the rest of it now
+    assert f._read_delay_sum_s == pytest.approx(12.0) and f.read_window_s == pytest.approx(10.0), "3 × 12 s, at most the bound"
+    f.publishable(_req(4, 1, 13.0), ["y"])  # y evicts x (capacity 2: a, read, is newer): x proves unread, the rest of it now
     assert list(f.ghosts[0]) == ["a", "y"] and f._unread == [1]
     # y: ⅓ up front ((0 + 1) / (1 + 2): written before x's eviction proved it unread), then x's rest, ⅓
     assert f.scores[0] == pytest.approx(-0.004 * 2 / 3 + 0.006 - 0.004 / 3 - 0.004 / 3)
@@ -361,6 +361,7 @@ def test_a_rule_whose_writes_are_read_is_charged_little_while_its_next_reads_are
         f.publishable(r, [f"k{i}"])
         f.observe(_req(2 * i + 1, 1, i + 0.5), [f"k{i}"])
     assert (f._reads, f._unread) == ([20], [0])
+    assert f.read_window_s == pytest.approx(1.5), "3 × the 0.5 s from each write to its read"
     before = f.scores[0]
     f.observe(_req(100, 1, 30.0), ["new"])
     f.publishable(_req(100, 1, 30.0), ["new"])
