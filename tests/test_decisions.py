@@ -316,12 +316,15 @@ def test_every_write_is_charged_exactly_its_fate(reqs):
         r = _req(i, len(keys), t, local=min(local, len(keys)))
         f.observe(r, keys)
         f.publishable(r, keys)
+    from kvpolicy.publish.dueling import _Writes
+
     for c in range(2):
-        pending = sum(w.up_front_s for w in f._pending[c] if w.state == w.PENDING)
+        ghost = f.ghosts[c]
+        pending = sum(w.up_front_s for w in f._pending[c] for k in w.keys if ghost.get(k) is w)
         assert f.scores[c] == pytest.approx(f.served_s[c] - f.write_cost_s * f._unread[c] - pending, abs=1e-9)
         assert 0 <= f._unread[c] and f._reads[c] + f._unread[c] <= f.written_blocks[c]
-        for v in f.ghosts[c].values():  # what a ghost holds: read, a pending write, or one charged in full
-            assert v is True or type(v) is complex and v.real == pytest.approx(f.write_cost_s) or v.state == v.PENDING
+        for v in ghost.values():  # what a ghost holds: read, a pending write (its window still open), or one charged in full
+            assert v is True or type(v) is complex and v.real == pytest.approx(f.write_cost_s) or type(v) is _Writes and v in f._pending[c]
 
 
 def test_a_write_is_charged_the_rest_once_it_proves_unread_and_a_late_read_pays_it_all_back():

@@ -14,19 +14,18 @@ from .rules import PublishRequest, ThresholdPublish, _Dedup, _check, _timed
 from .specs import check_spec, make_filter
 
 
-class _Write:
-    """A block a candidate's ghost wrote (score="e_benefit"), until it is read or proves unread: the part of its price
-    charged when written, when, the rest (charged if it proves unread), its key, and its state."""
+class _Writes:
+    """The blocks one candidate's ghost wrote for one request (score="e_benefit"): the part of each one's price charged
+    when written, when, the rest (charged to each that proves unread), and their keys. A key whose ghost entry is still
+    this object is pending: not read, not charged in full."""
 
-    __slots__ = ("up_front_s", "t_s", "rest_s", "key", "state")
-    PENDING, READ, CHARGED = 0, 1, 2
+    __slots__ = ("up_front_s", "t_s", "rest_s", "keys")
 
-    def __init__(self, up_front_s: float, t_s: float, rest_s: float, key: Hashable) -> None:
+    def __init__(self, up_front_s: float, t_s: float, rest_s: float) -> None:
         self.up_front_s = up_front_s
         self.t_s = t_s
         self.rest_s = rest_s
-        self.key = key
-        self.state = _Write.PENDING
+        self.keys: list[Hashable] = []
 
 
 class DuelingPublish:
@@ -146,11 +145,12 @@ class DuelingPublish:
         self.half_life_s = half_life_s
         self._lam = math.log(2) / half_life_s
         #: per candidate, least recently used first: key -> True once read; else what its write left — with
-        #: score="e_benefit" a pending :class:`_Write`, or complex(price, written at s) once charged in full as unread;
+        #: score="e_benefit" the pending :class:`_Writes` it came in, or complex(price, written at s) once charged in full as unread;
         #: with "gpu_s" the price it was charged
         self.ghosts: list[OrderedDict[Hashable, Any]] = [OrderedDict() for _ in self.candidates]
-        #: per candidate (score="e_benefit"): its writes in the order made, until the read window closes on them
-        self._pending: list[deque[_Write]] = [deque() for _ in self.candidates]
+        #: per candidate (score="e_benefit"): its writes, a request's at a time, in the order made, until the read window
+        #: closes on them
+        self._pending: list[deque[_Writes]] = [deque() for _ in self.candidates]
         self._read_delay_sum_s = 0.0  # the delays from a block's write to its first read in any ghost, and how many
         self._read_delays = 0
         self._reads = [0] * len(self.candidates)  # per candidate: its writes read, and those charged as unread
@@ -244,7 +244,13 @@ class DuelingPublish:
                         break
                     if was_read is not True:
                         ghost[key] = True  # it was read: a charge its write took is paid back
-                        paid_back += self._first_read(c, was_read, t)
+                        if type(was_read) is _Writes:  # _first_read's common case, inline
+                            paid_back += was_read.up_front_s
+                            self._reads[c] += 1
+                            self._read_delay_sum_s += max(t - was_read.t_s, 0.0)
+                            self._read_delays += 1
+                        else:
+                            paid_back += self._first_read(c, was_read, t)
                     to_end(key)
                     served += rs[j]
                 self.scores[c] += served * gpu + (paid_back if cost else 0.0)
@@ -266,8 +272,7 @@ class DuelingPublish:
         gets back — the charge its write took so far (score="gpu_s": what it was charged, which is never paid back)."""
         if type(value) is float:
             return value  # score="gpu_s"
-        if type(value) is _Write:  # pending: read within the window
-            value.state = _Write.READ
+        if type(value) is _Writes:  # pending: read within the window
             t_w, back = value.t_s, value.up_front_s
             self._reads[c] += 1
         else:  # charged in full as unread, complex(price, written at s), and read after all
@@ -279,9 +284,9 @@ class DuelingPublish:
         return back
 
     def _evicted(self, c: int, value: Any) -> None:
-        """Candidate c's ghost dropped a block: a write still pending can no longer be read — the rest of its price now."""
-        if type(value) is _Write and value.state == _Write.PENDING:
-            value.state = _Write.CHARGED
+        """Candidate c's ghost dropped a block: a write still pending can no longer be read — the rest of its price now
+        (its key is no longer its :class:`_Writes`' in the ghost, so the window's close passes it by)."""
+        if type(value) is _Writes:
             self.scores[c] -= value.rest_s
             self._unread[c] += 1
 
@@ -294,11 +299,15 @@ class DuelingPublish:
             charged = 0.0
             while pending and pending[0].t_s <= horizon:
                 w = pending.popleft()
-                if w.state == _Write.PENDING:
-                    w.state = _Write.CHARGED
-                    charged += w.rest_s
-                    self._unread[c] += 1
-                    ghost[w.key] = complex(w.up_front_s + w.rest_s, w.t_s)  # in place: its recency does not move
+                get = ghost.get
+                full = None
+                for key in w.keys:
+                    if get(key) is w:  # still pending: neither read, nor evicted, nor written again since
+                        if full is None:
+                            full = complex(w.up_front_s + w.rest_s, w.t_s)
+                        ghost[key] = full  # in place: its recency does not move
+                        charged += w.rest_s
+                        self._unread[c] += 1
             self.scores[c] -= charged
 
     def publishable(self, request: PublishRequest, keys: Sequence[Hashable]) -> int:
@@ -312,25 +321,31 @@ class DuelingPublish:
             assert t is not None  # _check(timed=...) refused a request without one
             for c, ghost in enumerate(self.ghosts):
                 wrote = 0
-                to_end = ghost.move_to_end
+                to_end, popitem = ghost.move_to_end, ghost.popitem
+                scores = self.scores
                 pending = self._pending[c].append
                 # e_benefit: the price times the chance this rule's writes go unread (its own record so far, a uniform
                 # prior before it has one) up front — what its write will cost on average —, the rest once it proves unread
                 up_front = price * (self._unread[c] + 1) / (self._reads[c] + self._unread[c] + 2) if expected else price
                 rest = price - up_front
+                w = _Writes(up_front, t, rest) if expected else None
                 for key in keys[:ns[c]]:
                     if key in ghost:
                         to_end(key)
                         continue
                     wrote += 1
-                    if expected:
-                        w = _Write(up_front, t, rest, key)
+                    if w is not None:
                         ghost[key] = w
-                        pending(w)
+                        w.keys.append(key)
                     else:
                         ghost[key] = price  # score="gpu_s": charged now, never paid back
                     if cap is not None and len(ghost) > cap:
-                        self._evicted(c, ghost.popitem(last=False)[1])
+                        gone = popitem(last=False)[1]
+                        if type(gone) is _Writes:  # _evicted, inline: a pending write can no longer be read
+                            scores[c] -= gone.rest_s
+                            self._unread[c] += 1
+                if w is not None and w.keys:
+                    pending(w)
                 self.scores[c] -= wrote * up_front
                 self.written_blocks[c] += wrote
                 self.written_decayed[c] += wrote
