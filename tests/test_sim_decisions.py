@@ -946,11 +946,12 @@ def test_an_unbounded_pool_keeps_every_block_written_and_the_clusters_pool_evict
 
 def test_the_oracles_now_is_the_latest_first_arrival_and_a_retry_does_not_move_it_back():
     """Belady ranks a block by its next use after *now*: the request being served. Each first arrival sets it (they come
-    in index order); a retry of an earlier request (the oracle's failure rule is "fail": the client resubmits) is not a
-    step back in the trace. A clock stuck at the first request ranked every block by a use long past."""
+    in index order); a retry of an earlier request (failure rule "fail": the client resubmits) is not a step back in the
+    trace. A clock stuck at the first request ranked every block by a use long past. (The oracle's own loads never fail:
+    the hindsight tiers with the loads of a set that does.)"""
     tr = tiny([[1, 2, 3, 4]] * 12, [0.0] + [10.0] * 11)  # eleven at once, after the first: retries follow later arrivals
     c = cluster(tr, failure_rate=0.5, replicas=4)
-    sim = Simulator(Prepared(tr), c, policy_set("oracle"), seed=3)
+    sim = Simulator(Prepared(tr), c, attrs.evolve(policy_set("oracle"), name="belady-tiers", load="always"), seed=3)
     oracle = sim.lifecycle._oracle
     seen = []
     arrive = sim.lifecycle.arrive

@@ -153,7 +153,7 @@ class Simulator:
                                       write_cost_s_per_byte=(1.0 / cluster.node_bandwidth_bytes_per_s) if cluster.node_bandwidth_bytes_per_s > 0 else None,
                                       eviction_cost_s_per_token=cluster.compute_factor * cluster.prefill.b_s_per_token)
         self.transfers = transfers = Transfers(loop, cluster, tally, seed=seed, n_nodes=cluster.storage_nodes, block_bytes=cluster.block_bytes(B),
-                                               pull_path=ps.pull_path, last_arrival_s=p.arrival_s[-1])
+                                               pull_path=ps.pull_path, last_arrival_s=p.arrival_s[-1], hindsight=ps.load == "oracle")
         self.planner = planner = LoadPlanner(cluster, ps, tally, loop.clock, block_size_tokens=B)
         replicas = [new_replica(i, cluster, ps.local_eviction, transfers.net, loop.clock, oracle, local_oracles) for i in range(cluster.replicas)]
         self.pool = pool = Pool(p, cluster, ps, loop=loop, transfers=transfers, planner=planner, tally=tally, ledger=ledger, oracle=oracle,

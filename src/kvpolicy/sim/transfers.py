@@ -36,8 +36,10 @@ class Transfers:
     """Loads over the flow network, the network's events and its samples."""
 
     def __init__(self, loop: EventLoop, cluster: ClusterConfig, tally: Tally, *, seed: int, n_nodes: int, block_bytes: int,
-                 pull_path: str, last_arrival_s: float) -> None:
+                 pull_path: str, last_arrival_s: float, hindsight: bool = False) -> None:
         self.loop = loop
+        #: the oracle's loads: it knows which transfers would fail or hang, and none of its own does
+        self.hindsight = hindsight
         self.c = cluster
         self.tally = tally
         self.seed = seed
@@ -81,14 +83,16 @@ class Transfers:
             else:
                 _, fail = node.state(t0, c.failure_rate)
                 who = node.idx
-            if c.timeout_rate and _unit(self.seed, req_i, attempt, who, 2) < c.timeout_rate:
+            if self.hindsight:
+                fail = 0.0
+            elif c.timeout_rate and _unit(self.seed, req_i, attempt, who, 2) < c.timeout_rate:
                 load.flows.append(None)
                 load.fails.append(False)
                 load.hung = True
                 if via is not None and not straight:  # a hung relay will never write: its blocks are free to be written again now
                     self.land_pull(load, j, 0.0, t0)
                 continue
-            failed = _unit(self.seed, req_i, attempt, who, 1) < fail
+            failed = fail > 0 and _unit(self.seed, req_i, attempt, who, 1) < fail
             n = len(ks)
             if failed:  # blocks before the failure arrive intact
                 n = int(_unit(self.seed, req_i, attempt, who, 3) * len(ks))
