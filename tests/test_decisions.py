@@ -302,18 +302,19 @@ def test_a_hit_is_worth_nothing_when_its_load_is_slower_than_its_recompute():
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.lists(st.integers(0, 12), min_size=1, max_size=6, unique=True), st.integers(0, 3), st.floats(0.0, 30.0)),
-                min_size=1, max_size=40))
+@given(st.lists(st.tuples(st.lists(st.integers(0, 12), min_size=1, max_size=6, unique=True), st.integers(0, 3), st.floats(0.0, 30.0),
+                          st.integers(0, 3)), min_size=1, max_size=40))
 def test_every_write_is_charged_exactly_its_fate(reqs):
-    """Undecayed (a half-life far longer than the stream), with evictions (capacity 5) and read windows that close
-    (requests up to 30 s apart): score = served − the writes' charges, where a write read at any time costs nothing, one
-    that proved unread (evicted or its window closed) and was not read after costs its whole price, and one still
-    pending what it was charged up front — none paid back twice, none charged twice."""
+    """Undecayed (a half-life far longer than the stream), with evictions (capacity 5: by writes, and by what pulls
+    leave), reads by pulls, and read windows that close (requests up to 30 s apart): score = served − the writes'
+    charges, where a write read at any time costs nothing, one that proved unread (evicted or its window closed) and was
+    not read after costs its whole price, and one still pending what it was charged up front — none paid back twice,
+    none charged twice."""
     f = _duel(("all", "threshold-2"), cap=5, half_life_s=1e12)
     t = 0.0
-    for i, (keys, local, gap) in enumerate(reqs):
+    for i, (keys, local, gap, peer) in enumerate(reqs):
         t += gap
-        r = _req(i, len(keys), t, local=min(local, len(keys)))
+        r = attrs.evolve(_req(i, len(keys), t, local=min(local, len(keys))), peer_blocks=peer)
         f.observe(r, keys)
         f.publishable(r, keys)
     from kvpolicy.publish.dueling import _Writes
@@ -467,6 +468,7 @@ def test_a_block_a_pull_serves_is_credited_to_no_rule_and_kept_as_read():
     assert f.served_s == pytest.approx([hit, 0.0])
     # threshold-2: a, b kept as read, c (no peer had it, the rule had not written it) not served
     assert dict(f.ghosts[1]) == {"a": True, "b": True} and f.scores[1] == 0.0
+    assert dict(f.ghosts[0]) == {"a": True, "b": True, "c": True} and f._reads == [3, 0], "all's three writes read: two by the pull"
     r3 = _req(3, 2, 2.0)
     before = list(f.scores)
     f.observe(r3, ["a", "b"])  # a pool read of what the pull left: credited to every ghost that kept it

@@ -84,7 +84,7 @@ class DuelingPublish:
     share one count (it does not depend on k).
 
     Costs: one LRU walk per candidate per request over the blocks it reads and writes; memory ≈ candidates ×
-    ``pool_capacity_blocks`` keys.
+    ``pool_capacity_blocks`` keys, and (score="e_benefit") the keys each candidate wrote within the last read window.
     """
 
     name = "dueling"
