@@ -696,6 +696,27 @@ def test_the_oracles_loads_never_fail_nor_hang_where_every_other_sets_do(trace, 
         assert other.loads_failed + other.loads_timeout > 0 and other.retries > 0, rates
 
 
+def test_a_hang_is_drawn_per_source_so_one_load_can_lose_one_node_and_keep_the_others(trace, prepared):
+    """Each transfer's hang is drawn from (seed, request, attempt, source): a load over several nodes at a timeout rate of
+    ½ has some groups hung and others moving — one draw per load would hang all of its groups or none."""
+    from kvpolicy.sim.transfers import Transfers
+
+    sim = Simulator(prepared, cluster(trace, timeout_rate=0.5, transport_timeout_s=1.0, storage_nodes=4), policy_set("vllm-like"), seed=0)
+    begin = sim.transfers.begin_read
+    patterns = []
+
+    def spy(*a, **kw):
+        load = begin(*a, **kw)
+        patterns.append(tuple(f is None for f in load.flows))
+        return load
+
+    sim.transfers.begin_read = spy  # the one Transfers the lifecycle and the warmup call
+    sim.run()
+    multi = [p for p in patterns if len(p) > 1]
+    assert isinstance(sim.transfers, Transfers) and multi, "loads over several nodes"
+    assert any(any(p) and not all(p) for p in multi), "some load lost one node and kept another"
+
+
 def test_the_write_gate_hears_every_request_not_only_those_that_publish(trace, prepared):
     """Issue #60: TinyLFU's estimate is how many requests carried a block — all of them, also those whose publish
     filter writes nothing (a count rule's first sighting, a `never` set). A gate that heard only publishing requests

@@ -296,10 +296,10 @@ class DuelingPublish:
         horizon = t - self.read_window_s
         for c, pending in enumerate(self._pending):
             ghost = self.ghosts[c]
+            get = ghost.get
             charged = 0.0
             while pending and pending[0].t_s <= horizon:
                 w = pending.popleft()
-                get = ghost.get
                 full = None
                 for key in w.keys:
                     if get(key) is w:  # still pending: neither read, nor evicted, nor written again since

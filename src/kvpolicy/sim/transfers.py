@@ -92,7 +92,7 @@ class Transfers:
                 if via is not None and not straight:  # a hung relay will never write: its blocks are free to be written again now
                     self.land_pull(load, j, 0.0, t0)
                 continue
-            failed = fail > 0 and _unit(self.seed, req_i, attempt, who, 1) < fail
+            failed = _unit(self.seed, req_i, attempt, who, 1) < fail
             n = len(ks)
             if failed:  # blocks before the failure arrive intact
                 n = int(_unit(self.seed, req_i, attempt, who, 3) * len(ks))
