@@ -1137,6 +1137,30 @@ def test_the_write_budget_counts_decay_with_the_scores_half_life():
     assert f.written_decayed[0] == pytest.approx(2.0) and f.scores[0] == pytest.approx(0.0)
 
 
+def test_the_budgets_room_is_what_the_budget_rule_wrote_less_what_each_decisions_leader_wrote():
+    """``budget_room_blocks``: the blocks the budget rule has written in its ghost, less those each decision's leader
+    wrote in its own — what a writer outside the duel (the simulator's re-publication) may still spend. Not decayed
+    (the bytes a run is judged on add up); a second call for the same request adds nothing; no budget: no bound."""
+    f = _duel(("never", "threshold-2"), cap=100, write_budget_rule="threshold-2")
+    keys = ["a", "b", "c"]
+    r1 = _req_u(1, 3, 0.0, 0.0)
+    f.observe(r1, keys)
+    assert f.publishable(r1, keys) == 0 and f.budget_room_blocks == 0  # first sighting: nobody wrote
+    f.scores[0] = 1e-9  # `never` has earned more: it leads the second sighting, which threshold-2 writes in its ghost
+    r2 = _req_u(2, 3, 600.0, 0.0)
+    f.observe(r2, keys)
+    assert f.publishable(r2, keys) == 0 and f.leader_name == "never"
+    assert f.budget_room_blocks == 3, "threshold-2 wrote 3, the leader none"
+    assert f.publishable(r2, keys) == 0 and f.budget_room_blocks == 3, "the same request again"
+    f.scores[0] = -1.0  # threshold-2 leads a third request: what it writes itself takes none of the room
+    for i in (3, 4):
+        r = _req_u(i, 4, 1200.0 * (i - 1), 0.0)
+        f.observe(r, keys + ["d"])
+        f.publishable(r, keys + ["d"])
+    assert f.leader_name == "threshold-2" and f.written_blocks[1] == 4 and f.budget_room_blocks == 3
+    assert _duel(("never", "threshold-2"), cap=100).budget_room_blocks == math.inf
+
+
 @pytest.mark.parametrize("rho,price", [(None, 1.0), (0.0, 1.0), (0.5, 2.0), (0.8, 5.0), (1.0, 100.0)])
 def test_a_gpu_second_is_priced_by_the_prefill_queue_it_shortens(rho, price):
     """Issue #58: a hit's saved recompute is worth 1/(1 − ρ_gpu) seconds of latency per second — the second itself and

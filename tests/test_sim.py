@@ -1,4 +1,5 @@
 import json
+import math
 import os
 
 import attrs
@@ -178,6 +179,33 @@ def test_degraded_node_fails_and_kvpolicy_breaker_moves_off_it(trace, prepared):
     check_conservation(kv, trace)
     assert kv.loads_failed < vl.loads_failed
     assert kv_sim.planner.controller.breakers["node-0"].transitions, "the breaker opened on the failing node"
+
+
+def test_a_republication_spends_only_the_room_the_write_budget_leaves(trace, prepared, monkeypatch):
+    """Bytes are a constraint: kvpolicy writes a block again off a node whose breaker is open
+    (``republish_unhealthy``) only within the room its write budget leaves (``DuelingPublish.budget_room_blocks``:
+    what the budget rule wrote in its ghost less what the decisions' leaders wrote), so no re-publication makes it
+    write more than the engine's count rule would. Here the count rule leads every decision: no room, and kvpolicy
+    writes exactly what it writes with re-publication off. With the room unbounded it re-publishes (the old rule) and
+    writes more; with 5 blocks of room, exactly 5 over the run."""
+    from kvpolicy.publish import DuelingPublish
+
+    D = float(trace.arrival_s[-1])
+    ev = (Degrade(0, 0.0, D + 1, bandwidth_factor=0.5, failure_rate=1.0),)
+    c = cluster(trace)
+    runs = {}
+    for name, room in (("budget", None), ("free", math.inf), ("five", 5)):
+        if room is not None:
+            monkeypatch.setattr(DuelingPublish, "budget_room_blocks", property(lambda self, r=room: r))
+        sim = Simulator(prepared, c, policy_set("kvpolicy"), events=ev)
+        runs[name] = (sim, sim.run())
+    monkeypatch.undo()
+    off = run(prepared, c, attrs.evolve(policy_set("kvpolicy"), republish_unhealthy=False), events=ev)
+    duel = runs["budget"][0].pool.filter
+    assert duel.decided == [0, 0, len(trace), 0] and duel.budget_room_blocks == 0, "threshold-2 decided every request"
+    assert runs["budget"][0].pool.republished_blocks == 0 and runs["budget"][1].bytes_written == off.bytes_written
+    assert runs["free"][0].pool.republished_blocks > 5 and runs["free"][1].bytes_written > off.bytes_written
+    assert runs["five"][0].pool.republished_blocks == 5
 
 
 def test_hanging_transfers_time_out_and_fall_back(trace, prepared):

@@ -77,6 +77,8 @@ class Pool:
         self.writing: set[int] = set()
         self.write_priority = 1 if cluster.publish_priority == "background" else 0
         self.filter = self._make_filter()
+        #: blocks written again off a node whose breaker was open (``PolicySet.republish_unhealthy``)
+        self.republished_blocks = 0
         self.write_gate: WriteAdmission | None = None
         if policy_set.write_admission == "tinylfu" and policy_set.uses_pool:
             blocks_per_node = cluster.pool_capacity_bytes_per_node // self.block_bytes
@@ -171,6 +173,10 @@ class Pool:
         where = self.where
         writing = self.writing
         moving = self.ps.load == "admission" and self.ps.republish_unhealthy  # blocks held by an unhealthy node, written again elsewhere
+        # bytes are a constraint: under a write budget a re-publication, which no rule in the budget's ghosts makes, spends
+        # only the room the decisions left in it
+        room = self.filter.budget_room_blocks - self.republished_blocks if moving and isinstance(self.filter, DuelingPublish) else math.inf
+        moved = 0
         chunk = self.c.placement_chunk_blocks
         batches: dict[_Node, list[int]] = {}
         order: list[tuple[int, _Node]] = []  # (chain position, node) of each block to write, in chain order
@@ -186,6 +192,8 @@ class Pool:
                     ok = healthy.get(node)  # type: ignore[assignment]
                     if ok is None:
                         ok = healthy[node] = self._healthy(node, rep)
+                    if not ok and moved >= room:
+                        ok = True  # no room left in the budget: it stays where it is
                 if ok:
                     node.policy.on_access(key)
                     continue
@@ -197,8 +205,11 @@ class Pool:
                 continue
             batches.setdefault(target, []).append(key)
             order.append((j, target))
+            if node is not None:
+                moved += 1  # held by an unhealthy node: written again
         if self.write_gate is not None and batches:
             batches = self._gate_writes(batches, order)
+        self.republished_blocks += moved
         if not batches:
             return
         c = self.c
