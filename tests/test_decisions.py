@@ -1137,6 +1137,18 @@ def test_the_write_budget_counts_decay_with_the_scores_half_life():
     assert f.written_decayed[0] == pytest.approx(2.0) and f.scores[0] == pytest.approx(0.0)
 
 
+def test_dueling_refuses_to_decide_a_request_without_a_time_by_name():
+    """Dueling decays its scores and closes its read windows on the request's time: a request without ``time_s``
+    asked of it directly (never observed) is a ConfigError naming the field and dueling — even when no candidate keeps
+    time itself (the count rules would take it), not an AssertionError from inside, and dueling, not the candidate that
+    would have asked first (mutants that dropped the check, its ``timed``, or moved it after the candidates, lived)."""
+    for cands in (("all", "threshold-2"), DuelingPublish.CANDIDATES):  # with structure-aware first, dueling is named
+        f = _duel(cands, cap=10)
+        with pytest.raises(ConfigError) as e:
+            f.publishable(PublishRequest(request_id=1, num_tokens=3 * B + 1, block_size_tokens=B), ["a", "b", "c"])
+        assert e.value.field == "time_s" and str(e.value).count("dueling") == 1 and "structure-aware" not in str(e.value)
+
+
 def test_the_budgets_room_is_what_the_budget_rule_wrote_less_what_each_decisions_leader_wrote():
     """``budget_room_blocks``: the blocks the budget rule has written in its ghost, less those each decision's leader
     wrote in its own — what a writer outside the duel (the simulator's re-publication) may still spend. Not decayed
