@@ -187,25 +187,34 @@ def test_a_republication_spends_only_the_room_the_write_budget_leaves(trace, pre
     what the budget rule wrote in its ghost less what the decisions' leaders wrote), so no re-publication makes it
     write more than the engine's count rule would. Here the count rule leads every decision: no room, and kvpolicy
     writes exactly what it writes with re-publication off. With the room unbounded it re-publishes (the old rule) and
-    writes more; with 5 blocks of room, exactly 5 over the run."""
+    writes more; with 5 blocks of room, exactly 5 over the run. With re-publication off, none whatever the room; and
+    a block the write gate cuts is not counted as written again."""
     from kvpolicy.publish import DuelingPublish
 
     D = float(trace.arrival_s[-1])
     ev = (Degrade(0, 0.0, D + 1, bandwidth_factor=0.5, failure_rate=1.0),)
     c = cluster(trace)
+    kv = policy_set("kvpolicy")
+    off_set = attrs.evolve(kv, republish_unhealthy=False)
+    gated = attrs.evolve(kv, write_admission="tinylfu")
     runs = {}
-    for name, room in (("budget", None), ("free", math.inf), ("five", 5)):
+    for name, room, ps in (("budget", None, kv), ("off", None, off_set), ("free", math.inf, kv), ("five", 5, kv),
+                           ("free, off", math.inf, off_set), ("free, held cut", math.inf, gated)):
         if room is not None:
             monkeypatch.setattr(DuelingPublish, "budget_room_blocks", property(lambda self, r=room: r))
-        sim = Simulator(prepared, c, policy_set("kvpolicy"), events=ev)
+        sim = Simulator(prepared, c, ps, events=ev)
+        if name.endswith("held cut"):  # a write gate that refuses every block the pool holds: nothing is written again
+            sim.pool._gate_writes = lambda batches, order, held=sim.pool.where: {
+                n: [k for k in todo if k not in held] for n, todo in batches.items()}
         runs[name] = (sim, sim.run())
     monkeypatch.undo()
-    off = run(prepared, c, attrs.evolve(policy_set("kvpolicy"), republish_unhealthy=False), events=ev)
+    moved = {name: sim.pool.republished_blocks for name, (sim, _) in runs.items()}
     duel = runs["budget"][0].pool.filter
     assert duel.decided == [0, 0, len(trace), 0] and duel.budget_room_blocks == 0, "threshold-2 decided every request"
-    assert runs["budget"][0].pool.republished_blocks == 0 and runs["budget"][1].bytes_written == off.bytes_written
-    assert runs["free"][0].pool.republished_blocks > 5 and runs["free"][1].bytes_written > off.bytes_written
-    assert runs["five"][0].pool.republished_blocks == 5
+    assert moved["budget"] == 0 and runs["budget"][1].bytes_written == runs["off"][1].bytes_written
+    assert moved["free"] > 5 and runs["free"][1].bytes_written > runs["off"][1].bytes_written
+    assert moved["five"] == 5
+    assert moved["free, off"] == moved["off"] == 0 and moved["free, held cut"] == 0, moved
 
 
 def test_hanging_transfers_time_out_and_fall_back(trace, prepared):

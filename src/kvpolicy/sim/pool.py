@@ -176,7 +176,7 @@ class Pool:
         # bytes are a constraint: under a write budget a re-publication, which no rule in the budget's ghosts makes, spends
         # only the room the decisions left in it
         room = self.filter.budget_room_blocks - self.republished_blocks if moving and isinstance(self.filter, DuelingPublish) else math.inf
-        moved = 0
+        again: list[int] = []  # the blocks written again, off an unhealthy node
         chunk = self.c.placement_chunk_blocks
         batches: dict[_Node, list[int]] = {}
         order: list[tuple[int, _Node]] = []  # (chain position, node) of each block to write, in chain order
@@ -192,7 +192,7 @@ class Pool:
                     ok = healthy.get(node)  # type: ignore[assignment]
                     if ok is None:
                         ok = healthy[node] = self._healthy(node, rep)
-                    if not ok and moved >= room:
+                    if not ok and len(again) >= room:
                         ok = True  # no room left in the budget: it stays where it is
                 if ok:
                     node.policy.on_access(key)
@@ -206,10 +206,13 @@ class Pool:
             batches.setdefault(target, []).append(key)
             order.append((j, target))
             if node is not None:
-                moved += 1  # held by an unhealthy node: written again
+                again.append(key)  # held by an unhealthy node: written again
         if self.write_gate is not None and batches:
             batches = self._gate_writes(batches, order)
-        self.republished_blocks += moved
+            if again:  # what the gate cut is not written again
+                sent = {k for todo in batches.values() for k in todo}
+                again = [k for k in again if k in sent]
+        self.republished_blocks += len(again)
         if not batches:
             return
         c = self.c
