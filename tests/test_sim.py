@@ -199,13 +199,16 @@ def test_a_republication_spends_only_the_room_the_write_budget_leaves(trace, pre
     gated = attrs.evolve(kv, write_admission="tinylfu")
     runs = {}
     for name, room, ps in (("budget", None, kv), ("off", None, off_set), ("free", math.inf, kv), ("five", 5, kv),
-                           ("free, off", math.inf, off_set), ("free, held cut", math.inf, gated)):
+                           ("free, off", math.inf, off_set), ("free, held cut", math.inf, gated),
+                           ("free, gate keeps all", math.inf, gated)):
         if room is not None:
             monkeypatch.setattr(DuelingPublish, "budget_room_blocks", property(lambda self, r=room: r))
         sim = Simulator(prepared, c, ps, events=ev)
         if name.endswith("held cut"):  # a write gate that refuses every block the pool holds: nothing is written again
             sim.pool._gate_writes = lambda batches, order, held=sim.pool.where: {
                 n: [k for k in todo if k not in held] for n, todo in batches.items()}
+        if name.endswith("keeps all"):  # a write gate that cuts nothing: the same run as without one
+            sim.pool._gate_writes = lambda batches, order: batches
         runs[name] = (sim, sim.run())
     monkeypatch.undo()
     moved = {name: sim.pool.republished_blocks for name, (sim, _) in runs.items()}
@@ -215,6 +218,7 @@ def test_a_republication_spends_only_the_room_the_write_budget_leaves(trace, pre
     assert moved["free"] > 5 and runs["free"][1].bytes_written > runs["off"][1].bytes_written
     assert moved["five"] == 5
     assert moved["free, off"] == moved["off"] == 0 and moved["free, held cut"] == 0, moved
+    assert moved["free, gate keeps all"] == moved["free"], "what the gate passes is counted"
 
 
 def test_hanging_transfers_time_out_and_fall_back(trace, prepared):
