@@ -1055,3 +1055,41 @@ def test_a_block_is_written_again_only_off_a_node_the_writers_own_breaker_has_op
         pool.publish(rep, req, [1, 2, 3, 4], t)
         assert pool.republished_blocks == moved, rep.name
     assert set(on_it) <= pool.writing, "replica 1's writes of the node's blocks are in flight"
+
+
+def test_the_write_gate_cuts_the_chain_at_its_first_refused_block_across_nodes(monkeypatch):
+    """Publishing is prefix-closed: the write-admission gate admits a leading run per node, and the chain is cut at
+    the first block refused on any node — blocks before the cut are written whatever node they go to, none after it.
+    A chain of 4 new blocks, positions 0-1 placed on node A (2 admitted) and 2-3 on node B (1 admitted): the cut falls
+    at position 3, so A writes both and B one; with A admitting 1 the cut is at 1 and B writes none (a mutant that
+    keyed the cut on anything but the chain position lived)."""
+    from kvpolicy.sim import pool as pool_mod
+    from kvpolicy.sim.world import _Req
+
+    tr = tiny(*SAME)
+    sim = Simulator(Prepared(tr), cluster(tr, storage_nodes=2, placement_chunk_blocks=2),
+                    attrs.evolve(policy_set("kvpolicy"), write_admission="tinylfu"))
+    pool = sim.pool
+    a, b = pool.nodes
+    admitted = {id(a.policy): 2, id(b.policy): 1}
+    monkeypatch.setattr(pool_mod, "gate", lambda policy, adm, todo, bb: admitted[id(policy)])
+    monkeypatch.setattr(pool, "place", lambda chunk_key, rep=None: a if chunk_key < 22 else b)
+
+    class Everything:  # a publish filter that publishes the whole chain
+        def observe(self, request, keys):
+            pass
+
+        def publishable(self, request, keys):
+            return len(keys)
+
+    pool.filter = Everything()
+    rep = sim.fleet.replicas[0]
+    for attempt, (n_a, chain, written) in enumerate(((2, [20, 21, 22, 23], {20, 21, 22}), (1, [30, 31, 32, 33], {30}))):
+        admitted[id(a.policy)] = n_a
+        if attempt:
+            monkeypatch.setattr(pool, "place", lambda chunk_key, rep=None: a if chunk_key < 32 else b)
+        req = _Req(0, 0.0)
+        req.attempt, req.local, req.load = 10 + attempt, 0, 0
+        before = set(pool.writing)
+        pool.publish(rep, req, chain, 0.0)
+        assert pool.writing - before == written
