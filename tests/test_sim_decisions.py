@@ -1062,7 +1062,7 @@ def test_the_write_gate_cuts_the_chain_at_its_first_refused_block_across_nodes(m
     the first block refused on any node — blocks before the cut are written whatever node they go to, none after it.
     A chain of 4 new blocks, positions 0-1 placed on node A (2 admitted) and 2-3 on node B (1 admitted): the cut falls
     at position 3, so A writes both and B one; with A admitting 1 the cut is at 1 and B writes none (a mutant that
-    keyed the cut on anything but the chain position lived)."""
+    keyed the cut on anything but the chain position lived, and one that gated only when the last key was truthy)."""
     from kvpolicy.sim import pool as pool_mod
     from kvpolicy.sim.world import _Req
 
@@ -1073,7 +1073,6 @@ def test_the_write_gate_cuts_the_chain_at_its_first_refused_block_across_nodes(m
     a, b = pool.nodes
     admitted = {id(a.policy): 2, id(b.policy): 1}
     monkeypatch.setattr(pool_mod, "gate", lambda policy, adm, todo, bb: admitted[id(policy)])
-    monkeypatch.setattr(pool, "place", lambda chunk_key, rep=None: a if chunk_key < 22 else b)
 
     class Everything:  # a publish filter that publishes the whole chain
         def observe(self, request, keys):
@@ -1084,10 +1083,11 @@ def test_the_write_gate_cuts_the_chain_at_its_first_refused_block_across_nodes(m
 
     pool.filter = Everything()
     rep = sim.fleet.replicas[0]
-    for attempt, (n_a, chain, written) in enumerate(((2, [20, 21, 22, 23], {20, 21, 22}), (1, [30, 31, 32, 33], {30}))):
+    cases = ((2, [20, 21, 22, 23], {20, 21, 22}), (1, [30, 31, 32, 33], {30}),
+             (2, [40, 41, 42, 0], {40, 41, 42}))  # a chain whose last key is 0 is gated too
+    for attempt, (n_a, chain, written) in enumerate(cases):
         admitted[id(a.policy)] = n_a
-        if attempt:
-            monkeypatch.setattr(pool, "place", lambda chunk_key, rep=None: a if chunk_key < 32 else b)
+        monkeypatch.setattr(pool, "place", lambda chunk_key, rep=None, edge=chain[2]: a if chunk_key < edge else b)
         req = _Req(0, 0.0)
         req.attempt, req.local, req.load = 10 + attempt, 0, 0
         before = set(pool.writing)
