@@ -1028,11 +1028,14 @@ def test_without_guard_rails_no_load_is_refused_for_the_loads_already_in_flight(
     assert e.value.field == "guard_rails"
 
 
-def test_a_block_is_written_again_only_off_a_node_the_writers_own_breaker_has_opened(monkeypatch):
+@pytest.mark.parametrize("opener", [0, 1])
+def test_a_block_is_written_again_only_off_a_node_the_writers_own_breaker_has_opened(monkeypatch, opener):
     """Re-publication asks the writer's controller, not the first replica's: with one controller per replica
-    (``controller_scope="replica"``) and node X's breaker open in replica 1's alone, replica 1 writes X's blocks again
-    elsewhere and replica 0 leaves them where they are (a mutant that asked the first replica's controller, or none,
-    lived). The write budget's room is unbounded here, so the budget does not decide."""
+    (``controller_scope="replica"``) and node X's breaker open in one replica's alone, that replica writes X's blocks
+    again elsewhere and the other leaves them where they are. Each replica opens it in turn, so one of the two runs has
+    a writer whose index is not X's (a mutant that asked the first replica's controller, or none, lived; so did one
+    that asked the controller of the replica numbered as the node is). The write budget's room is unbounded here, so
+    the budget does not decide."""
     from kvpolicy.publish import DuelingPublish
     from kvpolicy.sim.world import _Req
 
@@ -1040,21 +1043,21 @@ def test_a_block_is_written_again_only_off_a_node_the_writers_own_breaker_has_op
     tr = tiny(*SAME)
     sim = Simulator(Prepared(tr), cluster(tr, storage_nodes=2), attrs.evolve(policy_set("kvpolicy"), controller_scope="replica"))
     sim.run()
-    pool, (rep0, rep1) = sim.pool, sim.fleet.replicas
+    pool, reps = sim.pool, sim.fleet.replicas
     held = pool.where[1]
     on_it = [k for k in (1, 2, 3, 4) if pool.where.get(k) is held]
     assert on_it and pool.republished_blocks == 0
-    b = sim.planner.ctl(rep1).breaker(held.name)
+    b = sim.planner.ctl(reps[opener]).breaker(held.name)
     for _ in range(b.failure_threshold):
         b.record_failure()
-    assert b.state == "open" and sim.planner.ctl(rep0).breaker(held.name).state == "closed"
+    assert b.state == "open" and sim.planner.ctl(reps[1 - opener]).breaker(held.name).state == "closed"
     t = sim.loop.clock.now_s()
-    for attempt, rep, moved in ((7, rep0, 0), (8, rep1, len(on_it))):
+    for attempt, rep, moved in ((7, reps[1 - opener], 0), (8, reps[opener], len(on_it))):
         req = _Req(0, t)
         req.attempt, req.local, req.load = attempt, 0, 0
         pool.publish(rep, req, [1, 2, 3, 4], t)
         assert pool.republished_blocks == moved, rep.name
-    assert set(on_it) <= pool.writing, "replica 1's writes of the node's blocks are in flight"
+    assert set(on_it) <= pool.writing, "the opener's writes of the node's blocks are in flight"
 
 
 def test_the_write_gate_cuts_the_chain_at_its_first_refused_block_across_nodes(monkeypatch):
