@@ -2,7 +2,7 @@ import re
 import math
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from kvpolicy.errors import ConfigError
 from kvpolicy.ledger import DISTRIBUTIONS, REQUEST_CATEGORIES, Ledger, PublicationLog, RequestRecord
@@ -28,6 +28,7 @@ def records(draw):
     )
 
 
+@example([RequestRecord(prompt_tokens=0, block_size_tokens=B, ttft_s=0.01)], set())
 @given(st.lists(records(), max_size=40), st.sets(st.integers(0, 9)))
 def test_ledger_counts_add_up(recs, published):
     led = Ledger(bytes_per_token=7)
@@ -40,6 +41,7 @@ def test_ledger_counts_add_up(recs, published):
     assert d["total_tokens"] == sum(r.prompt_tokens for r in recs)
     assert sum(d["bytes"].values()) == 7 * sum(r.prompt_tokens for r in recs)
     assert d["tokens"]["local_hit"] == B * sum(r.local_blocks for r in recs)
+    assert all(v >= 0 for v in d["tokens"].values()), d["tokens"]  # an empty prompt has no block to miss (nor a tail below 0)
     assert sum(led.dists[x].hists["ttft_s"].count + len(led.dists[x].buf["ttft_s"]) for x in DISTRIBUTIONS) == len(recs)
     assert set(d["requests"]) == set(REQUEST_CATEGORIES)
 
@@ -197,6 +199,41 @@ def test_expected_benefit_reports_unknown_terms():
     assert eb2["e_benefit_s_per_s"] == pytest.approx(c["e_benefit_s"] * 2 / 10)
 
 
+def test_a_class_without_remote_hits_has_a_benefit_of_its_costs_alone():
+    """With no remote hit there is nothing to save, so the saved term is not unknown: E[benefit] is − P_stall − P_write −
+    P_eviction. A cost that is unknown still leaves it unknown, and is named (a mutant that counted the missing saved
+    term as unknown whatever the hits, and let the other terms through, lived)."""
+    led = Ledger(bytes_per_token=1, write_cost_s_per_byte=0.0, eviction_cost_s_per_token=0.0)
+    for t in (0.0, 10.0):
+        led.record(RequestRecord(prompt_tokens=4 * B + 1, block_size_tokens=B, local_blocks=2, arrival_s=t, stall_s=0.02))
+    eb = led.expected_benefit()
+    c = eb["per_class"]["default"]
+    assert c["h_remote"] == 0.0 and c["recompute_minus_remote_s"] is None and c["unknown"] == []
+    assert c["e_benefit_s"] == pytest.approx(-0.02) and eb["e_benefit_s_per_s"] == pytest.approx(-0.02 * 2 / 10)
+    no_stall = Ledger(bytes_per_token=1, write_cost_s_per_byte=0.0, eviction_cost_s_per_token=0.0)
+    for t in (0.0, 10.0):
+        no_stall.record(RequestRecord(prompt_tokens=4 * B + 1, block_size_tokens=B, local_blocks=2, arrival_s=t))
+    eb = no_stall.expected_benefit()
+    assert eb["per_class"]["default"]["e_benefit_s"] is None and eb["unknown"] == ["p_stall_s"]
+
+
+def test_the_bloom_filter_answers_at_the_rate_its_size_promises():
+    """Keys that fell out of the exact table go to a Bloom filter of m bits with four probes per key: a key never
+    published is taken for a dropped one at about (1 − e^(−4n/m))^4 (0.11 % at n/m = 0.05). Measured over 100,000 keys
+    never published, it stays under 1.5× that (a probe masked to one bit, or any probe that does not spread over the
+    filter, about doubles it); and every dropped key is still known (no false negative)."""
+    m, n = 1 << 14, 820
+    log = PublicationLog(max_exact_keys=1, bloom_bits=m)
+    for i in range(n + 1):
+        log.published(("pub", i), size_bytes=1.0)
+    assert log.dropped_keys == n
+    assert all(log.classify(("pub", i), 0.0)[0] == "evicted" for i in range(n))
+    probes = 100_000
+    false = sum(log.classify(("never", i), 0.0)[0] != "never_published" for i in range(probes))
+    promised = (1 - math.exp(-4 * n / m)) ** 4
+    assert false / probes < 1.5 * promised, (false, promised * probes)
+
+
 def test_byte_flows_and_peak_window():
     led = Ledger(bytes_per_token=10, window_s=100.0)
     led.record_write(b"a" * 16, 0.0, 1000.0)
@@ -229,6 +266,10 @@ def test_prometheus_exposition_parses():
         assert name in types or base in types, line
     assert 'kvpolicy_requests_total{category="local_hit"} 1' in text
     assert 'kvpolicy_ttft_seconds{distribution="local_hit",quantile="0.5"}' in text
+    # a summary carries its _sum and _count per distribution (a scraper's rate of the mean needs both)
+    assert 'kvpolicy_ttft_seconds_sum{distribution="local_hit"} 0.05\n' in text
+    assert 'kvpolicy_ttft_seconds_count{distribution="local_hit"} 1\n' in text
+    assert 'kvpolicy_ttft_seconds_count{distribution="cold_prefill"} 0\n' in text
 
 
 def test_record_validation():
