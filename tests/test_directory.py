@@ -125,6 +125,32 @@ def test_expiry_redis(redis_url):
     assert d.match_prefix("t", KEYS[:1]) == 0
 
 
+@pytest.mark.parametrize("groups", [1, 4])
+def test_an_expiry_in_the_future_keeps_a_block_live_in_either_layout(redis_url, groups):
+    """An entry's expiry holds in both layouts (one LRU per tenant, and ``key_groups`` > 1, whose publish builds its own
+    calls): a block that expires in a minute is matched now, one that expired a second ago is not. (The expiry rides
+    in the packed value: the scripts' per-entry expire-at argument is only validated, so a mutant that sent it in the
+    wrong unit is equivalent — written down as such.)"""
+    d = redis_dir(redis_url, key_groups=groups)
+    now = time.time()
+    d.publish("t", [Entry(KEYS[0], "n", 1, expires_at_s=now + 60.0), Entry(KEYS[1], "n", 1, expires_at_s=now - 1.0)])
+    assert d.match_prefix("t", KEYS[:1]) == 1
+    assert d.match_prefix("t", KEYS[1:2]) == 0 and d.keys("t") == [KEYS[0]]
+
+
+def test_a_lease_that_expired_protects_nothing_from_the_capacity_walk():
+    """The capacity walk drops the tenant's expired leases before it skips leased keys: a key whose lease ran out is
+    evicted as any other, least recently used first (a mutant that expired the leases of another tenant kept it)."""
+    clock = ManualClock()
+    d = InMemoryDirectory(clock=clock, max_keys_per_tenant=2)
+    d.publish("t", [Entry(KEYS[0], "n", 1)])
+    d.lease("t", [KEYS[0]], ttl_s=1.0)
+    clock.advance(2.0)
+    d.publish("t", [Entry(KEYS[1], "n", 1)])
+    d.publish("t", [Entry(KEYS[2], "n", 1)])  # one over the bound: the oldest, KEYS[0], goes
+    assert sorted(d.keys("t")) == sorted(KEYS[1:3]) and d.evicted_by_capacity == 1
+
+
 def test_match_prefix_is_one_round_trip(redis_url):
     d = redis_dir(redis_url)
     chain = [bytes([7, i]) * 8 for i in range(64)]
