@@ -1001,3 +1001,71 @@ def test_a_transfer_model_with_one_measured_size_keeps_the_priors_overhead_and_f
         fast.observe(1e6, 0.0005)
     a, b = fast.coefficients(0.5)
     assert a == pytest.approx(0.0005, rel=0.05) and b == 0.0
+
+
+@given(st.lists(st.tuples(st.floats(0.0, 1e3, allow_nan=False), st.integers(1, 5)), max_size=40))
+def test_a_histograms_sum_and_mean_are_exact_whichever_way_it_is_fed(obs):
+    """A histogram's quantiles are approximate, its sum and mean are not: fed one observation at a time (``record``,
+    with a count) or in bulk, the sum is Σ x × n and the mean the sum over the count (a mutant that subtracted on the
+    one-at-a-time path lived: only the bulk path's sum was read)."""
+    one, bulk = LogHistogram(), LogHistogram()
+    for x, n in obs:
+        one.record(x, n)
+    if obs:
+        bulk.record_many(np.repeat([x for x, _ in obs], [n for _, n in obs]))
+    want = sum(x * n for x, n in obs)
+    for h in (one, bulk):
+        assert h.sum == pytest.approx(want, rel=1e-12, abs=1e-9) and h.count == sum(n for _, n in obs)
+        assert (h.mean is None) if not obs else h.mean == pytest.approx(want / h.count, rel=1e-12, abs=1e-12)
+
+
+def test_an_admitted_load_trimmed_below_its_split_computes_less_than_it_loads():
+    """A split plan computes the front ``[L, L+s)`` while ``[L+s, L+k)`` loads; an engine that allocates fewer blocks
+    than proposed admits a shorter load, and the split is cut to at most ``k − 1`` so the load still brings a block
+    (a mutant that kept the proposal's split lived: ``split_blocks ≥ load_blocks``, a load of nothing)."""
+    c = controller(bw=1.5e9, compute_while_loading=True, gpu_s_price=0.0)
+    p = c.propose(pm(0, 64), ctx)
+    assert p.loads and p.split_blocks > 1
+    for k in (p.split_blocks, 1):
+        d = controller(bw=1.5e9, compute_while_loading=True, gpu_s_price=0.0).admit(p, ctx, load_blocks=k)
+        assert d.loads and d.load_blocks == k and 0 <= d.split_blocks <= k - 1, (k, d.split_blocks)
+    whole = c.admit(p, ctx)
+    assert whole.split_blocks == p.split_blocks, "an untrimmed load keeps its split"
+
+
+def test_a_prefill_step_no_longer_than_a_steps_fixed_part_teaches_nothing():
+    """The step timer learns the prefill's compute from prefill steps less a step's fixed part (learned from
+    decode-only steps): a prefill step that took no longer than that fixed part is noise, left out and counted so
+    (a mutant that dropped the count lived), and a longer one is a sample."""
+    from kvpolicy.admission.steps import StepTimer
+
+    clock = ManualClock()
+    model = LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), PrefillModel(0.0, 1e-4, 0.0, 0, 0), window_s=None)
+    timer = StepTimer(model, clock.now_s, prefill_min_tokens=16)
+    for _ in range(model.min_samples + 4):  # decode-only steps of 50 ms: the fixed part
+        timer.scheduled([(0, 1)])
+        clock.advance(0.05)
+        timer.finished()
+    for _ in range(10):  # prefill steps (0.1 s predicted) measured at 40 ms: under the fixed part
+        timer.scheduled([(0, 1000)])
+        clock.advance(0.04)
+        timer.finished()
+    assert timer.fixed_s == pytest.approx(0.05)
+    assert timer.steps["left_out"] == 10 and timer.steps["prefill_samples"] == 0
+    for _ in range(10):
+        timer.scheduled([(0, 1000)])
+        clock.advance(0.25)
+        timer.finished()
+    assert timer.steps["left_out"] == 10 and timer.steps["prefill_samples"] == 10
+
+
+def test_interference_grows_with_the_decodes_a_load_disturbs():
+    """``LatencyModel.t_interference``: the learned stall per byte times the load's bytes, once for the load and once
+    more per active decode it slows; a negative count is none (a mutant that took min(decodes, 0) charged every load
+    as if no decode ran: no test called it)."""
+    m = LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), PREFILL)
+    one = m.t_interference(1e9, 0)
+    assert one > 0
+    assert m.t_interference(1e9, 3) == pytest.approx(4 * one)
+    assert m.t_interference(1e9, -2) == pytest.approx(one)
+    assert m.t_interference(2e9, 1) == pytest.approx(4 * one)
