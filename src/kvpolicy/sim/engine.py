@@ -84,7 +84,7 @@ class Simulator:
 
     def __init__(self, prepared: Prepared | Any, cluster: ClusterConfig, policy_set: PolicySet, *,
                  events: tuple[ScaleOut | Degrade, ...] = (), seed: int = 0, compute_scale: Any = None, judge_from_request: int = 0,
-                 pause_gc: bool = True) -> None:
+                 pause_gc: bool = True, routes: Any = None) -> None:
         """``compute_scale``: optional, one positive number per request (trace order) multiplying ``compute_factor``
         for that request's own prefill — the compute a real run measured, replayed (e.g. each request's measured
         forward pass over the profile's). The router's and the oracles' predictions keep the cluster's model: an
@@ -93,6 +93,11 @@ class Simulator:
         ``judge_from_request`` = k > 0 is a held-out split: every policy runs (and learns) over the whole trace, but the
         result counts only requests k onwards — their TTFTs, prefill seconds, loads and reads — and the bytes written or
         replicated from request k's arrival on (the ledger likewise). Bytes sent and unused stay whole-run figures.
+
+        ``routes``: optional, one replica index per request (trace order): every attempt of request i goes to replica
+        ``routes[i]``, whatever the router — another run's ``SimResult.routes`` replayed. The bound of hindsight is
+        over cache decisions on the same routes: give the oracle a set's own routes, and a set whose failed loads moved
+        its retries elsewhere (changing every queue behind them) is bounded on the routing it had.
 
         ``pause_gc`` (default True): :meth:`run` holds Python's cyclic garbage collector while its events run and gives
         it back as it found it (a sixth of a run's time went to the collector's passes over short-lived objects). The
@@ -132,6 +137,19 @@ class Simulator:
             if not isinstance(e, (ScaleOut, Degrade)):
                 raise ConfigError("events", f"unknown event {e!r} (spikes are applied to the trace: apply_spike)")
         self.events = tuple(events)
+        self._routes: np.ndarray | None = None
+        if routes is not None:
+            n_max = cluster.replicas + sum(e.replicas for e in self.events if isinstance(e, ScaleOut))
+            try:
+                rr = np.asarray(routes)
+            except (TypeError, ValueError) as err:
+                raise ConfigError("routes", f"needs one replica index per request: {err}") from None
+            if rr.ndim != 1 or rr.size != len(self.p.trace) or (rr.size and rr.dtype.kind not in "iu"):
+                raise ConfigError("routes", f"needs one int replica index per request ({len(self.p.trace)}), got shape {rr.shape}, dtype {rr.dtype}")
+            bad = np.flatnonzero((rr < 0) | (rr >= n_max))
+            if bad.size:
+                raise ConfigError("routes", f"request {int(bad[0])} names replica {int(rr[bad[0]])}; the cluster has at most {n_max}")
+            self._routes = rr.astype(np.int64)
         B = self.p.block_size_tokens
         p = self.p
         ps = policy_set
@@ -161,7 +179,8 @@ class Simulator:
         self.overlap = overlap = ComputeWhileLoading(p, cluster, loop=loop, transfers=transfers, planner=planner, tally=tally, ledger=ledger,
                                                      compute_scale=self._scale)
         self.fleet = fleet = Replicas(p, cluster, ps, replicas, seed=seed, loop=loop, transfers=transfers, pool=pool, overlap=overlap,
-                                      planner=planner, tally=tally, ledger=ledger, oracle=oracle, local_oracles=local_oracles)
+                                      planner=planner, tally=tally, ledger=ledger, oracle=oracle, local_oracles=local_oracles,
+                                      routes=self._routes)
         self.lifecycle = RequestLifecycle(p, cluster, ps, loop=loop, transfers=transfers, pool=pool, fleet=fleet, overlap=overlap,
                                           planner=planner, tally=tally, ledger=ledger, oracle=oracle)
         transfers.land_pull = pool.land_pull  # a relay pull's blocks stay in the node they passed
@@ -169,7 +188,9 @@ class Simulator:
 
     def static_routes(self) -> np.ndarray | None:
         """Every request's replica when the router ignores replica state (round-robin, random,
-        prefix-affinity) and no request is retried — what the oracle may know in hindsight."""
+        prefix-affinity) and no request is retried, or the routes replayed — what the oracle may know in hindsight."""
+        if self._routes is not None:
+            return self._routes
         return static_routes(self.p, self.c, self.events, self.seed)
 
     def seed_pool(self, chains: Any) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CapacityError
+from ..errors import CapacityError, ConfigError
 from ..eviction.policies import TraceOracle
 from ..eviction.replay import make_policy
 from ..ledger import Ledger
@@ -80,7 +80,8 @@ class Replicas:
 
     def __init__(self, prepared: Prepared, cluster: ClusterConfig, policy_set: PolicySet, replicas: list[_Replica], *, seed: int,
                  loop: EventLoop, transfers: Transfers, pool: Pool, overlap: ComputeWhileLoading, planner: LoadPlanner, tally: Tally,
-                 ledger: Ledger, oracle: TraceOracle | None, local_oracles: dict[int, _ReplicaOracle] | None) -> None:
+                 ledger: Ledger, oracle: TraceOracle | None, local_oracles: dict[int, _ReplicaOracle] | None,
+                 routes: np.ndarray | None = None) -> None:
         self.p = prepared
         self.c = cluster
         self.ps = policy_set
@@ -98,6 +99,7 @@ class Replicas:
         self.block_bytes = cluster.block_bytes(self.B)
         self.replicas = replicas
         self._rr = 0
+        self._routes = routes  # replayed: request i's every attempt goes to replica routes[i]
 
     def route(self, req: _Req, t: float) -> _Replica:
         """The replica for this attempt of ``req`` (the cluster's router; a warming replica passes repeating requests on)."""
@@ -105,7 +107,12 @@ class Replicas:
         c = self.c
         kind = c.router
         keys = self.p.keys[req.i]
-        if kind in STATIC_ROUTERS:
+        if self._routes is not None:
+            j = int(self._routes[req.i])
+            if j >= len(reps):
+                raise ConfigError("routes", f"request {req.i} names replica {j}, which a scale-out has not added yet at {t:.3f} s")
+            r = reps[j]
+        elif kind in STATIC_ROUTERS:
             r = reps[static_pick(self.p, c, self.seed, req.i, req.attempt, len(reps), self._rr)]
             self._rr += 1
         elif kind == "least-loaded":
