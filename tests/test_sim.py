@@ -743,10 +743,45 @@ def test_a_replayed_route_sends_every_attempt_to_its_replica_and_bad_routes_are_
     assert len(set(want.tolist())) == 3
     got = Simulator(prep, attrs.evolve(c, router="round-robin"), policy_set("kvpolicy"), seed=0, routes=want).run().routes
     assert got.tolist() == want.tolist()
-    for bad in (want[:-1], want.astype(float), np.full(len(want), 3), np.full(len(want), -1), "0"):
+    for bad in (want[:-1], want.astype(float), np.full(len(want), 3), np.full(len(want), -1), "0", [0] * (len(want) - 1) + [-1]):
         with pytest.raises(ConfigError) as e:
             Simulator(prep, c, policy_set("kvpolicy"), routes=bad)
         assert e.value.field == "routes", bad
+    as_list = Simulator(prep, c, policy_set("kvpolicy"), seed=0, routes=want.tolist()).run().routes  # any sequence of ints
+    assert as_list.tolist() == want.tolist()
+
+
+def test_a_replayed_route_may_name_a_replica_a_scale_out_adds_once_it_is_there():
+    """With a scale-out in the run, a route may name the replica it adds (the bound is the replicas the run ends with),
+    but a request that arrives before that replica joins cannot be sent to it: a ConfigError naming ``routes``, not an
+    IndexError from inside the router."""
+    tr = generate(preset("chat", n_requests=40, block_size_tokens=64, seed=5))
+    c = default_cluster(tr, bytes_per_token=BPT, prefill=DEFAULT_PREFILL, replicas=2, storage_nodes=1, local_kv_gib=64 * 64 * BPT / 2**30,
+                        pool_share=0.5)
+    prep = Prepared(tr)
+    t_mid = float(prep.arrival_s[20])
+    events = (ScaleOut(t_s=t_mid, replicas=1),)
+    late = np.array([i % 2 if i <= 20 else 2 for i in range(40)])  # replica 2 only from request 21 on
+    got = Simulator(prep, c, policy_set("kvpolicy"), events=events, routes=late).run().routes
+    assert got.tolist() == late.tolist()
+    with pytest.raises(ConfigError, match="routes"):
+        Simulator(prep, c, policy_set("kvpolicy"), events=events, routes=np.full(40, 3))
+    early = late.copy()
+    early[3] = 2
+    with pytest.raises(ConfigError) as e:
+        Simulator(prep, c, policy_set("kvpolicy"), events=events, routes=early).run()
+    assert e.value.field == "routes" and "request 3" in str(e.value)
+
+
+def test_the_simulators_default_seed_is_0():
+    """Every random draw takes the run's seed; left out, it is 0 (the golden files' runs pass none)."""
+    tr = generate(preset("chat", n_requests=40, block_size_tokens=64, seed=5))
+    c = default_cluster(tr, bytes_per_token=BPT, prefill=DEFAULT_PREFILL, replicas=3, storage_nodes=2, router="random",
+                        local_kv_gib=64 * 64 * BPT / 2**30, pool_share=0.5, failure_rate=0.2)
+    prep = Prepared(tr)
+    runs = [Simulator(prep, c, policy_set("vllm-like"), **kw).run() for kw in ({}, {"seed": 0}, {"seed": 1})]
+    assert runs[0].routes.tolist() == runs[1].routes.tolist() and runs[0].ttft_s.tolist() == runs[1].ttft_s.tolist()
+    assert runs[0].routes.tolist() != runs[2].routes.tolist()
 
 
 def test_the_oracles_loads_never_fail_nor_hang_where_every_other_sets_do(trace, prepared):
