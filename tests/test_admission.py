@@ -1069,3 +1069,29 @@ def test_interference_grows_with_the_decodes_a_load_disturbs():
     assert m.t_interference(1e9, 3) == pytest.approx(4 * one)
     assert m.t_interference(1e9, -2) == pytest.approx(one)
     assert m.t_interference(2e9, 1) == pytest.approx(4 * one)
+
+
+def test_the_install_term_is_learned_from_the_loads_it_measured():
+    """A load's measured install seconds, per block, replace the prior's once there are enough of them (a mutant that
+    dropped the sample lived: no test read the learned install term)."""
+    m = LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), PREFILL, min_samples=5)
+    prior = m.coefficients(0.5).install_s_per_block
+    for _ in range(10):
+        m.observe_load(bytes_loaded=10 * 2**20, n_blocks=10, install_s=10 * 0.003)
+    assert prior != pytest.approx(0.003)
+    assert m.coefficients(0.5).install_s_per_block == pytest.approx(0.003, rel=0.02)
+    assert m.coefficients(0.95).install_s_per_block == pytest.approx(0.003, rel=0.02)
+
+
+def test_a_timeout_floor_expires_with_time_alone():
+    """A source's timeout floor holds the p95 transfer rate up for a window, then lapses — with no new observation in
+    between: the coefficients' cache is keyed by the window's epoch as well as the model's version (a mutant that keyed
+    it on the version alone served the floor forever)."""
+    clock = ManualClock()
+    m = LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), PREFILL, window_s=10.0, clock=clock)
+    free = m.coefficients(0.95, "node-0").s_per_byte
+    m.observe_timeout(bytes_loaded=1e9, elapsed_s=2.0, source="node-0")
+    held = m.coefficients(0.95, "node-0").s_per_byte
+    assert held > 10 * free
+    clock.advance(25.0)  # past the floor's horizon (the window), nothing observed meanwhile
+    assert m.coefficients(0.95, "node-0").s_per_byte < held / 10
