@@ -1095,3 +1095,38 @@ def test_a_timeout_floor_expires_with_time_alone():
     assert held > 10 * free
     clock.advance(25.0)  # past the floor's horizon (the window), nothing observed meanwhile
     assert m.coefficients(0.95, "node-0").s_per_byte < held / 10
+
+
+def test_a_load_is_admitted_on_the_source_and_replica_it_was_proposed_for():
+    """``admit`` takes a load's slots on its context's source and replica, and ``record`` / ``cancel`` give them back on
+    the proposal's: a context for another source or replica is a ConfigError naming ``ctx``, not slots taken on one
+    link and released on another (a mutant that took them on the proposal's source lived: every test admitted with
+    the context it proposed with). Admitted as proposed, the source's count and queue are the load's until it ends."""
+    c = controller(bw=25e9, max_loads_per_source=1)
+    here = AdmissionContext(block_bytes=BLOCK_BYTES, source="node-a", replica="replica-0")
+    p = c.propose(pm(0, 32), here)
+    assert p.loads and p.source == "node-a"
+    for other in (attrs.evolve(here, source="node-b"), attrs.evolve(here, replica="replica-1")):
+        with pytest.raises(ConfigError) as e:
+            c.admit(p, other)
+        assert e.value.field == "ctx"
+    d = c.admit(p, here)
+    assert d.load_id is not None and c.queued_bytes("node-a") > 0 and c.queued_bytes("node-b") == 0
+    again = c.propose(pm(0, 32), here)
+    assert not again.loads and again.reason == "source_cap", "one load per source: the first holds the slot"
+    c.cancel(d.load_id)
+    assert c.queued_bytes("node-a") == 0
+    assert c.admit(c.propose(pm(0, 32), here), here).loads
+
+
+def test_a_transfer_measured_at_zero_seconds_is_a_sample_not_an_error():
+    """An engine whose clock is too coarse to see a small load reports 0 s: a valid (if extreme) sample of the link,
+    not bad input (a mutant that refused 0 lived); a negative or NaN time is refused naming the field."""
+    m = LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), PREFILL)
+    v = m.version
+    m.observe_load(bytes_loaded=2**20, n_blocks=1, transfer_s=0.0)
+    assert m.version == v + 1
+    for bad in (-1e-3, float("nan")):
+        with pytest.raises(ConfigError) as e:
+            m.observe_load(bytes_loaded=2**20, n_blocks=1, transfer_s=bad)
+        assert e.value.field == "transfer_s"

@@ -698,6 +698,12 @@ class AdmissionController:
         k = proposal.load_blocks if load_blocks is None else load_blocks
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= proposal.load_blocks:
             raise ConfigError("load_blocks", f"must be an int in [0, {proposal.load_blocks}], got {load_blocks!r}")
+        if not isinstance(ctx, AdmissionContext):
+            raise ConfigError("ctx", "must be a kvpolicy.admission.AdmissionContext")
+        if (ctx.source, ctx.replica) != (proposal.source, proposal.replica):
+            # the slots are taken on ctx's source and replica and released on the proposal's: they must be one load's
+            raise ConfigError("ctx", f"admits a load from {ctx.source!r} to {ctx.replica!r}; the proposal was for "
+                                     f"{proposal.source!r} to {proposal.replica!r}")
         no_load: Action = "local_only" if proposal.local_blocks > 0 else "recompute"
         if k == 0:
             return attrs.evolve(proposal, action=no_load, reason="trimmed_to_zero", load_blocks=0, load_bytes=0, split_blocks=0)
