@@ -265,6 +265,9 @@ def test_prometheus_exposition_parses():
         base = re.sub(r"_(sum|count)$", "", name)
         assert name in types or base in types, line
     assert 'kvpolicy_requests_total{category="local_hit"} 1' in text
+    # the token and byte counters are labelled by category too (2 local blocks of 16 tokens, 2 bytes a token)
+    assert '\nkvpolicy_prompt_tokens_total{category="local_hit"} 32\n' in text
+    assert '\nkvpolicy_prompt_bytes_total{category="local_hit"} 64\n' in text
     assert 'kvpolicy_ttft_seconds{distribution="local_hit",quantile="0.5"}' in text
     # a summary carries its _sum and _count per distribution (a scraper's rate of the mean needs both)
     assert 'kvpolicy_ttft_seconds_sum{distribution="local_hit"} 0.05\n' in text
