@@ -1106,7 +1106,13 @@ def test_a_load_is_admitted_on_the_source_and_replica_it_was_proposed_for():
     here = AdmissionContext(block_bytes=BLOCK_BYTES, source="node-a", replica="replica-0")
     p = c.propose(pm(0, 32), here)
     assert p.loads and p.source == "node-a"
-    for other in (attrs.evolve(here, source="node-b"), attrs.evolve(here, replica="replica-1")):
+    others = (
+        attrs.evolve(here, source="node-b"),
+        attrs.evolve(here, replica="replica-1"),
+        None,
+        {"source": "node-a"},
+    )
+    for other in others:
         with pytest.raises(ConfigError) as e:
             c.admit(p, other)
         assert e.value.field == "ctx"
