@@ -167,6 +167,36 @@ def test_scale_out_adds_replicas_and_kvpolicy_warms_them(trace, prepared):
     assert run(prepared, c, "vllm-like", events=(ScaleOut(t, 3),)).warmup_bytes == 0
 
 
+def test_kv_overlaps_count_follows_a_request_the_warmup_rule_passes_on(trace, prepared):
+    """kv-overlap counts a request's prefill on the replica it is served by: when a warming replica passes a repeating
+    request on to a warm one, the count goes there too, at what that replica holds — else the warming replica keeps a
+    count nothing takes off and the warm one's goes below zero. After the run every count is back at 0, and never
+    below it on the way."""
+    t = float(trace.arrival_s[len(trace) // 2])
+    # links slow enough that the new replicas warm for ~14 s, with requests arriving meanwhile
+    c = attrs.evolve(cluster(trace, node_bandwidth_bytes_per_s=2e7, replica_bandwidth_bytes_per_s=2e7), router="kv-overlap")
+    sim = Simulator(prepared, c, policy_set("kvpolicy"), events=(ScaleOut(t, 3),))
+    passed_on, low = [], []
+    route = sim.fleet.route
+
+    def spy(req, now):
+        before = [r.routed_tokens for r in sim.fleet.replicas]
+        rep = route(req, now)
+        after = [r.routed_tokens for r in sim.fleet.replicas]
+        passed_on.append(any(now < r.warming_until_s for r in sim.fleet.replicas))  # the rule had a replica warming
+        low.append(min(after))
+        assert after[rep.idx] - before[rep.idx] == req.routed_tokens  # counted where it is served,
+        held = rep.index.match_prefix(prepared.keys[req.i][:prepared.matchable[req.i]])  # at the prefill its cache leaves
+        assert req.routed_tokens == trace.input_tokens[req.i] - held * trace.block_size_tokens
+        return rep
+
+    sim.fleet.route = spy
+    res = sim.run()
+    assert res.warmup_bytes > 0 and any(passed_on)
+    assert min(low) >= 0
+    assert [r.routed_tokens for r in sim.fleet.replicas] == [0] * res.replicas_final
+
+
 def test_degraded_node_fails_and_kvpolicy_breaker_moves_off_it(trace, prepared):
     D = float(trace.arrival_s[-1])
     ev = (Degrade(0, 0.0, D + 1, bandwidth_factor=0.5, failure_rate=1.0),)
@@ -723,7 +753,10 @@ def test_the_oracle_bounds_every_sets_gpu_seconds_saved(seed, kind, n, router, r
     base = Simulator(prep, c, policy_set("recompute-only"), seed=seed).run().gpu_prefill_s
     for name in _BOUNDED:
         ps = attrs.evolve(policy_set(name), name=f"{name}~", pull_from_peers=pulls, pull_path=pull_path if pulls else "relay")
-        res = Simulator(prep, c, ps, seed=seed).run()
+        sim = Simulator(prep, c, ps, seed=seed)
+        res = sim.run()
+        # kv-overlap's count of what it sent each replica is returned by every attempt: at its prefill, or as it retries
+        assert [r.routed_tokens for r in sim.fleet.replicas] == [0] * len(sim.fleet.replicas), ps.name
         saved = base - res.gpu_prefill_s
         # a set's own router and pull path (llm-d-like's) go to the oracle too, and the routes it took
         orc = attrs.evolve(policy_set("oracle"), router=ps.router, pull_path=ps.pull_path if pulls else "relay")

@@ -172,6 +172,30 @@ def test_kv_overlap_sends_a_tie_to_the_first_replica_and_an_overlap_to_its_holde
     assert list(res.routes) == [0, 0, 1]
 
 
+@pytest.mark.parametrize("name", ["lmcache-like", "kvpolicy"])
+def test_kv_overlap_counts_a_request_from_its_routing_until_its_prefill_is_done_a_loading_one_too(name):
+    """kv-overlap keeps its own count of the prefill each replica was sent (Dynamo's router adds a request's predicted
+    new tokens when it routes it and removes them at its first token): a request still loading its prefix is on its
+    replica's count, whichever load path the set has. r0 (16 seeded blocks, 4 MiB, found in the pool only) goes to
+    replica 0 on a tie and loads them over a 100 MB/s link (about 42 ms; recompute would take 100 ms, so kvpolicy's
+    controller loads too); r1, a new 2-block prompt 20 ms later, then finds replica 0 carrying r0's 16 blocks + 1 token
+    and goes to replica 1. Counted from the end of the load instead (the queue the replica holds), replica 0 would
+    look idle and r1 would follow r0 there."""
+    chain = list(range(1, 17))
+    tr = tiny([chain, [51, 52]], [0.0, 0.02])
+    c = cluster(tr, router="kv-overlap", node_bandwidth_bytes_per_s=1e8, replica_bandwidth_bytes_per_s=1e8)
+    ps = policy_set(name)
+    if name == "kvpolicy":
+        ps = attrs.evolve(ps, warmup=False, pull_from_peers=False)
+    sim = Simulator(Prepared(tr), c, ps)
+    sim.seed_pool([chain])
+    res = sim.run()
+    load_end_s = c.lookup_s + c.transfer_overhead_s + 16 * BLOCK_BYTES / 1e8
+    assert res.loads == 1 and load_end_s > 0.02 and res.ttft_s[0] > load_end_s  # r0 loaded, still loading when r1 came
+    assert list(res.routes) == [0, 1]
+    assert [r.routed_tokens for r in sim.fleet.replicas] == [0, 0]  # every request's count returned at its prefill
+
+
 def test_prefix_affinity_hashes_exactly_the_first_affinity_blocks():
     """Requests that share their first affinity_blocks blocks go to one replica; requests that differ only in the
     last of those blocks are spread (one hash of that block's chain id each)."""

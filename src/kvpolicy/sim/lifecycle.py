@@ -248,6 +248,7 @@ class RequestLifecycle:
             # the error surfaces to the client, which resubmits at once
             self.tally.retries += req.i >= self.tally.judge_k
             self.fleet.unpin(rep, req)
+            rep.routed_tokens -= req.routed_tokens  # the router's count: the retry is routed afresh
             req.attempt += 1
             self.loop.push(t, ARRIVE, req)
             return
@@ -268,6 +269,7 @@ class RequestLifecycle:
         rep.running.discard(req)
         T = p.input_tokens[i]
         rep.load_tokens -= req.queued_tokens
+        rep.routed_tokens -= req.routed_tokens
         self.tally.ttft[i] = t - req.first_arrival_s
         ctl = self.planner.ctl(rep)
         if ctl is not None:  # the engine reports every request's TTFT: the controller's derived p95 target

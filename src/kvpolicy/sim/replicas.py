@@ -107,6 +107,7 @@ class Replicas:
         c = self.c
         kind = c.router
         keys = self.p.keys[req.i]
+        routed = None  # kv-overlap: the prefill tokens its own count carries for this attempt on the replica it is sent to
         if self._routes is not None:
             j = int(self._routes[req.i])
             if j >= len(reps):
@@ -117,21 +118,26 @@ class Replicas:
             self._rr += 1
         elif kind == "least-loaded":
             r = min(reps, key=lambda x: (x.load_tokens, x.idx))
-        else:  # kv-overlap (Dynamo-style): prefill tokens still needed + queued prefill + decode load
+        else:  # kv-overlap (Dynamo-style): prefill tokens still needed + the prefill it has sent each replica + decode load
             T = self.p.input_tokens[req.i]
             m = self.p.matchable[req.i]
             best = None
             for x in reps:
-                ov = x.index.match_prefix(keys[:m])
-                cost = (T - ov * self.B) + x.load_tokens + c.decode_weight * x.decode_tokens
+                new = T - x.index.match_prefix(keys[:m]) * self.B
+                cost = new + x.routed_tokens + c.decode_weight * x.decode_tokens
                 if best is None or cost < best[0]:
-                    best = (cost, x)
+                    best = (cost, x, new)
             assert best is not None
-            r = best[1]
+            _, r, routed = best
         if self.ps.warmup and t < r.warming_until_s and keys and keys[0] in self.pool.where and keys[0] not in r.cache.nodes:
             warm = [x for x in reps if t >= x.warming_until_s]
             if warm:  # rule 2: repeating requests go to warm replicas while this one warms
                 r = min(warm, key=lambda x: (x.load_tokens, x.idx))
+                if routed is not None:  # counted where it goes, at what that replica holds
+                    routed = self.p.input_tokens[req.i] - r.index.match_prefix(keys[:self.p.matchable[req.i]]) * self.B
+        if routed is not None:  # off the count at its prefill's end (RequestLifecycle.prefill_done) or as it retries
+            req.routed_tokens = routed
+            r.routed_tokens += routed
         return r
 
     def install(self, rep: _Replica, req: _Req, keys: list[int], start: int, end: int) -> None:

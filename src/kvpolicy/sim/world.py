@@ -202,7 +202,7 @@ class _Req:
     __slots__ = ("i", "attempt", "first_arrival_s", "replica", "local", "found", "load", "load_id", "load_start_s", "load_groups",
                  "status", "reused", "not_loaded", "not_loaded_reason", "predicted_s", "load_s", "queue_enter_s", "prefill_s",
                  "pinned", "stall_s", "load_attempted", "decision", "xfer", "split", "cake", "slot_s", "meet_ver", "queued_tokens",
-                 "queued_pred_s", "job_end_s", "waiting", "rechecked", "load_vias", "peer_run", "pull_direct")
+                 "queued_pred_s", "job_end_s", "waiting", "rechecked", "load_vias", "peer_run", "pull_direct", "routed_tokens")
     replica: Any  # the _Replica serving it
     local: int  # leading blocks found in the local cache
     found: int  # remote blocks found after them
@@ -236,6 +236,7 @@ class _Req:
     def __init__(self, i: int, t: float) -> None:
         self.i = i
         self.attempt = 0
+        self.routed_tokens = 0  # what the router counted for this attempt on its replica (kv-overlap)
         self.first_arrival_s = t
         self.pinned: list[int] = []
         self.load_groups = []
@@ -309,7 +310,7 @@ class _Load:
 
 
 class _Replica:
-    __slots__ = ("idx", "name", "cache", "index", "free_slots", "slots", "queue", "load_tokens", "active", "decode_tokens", "inn", "out",
+    __slots__ = ("idx", "name", "cache", "index", "free_slots", "slots", "queue", "load_tokens", "routed_tokens", "active", "decode_tokens", "inn", "out",
                  "stage", "debt_s", "warming_until_s", "bytes_in", "queued_s", "running", "warm_left", "util", "util_t",
                  "hit_util", "hit_t")
 
@@ -326,6 +327,7 @@ class _Replica:
         self.hit_t = 0.0
         self.queue: deque[_Req] = deque()
         self.load_tokens = 0
+        self.routed_tokens = 0  # the router's own count: each request routed here and not yet prefilled, at its routing estimate
         self.active = 0
         self.decode_tokens = 0
         self.inn = inn
