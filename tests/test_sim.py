@@ -197,6 +197,39 @@ def test_kv_overlaps_count_follows_a_request_the_warmup_rule_passes_on(trace, pr
     assert [r.routed_tokens for r in sim.fleet.replicas] == [0] * res.replicas_final
 
 
+@pytest.mark.parametrize("name", ["vllm-like", "kvpolicy"])
+def test_kv_overlaps_count_on_a_replica_is_the_prefill_of_the_requests_sent_there_and_not_yet_prefilled(trace, prepared, name):
+    """The router's count on each replica is, at every routing and every prefill's end, the sum of what it counted for
+    the requests it sent there whose prefill has not ended: a finished prefill takes off its own tokens (not the
+    replica's whole count), and a failed load that the client retries (vllm-like's ``failure="fail"``) takes its count
+    off the replica it leaves before the retry is routed afresh."""
+    busy = attrs.evolve(trace, arrival_s=trace.arrival_s / 20)  # 20× the rate: retries leave replicas others still load on
+    c = attrs.evolve(cluster(busy, failure_rate=0.3), router="kv-overlap")
+    sim = Simulator(Prepared(busy), c, policy_set(name))
+    sent: dict[int, tuple[int, int]] = {}  # request → (replica, tokens counted) of its current attempt
+    route, done = sim.fleet.route, sim.lifecycle.prefill_done
+
+    def check():
+        for r in sim.fleet.replicas:
+            assert r.routed_tokens == sum(n for idx, n in sent.values() if idx == r.idx), r.idx
+
+    def on_route(req, now):
+        rep = route(req, now)
+        sent[req.i] = (rep.idx, req.routed_tokens)
+        check()
+        return rep
+
+    def on_done(req, now):
+        done(req, now)
+        del sent[req.i]
+        check()
+
+    sim.fleet.route, sim.lifecycle.prefill_done = on_route, on_done
+    res = sim.run()
+    assert not sent and res.loads > 0
+    assert (res.retries > 0) is (name == "vllm-like")
+
+
 def test_degraded_node_fails_and_kvpolicy_breaker_moves_off_it(trace, prepared):
     D = float(trace.arrival_s[-1])
     ev = (Degrade(0, 0.0, D + 1, bandwidth_factor=0.5, failure_rate=1.0),)
