@@ -2332,6 +2332,28 @@ def test_the_loadable_connector_reports_its_decisions_and_the_inner_stats_to_vll
     assert Counter.made["vllm:kvpolicy_declined_requests"].values[("m", "slower_than_recompute")] == 1
     assert prom.inner.seen == [(payload["inner"], 0)]
 
+    class Gauge:  # prometheus_client's, as vLLM hands it over: gauge(name=, documentation=, labelnames=).labels(...).set(x)
+        made = {}
+
+        def __init__(self, name, documentation, labelnames):
+            self.values = {}
+            Gauge.made[name] = self
+
+        def labels(self, *values):
+            gauge = self
+
+            class Child:
+                def set(self, x):
+                    gauge.values[values] = x
+
+            return Child()
+
+    # what the connector learned from vLLM's steps goes to gauges; a figure not learned yet (None) leaves its gauge alone
+    prom = KVPolicyConnector.build_prom_metrics(vllm_config(extra), {Counter: Counter, Gauge: Gauge}, ["model"], {0: ["m"]})
+    prom.observe({**payload, "compute_over_profile": 1.25, "step_fixed_s": None}, 0)
+    assert Gauge.made["vllm:kvpolicy_compute_over_profile"].values == {("m",): 1.25}
+    assert Gauge.made["vllm:kvpolicy_step_fixed_s"].values == {}
+
 
 @pytest.mark.parametrize("kvp, field", [
     ({"link_gpbs": 200}, "kvpolicy.link_gpbs"),  # a typo: the default link would have been used without a word
@@ -3877,9 +3899,10 @@ def test_extra_keys_for_places_items_at_block_boundaries():
         with pytest.raises(ConfigError) as e:
             extra_keys_for(1, mm_items=bad, block_size_tokens=B)
         assert e.value.field == "mm_items[0]"
-    with pytest.raises(ConfigError) as e:
-        extra_keys_for(1, mm_items=[("img", 0, 1)])
-    assert e.value.field == "block_size_tokens"
+    for size in (None, 0, -B, True):  # an item is placed in blocks of a positive size (0 would divide by zero inside)
+        with pytest.raises(ConfigError) as e:
+            extra_keys_for(1, mm_items=[("img", 0, 1)], block_size_tokens=size)
+        assert e.value.field == "block_size_tokens", size
     with pytest.raises(ConfigError) as e:
         extra_keys_for(-1)
     assert e.value.field == "n_blocks"
