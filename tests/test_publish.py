@@ -250,6 +250,18 @@ def _sessions(f, n_sessions, turns, gap_s, new_per_turn=2, sys_blocks=3, t0=0.0,
     return out
 
 
+def test_structure_aware_past_its_capacity_gives_up_on_its_oldest_first_sighting():
+    """With room for 2 keys, a third new key pushes out the oldest one waiting for a second sighting: it is counted
+    dead in its class (block 0 of a prompt: depth 0), not the newest (block 1 of its prompt: depth 1); and its watched
+    first sighting goes with it, so both kept keys, seen again 4 s later, teach the window their delay."""
+    f = StructureAwarePublish(capacity_keys=2)
+    f.observe(req(0, 1, t=0.0), [10])  # key 10: depth 0
+    f.observe(req(1, 2, t=1.0), [20, 21])  # keys 20 (depth 0) and 21 (depth 1): 10 is pushed out
+    assert f.dead[f.block_class(req(9, 1), 0)] == 1 and sum(f.dead) == 1
+    f.observe(req(2, 2, t=5.0), [20, 21])  # both seen again, 4 s after their first sighting
+    assert f._n_delay == 2 and f._mean_delay_s == pytest.approx(4.0)  # both kept keys taught it
+
+
 def test_structure_aware_waits_for_evidence_then_publishes_a_continuing_session_at_first_sighting():
     f = StructureAwarePublish()
     first = _sessions(f, n_sessions=1, turns=1, gap_s=10.0)
@@ -325,7 +337,11 @@ def test_the_docs_publish_page_examples_run_and_print_what_they_say(capsys):
     (lambda: CountMinSketch(seed="x"), "seed"),
     (lambda: ReuseAwarePublish(block_bytes=1024, recompute_s=0.5), "recompute_s"),  # not callable: failed at the first verdict
     (lambda: ReuseAwarePublish(block_bytes=1024, recompute_s=lambda t: t, buckets=10**30), "buckets"),
+    (lambda: ReuseAwarePublish(block_bytes=1024, recompute_s=lambda t: t, buckets="4"), "buckets"),  # not "str > int"
     (lambda: ReuseAwarePublish(block_bytes=1024, recompute_s=lambda t: t, sketch="x"), "sketch"),
+    # a bool is not a count of tokens or blocks (True < 0 is False: only the type check refuses it)
+    (lambda: PublishRequest(request_id=1, num_tokens=True, block_size_tokens=B), "num_tokens"),
+    (lambda: PublishRequest(request_id=1, num_tokens=4 * B, block_size_tokens=B, reused_blocks=True), "reused_blocks"),
     (lambda: ReuseAwarePublish(block_bytes=1024, recompute_s=lambda t: t, index_s=float("nan")), "index_s"),
     (lambda: WriteBudget(PublishAll(), bytes_per_s=float("nan"), burst_bytes=1e6, block_bytes=1024), "bytes_per_s"),
     (lambda: WriteBudget(PublishAll(), bytes_per_s=1e6, burst_bytes=1e6, block_bytes=1024, value_floor_s="x"), "value_floor_s"),
@@ -334,6 +350,12 @@ def test_publish_options_are_refused_by_name(make, field):
     with pytest.raises(ConfigError) as e:
         make()
     assert e.value.field == field
+
+
+def test_a_bad_count_in_a_publish_request_is_named_with_the_value_given():
+    with pytest.raises(ConfigError) as e:
+        PublishRequest(request_id=1, num_tokens=4 * B, block_size_tokens=B, peer_blocks=-3)
+    assert e.value.field == "peer_blocks" and "got -3" in str(e.value)
 
 
 def test_filters_that_run_on_time_refuse_a_request_without_one():
