@@ -134,7 +134,7 @@ class Replicas:
             if warm:  # rule 2: repeating requests go to warm replicas while this one warms
                 r = min(warm, key=lambda x: (x.load_tokens, x.idx))
                 if routed is not None:  # counted where it goes, at what that replica holds
-                    routed = self.p.input_tokens[req.i] - r.index.match_prefix(keys[:self.p.matchable[req.i]]) * self.B
+                    routed = T - r.index.match_prefix(keys[:m]) * self.B
         if routed is not None:  # off the count at its prefill's end (RequestLifecycle.prefill_done) or as it retries
             req.routed_tokens = routed
             r.routed_tokens += routed

@@ -310,8 +310,8 @@ class _Load:
 
 
 class _Replica:
-    __slots__ = ("idx", "name", "cache", "index", "free_slots", "slots", "queue", "load_tokens", "routed_tokens", "active", "decode_tokens", "inn", "out",
-                 "stage", "debt_s", "warming_until_s", "bytes_in", "queued_s", "running", "warm_left", "util", "util_t",
+    __slots__ = ("idx", "name", "cache", "index", "free_slots", "slots", "queue", "load_tokens", "routed_tokens", "active", "decode_tokens",
+                 "inn", "out", "stage", "debt_s", "warming_until_s", "bytes_in", "queued_s", "running", "warm_left", "util", "util_t",
                  "hit_util", "hit_t")
 
     def __init__(self, idx: int, cache: Any, slots: int, inn: Link, out: Link, stage: Link | None) -> None:
