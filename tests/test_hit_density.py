@@ -11,7 +11,7 @@ from kvpolicy.clock import ManualClock
 from kvpolicy.errors import ConfigError
 from kvpolicy.eviction import AdaptivePolicy, HitDensityPolicy, replay
 from kvpolicy.eviction.base import serve
-from kvpolicy.eviction.hit_density import block_class, densities, splitmix64
+from kvpolicy.eviction.hit_density import MAX_SAMPLES, block_class, densities, splitmix64
 from kvpolicy.eviction.kernels import replay_kernel, sampled_ids
 from kvpolicy.traces import first_appearance_ids
 
@@ -100,6 +100,10 @@ def test_knobs_are_validated():
         with pytest.raises(ConfigError) as e:
             HitDensityPolicy(4, **kw)
         assert e.value.field == field
+    assert HitDensityPolicy(4, samples=MAX_SAMPLES).samples == MAX_SAMPLES, "the cap itself is allowed"
+    with pytest.raises(ConfigError) as e:
+        HitDensityPolicy(4, samples=MAX_SAMPLES + 1)
+    assert e.value.field == "samples" and str(MAX_SAMPLES) in str(e.value)
     with pytest.raises(ConfigError, match="takes no such option"):
         replay_kernel(flat_trace(np.array([0, 1])), "lru", 2, samples=3)
 
@@ -258,6 +262,38 @@ def test_at_sample_rate_1_an_experts_mini_simulation_is_the_real_cache_it_pins(e
     assert stats["mini_sim_references"] == tr.block_ids.size - unserved
     assert round(stats["mini_sim_hit_ratio"][expert] * stats["mini_sim_references"]) == runs
     assert replay_kernel(tr, "adaptive", cap, seed=seed, expert=expert, sample_rate=1.0, **knobs).stats == stats
+
+
+def test_the_bin_width_it_reports_is_the_one_it_bins_ages_by():
+    """Before the first reconfiguration ages fall in 1 s bins (a hit 2.5 s after the block's last use lands in bin 2),
+    and ``bin_width_s`` says 1 s; after it, span × the mean eviction age / bins, again the width it bins by."""
+    clock = ManualClock()
+    p = HitDensityPolicy(4, clock=clock, bins=8, span=2.0, interval=10**9)
+    assert p.bin_width_s == 1.0
+    p.on_insert("a", 1)
+    clock._now_s = 2.5
+    p.on_access("a")
+    assert p.hit_hist.sum(axis=0).tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
+    p._age_sum_s, p._age_n = 24.0, 3.0  # three evictions, at a mean age of 8 s
+    p.reconfigure()
+    assert p.bin_width_s == pytest.approx(2.0 * 8.0 / 8)
+    clock._now_s = 2.5 + 3 * p.bin_width_s + 1e-9
+    before = p.hit_hist.copy()
+    p.on_access("a")
+    assert (p.hit_hist - before).sum(axis=0).tolist() == [0, 0, 0, 1, 0, 0, 0, 0]
+
+
+def test_the_mini_simulations_replay_each_sampled_block_at_its_own_time_not_the_walls():
+    """The mini-simulations age their blocks by the times the engine's clock gave them (a trace's, an engine's own), so
+    what they learn does not depend on how fast the host runs: after a request, each one's clock reads the time of the
+    last sampled block it replayed."""
+    clock = ManualClock()
+    p = AdaptivePolicy(8, sample_rate=1.0, clock=clock, **FAST)
+    for r, t in enumerate((100.0, 250.0, 400.0)):
+        clock._now_s = t
+        serve(p, [10 * r + 1, 10 * r + 2])
+    p.request_began()  # the last request's sampled blocks go to the mini-simulations
+    assert [sim.clock.now_s() for sim in p.mini_sims] == [400.0] * 3
 
 
 def test_the_leader_changes_only_when_a_mini_simulation_scores_higher_and_decays_with_the_histograms():

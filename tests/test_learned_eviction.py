@@ -184,6 +184,10 @@ class _Checked(LearnedRelaxedBeladyPolicy):
             assert victim in drawn
             assert all(s is None or s >= v_score for s in scores)  # no sample the model rates less likely to return
             assert drawn.index(victim) == min(i for i, n in enumerate(drawn) if n is victim)
+            # what an engine that ranks blocks itself reads (SGLang's strategy: priority_of) is the logit the decision
+            # compares: the same order, the same probability
+            assert all(float(sigmoid(self.priority_of(n, now)[0])) == pytest.approx(s if s is not None else v_score, rel=1e-9, abs=1e-12)
+                       for n, s in zip(drawn, scores))
             self.checked += 1
         return victim
 
