@@ -889,24 +889,43 @@ def test_a_direct_pull_goes_straight_from_the_peer_and_writes_nothing():
     assert relay.bytes_pulled == 4 * BLOCK_BYTES and relay.ttft_s[1] > res.ttft_s[1], "the relay stores and forwards"
 
 
-def _choose_at(node_busy: bool):
+def _choose_at(node_busy: bool, queue_wait_s: float = 0.0) -> bool:
     """A two-replica cluster with a pull to plan: replica 1 pulls 4 blocks from replica 0; the node the relay passes
-    through carries a long write when ``node_busy``."""
+    through carries a long write when ``node_busy``; replica 1's prefill slots are taken, with ``queue_wait_s`` of
+    predicted work queued per slot, when it is > 0."""
     tr = tiny(*SAME)
     c = cluster(tr)
     sim = Simulator(Prepared(tr), c, attrs.evolve(PULL, name="pull/choose", pull_path="choose"))
     node, (peer, rep) = sim.pool.nodes[0], sim.fleet.replicas
     if node_busy:
         sim.transfers.net.start(0.0, (node.inn,), 1e6 * BLOCK_BYTES, payload=None, on_done=lambda f, t: None)
+    if queue_wait_s > 0:
+        rep.free_slots = 0
+        rep.queued_s = queue_wait_s * rep.slots
+        assert rep.queue_wait_s(0.0) == pytest.approx(queue_wait_s)
     return sim.transfers.pull_direct(rep, node, peer, 4 * BLOCK_BYTES)
 
 
-def test_choose_pulls_straight_when_the_relays_node_is_the_bottleneck_and_through_it_when_idle():
-    """``pull_path="choose"``: on an idle node the relay finishes no later than the direct path (every link it adds is
-    idle and no slower), and it leaves a copy in the pool for later readers — relay. With a long write queued on the
-    node's ingress, the relay would wait behind it — direct."""
-    assert _choose_at(node_busy=False) is False
+def _relay_s() -> float:
+    """The relay's finish for that pull on idle links: one block stored before it is forwarded, then 4 blocks at the
+    slowest link of its path."""
+    tr = tiny(*SAME)
+    c = cluster(tr)
+    slowest = min(c.node_bandwidth_bytes_per_s, c.replica_bandwidth_bytes_per_s)
+    return BLOCK_BYTES / slowest + 4 * BLOCK_BYTES / slowest
+
+
+def test_choose_relays_a_pull_only_while_the_store_and_forward_costs_the_request_nothing():
+    """``pull_path="choose"``: the relay stores a block before it forwards it, so on idle links it lands later than the
+    direct path — straight, unless the replica's queue would hold the request past the relay's finish anyway (then
+    the node's copy for later readers is free): relay. With a long write queued on the node's ingress the relay waits
+    behind it — straight, whatever the queue."""
+    relay_s = _relay_s()
+    assert _choose_at(node_busy=False) is True
+    assert _choose_at(node_busy=False, queue_wait_s=relay_s * 0.95) is True, "the store and forward is part of the relay's finish"
+    assert _choose_at(node_busy=False, queue_wait_s=relay_s * 1.05) is False
     assert _choose_at(node_busy=True) is True
+    assert _choose_at(node_busy=True, queue_wait_s=relay_s * 1.05) is True
 
 
 def test_a_set_deployed_with_its_own_router_routes_by_it_whatever_the_cluster_says():
@@ -1065,7 +1084,8 @@ def test_a_block_is_written_again_only_off_a_node_the_writers_own_breaker_has_op
 
     monkeypatch.setattr(DuelingPublish, "budget_room_blocks", property(lambda self: math.inf))
     tr = tiny(*SAME)
-    sim = Simulator(Prepared(tr), cluster(tr, storage_nodes=2), attrs.evolve(policy_set("kvpolicy"), controller_scope="replica"))
+    # the peer's blocks reach the pool through a relayed pull (choose would pull them straight on these idle links)
+    sim = Simulator(Prepared(tr), cluster(tr, storage_nodes=2), attrs.evolve(policy_set("kvpolicy"), controller_scope="replica", pull_path="relay"))
     sim.run()
     pool, reps = sim.pool, sim.fleet.replicas
     held = pool.where[1]

@@ -123,14 +123,18 @@ class Transfers:
         return head + tail if direct else head + (node.inn, node.out) + tail
 
     def pull_direct(self, rep: _Replica, node: _Node, holder: _Replica, nbytes: float) -> bool:
-        """Whether a pull of ``nbytes`` from ``holder`` goes straight (``PolicySet.pull_path``). "choose": straight when
-        the relay's node is the bottleneck of its path now — the relay would finish later than the direct path, by the
-        same count of bytes ahead a transport reports — else through the node, which keeps a copy for later readers at
-        no extra wait. Seconds against seconds, measured on the links: no rate turns one resource into another."""
+        """Whether a pull of ``nbytes`` from ``holder`` goes straight (``PolicySet.pull_path``). "choose": through the
+        node, which keeps a copy for later readers, only while that costs this request nothing — the relay lands no
+        later than the direct path would, or before the replica could start the prefill anyway (its queue's predicted
+        wait) — else straight. A path's finish is its store and forward (the relay: one block at the slower of the
+        peer's egress and the node's ingress, as the relay's flow starts) plus its busiest link's bytes ahead (what a
+        transport reports, capped at the pull's size) and the pull, over that link's capacity. Seconds against seconds,
+        measured on the links and the queue: no rate turns one resource into another."""
         mode = self.pull_path
         if mode != "choose":
             return mode == "direct"
-        self.net.sync(self.loop.clock.t)
+        t = self.loop.clock.t
+        self.net.sync(t)
 
         def finish_s(path: tuple[Any, ...]) -> float:
             worst = 0.0
@@ -139,7 +143,10 @@ class Transfers:
                 worst = max(worst, (ahead + nbytes) / max(link.capacity_bytes_per_s, 1e-9))
             return worst
 
-        return finish_s(self.read_path(node, rep, holder, True)) < finish_s(self.read_path(node, rep, holder, False))
+        direct_s = finish_s(self.read_path(node, rep, holder, True))
+        relay_s = (self.block_bytes / max(min(holder.out.capacity_bytes_per_s, node.inn.capacity_bytes_per_s), 1e-9)
+                   + finish_s(self.read_path(node, rep, holder, False)))
+        return relay_s > max(direct_s, rep.queue_wait_s(t))
 
     def _account_read(self, node: _Node | None, rep: _Replica, nbytes: float) -> None:
         nb = int(round(nbytes))
