@@ -889,43 +889,86 @@ def test_a_direct_pull_goes_straight_from_the_peer_and_writes_nothing():
     assert relay.bytes_pulled == 4 * BLOCK_BYTES and relay.ttft_s[1] > res.ttft_s[1], "the relay stores and forwards"
 
 
-def _choose_at(node_busy: bool, queue_wait_s: float = 0.0) -> bool:
-    """A two-replica cluster with a pull to plan: replica 1 pulls 4 blocks from replica 0; the node the relay passes
-    through carries a long write when ``node_busy``; replica 1's prefill slots are taken, with ``queue_wait_s`` of
-    predicted work queued per slot, when it is > 0."""
+def _choose_at(queue_wait_s: float = 0.0, *, write_blocks: float = 0.0, write_priority: int = 0, at_s: float = 0.0,
+               peer_egress_bytes_per_s: float | None = None, **cluster_kw) -> bool:
+    """A two-replica cluster with a pull to plan: replica 1 pulls 4 blocks from replica 0 at ``at_s``. A write of
+    ``write_blocks`` on the node the relay passes through starts at 0 (priority ``write_priority``: 1 is background);
+    replica 1's prefill slots are taken, with ``queue_wait_s`` of predicted work queued per slot, when it is > 0."""
     tr = tiny(*SAME)
-    c = cluster(tr)
+    c = cluster(tr, **cluster_kw)
     sim = Simulator(Prepared(tr), c, attrs.evolve(PULL, name="pull/choose", pull_path="choose"))
     node, (peer, rep) = sim.pool.nodes[0], sim.fleet.replicas
-    if node_busy:
-        sim.transfers.net.start(0.0, (node.inn,), 1e6 * BLOCK_BYTES, payload=None, on_done=lambda f, t: None)
+    if peer_egress_bytes_per_s is not None:  # a slow port on the peer alone
+        peer.out.capacity_bytes_per_s = peer_egress_bytes_per_s
+    net = sim.transfers.net
+    if write_blocks:
+        net.start(0.0, (node.inn,), write_blocks * BLOCK_BYTES, payload=None, on_done=lambda f, t: None, priority=write_priority)
+        net.advance(0.0)  # it moves from 0
     if queue_wait_s > 0:
         rep.free_slots = 0
         rep.queued_s = queue_wait_s * rep.slots
-        assert rep.queue_wait_s(0.0) == pytest.approx(queue_wait_s)
+        assert rep.queue_wait_s(at_s) == queue_wait_s
+    sim.loop.clock.t = at_s
     return sim.transfers.pull_direct(rep, node, peer, 4 * BLOCK_BYTES)
 
 
-def _relay_s() -> float:
-    """The relay's finish for that pull on idle links: one block stored before it is forwarded, then 4 blocks at the
-    slowest link of its path."""
-    tr = tiny(*SAME)
-    c = cluster(tr)
-    slowest = min(c.node_bandwidth_bytes_per_s, c.replica_bandwidth_bytes_per_s)
-    return BLOCK_BYTES / slowest + 4 * BLOCK_BYTES / slowest
+def _relay_s(node_bytes_per_s: float = 5e9, replica_bytes_per_s: float = 5e9, peer_egress_bytes_per_s: float = 5e9) -> float:
+    """The relay's finish for that pull on idle links, worked by hand: one block stored at the node before it is
+    forwarded (at the slower of the peer's egress and the node's ingress), then 4 blocks at the slowest link of its
+    path."""
+    slowest = min(node_bytes_per_s, replica_bytes_per_s, peer_egress_bytes_per_s)
+    return BLOCK_BYTES / min(peer_egress_bytes_per_s, node_bytes_per_s) + 4 * BLOCK_BYTES / slowest
 
 
 def test_choose_relays_a_pull_only_while_the_store_and_forward_costs_the_request_nothing():
     """``pull_path="choose"``: the relay stores a block before it forwards it, so on idle links it lands later than the
     direct path — straight, unless the replica's queue would hold the request past the relay's finish anyway (then
-    the node's copy for later readers is free): relay. With a long write queued on the node's ingress the relay waits
-    behind it — straight, whatever the queue."""
+    the node's copy for later readers is free): relay, a tie included. With a long write queued on the node's ingress
+    the relay waits behind it — straight, whatever the queue."""
     relay_s = _relay_s()
-    assert _choose_at(node_busy=False) is True
-    assert _choose_at(node_busy=False, queue_wait_s=relay_s * 0.95) is True, "the store and forward is part of the relay's finish"
-    assert _choose_at(node_busy=False, queue_wait_s=relay_s * 1.05) is False
-    assert _choose_at(node_busy=True) is True
-    assert _choose_at(node_busy=True, queue_wait_s=relay_s * 1.05) is True
+    assert _choose_at() is True
+    assert _choose_at(relay_s * 0.95) is True, "the store and forward is part of the relay's finish"
+    assert _choose_at(relay_s * 1.05) is False
+    assert _choose_at(relay_s) is False, "a relay that lands as the queue frees the slot costs nothing"
+    assert _choose_at(write_blocks=1e6) is True
+    assert _choose_at(relay_s * 1.05, write_blocks=1e6) is True
+
+
+@pytest.mark.parametrize("slow", ["node", "peer egress"])
+def test_the_relays_store_and_forward_is_one_block_at_the_slower_of_the_peers_egress_and_the_nodes_ingress(slow):
+    """Half the bandwidth on the node (every node link) or on the peer's egress alone: the block stored before it is
+    forwarded crosses the slower of the two, and so does the pull. A queue 3 % either side of that finish decides."""
+    kw = {"node_bandwidth_bytes_per_s": 2.5e9} if slow == "node" else {"peer_egress_bytes_per_s": 2.5e9}
+    relay_s = _relay_s(node_bytes_per_s=2.5e9) if slow == "node" else _relay_s(peer_egress_bytes_per_s=2.5e9)
+    assert _choose_at(relay_s * 0.97, **kw) is True
+    assert _choose_at(relay_s * 1.03, **kw) is False
+
+
+def test_choose_reads_the_links_as_they_are_now_not_at_the_networks_last_event():
+    """``choose`` reads the bytes ahead on each link as of the pull's planning, not as of the network's last event: a
+    100-block write on the node's ingress that started at 0 has a tenth of a block left at 99.9 blocks' time, and the
+    relay (hidden by a queue 5 % longer than its idle finish) is chosen. Read as of 0, the write would still hold its
+    100 blocks ahead of the pull — straight."""
+    at_s = 99.9 * BLOCK_BYTES / 5e9
+    assert _choose_at(_relay_s() * 1.05, write_blocks=100, at_s=at_s) is False
+    assert _choose_at(_relay_s() * 1.05, write_blocks=100, at_s=0.0) is True
+
+
+def test_a_long_write_ahead_of_a_pull_delays_it_by_at_most_the_pulls_own_size():
+    """Links share fairly: a 100-block write on the node's ingress makes the 4-block pull wait behind 4 blocks of it,
+    not 100 (what ``choose`` reads: each flow's bytes ahead capped at the pull's size). With the queue 5 % past that
+    relay's finish — one block stored, 4 ahead, the 4 pulled — the relay is hidden and chosen; 5 % short, straight."""
+    relay_s = (1 + 4 + 4) * BLOCK_BYTES / 5e9
+    assert _choose_at(relay_s * 1.05, write_blocks=100) is False
+    assert _choose_at(relay_s * 0.95, write_blocks=100) is True
+
+
+def test_choose_counts_only_the_traffic_a_pull_waits_behind_not_background_writes():
+    """Reads go before background writes on a link (``ClusterConfig.publish_priority``): a long background write on the
+    node's ingress delays a relayed pull by nothing, so a relay the queue hides is still chosen. A foreground write of
+    the same size is bytes ahead of the pull — straight."""
+    assert _choose_at(_relay_s() * 1.05, write_blocks=1000, write_priority=1) is False
+    assert _choose_at(_relay_s() * 1.05, write_blocks=1000, write_priority=0) is True
 
 
 def test_a_set_deployed_with_its_own_router_routes_by_it_whatever_the_cluster_says():

@@ -123,30 +123,25 @@ class Transfers:
         return head + tail if direct else head + (node.inn, node.out) + tail
 
     def pull_direct(self, rep: _Replica, node: _Node, holder: _Replica, nbytes: float) -> bool:
-        """Whether a pull of ``nbytes`` from ``holder`` goes straight (``PolicySet.pull_path``). "choose": through the
-        node, which keeps a copy for later readers, only while that costs this request nothing — the relay lands no
-        later than the direct path would, or before the replica could start the prefill anyway (its queue's predicted
-        wait) — else straight. A path's finish is its store and forward (the relay: one block at the slower of the
-        peer's egress and the node's ingress, as the relay's flow starts) plus its busiest link's bytes ahead (what a
-        transport reports, capped at the pull's size) and the pull, over that link's capacity. Seconds against seconds,
-        measured on the links and the queue: no rate turns one resource into another."""
+        """Whether a pull of ``nbytes`` from ``holder`` goes straight (``PolicySet.pull_path``). "choose": the relay never
+        lands first — its links are the direct path's and the node's, and the node stores a block before it forwards
+        it — so it goes through the node, which keeps a copy for later readers, only while that costs this request
+        nothing: the relay lands before the replica could start the prefill anyway (its queue's predicted wait). The
+        relay's finish: one block at the slower of the peer's egress and the node's ingress (the store and forward),
+        then its busiest link's bytes ahead of the pull (what a transport reports, read as of now, of the traffic a read
+        waits behind, each flow capped at the pull's size) and the pull, over that link's capacity. Seconds against
+        seconds, measured on the links and the queue: no rate turns one resource into another."""
         mode = self.pull_path
         if mode != "choose":
             return mode == "direct"
         t = self.loop.clock.t
         self.net.sync(t)
-
-        def finish_s(path: tuple[Any, ...]) -> float:
-            worst = 0.0
-            for link in path:
-                ahead = sum(r if r < nbytes else nbytes for r in self.net.flows_on(link, 0))
-                worst = max(worst, (ahead + nbytes) / max(link.capacity_bytes_per_s, 1e-9))
-            return worst
-
-        direct_s = finish_s(self.read_path(node, rep, holder, True))
-        relay_s = (self.block_bytes / max(min(holder.out.capacity_bytes_per_s, node.inn.capacity_bytes_per_s), 1e-9)
-                   + finish_s(self.read_path(node, rep, holder, False)))
-        return relay_s > max(direct_s, rep.queue_wait_s(t))
+        worst = 0.0
+        for link in self.read_path(node, rep, holder):
+            ahead = sum(r if r < nbytes else nbytes for r in self.net.flows_on(link, 0))
+            worst = max(worst, (ahead + nbytes) / max(link.capacity_bytes_per_s, 1e-9))
+        relay_s = self.block_bytes / max(min(holder.out.capacity_bytes_per_s, node.inn.capacity_bytes_per_s), 1e-9) + worst
+        return relay_s > rep.queue_wait_s(t)
 
     def _account_read(self, node: _Node | None, rep: _Replica, nbytes: float) -> None:
         nb = int(round(nbytes))
