@@ -562,6 +562,66 @@ def test_a_request_listing_more_keys_than_the_cap_is_a_protocol_error():
         srv.close()
 
 
+def test_a_put_listing_more_blocks_than_the_cap_stores_nothing_even_with_every_block_well_formed():
+    """The cap on blocks per message holds for a put whose every block is the right size with a valid MAC: refused
+    before its payload is read, a protocol error, nothing stored; exactly the cap is stored."""
+    limits = TransportLimits(max_blocks_per_message=4)
+    store = BlockStore(bytes(16), BB)
+    srv = BlockServer(store, secret=SECRET, limits=limits)
+    keys = TransportKeys.from_secret(SECRET)
+
+    def put(n: int) -> socket.socket:
+        ks = [bytes([i + 1]) * 16 for i in range(n)]
+        payloads = [bytes([i + 1]) * BB for i in range(n)]
+        s = raw(srv.address)
+        ch = Channel(s, client_handshake(s, keys, 5.0), is_server=False, limits=limits)
+        try:
+            ch.send({"op": "put", "namespace": bytes(16).hex(),
+                     "blocks": [{"key": k.hex(), "nbytes": BB, "mac": block_mac(keys.block, bytes(16), k, p)} for k, p in zip(ks, payloads)]},
+                    payloads)
+        except (ConnectionResetError, BrokenPipeError):
+            pass  # refused on its header: the server closed while the payload was still on its way
+        return s
+
+    try:
+        s = put(5)
+        assert closed_by_peer(s, 5.0)
+        s.close()
+        wait_until(lambda: srv.stats["protocol_errors"] >= 1)
+        assert srv.stats["protocol_errors"] == 1 and not store.blocks
+        s = put(4)
+        wait_until(lambda: len(store.blocks) == 4)
+        s.close()
+    finally:
+        srv.close()
+
+
+def test_a_client_gives_up_connecting_to_a_peer_that_never_accepts_within_its_timeout():
+    """A peer whose accept queue is full drops the connection attempt (Linux: the SYN is not answered): the client's
+    own timeout bounds the connect, so a lookup reports the peer unreachable (0 blocks) in about ``timeout_s``, not
+    after the operating system's minutes of SYN retries."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    fillers = []
+    try:
+        for _ in range(4):  # fill the accept queue; later attempts hang in SYN_SENT
+            f = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            f.setblocking(False)
+            f.connect_ex(listener.getsockname()[:2])
+            fillers.append(f)
+        time.sleep(0.2)
+        c = PeerClient(listener.getsockname()[:2], bytes(16), secret=SECRET, block_bytes=BB, timeout_s=0.5)
+        t0 = time.monotonic()
+        assert c.match_prefix([KEY]) == 0
+        assert time.monotonic() - t0 < 3.0, "the connect was bounded by the client's timeout"
+        c.close()
+    finally:
+        for f in fillers:
+            f.close()
+        listener.close()
+
+
 def test_the_server_keeps_accepting_after_idling_with_every_slot_free():
     """Each accept that times out (every 0.2 s while idle) must give its connection slot back: otherwise the server
     stops accepting after max_connections × 0.2 s of quiet."""
