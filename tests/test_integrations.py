@@ -4028,6 +4028,29 @@ def test_connector_stats_keep_a_learned_value_a_newer_report_lacks():
     assert a.learned[k] == 3.0, "a value, not a count: the newer report's"
 
 
+def test_connector_stats_take_the_inner_stats_of_a_report_into_one_that_had_none():
+    """vLLM adds the workers' reports into whatever it holds: a report of kvpolicy's own counts alone (no inner stats)
+    that takes in one carrying the inner connector's stats keeps them, and their class, for the front end."""
+    from kvpolicy.integrations.vllm_kv_connector import KVPolicyStats
+
+    acc = KVPolicyStats()
+    acc.count(64, 32, 32, "slower_than_recompute")
+    worker = KVPolicyStats(inner=InnerStats({"bytes_loaded": 1000}), inner_class="kvpolicy_test_inner_stats:InnerWithStats")
+    acc.aggregate(worker)
+    assert acc.inner is worker.inner and acc.inner_class == "kvpolicy_test_inner_stats:InnerWithStats"
+    assert acc.reduce()["bytes_loaded"] == 1000 and acc.reduce()["kvpolicy_requests"] == 1
+
+
+def test_connector_stats_reduce_to_the_learned_figures_kvpolicy_has_learned():
+    """The figures kvpolicy learned from vLLM's steps reach the reduced stats (rounded to 4 places), and one not yet
+    learned is left out — with no request counted in the interval as well."""
+    from kvpolicy.integrations.vllm_kv_connector import LEARNED, KVPolicyStats
+
+    k, other = sorted(LEARNED)[:2]
+    out = KVPolicyStats({k: 2.345678, other: None}).reduce()
+    assert out == {f"kvpolicy_{k}": 2.3457}
+
+
 def test_connector_class_questions_without_an_inner_connector():
     from kvpolicy.integrations.vllm_kv_connector import KVPolicyConnector
 
