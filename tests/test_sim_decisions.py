@@ -1183,3 +1183,36 @@ def test_the_write_gate_cuts_the_chain_at_its_first_refused_block_across_nodes(m
         before = set(pool.writing)
         pool.publish(rep, req, chain, 0.0)
         assert pool.writing - before == written
+
+
+def test_a_landing_write_releases_only_its_own_blocks_the_rest_of_the_chain_stays_marked():
+    """A chain's blocks are written in groups, one per node; each group's landing releases its own blocks from the
+    writes in flight, not the whole chain's: a group still moving elsewhere keeps its blocks marked, so no second
+    writer writes them again meanwhile."""
+    tr = tiny(*SAME)
+    sim = Simulator(Prepared(tr), cluster(tr, storage_nodes=2), PULL)
+    pool = sim.pool
+    pool.writing.update((1, 2, 3, 4))
+    n = pool._land((pool.nodes[0], [1, 2], [1, 2, 3, 4], "default"), 0.0)
+    assert n == 2 and pool.writing == {3, 4}
+    assert pool.where[1] is pool.nodes[0] and 3 not in pool.where
+
+
+def test_a_queued_split_expects_to_skip_its_local_blocks_and_the_range_it_loads():
+    """A request queued for its prefill slot while it loads (compute while loading) expects to skip its local blocks
+    and the loaded part of its range — ``load - split`` blocks, the GPU computing the split's front: the replica's
+    queued tokens and predicted seconds (what its queue's wait and the least-loaded router read) count only the rest."""
+    from kvpolicy.sim.world import _Req
+
+    tr = tiny([[1, 2, 3, 4, 5, 6, 7, 8]], [0.0])
+    sim = Simulator(Prepared(tr), cluster(tr, replicas=1), policy_set("kvpolicy"))
+    rep = sim.fleet.replicas[0]
+    rep.free_slots = 0  # the slot is taken: the request stays queued
+    req = _Req(0, 0.0)
+    req.cake, req.load, req.split = True, 5, 2
+    sim.fleet.enqueue(rep, req, 0.0, 1)
+    T = 8 * B + 1
+    skip = 1 + 5 - 2
+    assert req.queued_tokens == rep.load_tokens == T - skip * B
+    c = sim.fleet.c
+    assert rep.queued_s == pytest.approx(c.dispatch_s + c.prefill_s(skip * B, T), rel=1e-12)
