@@ -497,6 +497,24 @@ def test_a_plans_predicted_time_is_never_above_recompute_only(bw, local, remote,
         assert d.split_blocks == 0
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.floats(0.05e9, 5e9), st.integers(0, 100), st.integers(2, 120), st.floats(0.0, 0.05), st.integers(0, 64),
+       st.floats(0.0, 3e9))
+def test_the_fastest_split_of_an_extent_is_no_slower_than_any_other_split_of_it(bw, local, k, wait_s, decodes, backlog):
+    """The split the search returns as the fastest (where the GPU's front and the load meet) is, against every split
+    of the same extent tried one by one, the fastest: the front grows and the load shrinks with s, so their later
+    finish is least at the meeting point or one block before it."""
+    c = controller(bw=bw, compute_while_loading=True)
+    cx = AdmissionContext(block_bytes=BLOCK_BYTES, active_decodes=decodes, path_backlog_bytes=backlog, queue_wait_s=wait_s)
+    sides = c._sides(local, B, cx, c.model.coefficients(0.95, cx.source), c.model.coefficients(0.5, cx.source))
+    plans = c._plans(k, sides, split=True)
+    if len(plans) < 2:
+        return
+    meet = plans[1][0]
+    assert 0 < meet < k
+    assert sides.plan(k, meet) <= min(sides.plan(k, s) for s in range(1, k)) + 1e-15
+
+
 def test_split_is_the_fallback_when_a_plain_load_cannot_win():
     # a link too slow for a plain load of the range to beat recompute, fast enough to cover its far end
     plain = controller(bw=1.5e9).decide(pm(0, 64), ctx)
@@ -1095,6 +1113,13 @@ def test_a_timeout_floor_expires_with_time_alone():
     assert held > 10 * free
     clock.advance(25.0)  # past the floor's horizon (the window), nothing observed meanwhile
     assert m.coefficients(0.95, "node-0").s_per_byte < held / 10
+    # a floor's age is counted from when it was set: one set at 25 s still holds 5 s later, and has lapsed by the
+    # first window's turn past 35 s (the coefficients are cached until the window turns: at 40 s here)
+    m.observe_timeout(bytes_loaded=1e9, elapsed_s=2.0, source="node-0")
+    clock.advance(5.0)
+    assert m.coefficients(0.95, "node-0").s_per_byte > 10 * free
+    clock.advance(11.0)
+    assert m.coefficients(0.95, "node-0").s_per_byte < held / 10
 
 
 def test_a_load_is_admitted_on_the_source_and_replica_it_was_proposed_for():
@@ -1136,3 +1161,28 @@ def test_a_transfer_measured_at_zero_seconds_is_a_sample_not_an_error():
         with pytest.raises(ConfigError) as e:
             m.observe_load(bytes_loaded=2**20, n_blocks=1, transfer_s=bad)
         assert e.value.field == "transfer_s"
+
+
+def test_a_load_of_no_blocks_teaches_no_install_time():
+    """An install time reported with ``n_blocks == 0`` (a load that moved bytes but installed nothing) is no sample of
+    seconds per block: nothing is recorded, and no division by zero."""
+    m = LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), PREFILL)
+    before = m.install_per_block.hist.count
+    m.observe_load(bytes_loaded=2**20, n_blocks=0, install_s=0.004)
+    assert m.install_per_block.hist.count == before
+
+
+def test_the_remote_terms_add_up_to_what_the_decision_prices():
+    """``LatencyModel.t_remote`` — the terms ``explain`` can show one by one — adds up to ``Coefficients.remote``, the
+    figure the decision compares, for any size, block count and bytes ahead; ``TransferModel.seconds`` is its line
+    α + β·bytes, and 0 for nothing to move."""
+    m = LatencyModel(LinkPrior(bandwidth_bytes_per_s=5e9), PREFILL)
+    for _ in range(30):
+        m.observe_load(bytes_loaded=64 * 2**20, n_blocks=4, transfer_s=0.02, install_s=0.004, stage_s=0.001)
+    for load_bytes, n, queue in ((0.0, 0, 0.0), (64 * 2**20, 4, 0.0), (3 * 2**30, 48, 2**30)):
+        for q in (0.5, 0.95):
+            terms = m.t_remote(load_bytes, n, queue, q)
+            assert sum(terms.values()) == pytest.approx(m.coefficients(q).remote(load_bytes, n, queue), rel=1e-12, abs=1e-15)
+            assert terms["install_s"] == pytest.approx(m.install_per_block.q(q) * n, rel=1e-12, abs=1e-15)
+    a, b = m.transfer.coefficients(0.5)
+    assert m.transfer.seconds(2**30, 0.5) == pytest.approx(a + b * 2**30, rel=1e-12) and m.transfer.seconds(0, 0.5) == 0.0
