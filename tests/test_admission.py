@@ -529,6 +529,11 @@ def test_split_is_the_fallback_when_a_plain_load_cannot_win():
     # where a plain load wins, the GPU is left alone (at a price of 0 the fastest plan computes a front even then)
     fast = controller(bw=25e9, compute_while_loading=True).decide(pm(0, 64), ctx)
     assert fast.loads and fast.split_blocks == 0 and fast.compute_after_s == pytest.approx(fast.terms["t_plan_s"])
+    # a plain load turns into a split only once its p95 prediction has passed, whatever the wait for a slot (the wait
+    # does not bring that moment forward: the bytes arrive when they arrive)
+    queued = controller(bw=25e9, compute_while_loading=True).decide(pm(0, 64), attrs.evolve(ctx, queue_wait_s=0.004))
+    assert queued.loads and queued.split_blocks == 0
+    assert queued.compute_after_s == pytest.approx(queued.terms["t_plan_s"], rel=1e-12) and queued.terms["t_plan_s"] > 0.004
     assert controller(bw=25e9, compute_while_loading=True, gpu_s_price=0.0).decide(pm(0, 64), ctx).split_blocks > 0
 
 
