@@ -102,7 +102,7 @@ class Transfers:
             if straight:  # the peer is asked to send, and sends
                 latency += c.lookup_s
             elif via is not None:  # the peer is asked to send; the node has a whole block before it forwards the first
-                latency += c.lookup_s + bb / max(min(via.out.capacity_bytes_per_s, node.inn.capacity_bytes_per_s), 1e-9)
+                latency += c.lookup_s + self.store_and_forward_s(via, node)
             f = self.net.start(now, path, n * bb, latency_s=latency, payload=(load, node, j), on_done=self._read_flow_end, priority=priority)
             load.flows.append(f)
             load.fails.append(failed)
@@ -122,6 +122,11 @@ class Transfers:
         head: tuple[Any, ...] = (via.out,) if via.stage is None else (via.stage, via.out)
         return head + tail if direct else head + (node.inn, node.out) + tail
 
+    def store_and_forward_s(self, holder: _Replica, node: _Node) -> float:
+        """What a relay through ``node`` adds before its first byte moves on: one whole block at the slower of the
+        holder's egress and the node's ingress (the node stores a block before it forwards it)."""
+        return self.block_bytes / max(min(holder.out.capacity_bytes_per_s, node.inn.capacity_bytes_per_s), 1e-9)
+
     def pull_direct(self, rep: _Replica, node: _Node, holder: _Replica, nbytes: float) -> bool:
         """Whether a pull of ``nbytes`` from ``holder`` goes straight (``PolicySet.pull_path``). "choose": the relay never
         lands first — its links are the direct path's and the node's, and the node stores a block before it forwards
@@ -140,7 +145,7 @@ class Transfers:
         for link in self.read_path(node, rep, holder):
             ahead = sum(r if r < nbytes else nbytes for r in self.net.flows_on(link, 0))
             worst = max(worst, (ahead + nbytes) / max(link.capacity_bytes_per_s, 1e-9))
-        relay_s = self.block_bytes / max(min(holder.out.capacity_bytes_per_s, node.inn.capacity_bytes_per_s), 1e-9) + worst
+        relay_s = self.store_and_forward_s(holder, node) + worst
         return relay_s > rep.queue_wait_s(t)
 
     def _account_read(self, node: _Node | None, rep: _Replica, nbytes: float) -> None:
