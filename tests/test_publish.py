@@ -500,6 +500,20 @@ def test_reuse_aware_bounds_and_the_write_delay_at_full_utilisation():
     assert f.write_cost_s(req(1, 2, write_path_utilisation=0.5)) == pytest.approx(f.write_s + 2e-4), "rho / (1 - rho) at 0.5 is 1"
 
 
+def test_reuse_aware_values_a_block_by_its_decayed_count():
+    """values(): a block seen by c distinct requests (decayed) is worth P(read again) x cross share x its recompute
+    seconds − the write's cost, with P = 1 - exp(-(c - 1) / half_life x lifetime) when c > 1.5 — here c = 4 at t = 0
+    and 2 one half-life later (the sketch's count, not c + 1, which would call a block read once more than it was)."""
+    f = reuse_aware(half_life_s=10.0, lifetime_s=20.0, cross_replica_share=1.0, recompute_s=lambda d: 2.0)
+    for i in range(4):
+        f.observe(req(i, 1, t=0.0), ["k"])
+    cost = f.write_cost_s(req(9, 1, t=0.0))
+    for t, c in ((0.0, 4.0), (10.0, 2.0)):
+        assert f.sketch.estimate("k", t) == pytest.approx(c)
+        want = (1.0 - math.exp(-(c - 1.0) / 10.0 * 20.0)) * 2.0 - cost
+        assert f.values(req(9, 1, t=t), ["k"]) == [pytest.approx(want, rel=1e-12)]
+
+
 def test_structure_aware_counts_decay_at_its_half_life():
     """values(): a block seen by c distinct requests (decayed) has P(read again) = 1 - exp(-(c - 1) / half_life x
     lifetime) when c > 1.5 — here c = 4 at t = 0 and 2 one half-life later."""
