@@ -8,7 +8,9 @@ import attrs
 import numpy as np
 import pytest
 
+from kvpolicy.admission import AdmissionContext, LoadOutcome
 from kvpolicy.errors import ConfigError
+from kvpolicy.matching import PrefixMatch
 from kvpolicy.profile import PrefillModel
 from kvpolicy.sim import Degrade, PolicySet, Prepared, Simulator, default_cluster, policy_set
 from kvpolicy.sim.network import FlowNetwork
@@ -1216,3 +1218,44 @@ def test_a_queued_split_expects_to_skip_its_local_blocks_and_the_range_it_loads(
     assert req.queued_tokens == rep.load_tokens == T - skip * B
     c = sim.fleet.c
     assert rep.queued_s == pytest.approx(c.dispatch_s + c.prefill_s(skip * B, T), rel=1e-12)
+
+
+
+def _taught_run(node_s_per_byte, peer_s_per_byte=None):
+    """Two replicas, round-robin, the kvpolicy set publishing every block. r0 (replica 0) computes [1..8] and writes
+    it to the one node; r1 (replica 1) finds it in the pool and in replica 0's cache. Before the run the controller
+    has measured ``node_s_per_byte`` on the node, and ``peer_s_per_byte`` on replica 0 as a source (25 loads of 8
+    blocks each; None: nothing measured, its prior)."""
+    tr = tiny([list(range(1, 9))] * 2, [0.0, 50.0])
+    c = cluster(tr)
+    sim = Simulator(Prepared(tr), c, attrs.evolve(policy_set("kvpolicy"), name="kvpolicy/all", publish="all"))
+    ctl = sim.planner.controller
+    for source, rate in (("node-0", node_s_per_byte), ("replica-0", peer_s_per_byte)):
+        if rate is None:
+            continue
+        cx = AdmissionContext(block_bytes=BLOCK_BYTES, source=source, replica="replica-1")
+        for _ in range(25):
+            d = ctl.decide(PrefixMatch(8 * B + 1, B, 8, 0, (8,), ("pool",), "miss"), cx)
+            if d.loads:
+                ctl.record(LoadOutcome(d.load_id, "ok", d.load_blocks, transfer_s=d.load_bytes * rate))
+    return sim, sim.run(), c
+
+
+def test_a_run_the_pool_holds_on_a_path_too_slow_to_load_is_pulled_from_a_peer_that_holds_it():
+    """Issue #58: where the controller would compute some of what the pool holds (its node, measured, is slower than
+    recompute) and a peer holds the same run, it proposes the peer's copy too and takes the proposal that saves more GPU
+    seconds. With the node measured at 1 MB/s, r1 pulls the 8 blocks straight from replica 0 (no node crossed) instead
+    of recomputing them; with the node measured at its own speed, or not at all, the pool's copy wins and nothing is
+    pulled. Both measured at 25 MB/s, each proposal plans the same split (5 of the 8 blocks to compute): a tie, and
+    the pool's copy is kept."""
+    T = 8 * B + 1
+    _, slow, c = _taught_run(1e-6)
+    assert list(slow.routes) == [0, 1]
+    assert slow.loads == 1 and slow.bytes_direct == slow.bytes_read == 8 * BLOCK_BYTES, "r1's 8 blocks came from the peer"
+    assert slow.ttft_s[1] < cold_ttft(c, T) and slow.prefill_s[1] < slow.prefill_s[0] / 4
+    for taught in (None, 1 / c.node_bandwidth_bytes_per_s):
+        _, fast, _ = _taught_run(taught)
+        assert fast.loads == 1 and fast.bytes_read == 8 * BLOCK_BYTES and fast.bytes_direct == fast.bytes_pulled == 0, taught
+        assert fast.ttft_s[1] == pytest.approx(load_ttft(c, 8, T), rel=1e-6)
+    _, tie, _ = _taught_run(4e-8, 4e-8)
+    assert tie.loads == 1 and tie.bytes_read == 8 * BLOCK_BYTES and tie.bytes_direct == tie.bytes_pulled == 0, "read from the node"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 from ..admission import AdmissionContext
 from ..eviction.policies import TraceOracle
@@ -113,8 +114,17 @@ class RequestLifecycle:
         t0 = t + (self.c.lookup_s if ps.uses_pool else 0.0)
         k = 0
         s_ = 0
+        pool_blocks = pm.remote_blocks[0] if R else 0  # of the run, the leading blocks read from the pool
         if R:
-            k, s_ = self.planner.plan(req, rep, pm, R, functools.partial(self._load_ctx, rep, keys, L, R, t, holder, req.pull_direct))
+            from_peer = None
+            if self.pulls and req.peer_run and pm.remote_blocks[0]:  # the pool's copy on a slow path: a peer's may be faster
+                from_peer = functools.partial(self._peer_source, req, rep, keys, m, T, t)
+            k, s_, peer = self.planner.plan(req, rep, pm, R, functools.partial(self._load_ctx, rep, keys, L, R, t, holder, req.pull_direct),
+                                            from_peer)
+            if peer:  # the peer's copy, from its first block
+                _, holder, req.pull_direct = req.peer_match
+                pool_blocks = 0
+        req.peer_match = None
         if k < R:
             req.not_loaded = R - k
             req.not_loaded_reason = "declined"
@@ -132,7 +142,7 @@ class RequestLifecycle:
         req.load_start_s = t0
         # computing while loading, the whole range is requested from the back and cut where the GPU's
         # front meets it (s is only the controller's prediction of that point)
-        groups, vias = self._load_groups(rep, keys, L, k, pm.remote_blocks[0], holder)
+        groups, vias = self._load_groups(rep, keys, L, k, pool_blocks, holder)
         req.load_groups = groups
         req.load_vias = vias
         for (node, gk), via in zip(groups, vias):
@@ -174,12 +184,27 @@ class RequestLifecycle:
         if limit < self.c.transport_timeout_s:
             self.loop.push(t + limit, LOAD_TIMEOUT, req.xfer)
 
+    def _peer_source(self, req: _Req, rep: _Replica, keys: Any, m: int, T: int, t: float) -> tuple[Any, Any]:
+        """The request matched against its replica and the peers alone (no pool), and what its load rule would be told
+        of that run; kept on ``req.peer_match`` as (match, holder, direct) for the load to use if chosen."""
+        peers = _PeerIndex(self.fleet.replicas, rep, self.pool.writing, self.transfers.net.flow_count)
+        pm = match(keys[:m], T, rep.index, peers, block_size_tokens=self.B)
+        L, R = pm.local_blocks, pm.remote_total_blocks
+        holder = peers.holder if R else None
+        direct = False
+        if holder is not None:
+            chunk = self.c.placement_chunk_blocks
+            direct = self.transfers.pull_direct(rep, self.pool.place(keys[L - L % chunk], rep), holder, R * self.block_bytes)
+        req.peer_match = (pm, holder, direct)
+        return pm, functools.partial(self._load_ctx, rep, keys, L, R, t, holder, direct, True)
+
     def _load_ctx(self, rep: _Replica, keys: list[int], L: int, R: int, t: float, holder: _Replica | None = None,
-                  direct: bool = False) -> AdmissionContext:
+                  direct: bool = False, peer_only: bool = False) -> AdmissionContext:
         """What a load rule is told of a request's R remote blocks starting at ``keys[L]``: the replica, the node that
         holds them (or, for blocks only a peer holds, the node they would pass through), the path's flows, the replica's
-        queue and utilisation — the same for the admission controller and a rule of your own."""
-        src = self.pool.where.get(keys[L])
+        queue and utilisation — the same for the admission controller and a rule of your own. ``peer_only``: the run
+        is pulled from ``holder`` from its first block, whether the pool holds it too or not."""
+        src = None if peer_only else self.pool.where.get(keys[L])
         via = None
         if src is None:  # the run starts with blocks a peer holds: the node the pull passes through
             chunk = self.c.placement_chunk_blocks

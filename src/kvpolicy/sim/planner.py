@@ -78,12 +78,21 @@ class LoadPlanner:
     def all_controllers(self) -> tuple[AdmissionController, ...]:
         return tuple(ctl for ctl in (self.controller, *self.controllers.values()) if ctl is not None)
 
-    def plan(self, req: _Req, rep: _Replica, pm: Any, R: int, context: Callable[[], AdmissionContext]) -> tuple[int, int]:
-        """(blocks to load, of them the front to compute instead) for ``req``'s R remote blocks. ``context()`` builds
-        what a rule is told (asked only by the rules that read it). The controller's decision and its recompute
-        prediction are kept on ``req``."""
+    def plan(self, req: _Req, rep: _Replica, pm: Any, R: int, context: Callable[[], AdmissionContext],
+             from_peer: Callable[[], tuple[Any, Callable[[], AdmissionContext]]] | None = None) -> tuple[int, int, bool]:
+        """(blocks to load, of them the front to compute instead, whether they come from ``from_peer``'s source) for
+        ``req``'s R remote blocks. ``context()`` builds what a rule is told (asked only by the rules that read it). The
+        controller's decision and its recompute prediction are kept on ``req``.
+
+        ``from_peer()`` (the admission controller only): the same request matched against the peers alone — (its
+        match, its context) — for when the pool's copy is on a path too slow to load. Where the controller would compute
+        some of what the pool offers (a decline, a partial load, a split), it proposes the peer's copy too and admits
+        the proposal that saves more GPU seconds (``gpu_saved_s``; the pool's on a tie). Both are side-effect-free
+        proposals of the same controller, each on what its own path measures."""
         ps = self.ps
         load = ps.load
+        if load == "admission" and from_peer is not None:
+            return self._plan_two_sources(req, rep, pm, context, from_peer)
         k = s_ = 0
         if load == "always":
             k = R
@@ -107,7 +116,29 @@ class LoadPlanner:
             if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= R:
                 raise ConfigError("load", f"{load!r}.blocks_to_load answered {k!r} for {R} remote blocks: it must be an int in [0, {R}]")
             k = int(k)
-        return k, s_
+        return k, s_, False
+
+    def _plan_two_sources(self, req: _Req, rep: _Replica, pm: Any, context: Callable[[], AdmissionContext],
+                          from_peer: Callable[[], tuple[Any, Callable[[], AdmissionContext]]]) -> tuple[int, int, bool]:
+        ctl = self.ctl(rep)
+        assert ctl is not None
+        ctx = context()
+        d = ctl.propose(pm, ctx)
+        peer = False
+        if not d.loads or d.load_blocks - d.split_blocks < pm.remote_total_blocks:  # it computes some of what it found
+            pm2, context2 = from_peer()
+            if pm2.remote_total_blocks:
+                ctx2 = context2()
+                d2 = ctl.propose(pm2, ctx2)
+                if d2.loads and d2.terms["gpu_saved_s"] > (d.terms["gpu_saved_s"] if d.loads else 0.0):
+                    d, ctx, peer = d2, ctx2, True
+        if d.loads:
+            d = ctl.admit(d, ctx)
+        req.decision = d
+        k = d.load_blocks
+        if k:
+            req.predicted_s = d.t_recompute_p50_s
+        return k, d.split_blocks, peer
 
     @staticmethod
     def _oracle_k(R: int) -> int:

@@ -202,7 +202,8 @@ class _Req:
     __slots__ = ("i", "attempt", "first_arrival_s", "replica", "local", "found", "load", "load_id", "load_start_s", "load_groups",
                  "status", "reused", "not_loaded", "not_loaded_reason", "predicted_s", "load_s", "queue_enter_s", "prefill_s",
                  "pinned", "stall_s", "load_attempted", "decision", "xfer", "split", "cake", "slot_s", "meet_ver", "queued_tokens",
-                 "queued_pred_s", "job_end_s", "waiting", "rechecked", "load_vias", "peer_run", "pull_direct", "routed_tokens")
+                 "queued_pred_s", "job_end_s", "waiting", "rechecked", "load_vias", "peer_run", "pull_direct", "routed_tokens",
+                 "peer_match")
     replica: Any  # the _Replica serving it
     local: int  # leading blocks found in the local cache
     found: int  # remote blocks found after them
@@ -215,6 +216,8 @@ class _Req:
     #: this request's pull goes straight from the peer (``PolicySet.pull_path``: "direct", or "choose" picked it)
     pull_direct: bool
     peer_run: int  # after the local run, the leading blocks one peer held on arrival (what a pull could serve; 0 without pulls)
+    #: while its load is planned: the request matched against the peers alone (match, holder, direct), if proposed
+    peer_match: Any
     status: tuple[str, float, float]  # (load status, transfer seconds, stage seconds)
     reused: int  # blocks not prefilled (local + loaded)
     not_loaded: int
@@ -242,6 +245,7 @@ class _Req:
         self.load_groups = []
         self.load_vias = []
         self.peer_run = 0
+        self.peer_match = None
         self.pull_direct = False
         self.load_attempted = False
         self.stall_s = 0.0
