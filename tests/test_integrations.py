@@ -63,6 +63,16 @@ def test_batch_round_trip_has_the_engines_map_shape():
     assert decode_event(legacy) == ev
 
 
+@pytest.mark.parametrize("batch,rank", [([2.5, []], None), ([2.5, [], 3], 3), ([2.5, [], None], None), ([2.5, [], True], None),
+                                        ([2.5, [], "0"], None)])
+def test_a_batch_names_its_data_parallel_rank_only_when_its_third_field_is_one(batch, rank):
+    """vLLM's KVEventBatch is [ts, events] or [ts, events, data_parallel_rank]: a two-field batch (an engine without data
+    parallelism) decodes with no rank, as does a third field that is not an int (a bool is not a rank)."""
+    import msgpack
+
+    assert decode_batch(msgpack.packb(batch)) == (2.5, [], rank)
+
+
 @pytest.mark.parametrize("raw,field", [
     (["Nope"], "events[0].type"),
     ({"type": "Nope"}, "events[0].type"),
