@@ -29,7 +29,7 @@ from .pool import Pool
 from .replicas import Replicas
 from .tally import Tally
 from .transfers import Transfers
-from .world import MAX_RETRIES, Prepared, _Load, _Node, _PeerIndex, _Replica, _Req, release_leases
+from .world import MAX_RETRIES, PeerCopy, Prepared, _Load, _Node, _PeerIndex, _Replica, _Req, release_leases
 
 
 class RequestLifecycle:
@@ -107,10 +107,7 @@ class RequestLifecycle:
         req.decision = None
         req.pull_direct = False
         if holder is not None:  # how the peer's blocks would travel (PolicySet.pull_path), known before the load rule asks
-            chunk = self.c.placement_chunk_blocks
-            j0 = L + pm.remote_blocks[0]
-            req.pull_direct = self.transfers.pull_direct(rep, self.pool.place(keys[j0 - j0 % chunk], rep), holder,
-                                                         pm.remote_blocks[1] * self.block_bytes)
+            req.pull_direct = self._pull_direct(rep, keys, L + pm.remote_blocks[0], holder, pm.remote_blocks[1])
         t0 = t + (self.c.lookup_s if ps.uses_pool else 0.0)
         k = 0
         s_ = 0
@@ -118,13 +115,12 @@ class RequestLifecycle:
         if R:
             from_peer = None
             if self.pulls and req.peer_run and pm.remote_blocks[0]:  # the pool's copy on a slow path: a peer's may be faster
-                from_peer = functools.partial(self._peer_source, req, rep, keys, m, T, t)
+                from_peer = functools.partial(self._peer_source, rep, keys, m, T, t)
             k, s_, peer = self.planner.plan(req, rep, pm, R, functools.partial(self._load_ctx, rep, keys, L, R, t, holder, req.pull_direct),
                                             from_peer)
-            if peer:  # the peer's copy, from its first block
-                _, holder, req.pull_direct = req.peer_match
+            if peer is not None:  # the peer's copy, from its first block
+                holder, req.pull_direct = peer.holder, peer.direct
                 pool_blocks = 0
-        req.peer_match = None
         if k < R:
             req.not_loaded = R - k
             req.not_loaded_reason = "declined"
@@ -184,19 +180,21 @@ class RequestLifecycle:
         if limit < self.c.transport_timeout_s:
             self.loop.push(t + limit, LOAD_TIMEOUT, req.xfer)
 
-    def _peer_source(self, req: _Req, rep: _Replica, keys: Any, m: int, T: int, t: float) -> tuple[Any, Any]:
+    def _pull_direct(self, rep: _Replica, keys: Any, j0: int, holder: _Replica, n_blocks: int) -> bool:
+        """Whether ``n_blocks`` pulled from ``holder`` starting at ``keys[j0]`` go straight from the peer
+        (``PolicySet.pull_path``), judged against the node the first block's placement chunk passes through."""
+        chunk = self.c.placement_chunk_blocks
+        return self.transfers.pull_direct(rep, self.pool.place(keys[j0 - j0 % chunk], rep), holder, n_blocks * self.block_bytes)
+
+    def _peer_source(self, rep: _Replica, keys: Any, m: int, T: int, t: float) -> PeerCopy:
         """The request matched against its replica and the peers alone (no pool), and what its load rule would be told
-        of that run; kept on ``req.peer_match`` as (match, holder, direct) for the load to use if chosen."""
+        of that run."""
         peers = _PeerIndex(self.fleet.replicas, rep, self.pool.writing, self.transfers.net.flow_count)
         pm = match(keys[:m], T, rep.index, peers, block_size_tokens=self.B)
         L, R = pm.local_blocks, pm.remote_total_blocks
         holder = peers.holder if R else None
-        direct = False
-        if holder is not None:
-            chunk = self.c.placement_chunk_blocks
-            direct = self.transfers.pull_direct(rep, self.pool.place(keys[L - L % chunk], rep), holder, R * self.block_bytes)
-        req.peer_match = (pm, holder, direct)
-        return pm, functools.partial(self._load_ctx, rep, keys, L, R, t, holder, direct, True)
+        direct = self._pull_direct(rep, keys, L, holder, R) if holder is not None else False
+        return PeerCopy(pm, holder, direct, functools.partial(self._load_ctx, rep, keys, L, R, t, holder, direct, True))
 
     def _load_ctx(self, rep: _Replica, keys: list[int], L: int, R: int, t: float, holder: _Replica | None = None,
                   direct: bool = False, peer_only: bool = False) -> AdmissionContext:

@@ -25,7 +25,7 @@ from .config import ClusterConfig
 from .events import _Clock
 from .policysets import PolicySet, load_own_rule
 from .tally import Tally
-from .world import _Load, _Replica, _Req
+from .world import PeerCopy, _Load, _Replica, _Req
 
 
 class LoadPlanner:
@@ -79,13 +79,13 @@ class LoadPlanner:
         return tuple(ctl for ctl in (self.controller, *self.controllers.values()) if ctl is not None)
 
     def plan(self, req: _Req, rep: _Replica, pm: Any, R: int, context: Callable[[], AdmissionContext],
-             from_peer: Callable[[], tuple[Any, Callable[[], AdmissionContext]]] | None = None) -> tuple[int, int, bool]:
-        """(blocks to load, of them the front to compute instead, whether they come from ``from_peer``'s source) for
+             from_peer: Callable[[], PeerCopy] | None = None) -> tuple[int, int, PeerCopy | None]:
+        """(blocks to load, of them the front to compute instead, the peer's copy they come from or None) for
         ``req``'s R remote blocks. ``context()`` builds what a rule is told (asked only by the rules that read it). The
         controller's decision and its recompute prediction are kept on ``req``.
 
-        ``from_peer()`` (the admission controller only): the same request matched against the peers alone — (its
-        match, its context) — for when the pool's copy is on a path too slow to load. Where the controller would compute
+        ``from_peer()`` (the admission controller only): the same request matched against the peers alone — a
+        :class:`~kvpolicy.sim.world.PeerCopy` — for when the pool's copy is on a path too slow to load. Where the controller would compute
         some of what the pool offers (a decline, a partial load, a split), it proposes the peer's copy too and admits
         the proposal that saves more GPU seconds (``gpu_saved_s``; the pool's on a tie). Both are side-effect-free
         proposals of the same controller, each on what its own path measures."""
@@ -116,22 +116,22 @@ class LoadPlanner:
             if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= R:
                 raise ConfigError("load", f"{load!r}.blocks_to_load answered {k!r} for {R} remote blocks: it must be an int in [0, {R}]")
             k = int(k)
-        return k, s_, False
+        return k, s_, None
 
     def _plan_two_sources(self, req: _Req, rep: _Replica, pm: Any, context: Callable[[], AdmissionContext],
-                          from_peer: Callable[[], tuple[Any, Callable[[], AdmissionContext]]]) -> tuple[int, int, bool]:
+                          from_peer: Callable[[], PeerCopy]) -> tuple[int, int, PeerCopy | None]:
         ctl = self.ctl(rep)
         assert ctl is not None
         ctx = context()
         d = ctl.propose(pm, ctx)
-        peer = False
+        peer = None
         if not d.loads or d.load_blocks - d.split_blocks < pm.remote_total_blocks:  # it computes some of what it found
-            pm2, context2 = from_peer()
-            if pm2.remote_total_blocks:
-                ctx2 = context2()
-                d2 = ctl.propose(pm2, ctx2)
+            copy = from_peer()
+            if copy.match.remote_total_blocks:
+                ctx2 = copy.context()
+                d2 = ctl.propose(copy.match, ctx2)
                 if d2.loads and d2.terms["gpu_saved_s"] > (d.terms["gpu_saved_s"] if d.loads else 0.0):
-                    d, ctx, peer = d2, ctx2, True
+                    d, ctx, peer = d2, ctx2, copy
         if d.loads:
             d = ctl.admit(d, ctx)
         req.decision = d

@@ -196,14 +196,24 @@ def apply_spike(trace: Any, spike: Spike) -> Any:
     return attrs.evolve(trace, arrival_s=t)
 
 
+@attrs.frozen
+class PeerCopy:
+    """A request's run as the peers alone hold it (no pool): the load planner's second source, proposed when the
+    pool's copy is on a path too slow to load whole."""
+
+    match: Any  # the PrefixMatch against the replica and the peers
+    holder: Any  # the _Replica whose cache holds the run (None: no peer holds it)
+    direct: bool  # the pull would go straight from the holder (PolicySet.pull_path)
+    context: Any  # () -> the AdmissionContext a load rule is told of this run
+
+
 class _Req:
     """One request's state through its life in the simulator."""
 
     __slots__ = ("i", "attempt", "first_arrival_s", "replica", "local", "found", "load", "load_id", "load_start_s", "load_groups",
                  "status", "reused", "not_loaded", "not_loaded_reason", "predicted_s", "load_s", "queue_enter_s", "prefill_s",
                  "pinned", "stall_s", "load_attempted", "decision", "xfer", "split", "cake", "slot_s", "meet_ver", "queued_tokens",
-                 "queued_pred_s", "job_end_s", "waiting", "rechecked", "load_vias", "peer_run", "pull_direct", "routed_tokens",
-                 "peer_match")
+                 "queued_pred_s", "job_end_s", "waiting", "rechecked", "load_vias", "peer_run", "pull_direct", "routed_tokens")
     replica: Any  # the _Replica serving it
     local: int  # leading blocks found in the local cache
     found: int  # remote blocks found after them
@@ -216,8 +226,6 @@ class _Req:
     #: this request's pull goes straight from the peer (``PolicySet.pull_path``: "direct", or "choose" picked it)
     pull_direct: bool
     peer_run: int  # after the local run, the leading blocks one peer held on arrival (what a pull could serve; 0 without pulls)
-    #: while its load is planned: the request matched against the peers alone (match, holder, direct), if proposed
-    peer_match: Any
     status: tuple[str, float, float]  # (load status, transfer seconds, stage seconds)
     reused: int  # blocks not prefilled (local + loaded)
     not_loaded: int
@@ -245,7 +253,6 @@ class _Req:
         self.load_groups = []
         self.load_vias = []
         self.peer_run = 0
-        self.peer_match = None
         self.pull_direct = False
         self.load_attempted = False
         self.stall_s = 0.0
