@@ -1259,3 +1259,22 @@ def test_a_run_the_pool_holds_on_a_path_too_slow_to_load_is_pulled_from_a_peer_t
         assert fast.ttft_s[1] == pytest.approx(load_ttft(c, 8, T), rel=1e-6)
     _, tie, _ = _taught_run(4e-8, 4e-8)
     assert tie.loads == 1 and tie.bytes_read == 8 * BLOCK_BYTES and tie.bytes_direct == tie.bytes_pulled == 0, "read from the node"
+
+
+def test_a_block_whose_write_is_in_flight_is_not_written_again():
+    """r0 computes [1, 2, 3, 4] on replica 0 and publishes them (``all``) into a node crawling at 5e-5 × its bandwidth
+    (1 MiB takes 4.2 s). r1, on replica 1, computes the same blocks (the pool holds nothing yet) and finishes while r0's
+    write still moves: its publish skips the four, so the node's ingress carries them once. Every figure the run reports
+    would be the same with a second write (the pool counts only blocks that land new), so the test reads the link."""
+    T = 4 * B + 1
+    tr = tiny([[1, 2, 3, 4]] * 2, [0.0, 0.5])
+    c = cluster(tr)
+    slow = (Degrade(node=0, t1_s=0.0, t2_s=150.0, bandwidth_factor=5e-5, failure_rate=0.0),)
+    sim = Simulator(Prepared(tr), c, policy_set("lmcache-like"), events=slow)
+    res = sim.run()
+    assert list(res.routes) == [0, 1] and res.loads == 0
+    assert res.ttft_s[1] == pytest.approx(cold_ttft(c, T), rel=1e-9), "computed: the pool held nothing yet"
+    assert res.ttft_s[1] + 0.5 < 4.0, "r1's publish comes while r0's write still moves"
+    assert res.bytes_written == 4 * BLOCK_BYTES
+    (node,) = sim.pool.nodes
+    assert node.inn.bytes_carried == pytest.approx(4 * BLOCK_BYTES), "the blocks crossed the node's ingress once"
