@@ -1278,3 +1278,47 @@ def test_a_block_whose_write_is_in_flight_is_not_written_again():
     assert res.bytes_written == 4 * BLOCK_BYTES
     (node,) = sim.pool.nodes
     assert node.inn.bytes_carried == pytest.approx(4 * BLOCK_BYTES), "the blocks crossed the node's ingress once"
+
+
+def test_the_choose_rule_is_asked_about_a_peer_runs_own_path_node_holder_and_bytes():
+    """How a peer's run would travel (``pull_path="choose"``) is judged on that run's path: the node its first block's
+    placement chunk passes through — placed as the asking replica's writes are, skipping a node whose breaker is open in
+    that replica's own controller —, the peer that holds it, and the run's bytes; the answer is the one the load uses.
+    Replica 0 computes [1..8], replica 1 [1..5]; then replica 1's request for [1..8] is matched against the peers alone:
+    5 blocks local, 3 held by replica 0, from block 5 (placement chunks of 2: the chunk starts at block 4, placed on
+    node 0; blocks 3 and 6, which a miscounted chunk start would name, are placed elsewhere)."""
+    tr = tiny([list(range(1, 9)), [1, 2, 3, 4, 5]], [0.0, 10.0])
+    c = cluster(tr, storage_nodes=3, placement_chunk_blocks=2)
+    kv = attrs.evolve(policy_set("kvpolicy"), name="kvpolicy/never", publish="never", pull_path="choose", controller_scope="replica")
+    sim = Simulator(Prepared(tr), c, kv)
+    res = sim.run()
+    assert list(res.routes) == [0, 1]
+    rep0, rep1 = sim.fleet.replicas
+    keys = sim.p.keys[0]
+    node0 = sim.pool.nodes[0]
+    assert sim.pool.place(keys[4]) is node0 and node0 not in (sim.pool.place(keys[3]), sim.pool.place(keys[6]))
+    asked = []
+
+    def spy(rep, node, holder, nbytes):
+        asked.append((rep, node, holder, nbytes))
+        return len(asked) == 1
+
+    sim.transfers.pull_direct = spy
+
+    def ask():
+        return sim.lifecycle._peer_source(rep1, keys, 8, 8 * B + 1, sim.loop.clock.t)
+
+    copy = ask()
+    assert copy.match.local_blocks == 5 and copy.match.remote_total_blocks == 3 and copy.holder is rep0
+    assert asked == [(rep1, node0, rep0, 3 * BLOCK_BYTES)]
+    assert copy.direct is True, "the path the rule chose is the one the pull takes"
+    ctl1 = sim.planner.ctl(rep1)
+    assert ctl1 is not sim.planner.ctl(rep0)
+    breaker = ctl1.breaker(node0.name)
+    while breaker.state != "open":  # node 0 unhealthy as replica 1 sees it (replica 0's controller still trusts it)
+        breaker.record_failure()
+    elsewhere = sim.pool.place(keys[4], rep1)
+    assert elsewhere is not node0 and sim.pool.place(keys[4]) is node0
+    copy = ask()
+    assert asked[1] == (rep1, elsewhere, rep0, 3 * BLOCK_BYTES)
+    assert copy.direct is False
