@@ -2298,6 +2298,11 @@ def test_the_loadable_connector_reports_its_decisions_and_the_inner_stats_to_vll
     assert slow_conn.get_num_new_matched_tokens(r2, 0) == (0, False)
     slow_conn.update_state_after_alloc(r2, FakeBlocks(range(10)), 0)
 
+    r3 = FakeRequest("r3", list(range(64 * B + 3)))
+    assert conn.get_num_new_matched_tokens(r3, 8 * B)[0] > 0
+    with pytest.raises(ConfigError, match="num_external_tokens"):  # refused before anything is counted or sent
+        conn.update_state_after_alloc(r3, FakeBlocks(range(2000, 2100)), 16.0 * B)
+
     stats = conn.get_kv_connector_stats()
     assert isinstance(stats, KVPolicyStats)
     assert (stats.data["requests"], stats.data["offered_tokens"], stats.data["loaded_tokens"]) == (1, 48 * B, 16 * B)

@@ -195,6 +195,8 @@ class VllmConnectorPolicy:
         step's forward pass (vLLM's ``load_kv_async`` False, as LMCache's connector loads); vLLM reports no
         ``finished_recving`` for it, so its slot is released two steps on, once that forward has run (see
         :meth:`build_connector_meta`). An async load is released by its ``finished_recving``."""
+        if isinstance(num_external_tokens, bool) or not isinstance(num_external_tokens, numbers.Integral):
+            raise ConfigError("num_external_tokens", f"must be an int (the tokens vLLM allocated for the load), got {num_external_tokens!r}")
         if sync is None:
             sync = not self.load_async
         rid = str(request.request_id)
