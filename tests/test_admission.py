@@ -550,6 +550,7 @@ def test_a_late_plain_load_is_waited_for_only_while_it_still_beats_recompute(bw,
         return
     t = d.terms
     lim = c.wait_limit_s(d)
+    assert t["ttft_slo_s"] == 0, "no target yet: nothing observed"
     assert t["t_plan_s"] <= lim <= max(t["t_plan_s"], t["t_recompute_only_s"])
     if price == 0 or d.split_blocks > 0:
         assert lim == t["t_plan_s"]
@@ -581,6 +582,32 @@ def test_the_wait_limit_is_the_recompute_deadline_exactly_when_the_gpu_seconds_a
     assert inf.wait_limit_s(attrs.evolve(d, split_blocks=1)) == plan, "a split computes from the start"
     assert inf.wait_limit_s(attrs.evolve(d, terms={**t, "gpu_saved_s": 0.0})) == plan, "nothing to save: no wait"
     assert inf.keep_waiting(d, plan, 0.0), "the bytes are all here"
+
+
+@pytest.mark.parametrize("slack_over_deadline", [0.5, 2.0])
+def test_a_late_plain_load_within_the_p95_target_is_waited_for_past_the_recompute_deadline(slack_over_deadline):
+    """The p95 target a load may be admitted within (``within_slo``) is latency the wait may spend too: bytes δ late add
+    at most δ to the TTFT, so the limit is the later of the recompute deadline and t_plan + (ttft_slo − ttft_p95).
+    Where the target's slack is past the recompute deadline it decides; where it is short of it the deadline does; at
+    a price of 0 (GPU seconds worth nothing) there is still no wait, and a split still computes from the start."""
+    d0 = controller(bw=25e9, compute_while_loading=True).decide(pm(0, 64), ctx)
+    t0 = d0.terms
+    assert d0.loads and d0.split_blocks == 0 and t0["ttft_slo_s"] == 0
+    plan, bound, ttft = t0["t_plan_s"], t0["t_recompute_only_s"], t0["ttft_p95_s"]
+    assert bound > plan > 0 and ttft > plan
+    slo = ttft + slack_over_deadline * (bound - plan)  # the slack past the prediction: this share of the deadline's
+    c = controller(bw=25e9, compute_while_loading=True, ttft_slo_s=slo)
+    d = c.decide(pm(0, 64), ctx)
+    t = d.terms
+    assert d.loads and d.split_blocks == 0 and t["ttft_slo_s"] == slo
+    assert (t["t_plan_s"], t["t_recompute_only_s"], t["ttft_p95_s"]) == (plan, bound, ttft)
+    want = max(bound, plan + slo - ttft)
+    assert c.wait_limit_s(d) == pytest.approx(want, rel=1e-12)
+    assert (c.wait_limit_s(d) > bound * (1 + 1e-9)) == (slack_over_deadline > 1)
+    assert c.keep_waiting(d, want * 0.99, 0.0) and not c.keep_waiting(d, want * 1.01, 0.0)
+    zero = controller(bw=25e9, compute_while_loading=True, ttft_slo_s=slo, gpu_s_price=0.0)
+    assert zero.wait_limit_s(d) == plan
+    assert c.wait_limit_s(attrs.evolve(d, split_blocks=1)) == plan
 
 
 def test_keep_waiting_refuses_bad_input_by_name():

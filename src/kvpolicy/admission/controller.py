@@ -636,8 +636,12 @@ class AdmissionController:
         late load turns into a split at once). Otherwise the longest wait that still pays: while the load is ready
         before recompute would have produced the range (``t_recompute_only_s``), waiting saves the range's GPU seconds
         (``gpu_saved_s``) — taken when they are worth, at ``gpu_s_price``, the TTFT the wait may add past the
-        prediction (``gpu_s_price × gpu_saved_s ≥ t_recompute_only_s − t_plan_s``). Never below ``t_plan_s``; a split
-        (it computes from the start) gets ``t_plan_s``."""
+        prediction (``gpu_s_price × gpu_saved_s ≥ t_recompute_only_s − t_plan_s``). And while the request's TTFT stays
+        within the p95 target the decision was held to (``ttft_slo_s``): bytes that arrive δ late add at most δ to it, so
+        the wait may run past the prediction by the plan's slack to the target, ``t_plan_s + ttft_slo_s − ttft_p95_s``
+        — the same latency a load ``within_slo`` is admitted on, spent to save the range's GPU seconds on the same terms
+        (at ``gpu_s_price``). The limit is the later of the two. Never below ``t_plan_s``; a split (it computes from the
+        start) gets ``t_plan_s``."""
         if not isinstance(decision, Decision) or not decision.loads or not decision.terms:
             raise ConfigError("decision", "must be a load decision from this controller")
         t = decision.terms
@@ -646,6 +650,9 @@ class AdmissionController:
             return plan  # a split computes from the start: nothing to wait for
         bound = float(t["t_recompute_only_s"])
         saved = float(t["gpu_saved_s"])
+        slo = float(t.get("ttft_slo_s") or 0.0)
+        if slo > 0:  # the p95 target's slack: what this request may still spend without touching the target
+            bound = max(bound, plan + slo - float(t["ttft_p95_s"]))
         if bound <= plan or saved <= 0 or self.config.gpu_s_price * saved < bound - plan:
             return plan
         return bound
