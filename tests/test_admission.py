@@ -608,6 +608,15 @@ def test_a_late_plain_load_within_the_p95_target_is_waited_for_past_the_recomput
     zero = controller(bw=25e9, compute_while_loading=True, ttft_slo_s=slo, gpu_s_price=0.0)
     assert zero.wait_limit_s(d) == plan
     assert c.wait_limit_s(attrs.evolve(d, split_blocks=1)) == plan
+    # a load admitted within_slo on a slow link is already past the recompute deadline: only the target's slack
+    # lets it wait, and it does
+    slow = controller(bw=1e9, compute_while_loading=True, ttft_slo_s=10.0).decide(pm(0, 64), ctx)
+    ts = slow.terms
+    assert slow.reason == "within_slo" and slow.split_blocks == 0 and ts["t_recompute_only_s"] < ts["t_plan_s"]
+    c_slow = controller(bw=1e9, compute_while_loading=True, ttft_slo_s=ts["ttft_p95_s"] + 0.5)
+    late = c_slow.decide(pm(0, 64), ctx)
+    assert late.reason == "within_slo" and late.terms["t_plan_s"] == ts["t_plan_s"]
+    assert c_slow.wait_limit_s(late) == pytest.approx(ts["t_plan_s"] + 0.5, rel=1e-12)
 
 
 def test_keep_waiting_refuses_bad_input_by_name():
