@@ -1082,6 +1082,20 @@ def test_with_no_evidence_the_budget_rule_decides_not_the_first_candidate_listed
     assert _duel(("structure-aware", "threshold-2"), cap=100).leader_name == "structure-aware"
 
 
+def test_a_candidate_that_wrote_exactly_the_budget_rules_blocks_is_within_the_budget():
+    """The write budget is "no more blocks than the budget rule's": a candidate whose ghost wrote exactly as many
+    (decayed) blocks as count-2's, and earned more, leads; one that wrote a block more does not, however much it earned.
+    The bound allows float noise of a part in a billion, not a relative slack below the budget's own writes."""
+    f = _duel(("threshold-3", "threshold-2"), cap=100, write_budget_rule="threshold-2")
+    f.written_decayed[:] = [1000.0, 1000.0]
+    f.scores[:] = [1.0, 0.5]
+    assert f.leader_name == "threshold-3"
+    f.written_decayed[0] = 1000.0 * (1 + 1e-10)  # the same writes, summed in another order
+    assert f.leader_name == "threshold-3"
+    f.written_decayed[0] = 1001.0
+    assert f.leader_name == "threshold-2"
+
+
 def test_the_gate_where_pins_leave_no_victims_to_name_admits_the_run_and_lets_the_tier_refuse():
     """Issue #60: a full tier whose blocks are pinned cannot name victims for the run (peek_victims is None): the gate
     admits the whole run — counted as admitted, nothing refused — and leaves it to the tier, which then has no room

@@ -683,13 +683,14 @@ def test_dedup_counts_each_request_block_pair_once():
 
 
 def test_write_budget_refills_at_its_rate():
-    """Emptied at t=0, a 10 B/s bucket of 5-byte blocks holds two blocks' worth 1 s later, and never more than its burst."""
+    """Emptied at t=5 s, a 10 B/s bucket of 5-byte blocks holds two blocks' worth 1 s later — the time since it was
+    last asked, not the clock's reading — and never more than its burst."""
     wb = WriteBudget(PublishAll(), bytes_per_s=10.0, burst_bytes=20.0, block_bytes=5)
-    assert wb.publishable(req(0, 8, t=0.0), list(range(8))) == 4, "the burst: 20 bytes"
+    assert wb.publishable(req(0, 8, t=5.0), list(range(8))) == 4, "the burst: 20 bytes"
     assert wb.shed_blocks == 4, "the blocks the rule allowed and the budget refused"
-    assert wb.publishable(req(1, 8, t=1.0), list(range(8))) == 2, "10 bytes refilled in a second"
+    assert wb.publishable(req(1, 8, t=6.0), list(range(8))) == 2, "10 bytes refilled in a second"
     assert wb.shed_blocks == 4 + 6
-    assert wb.publishable(req(2, 8, t=100.0), list(range(8))) == 4, "never past the burst"
+    assert wb.publishable(req(2, 8, t=105.0), list(range(8))) == 4, "never past the burst"
     assert wb.shed_blocks == 4 + 6 + 4
 
 
