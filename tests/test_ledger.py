@@ -243,6 +243,21 @@ def test_byte_flows_and_peak_window():
     assert f["write"]["bytes"] == 1000 and f["replica"]["bytes"] == 500 and f["read"]["bytes"] == 2 * B * 10
     assert f["total"]["bytes"] == 1000 + 500 + 320
     assert f["total"]["peak_window_bytes_per_s"] == pytest.approx(1500 / 100)
+    text = led.to_prometheus()  # a scraper sees each flow under its own label
+    for flow, nbytes in (("read", 320), ("write", 1000), ("replica", 500), ("total", 1820)):
+        assert f'\nkvpolicy_flow_bytes_total{{flow="{flow}"}} {nbytes}.0\n' in text
+    assert '\nkvpolicy_flow_peak_window_bytes_per_second{flow="total"} 15.0\n' in text
+
+
+@pytest.mark.parametrize("name", ["ttft_s", "prefill_s", "load_s", "queue_s", "predicted_recompute_s", "stall_s"])
+def test_every_time_a_record_carries_is_checked_whatever_comes_before_it(name):
+    """Each time field is refused by name when it is not a finite number of seconds >= 0 — the last ones too, after
+    fields that are fine (a check that stopped at the first good field let a NaN queue time into the distributions)."""
+    fine = dict(ttft_s=0.05, prefill_s=0.04, load_s=0.01, queue_s=0.0, predicted_recompute_s=0.03, stall_s=0.0)
+    RequestRecord(prompt_tokens=3 * B, block_size_tokens=B, local_blocks=1, **fine)
+    for bad in (float("nan"), -1.0, math.inf):
+        with pytest.raises(ConfigError, match=name):
+            RequestRecord(prompt_tokens=3 * B, block_size_tokens=B, local_blocks=1, **{**fine, name: bad})
 
 
 _LINE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="[^"]*")(,[a-zA-Z_][a-zA-Z0-9_]*="[^"]*")*\})? (-?[0-9.e+-]+|[+-]Inf|NaN)$')
