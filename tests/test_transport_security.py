@@ -116,6 +116,9 @@ def test_a_client_without_the_secret_learns_nothing_and_gets_nothing(victim):
     with pytest.raises(AuthError):
         intruder.fetch(keys[:2], 2.0)
     assert intruder.stats["auth_failed"] == 2
+    # nor can it write: a put stores nothing, and the refused handshake is counted as the reads' are
+    assert intruder.put(keys[:2], [b"\x00" * BB] * 2, 2.0) == 0
+    assert intruder.stats["auth_failed"] == 3
     # the pre-authentication protocol of the old transport: a bare JSON request is never answered — the server says
     # nothing at all (not even its nonce) before the client's hello shows the secret
     s = raw(victim.server.address)
@@ -130,12 +133,14 @@ def test_a_client_without_the_secret_learns_nothing_and_gets_nothing(victim):
         pass
     assert said == b"", "not even a nonce before the client's hello shows the secret"
     s.close()
-    wait_until(lambda: victim.server.stats["auth_failed"] >= 3)
-    assert victim.server.stats["auth_failed"] == 3
+    wait_until(lambda: victim.server.stats["auth_failed"] >= 4)
+    assert victim.server.stats["auth_failed"] == 4  # the match's handshake, the fetch's, the put's, and the bare request
     # the deployment's own client still gets everything
     friend = PeerClient(victim.server.address, victim.namespace.digest, secret=SECRET, block_bytes=BB)
     assert friend.match_prefix(keys) == 12
-    assert len(friend.fetch(keys, 5.0).payloads) == 12
+    got = friend.fetch(keys, 5.0)
+    assert len(got.payloads) == 12 and got.nbytes == 12 * BB == sum(map(len, got.payloads)), "it reports the bytes it moved"
+    assert got.transfer_s >= 0 and got.stage_s >= 0
     friend.close()
 
 
