@@ -619,6 +619,24 @@ def test_a_late_plain_load_within_the_p95_target_is_waited_for_past_the_recomput
     assert c_slow.wait_limit_s(late) == pytest.approx(ts["t_plan_s"] + 0.5, rel=1e-12)
 
 
+def test_the_interference_a_load_costs_is_learned_over_the_models_window_as_every_term_is():
+    """The stall per byte a load steals from the decodes is a windowed term like the others: 40 loads measured at 1 µs a
+    byte, then, once the window has passed, 25 at 4 µs — the model prices the recent 4 µs. Without a window (or with
+    the old observations kept) the median would still be the 1 µs of the first 40."""
+    clock = ManualClock()
+    model = LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), PREFILL, window_s=60.0, clock=clock)
+    for _ in range(40):
+        model.observe_interference(1e6, 1.0)
+    clock.advance(120.0)
+    for _ in range(25):
+        model.observe_interference(1e6, 4.0)
+    assert model.t_interference(1e6, 0) == pytest.approx(4.0, rel=0.02)
+    forever = LatencyModel(LinkPrior(bandwidth_bytes_per_s=25e9), PREFILL, window_s=None, clock=clock)
+    for rate in [1.0] * 40 + [4.0] * 25:
+        forever.observe_interference(1e6, rate)
+    assert forever.t_interference(1e6, 0) == pytest.approx(1.0, rel=0.02)
+
+
 def test_keep_waiting_refuses_bad_input_by_name():
     c = controller(bw=25e9, compute_while_loading=True)
     d = c.decide(pm(0, 64), ctx)
